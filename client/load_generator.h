@@ -1,0 +1,106 @@
+// The epserve-load engine: drives ModelInfer load at a server, closed loop (N workers,
+// one request in flight each) or open loop (requests at a fixed or Poisson rate), and
+// measures it.
+//
+// Measurement rules, the same for every step:
+//  * A step first runs `warmup`, whose requests are sent but not counted. The measured
+//    window opens at start + warmup.
+//  * A request is measured if it is sent inside the window: in duration mode, before
+//    start + warmup + duration; in request-count mode, among the first `num_requests`
+//    sent after the window opened. Every measured request is waited for (each is bounded
+//    by its deadline) and counted exactly once: OK, an error by gRPC code, or
+//    "bad_response" (see CheckInferResponse). Open loop also counts "CLIENT_BACKLOG": a
+//    request not sent because max_outstanding requests were already in flight.
+//  * Closed-loop latency runs from the moment a request is handed to gRPC to the moment
+//    its completion is dequeued. Open-loop latency runs from the request's *intended* send
+//    time on the arrival schedule, so a slow server or a late client shows up as latency
+//    instead of silently lowering the offered rate (no coordinated omission).
+//  * duration_s runs from the window's start to the later of its nominal end (duration
+//    mode) and the last measured completion; requests_per_s and tokens_per_s count
+//    successful requests over it.
+//
+// Threads: `num_threads` completion-queue threads each own a WorkerStats for the whole
+// step (no lock shared by requests); in open loop one more thread paces the sends.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/channel.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "client/infer_request.h"
+#include "client/load_stats.h"
+#include "grpc_service.grpc.pb.h"
+
+namespace epserve::client {
+
+// Inter-arrival times of the open loop.
+enum class Arrival {
+  kConstant,  // exactly 1/rate apart
+  kPoisson,   // exponentially distributed with mean 1/rate
+};
+absl::string_view ArrivalName(Arrival arrival);
+absl::StatusOr<Arrival> ParseArrival(absl::string_view text);
+
+// Settings shared by every step of a run.
+struct LoadOptions {
+  RequestTemplate request;                      // hidden_size must already be known (> 0)
+  TokenRange tokens;                            // token rows per request
+  absl::Duration duration = absl::Seconds(10);  // measured window, when num_requests == 0
+  int64_t num_requests = 0;                     // > 0: measure this many requests instead
+  absl::Duration warmup = absl::Seconds(1);     // unmeasured lead-in of every step
+  absl::Duration timeout = absl::Seconds(10);   // deadline of each request
+  uint64_t seed = 1;                            // seeds every thread's payload generator
+  int num_threads = 2;                          // completion-queue threads, 1..1023
+  int64_t max_outstanding = 4096;               // open loop: cap on requests in flight
+};
+
+// One step of a run.
+struct StepSpec {
+  LoadMode mode = LoadMode::kClosedLoop;
+  int concurrency = 1;                 // closed loop: workers, >= 1
+  double rate_per_s = 0;               // open loop: requests per second, > 0
+  Arrival arrival = Arrival::kConstant;
+};
+
+// Channels to `target`, each on its own TCP connection, without message size limits
+// (a response of T x H floats easily exceeds gRPC's 4 MiB default).
+std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const std::string& target,
+                                                         int num_connections);
+
+// OK once every channel is READY. UNAVAILABLE naming `target` and the channel state when
+// one is not READY within `timeout`.
+absl::Status WaitForChannels(const std::vector<std::shared_ptr<grpc::Channel>>& channels,
+                             absl::string_view target, absl::Duration timeout);
+
+// H of `model`, from ModelMetadata: the input "hidden_states" must be FP32 with shape
+// [-1, H], H > 0. The RPC's status (with the model named) if the call fails,
+// FAILED_PRECONDITION if the metadata does not have that form.
+absl::StatusOr<int64_t> QueryHiddenSize(const std::shared_ptr<grpc::Channel>& channel,
+                                        const std::string& model, absl::Duration timeout);
+
+// Runs load steps over a fixed set of channels. Not thread-safe: one step at a time.
+class LoadGenerator {
+ public:
+  LoadGenerator(std::vector<std::shared_ptr<grpc::Channel>> channels, LoadOptions options);
+
+  // Checks `step` and the options against each other; INVALID_ARGUMENT naming the field.
+  absl::Status Validate(const StepSpec& step) const;
+
+  // Runs `step` (warmup, then the measured window), waits for every request it sent and
+  // reports the measured ones. Blocks for about warmup + duration (+ the slowest request).
+  // `step_index` only makes request ids unique across steps. Precondition: Validate(step).
+  StepReport RunStep(const StepSpec& step, int step_index);
+
+ private:
+  std::vector<std::unique_ptr<inference::GRPCInferenceService::Stub>> stubs_;
+  LoadOptions options_;
+};
+
+}  // namespace epserve::client

@@ -1,0 +1,101 @@
+#include "common/flags.h"
+
+#include "absl/strings/string_view.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace epserve::common {
+
+void FlagSet::AddFlag(std::string name, std::string help, std::string default_text, bool is_bool,
+                      std::function<bool(absl::string_view)> set) {
+  flags_.push_back({std::move(name), std::move(help), std::move(default_text), is_bool, std::move(set)});
+}
+
+void FlagSet::Add(std::string name, std::string* value, std::string help) {
+  AddFlag(std::move(name), std::move(help), absl::StrCat("\"", *value, "\""), false,
+          [value](absl::string_view v) { *value = std::string(v); return true; });
+}
+
+void FlagSet::Add(std::string name, int64_t* value, std::string help) {
+  AddFlag(std::move(name), std::move(help), absl::StrCat(*value), false,
+          [value](absl::string_view v) { return absl::SimpleAtoi(v, value); });
+}
+
+void FlagSet::Add(std::string name, int* value, std::string help) {
+  AddFlag(std::move(name), std::move(help), absl::StrCat(*value), false,
+          [value](absl::string_view v) { return absl::SimpleAtoi(v, value); });
+}
+
+void FlagSet::Add(std::string name, double* value, std::string help) {
+  AddFlag(std::move(name), std::move(help), absl::StrCat(*value), false,
+          [value](absl::string_view v) { return absl::SimpleAtod(v, value); });
+}
+
+void FlagSet::Add(std::string name, bool* value, std::string help) {
+  AddFlag(std::move(name), std::move(help), *value ? "true" : "false", true,
+          [value](absl::string_view v) { return absl::SimpleAtob(v, value); });
+}
+
+void FlagSet::Add(std::string name, absl::Duration* value, std::string help) {
+  AddFlag(std::move(name), std::move(help), absl::FormatDuration(*value), false,
+          [value](absl::string_view v) { return absl::ParseDuration(v, value); });
+}
+
+absl::Status FlagSet::Parse(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      help_requested_ = true;
+      return absl::OkStatus();
+    }
+    if (!absl::StartsWith(arg, "--")) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'; see --help"));
+    }
+    arg.remove_prefix(2);
+    absl::string_view name = arg;
+    absl::string_view value;
+    bool has_value = false;
+    if (size_t eq = arg.find('='); eq != absl::string_view::npos) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      has_value = true;
+    }
+    bool negated = false;
+    const Flag* flag = nullptr;
+    for (const Flag& f : flags_) {
+      if (f.name == name) flag = &f;
+      if (f.is_bool && !has_value && absl::StrCat("no-", f.name) == name) {
+        flag = &f;
+        negated = true;
+      }
+    }
+    if (flag == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, "; see --help"));
+    }
+    if (!has_value) {
+      if (flag->is_bool) {
+        value = negated ? "false" : "true";
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
+      }
+    }
+    if (!flag->set(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad value '", value, "' for --", flag->name, " (default ", flag->default_text, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string FlagSet::Usage() const {
+  std::string out = absl::StrCat("Usage: ", program_, " [flags]\n", summary_, "\n\nFlags:\n");
+  for (const Flag& f : flags_) {
+    absl::StrAppend(&out, "  --", f.name, "  (default: ", f.default_text, ")\n      ", f.help, "\n");
+  }
+  return out;
+}
+
+}  // namespace epserve::common

@@ -1,0 +1,47 @@
+// The device layout of expert weights and the tile sizes of the FFN kernels, shared by the
+// host launchers and (through build options) the .cl sources. Private to kernels/.
+//
+// A projection from K inputs to N outputs is stored as ceil(N / panel_cols) column panels;
+// panel j holds, for every k in [0, K), panel_cols consecutive floats: the weights of
+// outputs [j * panel_cols, (j + 1) * panel_cols) for input k (zero beyond N). A panel is
+// thus read front to back as the kernel walks k, and every k-step is one aligned load.
+//   gate_up of expert e: panels over F of kFfnPanelCols / 2 gate columns followed by the
+//     same kFfnPanelCols / 2 columns of up (so one pass yields silu(gate) * up), K = H.
+//   down of expert e: panels over H of kFfnPanelCols columns, K = F.
+// Experts are stored one after the other.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace epserve::kernels::detail {
+
+// float16 vectors per panel row; a panel row holds kFfnPanelVecs * 16 floats.
+inline constexpr int kFfnPanelVecs = 2;
+inline constexpr int64_t kFfnPanelCols = 16 * kFfnPanelVecs;
+// Rows of x a work-item multiplies against one panel at a time (register block).
+inline constexpr int kFfnRows = 12;
+// Largest expert count the router kernel supports (its per-token scratch is private).
+inline constexpr int kRouterMaxExperts = 512;
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Panels of the gate_up projection (over F) and of the down projection (over H).
+inline int64_t GateUpPanels(int64_t ffn) { return CeilDiv(ffn, kFfnPanelCols / 2); }
+inline int64_t DownPanels(int64_t hidden) { return CeilDiv(hidden, kFfnPanelCols); }
+// Floats of one expert in each buffer.
+inline int64_t GateUpFloatsPerExpert(int64_t hidden, int64_t ffn) {
+  return GateUpPanels(ffn) * hidden * kFfnPanelCols;
+}
+inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
+  return DownPanels(hidden) * ffn * kFfnPanelCols;
+}
+
+// Options every program is built with.
+inline std::string ProgramBuildOptions() {
+  return absl::StrCat("-cl-std=CL1.2 -DFFN_PANEL_VECS=", kFfnPanelVecs,
+                      " -DFFN_ROWS=", kFfnRows, " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts);
+}
+
+}  // namespace epserve::kernels::detail

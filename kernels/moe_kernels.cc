@@ -1,0 +1,368 @@
+#include "kernels/moe_kernels.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/detail/cl_check.h"
+#include "kernels/detail/ffn_layout.h"
+
+namespace epserve::kernels {
+namespace {
+
+using detail::kFfnPanelCols;
+using model::TensorKind;
+
+absl::Status SetArg(cl_kernel kernel, cl_uint index, const Buffer& buffer) {
+  const cl_mem mem = buffer.mem();  // may be nullptr: the kernel sees a null pointer
+  CL_CHECK(clSetKernelArg(kernel, index, sizeof(mem), &mem));
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status SetArg(cl_kernel kernel, cl_uint index, const T& value) {
+  static_assert(std::is_trivially_copyable_v<T> && !std::is_pointer_v<T>);
+  CL_CHECK(clSetKernelArg(kernel, index, sizeof(T), &value));
+  return absl::OkStatus();
+}
+
+// Sets the arguments of `kernel` in order. Integers must already have the kernel's types
+// (cl_int for int, cl_long for long).
+template <typename... Args>
+absl::Status SetArgs(cl_kernel kernel, const Args&... args) {
+  cl_uint index = 0;
+  absl::Status status;
+  (
+      [&] {
+        if (status.ok()) status = SetArg(kernel, index, args);
+        ++index;
+      }(),
+      ...);
+  return status;
+}
+
+absl::Status Launch(Runtime& rt, cl_kernel kernel, cl_uint dims, const size_t* global,
+                    const size_t* local) {
+  CL_CHECK(clEnqueueNDRangeKernel(rt.queue(), kernel, dims, nullptr, global, local, 0, nullptr,
+                                  nullptr));
+  return absl::OkStatus();
+}
+
+absl::Status NeedBytes(const Buffer& b, size_t bytes, absl::string_view what) {
+  if (b.bytes() < bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", b.bytes(), " bytes, needs ",
+                                                   bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NeedIntRange(int64_t value, absl::string_view what) {
+  if (value < 0 || value > INT_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be in [0, ", INT_MAX, "], got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// Writes [offset, offset + count) floats of `dst` by `fill(host_ptr)` through a mapping,
+// so no second host copy of the region is kept beyond what the driver needs.
+template <typename FillFn>
+absl::Status FillMapped(Runtime& rt, const Buffer& dst, int64_t offset, int64_t count,
+                        FillFn&& fill) {
+  cl_int err = CL_SUCCESS;
+  void* host = nullptr;
+  CL_CHECK((host = clEnqueueMapBuffer(rt.queue(), dst.mem(), CL_TRUE,
+                                      CL_MAP_WRITE_INVALIDATE_REGION, offset * sizeof(float),
+                                      count * sizeof(float), 0, nullptr, nullptr, &err),
+            err));
+  absl::Status filled = fill(static_cast<float*>(host));
+  CL_CHECK(clEnqueueUnmapMemObject(rt.queue(), dst.mem(), host, 0, nullptr, nullptr));
+  return filled;
+}
+
+struct FfnKinds {
+  TensorKind gate, up, down;
+};
+
+// Uploads experts [first, first + count) of an FFN of intermediate size `ffn` into the
+// panel layout of kernels/detail/ffn_layout.h, one host tensor at a time.
+absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source,
+                                        int layer, FfnKinds kinds, int first, int count,
+                                        int64_t ffn) {
+  const model::MoeLayerConfig& cfg = source.config().layer;
+  const int64_t hidden = cfg.hidden_size;
+  RETURN_IF_ERROR(NeedIntRange(hidden, "hidden_size"));
+  RETURN_IF_ERROR(NeedIntRange(ffn, "ffn size"));
+  ExpertWeights w;
+  w.first_expert = first;
+  w.num_experts = count;
+  w.hidden = hidden;
+  w.ffn = ffn;
+  const int64_t pw = kFfnPanelCols;
+  const int64_t half = pw / 2;
+  const int64_t gu_floats = detail::GateUpFloatsPerExpert(hidden, ffn);
+  const int64_t down_floats = detail::DownFloatsPerExpert(hidden, ffn);
+  absl::StatusOr<Buffer> gate_up = rt.Allocate(gu_floats * count * sizeof(float));
+  if (!gate_up.ok()) return gate_up.status();
+  absl::StatusOr<Buffer> down = rt.Allocate(down_floats * count * sizeof(float));
+  if (!down.ok()) return down.status();
+  w.gate_up = *std::move(gate_up);
+  w.down = *std::move(down);
+
+  std::vector<float> staging(hidden * ffn);  // one [F, H] or [H, F] tensor
+  const int64_t gu_panels = detail::GateUpPanels(ffn);
+  const int64_t down_panels = detail::DownPanels(hidden);
+  for (int i = 0; i < count; ++i) {
+    const int expert = first + i;
+    RETURN_IF_ERROR(FillMapped(rt, w.gate_up, i * gu_floats, gu_floats, [&](float* dst) {
+      // dst[(j * H + k) * pw + c]: gate row f = j * half + c for c < half, up row f for c >= half.
+      for (int half_index = 0; half_index < 2; ++half_index) {
+        RETURN_IF_ERROR(source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert,
+                                    staging.data()));
+        for (int64_t j = 0; j < gu_panels; ++j) {
+          for (int64_t c = 0; c < half; ++c) {
+            const int64_t f = j * half + c;
+            float* out = dst + j * hidden * pw + half_index * half + c;
+            if (f < ffn) {
+              const float* in = staging.data() + f * hidden;
+              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = in[k];
+            } else {
+              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = 0.0f;
+            }
+          }
+        }
+      }
+      return absl::OkStatus();
+    }));
+    RETURN_IF_ERROR(FillMapped(rt, w.down, i * down_floats, down_floats, [&](float* dst) {
+      // dst[(j * F + f) * pw + c] = down[j * pw + c][f].
+      RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
+      for (int64_t j = 0; j < down_panels; ++j) {
+        for (int64_t c = 0; c < pw; ++c) {
+          const int64_t row = j * pw + c;
+          float* out = dst + j * ffn * pw + c;
+          if (row < hidden) {
+            const float* in = staging.data() + row * ffn;
+            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = in[f];
+          } else {
+            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = 0.0f;
+          }
+        }
+      }
+      return absl::OkStatus();
+    }));
+  }
+  RETURN_IF_ERROR(rt.Finish());
+  return w;
+}
+
+// groups[g] = (local expert, first row, end row, 0) of each non-empty expert, on the device.
+absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offsets,
+                                    int* num_groups) {
+  std::vector<cl_int4> groups;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    if (offsets[e + 1] == offsets[e]) continue;
+    cl_int4 g;
+    g.s[0] = static_cast<cl_int>(e);
+    g.s[1] = static_cast<cl_int>(offsets[e]);
+    g.s[2] = static_cast<cl_int>(offsets[e + 1]);
+    g.s[3] = 0;
+    groups.push_back(g);
+  }
+  *num_groups = static_cast<int>(groups.size());
+  return rt.AllocateCopy(groups.data(), groups.size() * sizeof(cl_int4));
+}
+
+// gate_up then down over the rows that `groups` names.
+absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, const Buffer& row_index,
+                    bool gather, const Buffer& groups, int num_groups, Buffer& h_scratch,
+                    Buffer& y) {
+  if (num_groups == 0) return absl::OkStatus();
+  absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_gate_up");
+  if (!gate_up.ok()) return gate_up.status();
+  absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_down");
+  if (!down.ok()) return down.status();
+  const cl_int hidden = static_cast<cl_int>(w.hidden);
+  const cl_int ffn = static_cast<cl_int>(w.ffn);
+  const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn));
+  const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
+  const cl_long x_rows = static_cast<cl_long>(x.bytes() / (w.hidden * sizeof(float)));
+  const size_t local[2] = {1, 1};
+  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, row_index, cl_int{gather ? 1 : 0}, groups,
+                          w.gate_up, hidden, ffn, gu_panels, h_scratch));
+  const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
+  RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
+  RETURN_IF_ERROR(SetArgs(*down, h_scratch, groups, w.down, hidden, ffn, down_panels, y));
+  const size_t down_global[2] = {static_cast<size_t>(down_panels),
+                                 static_cast<size_t>(num_groups)};
+  return Launch(rt, *down, 2, down_global, local);
+}
+
+}  // namespace
+
+absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSource& source,
+                                           int layer) {
+  const model::MoeLayerConfig& cfg = source.config().layer;
+  RETURN_IF_ERROR(cfg.Validate());
+  if (cfg.num_experts > detail::kRouterMaxExperts) {
+    return absl::InvalidArgumentError(absl::StrCat("num_experts=", cfg.num_experts,
+                                                   " exceeds the router kernel's maximum of ",
+                                                   detail::kRouterMaxExperts));
+  }
+  RouterWeights w;
+  w.cfg = cfg;
+  const model::TensorShape shape = model::ShapeOf(cfg, TensorKind::kRouter);
+  std::vector<float> staging(shape.numel());
+  RETURN_IF_ERROR(source.Fill(layer, TensorKind::kRouter, 0, staging.data()));
+  absl::StatusOr<Buffer> router = rt.AllocateCopy(staging.data(), staging.size() * sizeof(float));
+  if (!router.ok()) return router.status();
+  w.router = *std::move(router);
+  const model::TensorShape bias_shape = model::ShapeOf(cfg, TensorKind::kRouterBias);
+  if (bias_shape.numel() > 0) {
+    staging.assign(bias_shape.numel(), 0.0f);
+    RETURN_IF_ERROR(source.Fill(layer, TensorKind::kRouterBias, 0, staging.data()));
+    absl::StatusOr<Buffer> bias = rt.AllocateCopy(staging.data(), staging.size() * sizeof(float));
+    if (!bias.ok()) return bias.status();
+    w.bias = *std::move(bias);
+  }
+  return w;
+}
+
+absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
+                                            int layer, int first_expert, int num_experts) {
+  const model::MoeLayerConfig& cfg = source.config().layer;
+  RETURN_IF_ERROR(cfg.Validate());
+  if (first_expert < 0 || num_experts < 0 || first_expert + num_experts > cfg.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "experts [", first_expert, ", ", first_expert + num_experts, ") not within [0, ",
+        cfg.num_experts, ")"));
+  }
+  return UploadFfn(rt, source, layer,
+                   {TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown},
+                   first_expert, num_experts, cfg.expert_ffn_size);
+}
+
+absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
+                                                 int layer) {
+  const model::MoeLayerConfig& cfg = source.config().layer;
+  RETURN_IF_ERROR(cfg.Validate());
+  if (cfg.shared_ffn_size <= 0) {
+    return absl::FailedPreconditionError("the layer has no shared expert (shared_ffn_size == 0)");
+  }
+  absl::StatusOr<ExpertWeights> w = UploadFfn(
+      rt, source, layer,
+      {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown}, 0, 1,
+      cfg.shared_ffn_size);
+  if (!w.ok()) return w.status();
+  if (cfg.shared_expert_gate) {
+    std::vector<float> gate(cfg.hidden_size);
+    RETURN_IF_ERROR(source.Fill(layer, TensorKind::kSharedExpertGate, 0, gate.data()));
+    absl::StatusOr<Buffer> buffer = rt.AllocateCopy(gate.data(), gate.size() * sizeof(float));
+    if (!buffer.ok()) return buffer.status();
+    w->gate = *std::move(buffer);
+  }
+  return w;
+}
+
+absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t n, Buffer& ids,
+                   Buffer& weights) {
+  const model::MoeLayerConfig& c = w.cfg;
+  RETURN_IF_ERROR(NeedIntRange(n, "n"));
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(NeedBytes(x, n * c.hidden_size * sizeof(float), "x"));
+  RETURN_IF_ERROR(NeedBytes(ids, n * c.top_k * sizeof(int32_t), "ids"));
+  RETURN_IF_ERROR(NeedBytes(weights, n * c.top_k * sizeof(float), "weights"));
+  absl::StatusOr<cl_kernel> kernel = rt.Kernel("route_tokens");
+  if (!kernel.ok()) return kernel.status();
+  RETURN_IF_ERROR(SetArgs(*kernel, x, w.router, w.bias, static_cast<cl_int>(n),
+                          static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts},
+                          cl_int{c.top_k}, static_cast<cl_int>(c.routing),
+                          cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group},
+                          cl_int{c.topk_group}, cl_float{c.routed_scaling_factor}, ids, weights));
+  const size_t global[1] = {static_cast<size_t>(n)};
+  return Launch(rt, *kernel, 1, global, nullptr);
+}
+
+absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
+                       const Buffer& row_index, std::span<const int64_t> expert_offsets,
+                       Buffer& h_scratch, Buffer& y) {
+  if (expert_offsets.size() != static_cast<size_t>(w.num_experts) + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("expert_offsets has ", expert_offsets.size(),
+                                                   " entries, needs num_experts + 1 = ",
+                                                   w.num_experts + 1));
+  }
+  if (expert_offsets[0] != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert_offsets[0] must be 0, got ", expert_offsets[0]));
+  }
+  for (size_t e = 0; e + 1 < expert_offsets.size(); ++e) {
+    if (expert_offsets[e + 1] < expert_offsets[e]) {
+      return absl::InvalidArgumentError(absl::StrCat("expert_offsets must ascend; entry ", e + 1,
+                                                     " = ", expert_offsets[e + 1], " < ",
+                                                     expert_offsets[e]));
+    }
+  }
+  const int64_t rows = expert_offsets.back();
+  RETURN_IF_ERROR(NeedIntRange(rows, "expert_offsets.back()"));
+  if (rows == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(NeedBytes(x, w.hidden * sizeof(float), "x"));
+  RETURN_IF_ERROR(NeedBytes(row_index, rows * sizeof(int32_t), "row_index"));
+  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * w.ffn * sizeof(float), "h_scratch"));
+  RETURN_IF_ERROR(NeedBytes(y, rows * w.hidden * sizeof(float), "y"));
+  int num_groups = 0;
+  absl::StatusOr<Buffer> groups = UploadGroups(rt, expert_offsets, &num_groups);
+  if (!groups.ok()) return groups.status();
+  return RunFfn(rt, w, x, row_index, /*gather=*/true, *groups, num_groups, h_scratch, y);
+}
+
+absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t n,
+                             Buffer& h_scratch, Buffer& y) {
+  if (w.num_experts != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a shared expert has num_experts == 1, got ", w.num_experts));
+  }
+  RETURN_IF_ERROR(NeedIntRange(n, "n"));
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(NeedBytes(x, n * w.hidden * sizeof(float), "x"));
+  RETURN_IF_ERROR(NeedBytes(h_scratch, n * w.ffn * sizeof(float), "h_scratch"));
+  RETURN_IF_ERROR(NeedBytes(y, n * w.hidden * sizeof(float), "y"));
+  const int64_t offsets[2] = {0, n};
+  int num_groups = 0;
+  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, &num_groups);
+  if (!groups.ok()) return groups.status();
+  const Buffer no_index;
+  RETURN_IF_ERROR(
+      RunFfn(rt, w, x, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
+  if (w.gate.mem() == nullptr) return absl::OkStatus();
+  absl::StatusOr<cl_kernel> scale = rt.Kernel("scale_rows_by_sigmoid_gate");
+  if (!scale.ok()) return scale.status();
+  RETURN_IF_ERROR(
+      SetArgs(*scale, x, w.gate, static_cast<cl_int>(n), static_cast<cl_long>(w.hidden), y));
+  const size_t global[1] = {static_cast<size_t>(n)};
+  return Launch(rt, *scale, 1, global, nullptr);
+}
+
+absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_index,
+                             const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
+                             Buffer& out) {
+  RETURN_IF_ERROR(NeedIntRange(n, "n"));
+  if (k < 1) return absl::InvalidArgumentError(absl::StrCat("k must be >= 1, got ", k));
+  if (hidden < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden must be >= 1, got ", hidden));
+  }
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(NeedBytes(pair_index, n * k * sizeof(int32_t), "pair_index"));
+  RETURN_IF_ERROR(NeedBytes(pair_weight, n * k * sizeof(float), "pair_weight"));
+  RETURN_IF_ERROR(NeedBytes(out, n * hidden * sizeof(float), "out"));
+  absl::StatusOr<cl_kernel> kernel = rt.Kernel("weighted_combine");
+  if (!kernel.ok()) return kernel.status();
+  const cl_long y_rows = static_cast<cl_long>(y.bytes() / (hidden * sizeof(float)));
+  RETURN_IF_ERROR(SetArgs(*kernel, y, y_rows, pair_index, pair_weight, static_cast<cl_int>(n),
+                          cl_int{k}, cl_long{hidden}, out));
+  const size_t global[2] = {static_cast<size_t>(hidden), static_cast<size_t>(n)};
+  return Launch(rt, *kernel, 2, global, nullptr);
+}
+
+}  // namespace epserve::kernels

@@ -1,0 +1,78 @@
+// Launchers of the MoE kernels, grouped by stage. Each takes explicit buffers and sizes
+// and enqueues on the runtime's in-order queue; results are ready after Runtime::Finish
+// or a blocking Read. Not thread-safe (the Runtime is not).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/runtime.h"
+#include "model/moe_config.h"
+#include "model/weights.h"
+
+namespace epserve::kernels {
+
+// ---- weights on the device ----
+
+struct RouterWeights {
+  model::MoeLayerConfig cfg;
+  Buffer router;  // [E, H]
+  Buffer bias;    // [E] for kSigmoidGroupedTopK, else empty
+};
+absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSource& source,
+                                           int layer);
+
+// Experts [first_expert, first_expert + num_experts) of one layer (or the shared expert,
+// num_experts = 1), in the layout the FFN kernels read. Filled straight from the source,
+// without a second host copy of the whole set.
+struct ExpertWeights {
+  int first_expert = 0;
+  int num_experts = 0;
+  int64_t hidden = 0;  // H
+  int64_t ffn = 0;     // F of these experts
+  Buffer gate_up;      // layout private to kernels/
+  Buffer down;         // layout private to kernels/
+  Buffer gate;         // [H] sigmoid gate of a gated shared expert, else empty
+  size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
+};
+absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
+                                            int layer, int first_expert, int num_experts);
+// The shared expert of the layer (config().layer.shared_ffn_size > 0).
+absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
+                                                 int layer);
+
+// ---- route ----
+
+// x [n, H] float -> ids [n, k] int32 (global expert ids), weights [n, k] float, with the
+// semantics of model::ReferenceRoute for every RoutingKind.
+absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t n, Buffer& ids,
+                   Buffer& weights);
+
+// ---- expert FFN ----
+
+// Grouped SwiGLU FFN over rows of x [*, H] picked by row_index (int32): the rows of local
+// expert e are row_index[expert_offsets[e] .. expert_offsets[e+1]) (host array of
+// w.num_experts + 1 ascending offsets, empty experts allowed). For each p in [0, P),
+// P = expert_offsets.back():  y[p, :] = down_e(silu(gate_e x) * up_e x), x = x[row_index[p]].
+// h_scratch holds at least P * w.ffn floats.
+absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
+                       const Buffer& row_index, std::span<const int64_t> expert_offsets,
+                       Buffer& h_scratch, Buffer& y);
+
+// The shared expert on x [n, H]: y[i, :] = g_i * FFN(x[i, :]), with g_i = sigmoid(x[i] . gate)
+// when w.gate is set, else 1. h_scratch holds at least n * w.ffn floats.
+absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t n,
+                             Buffer& h_scratch, Buffer& y);
+
+// ---- combine ----
+
+// out[i, :] = sum over j < k with pair_index[i*k + j] >= 0 of
+//             pair_weight[i*k + j] * y[pair_index[i*k + j], :], summed in order of j.
+// pair_index int32 [n, k], pair_weight float [n, k], y [*, hidden], out [n, hidden].
+absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_index,
+                             const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
+                             Buffer& out);
+
+}  // namespace epserve::kernels

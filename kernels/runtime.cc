@@ -1,0 +1,392 @@
+#include "kernels/runtime.h"
+
+#include <cstdlib>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "kernels/detail/cl_check.h"
+#include "kernels/detail/ffn_layout.h"
+#include "kernels/detail/program_cache.h"
+
+namespace epserve::embedded {
+// Generated from kernels/cl/*.cl at build time (see kernels/CMakeLists.txt).
+extern const std::string_view kernels_cl_router;
+extern const std::string_view kernels_cl_expert_ffn;
+extern const std::string_view kernels_cl_combine;
+}  // namespace epserve::embedded
+
+namespace epserve::kernels {
+namespace {
+
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+absl::StatusOr<std::string> PlatformString(cl_platform_id platform, cl_platform_info what) {
+  size_t size = 0;
+  CL_CHECK(clGetPlatformInfo(platform, what, 0, nullptr, &size));
+  std::string s(size, '\0');
+  CL_CHECK(clGetPlatformInfo(platform, what, size, s.data(), nullptr));
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+absl::StatusOr<std::string> DeviceString(cl_device_id device, cl_device_info what) {
+  size_t size = 0;
+  CL_CHECK(clGetDeviceInfo(device, what, 0, nullptr, &size));
+  std::string s(size, '\0');
+  CL_CHECK(clGetDeviceInfo(device, what, size, s.data(), nullptr));
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+// Every device with its info, in platform then device order.
+absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> EnumerateDevices() {
+  std::vector<std::pair<cl_device_id, DeviceInfo>> out;
+  cl_uint num_platforms = 0;
+  const cl_int err = clGetPlatformIDs(0, nullptr, &num_platforms);
+  if (err == -1001 /* CL_PLATFORM_NOT_FOUND_KHR: no ICD installed */ || num_platforms == 0) {
+    return out;
+  }
+  CL_CHECK(err);
+  std::vector<cl_platform_id> platforms(num_platforms);
+  CL_CHECK(clGetPlatformIDs(num_platforms, platforms.data(), nullptr));
+  for (cl_uint p = 0; p < num_platforms; ++p) {
+    absl::StatusOr<std::string> platform_name = PlatformString(platforms[p], CL_PLATFORM_NAME);
+    if (!platform_name.ok()) return platform_name.status();
+    cl_uint num_devices = 0;
+    const cl_int derr =
+        clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, 0, nullptr, &num_devices);
+    if (derr == CL_DEVICE_NOT_FOUND || num_devices == 0) continue;
+    CL_CHECK(derr);
+    std::vector<cl_device_id> devices(num_devices);
+    CL_CHECK(clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, num_devices, devices.data(),
+                            nullptr));
+    for (cl_uint d = 0; d < num_devices; ++d) {
+      DeviceInfo info;
+      info.platform_index = static_cast<int>(p);
+      info.device_index = static_cast<int>(d);
+      info.platform_name = *platform_name;
+      absl::StatusOr<std::string> name = DeviceString(devices[d], CL_DEVICE_NAME);
+      absl::StatusOr<std::string> version = DeviceString(devices[d], CL_DEVICE_VERSION);
+      absl::StatusOr<std::string> driver = DeviceString(devices[d], CL_DRIVER_VERSION);
+      if (!name.ok()) return name.status();
+      if (!version.ok()) return version.status();
+      if (!driver.ok()) return driver.status();
+      info.device_name = *std::move(name);
+      info.device_version = *std::move(version);
+      info.driver_version = *std::move(driver);
+      cl_device_type type = 0;
+      CL_CHECK(clGetDeviceInfo(devices[d], CL_DEVICE_TYPE, sizeof(type), &type, nullptr));
+      info.is_gpu = (type & CL_DEVICE_TYPE_GPU) != 0;
+      info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
+      out.emplace_back(devices[d], std::move(info));
+    }
+  }
+  return out;
+}
+
+std::string DescribeAll(const std::vector<std::pair<cl_device_id, DeviceInfo>>& devices) {
+  if (devices.empty()) return "none (no OpenCL platform or device is installed)";
+  std::vector<std::string> parts;
+  for (const auto& [id, info] : devices) parts.push_back(info.Describe());
+  return absl::StrJoin(parts, "; ");
+}
+
+// Picks the device `spec` names; errors list the devices found.
+absl::StatusOr<std::pair<cl_device_id, DeviceInfo>> ChooseDevice(
+    const std::vector<std::pair<cl_device_id, DeviceInfo>>& devices, std::string_view spec,
+    int local_rank) {
+  auto none = [&](absl::StatusCode code, std::string_view why) {
+    return absl::Status(code, absl::StrCat("no OpenCL device for device='", Sv(spec), "': ", Sv(why),
+                                           "; devices found: ", DescribeAll(devices)));
+  };
+  if (spec == "cpu" || spec == "gpu") {
+    const bool want_gpu = spec == "gpu";
+    std::vector<size_t> matches;
+    for (size_t i = 0; i < devices.size(); ++i) {
+      if (want_gpu ? devices[i].second.is_gpu : devices[i].second.is_cpu) matches.push_back(i);
+    }
+    if (matches.empty()) {
+      return none(absl::StatusCode::kNotFound, absl::StrCat("there is no ", Sv(spec), " device"));
+    }
+    const size_t pick = want_gpu ? static_cast<size_t>(std::max(local_rank, 0)) % matches.size()
+                                 : 0;
+    return devices[matches[pick]];
+  }
+  const std::vector<absl::string_view> parts = absl::StrSplit(Sv(spec), ':');
+  int platform = -1;
+  int device = -1;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &platform) ||
+      !absl::SimpleAtoi(parts[1], &device)) {
+    return none(absl::StatusCode::kInvalidArgument,
+                "expected 'cpu', 'gpu' or '<platform>:<device>' indices");
+  }
+  for (const auto& entry : devices) {
+    if (entry.second.platform_index == platform && entry.second.device_index == device) {
+      return entry;
+    }
+  }
+  return none(absl::StatusCode::kNotFound, "no device has these indices");
+}
+
+std::string DefaultCacheDir(const RuntimeOptions& options) {
+  if (!options.cache_dir.empty()) return options.cache_dir;
+  if (const char* env = std::getenv("EPSERVE_KERNEL_CACHE"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    return absl::StrCat(home, "/.cache/epserve/kernels");
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string DeviceInfo::Describe() const {
+  return absl::StrCat(platform_index, ":", device_index, " ", platform_name, " / ", device_name,
+                      " (", is_gpu ? "gpu" : (is_cpu ? "cpu" : "other"), ", ", device_version,
+                      ", driver ", driver_version, ")");
+}
+
+absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
+  absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> devices = EnumerateDevices();
+  if (!devices.ok()) return devices.status();
+  std::vector<DeviceInfo> out;
+  for (auto& entry : *devices) out.push_back(std::move(entry.second));
+  return out;
+}
+
+Buffer::Buffer(Buffer&& o) noexcept : mem_(std::exchange(o.mem_, nullptr)),
+                                      bytes_(std::exchange(o.bytes_, 0)) {}
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    if (mem_ != nullptr) clReleaseMemObject(mem_);
+    mem_ = std::exchange(o.mem_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+Buffer::~Buffer() {
+  if (mem_ != nullptr) clReleaseMemObject(mem_);
+}
+
+// The embedded programs, each built on first use; kernels by name.
+struct Runtime::Programs {
+  struct Program {
+    std::string_view name;
+    std::string_view source;
+    cl_program program = nullptr;
+  };
+  std::vector<Program> programs;
+  std::unordered_map<std::string, cl_kernel> kernels;
+  ProgramCacheStats stats;
+
+  ~Programs() {
+    for (auto& [name, kernel] : kernels) clReleaseKernel(kernel);
+    for (Program& p : programs) {
+      if (p.program != nullptr) clReleaseProgram(p.program);
+    }
+  }
+};
+
+absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) {
+  absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> devices = EnumerateDevices();
+  if (!devices.ok()) return devices.status();
+  absl::StatusOr<std::pair<cl_device_id, DeviceInfo>> chosen =
+      ChooseDevice(*devices, options.device, options.local_rank);
+  if (!chosen.ok()) return chosen.status();
+
+  std::unique_ptr<Runtime> rt(new Runtime());
+  rt->device_ = chosen->first;
+  rt->info_ = chosen->second;
+  rt->cache_dir_ = DefaultCacheDir(options);
+  rt->programs_ = std::make_unique<Programs>();
+  rt->programs_->programs = {{"router", embedded::kernels_cl_router},
+                             {"expert_ffn", embedded::kernels_cl_expert_ffn},
+                             {"combine", embedded::kernels_cl_combine}};
+  cl_int err = CL_SUCCESS;
+  CL_CHECK((rt->context_ = clCreateContext(nullptr, 1, &rt->device_, nullptr, nullptr, &err), err));
+  CL_CHECK((rt->queue_ = clCreateCommandQueue(rt->context_, rt->device_, 0, &err), err));
+  return rt;
+}
+
+Runtime::~Runtime() {
+  programs_.reset();  // kernels and programs before the context
+  if (queue_ != nullptr) {
+    clFinish(queue_);
+    clReleaseCommandQueue(queue_);
+  }
+  if (context_ != nullptr) clReleaseContext(context_);
+}
+
+absl::StatusOr<Buffer> Runtime::Allocate(size_t bytes) {
+  if (bytes == 0) return Buffer();
+  cl_int err = CL_SUCCESS;
+  cl_mem mem = nullptr;
+  CL_CHECK((mem = clCreateBuffer(context_, CL_MEM_READ_WRITE, bytes, nullptr, &err), err));
+  return Buffer(mem, bytes);
+}
+
+absl::StatusOr<Buffer> Runtime::AllocateCopy(const void* src, size_t bytes) {
+  if (bytes == 0) return Buffer();
+  cl_int err = CL_SUCCESS;
+  cl_mem mem = nullptr;
+  CL_CHECK((mem = clCreateBuffer(context_, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, bytes,
+                                 const_cast<void*>(src), &err),
+            err));
+  return Buffer(mem, bytes);
+}
+
+absl::Status Runtime::Write(const Buffer& dst, size_t offset, const void* src, size_t bytes) {
+  if (offset > dst.bytes() || bytes > dst.bytes() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("write of ", bytes, " bytes at offset ", offset,
+                                              " exceeds the buffer's ", dst.bytes(), " bytes"));
+  }
+  if (bytes == 0) return absl::OkStatus();
+  CL_CHECK(clEnqueueWriteBuffer(queue_, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr,
+                                nullptr));
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Read(const Buffer& src, size_t offset, void* dst, size_t bytes) {
+  if (offset > src.bytes() || bytes > src.bytes() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("read of ", bytes, " bytes at offset ", offset,
+                                              " exceeds the buffer's ", src.bytes(), " bytes"));
+  }
+  if (bytes == 0) return absl::OkStatus();
+  CL_CHECK(
+      clEnqueueReadBuffer(queue_, src.mem(), CL_TRUE, offset, bytes, dst, 0, nullptr, nullptr));
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Finish() {
+  CL_CHECK(clFinish(queue_));
+  return absl::OkStatus();
+}
+
+const ProgramCacheStats& Runtime::cache_stats() const { return programs_->stats; }
+
+absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name,
+                                                 std::string_view source) {
+  const std::string options = detail::ProgramBuildOptions();
+  ProgramCacheStats& stats = programs_->stats;
+  std::string cache_path;
+  if (!cache_dir_.empty()) {
+    cache_path = detail::ProgramCachePath(cache_dir_, name,
+                                          detail::ProgramCacheKey(source, options, info_));
+    absl::StatusOr<std::string> binary = detail::ReadWholeFile(cache_path);
+    if (binary.ok() && !binary->empty()) {
+      const size_t size = binary->size();
+      const auto* bytes = reinterpret_cast<const unsigned char*>(binary->data());
+      cl_int binary_status = CL_SUCCESS;
+      cl_int err = CL_SUCCESS;
+      cl_program program = clCreateProgramWithBinary(context_, 1, &device_, &size, &bytes,
+                                                     &binary_status, &err);
+      if (err == CL_SUCCESS && binary_status == CL_SUCCESS &&
+          clBuildProgram(program, 1, &device_, options.c_str(), nullptr, nullptr) ==
+              CL_SUCCESS) {
+        ++stats.loaded;
+        return program;
+      }
+      if (program != nullptr) clReleaseProgram(program);
+      stats.last_error = absl::StrCat("cached binary ", cache_path, " did not load (",
+                                      detail::ClErrorName(err != CL_SUCCESS ? err : binary_status),
+                                      "); rebuilt from source");
+    }
+  }
+
+  const char* text = source.data();
+  const size_t length = source.size();
+  cl_int err = CL_SUCCESS;
+  cl_program program = nullptr;
+  CL_CHECK((program = clCreateProgramWithSource(context_, 1, &text, &length, &err), err));
+  const cl_int build_err = clBuildProgram(program, 1, &device_, options.c_str(), nullptr, nullptr);
+  if (build_err != CL_SUCCESS) {
+    size_t log_size = 0;
+    std::string log;
+    if (clGetProgramBuildInfo(program, device_, CL_PROGRAM_BUILD_LOG, 0, nullptr, &log_size) ==
+        CL_SUCCESS) {
+      log.resize(log_size);
+      clGetProgramBuildInfo(program, device_, CL_PROGRAM_BUILD_LOG, log_size, log.data(),
+                            nullptr);
+      while (!log.empty() && log.back() == '\0') log.pop_back();
+    }
+    clReleaseProgram(program);
+    const absl::Status s = detail::ClError(build_err, "clBuildProgram", __FILE__, __LINE__);
+    return absl::Status(s.code(), absl::StrCat("building OpenCL program '", Sv(name), "' for ",
+                                               info_.device_name, ": ", s.message(),
+                                               "\nbuild log:\n", log));
+  }
+  ++stats.built;
+
+  if (!cache_path.empty()) {
+    size_t size = 0;
+    if (clGetProgramInfo(program, CL_PROGRAM_BINARY_SIZES, sizeof(size), &size, nullptr) ==
+            CL_SUCCESS &&
+        size > 0) {
+      std::string binary(size, '\0');
+      unsigned char* ptr = reinterpret_cast<unsigned char*>(binary.data());
+      if (clGetProgramInfo(program, CL_PROGRAM_BINARIES, sizeof(ptr), &ptr, nullptr) ==
+          CL_SUCCESS) {
+        if (absl::Status s = detail::WriteFileAtomically(cache_path, binary); s.ok()) {
+          ++stats.stored;
+        } else {
+          stats.last_error = std::string(s.message());
+        }
+      }
+    } else {
+      stats.last_error = absl::StrCat("the driver gave no binary for program '", Sv(name), "'");
+    }
+  }
+  return program;
+}
+
+absl::Status Runtime::BuildProgramForTest(std::string_view source) {
+  absl::StatusOr<cl_program> program = BuildProgram("test", source);
+  if (!program.ok()) return program.status();
+  clReleaseProgram(*program);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
+  const std::string key(name);
+  if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
+  for (Programs::Program& p : programs_->programs) {
+    if (p.program != nullptr) continue;
+    absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source);
+    if (!program.ok()) return program.status();
+    p.program = *program;
+    cl_uint num_kernels = 0;
+    CL_CHECK(clCreateKernelsInProgram(p.program, 0, nullptr, &num_kernels));
+    std::vector<cl_kernel> kernels(num_kernels);
+    CL_CHECK(clCreateKernelsInProgram(p.program, num_kernels, kernels.data(), nullptr));
+    std::vector<std::string> names(num_kernels);
+    for (cl_uint i = 0; i < num_kernels; ++i) {
+      size_t size = 0;
+      cl_int err = clGetKernelInfo(kernels[i], CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size);
+      if (err == CL_SUCCESS) {
+        names[i].resize(size);
+        err = clGetKernelInfo(kernels[i], CL_KERNEL_FUNCTION_NAME, size, names[i].data(),
+                              nullptr);
+      }
+      if (err != CL_SUCCESS) {
+        for (cl_kernel k : kernels) clReleaseKernel(k);
+        CL_CHECK(err);
+      }
+      while (!names[i].empty() && names[i].back() == '\0') names[i].pop_back();
+    }
+    for (cl_uint i = 0; i < num_kernels; ++i) {
+      programs_->kernels.emplace(std::move(names[i]), kernels[i]);
+    }
+    if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
+  }
+  return absl::NotFoundError(absl::StrCat("no OpenCL kernel named '", Sv(name), "'"));
+}
+
+}  // namespace epserve::kernels

@@ -1,0 +1,114 @@
+// The OpenCL runtime of one worker: one device, one context, one in-order queue.
+// Only kernels/ includes OpenCL headers' types in its public API.
+#pragma once
+
+#define CL_TARGET_OPENCL_VERSION 120
+#include <CL/cl.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace epserve::kernels {
+
+struct DeviceInfo {
+  int platform_index = 0;
+  int device_index = 0;
+  std::string platform_name;
+  std::string device_name;
+  std::string device_version;
+  std::string driver_version;
+  bool is_gpu = false;
+  bool is_cpu = false;
+  std::string Describe() const;  // "0:0 Portable Computing Language / pthread-... (driver 3.1)"
+};
+
+// Every OpenCL device of every platform.
+absl::StatusOr<std::vector<DeviceInfo>> ListDevices();
+
+struct RuntimeOptions {
+  // "cpu", "gpu" or "<platform>:<device>". With "gpu" and several GPUs, local_rank picks one.
+  std::string device = "cpu";
+  int local_rank = 0;
+  // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
+  std::string cache_dir;
+};
+
+// A device buffer. Move-only; releases the cl_mem when destroyed.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(cl_mem mem, size_t bytes) : mem_(mem), bytes_(bytes) {}
+  Buffer(Buffer&& o) noexcept;
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+  cl_mem mem() const { return mem_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  cl_mem mem_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// What the program-binary cache did for one Runtime (counts of programs).
+struct ProgramCacheStats {
+  int loaded = 0;          // programs created from a cached binary
+  int built = 0;           // programs compiled from source
+  int stored = 0;          // binaries written to the cache
+  std::string last_error;  // why the cache was last bypassed (unreadable, unwritable), or ""
+};
+
+// Not thread-safe: one thread drives a Runtime.
+class Runtime {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runtime>> Create(const RuntimeOptions& options);
+  ~Runtime();
+
+  const DeviceInfo& device_info() const { return info_; }
+  cl_context context() const { return context_; }
+  cl_command_queue queue() const { return queue_; }
+  cl_device_id device() const { return device_; }
+
+  // A read-write buffer of `bytes` (contents undefined); bytes == 0 gives an empty Buffer
+  // whose mem() is nullptr.
+  absl::StatusOr<Buffer> Allocate(size_t bytes);
+  // A read-only buffer holding a copy of src[0, bytes), made before this returns.
+  absl::StatusOr<Buffer> AllocateCopy(const void* src, size_t bytes);
+  // Blocking copies between host memory and a buffer.
+  absl::Status Write(const Buffer& dst, size_t offset, const void* src, size_t bytes);
+  absl::Status Read(const Buffer& src, size_t offset, void* dst, size_t bytes);
+  absl::Status Finish();
+
+  // The kernel `name` of the embedded programs, built (or loaded from the cache) on first use.
+  // The cl_kernel stays owned by the Runtime; its arguments are whatever the last caller set.
+  absl::StatusOr<cl_kernel> Kernel(std::string_view name);
+
+  // The folder binaries are cached in ("" when no cache folder could be found).
+  const std::string& cache_dir() const { return cache_dir_; }
+  const ProgramCacheStats& cache_stats() const;
+  // Builds `source` the way embedded programs are built (same options, same cache) and
+  // releases it. Errors carry the build log. For tests of the build path.
+  absl::Status BuildProgramForTest(std::string_view source);
+
+ private:
+  Runtime() = default;
+  // Creates and builds program `name` from `source`, through the binary cache. The caller
+  // owns the returned program.
+  absl::StatusOr<cl_program> BuildProgram(std::string_view name, std::string_view source);
+  struct Programs;
+  DeviceInfo info_;
+  cl_device_id device_ = nullptr;
+  cl_context context_ = nullptr;
+  cl_command_queue queue_ = nullptr;
+  std::string cache_dir_;
+  std::unique_ptr<Programs> programs_;
+};
+
+}  // namespace epserve::kernels

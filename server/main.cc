@@ -1,0 +1,190 @@
+// epserve: one MPI program. Rank 0 is the gRPC front-end; ranks 1..W are expert workers.
+//   mpirun -np 3 epserve --model=synthetic:qwen1.5-moe-a2.7b
+#include <mpi.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "absl/strings/string_view.h"
+#include "absl/strings/str_cat.h"
+#include "common/flags.h"
+#include "model/synthetic.h"
+#include "server/front_end.h"
+#include "shmem/heap.h"
+#include "worker/coordinator.h"
+#include "worker/exchange_layout.h"
+#include "worker/worker.h"
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+
+struct Flags {
+  std::string model = "synthetic:qwen1.5-moe-a2.7b";
+  int64_t seed = 0;
+  std::string device = "cpu";
+  epserve::server::FrontEndOptions fe;
+  absl::Duration startup_timeout = absl::Minutes(10);
+};
+
+void Log(int rank, const std::string& line) {
+  std::fprintf(stderr, "[epserve rank %d] %s\n", rank, line.c_str());
+}
+
+// Every rank reaches the same verdict on the flags, so all leave together.
+int Fail(int rank, const absl::Status& s) {
+  Log(rank, absl::StrCat("error: ", s.ToString()));
+  return 1;
+}
+
+int Run(int rank, int num_ranks, const Flags& flags) {
+  using namespace epserve;
+  absl::StatusOr<std::unique_ptr<model::WeightSource>> source =
+      model::OpenModel(flags.model, static_cast<uint64_t>(flags.seed));
+  if (!source.ok()) return Fail(rank, source.status());
+  const model::ModelConfig& config = (*source)->config();
+  const int num_workers = num_ranks - 1;
+  if (num_workers < 1) {
+    return Fail(rank, absl::InvalidArgumentError(
+                          "epserve needs at least 2 ranks (rank 0 front-end + workers): "
+                          "mpirun -np 1+W epserve ..."));
+  }
+  if (num_workers > config.layer.num_experts) {
+    return Fail(rank, absl::InvalidArgumentError(absl::StrCat(
+                          num_workers, " workers but the model has only ", config.layer.num_experts,
+                          " experts: launch with mpirun -np <= ", config.layer.num_experts + 1)));
+  }
+  if (flags.fe.max_batch_tokens < 1) {
+    return Fail(rank, absl::InvalidArgumentError("--max-batch-tokens must be >= 1"));
+  }
+  worker::ExchangeShape shape;
+  shape.num_workers = num_workers;
+  shape.num_experts = config.layer.num_experts;
+  shape.top_k = config.layer.top_k;
+  shape.hidden = config.layer.hidden_size;
+  shape.max_batch_tokens = flags.fe.max_batch_tokens;
+  const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(shape);
+
+  absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
+      shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes);
+  if (!heap.ok()) return Fail(rank, heap.status());
+  absl::StatusOr<worker::ExchangeLayout> layout = worker::ExchangeLayout::Allocate(**heap, shape);
+  if (!layout.ok()) return Fail(rank, layout.status());
+  if (rank == 0) {
+    Log(rank, absl::StrCat("model ", config.source, ": H=", config.layer.hidden_size,
+                           " F=", config.layer.expert_ffn_size, " E=", config.layer.num_experts,
+                           " k=", config.layer.top_k, " shared F=", config.layer.shared_ffn_size,
+                           ", ", config.moe_layers.size(), " layer(s), ", num_workers,
+                           " worker(s); heap ", (*heap)->bytes_per_rank(), " bytes per rank"));
+  }
+
+  int code = 0;
+  if (rank == 0) {
+    worker::Coordinator coordinator(**heap, *layout);
+    absl::Status s = coordinator.WaitForWorkers(absl::Now() + flags.startup_timeout);
+    if (!s.ok()) {
+      Log(rank, absl::StrCat("error: ", s.ToString()));
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe =
+        server::FrontEnd::Start(flags.fe, config, coordinator, static_cast<int64_t>(heap_bytes));
+    if (!fe.ok()) {
+      Log(rank, absl::StrCat("error: ", fe.status().ToString()));
+      coordinator.Stop(absl::Now() + absl::Seconds(5)).IgnoreError();
+      code = 1;
+    } else {
+      Log(rank, absl::StrCat("serving model '", flags.fe.model_name, "' on ", (*fe)->grpc_address(),
+                             ", metrics on http://", (*fe)->metrics_address(), "/metrics"));
+      while (!g_stop.load()) absl::SleepFor(absl::Milliseconds(20));
+      Log(rank, "stopping: answering requests in flight");
+      const absl::Time stop_start = absl::Now();
+      s = (*fe)->Shutdown();
+      if (!s.ok()) Log(rank, absl::StrCat("workers did not stop cleanly: ", s.ToString()));
+      fe->reset();
+      Log(rank, absl::StrCat("stopped serving in ", absl::FormatDuration(absl::Now() - stop_start)));
+    }
+  } else {
+    worker::WorkerOptions options;
+    options.device.device = flags.device;
+    options.device.local_rank = rank - 1;
+    absl::StatusOr<std::unique_ptr<worker::Worker>> w =
+        worker::Worker::Create(**heap, *layout, **source, options);
+    if (!w.ok()) {
+      Log(rank, absl::StrCat("error: ", w.status().ToString()));
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    Log(rank, absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
+                           (*w)->weight_bytes(), " weight bytes"));
+    absl::Status s = (*w)->Serve(g_stop);
+    if (!s.ok()) {
+      Log(rank, s.ToString());
+      code = 1;
+    }
+  }
+  // Leaving: if a peer is gone the collective free below could block; never hang.
+  std::thread([rank] {
+    absl::SleepFor(absl::Seconds(5));
+    Log(rank, "teardown did not finish within 5 s; exiting");
+    std::_Exit(2);
+  }).detach();
+  heap->reset();
+  Log(rank, "left the heap");
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  epserve::common::FlagSet fs("epserve",
+                              "Serves MoE layers over gRPC (KServe v2). Launch as one MPI job:\n"
+                              "  mpirun -np 1+W epserve [flags]   (rank 0 front-end, W expert workers)");
+  fs.Add("model", &flags.model, "The model: synthetic:<preset> (tiny, qwen1.5-moe-a2.7b, mixtral-8x7b, ...)");
+  fs.Add("seed", &flags.seed, "Seed of synthetic weights");
+  fs.Add("model-name", &flags.fe.model_name, "Name clients use for the model");
+  fs.Add("grpc-address", &flags.fe.grpc_address, "gRPC listen address host:port (port 0 picks a free port)");
+  fs.Add("metrics-address", &flags.fe.metrics_address, "Prometheus /metrics listen address host:port (port 0: free port)");
+  fs.Add("ready-file", &flags.fe.ready_file, "When set, written once serving: {\"grpc\": host:port, \"metrics\": host:port}");
+  fs.Add("max-batch-tokens", &flags.fe.max_batch_tokens, "Most token rows in one batch; larger requests are split");
+  absl::Duration queue_delay = flags.fe.max_queue_delay;
+  int64_t queue_delay_us = absl::ToInt64Microseconds(queue_delay);
+  fs.Add("max-queue-delay-us", &queue_delay_us, "Longest a request waits for more rows to fill its batch, in microseconds");
+  fs.Add("max-queue-tokens", &flags.fe.max_queue_tokens, "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
+  fs.Add("max-request-bytes", &flags.fe.max_request_bytes, "Largest gRPC message accepted (and sent), in bytes");
+  fs.Add("batch-timeout", &flags.fe.batch_timeout, "Deadline of every cross-rank wait of one batch");
+  fs.Add("drain-timeout", &flags.fe.drain_timeout, "On SIGTERM, how long a running batch may take before its requests get UNAVAILABLE");
+  fs.Add("startup-timeout", &flags.startup_timeout, "How long rank 0 waits for the workers to load their weights");
+  fs.Add("device", &flags.device, "OpenCL device of each worker: cpu, gpu, or <platform>:<device>");
+  absl::Status parsed = fs.Parse(argc, argv);
+  const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  const bool first = env_rank == nullptr || absl::string_view(env_rank) == "0";
+  if (fs.help_requested()) {
+    if (first) std::fputs(fs.Usage().c_str(), stdout);
+    return 0;
+  }
+  if (!parsed.ok()) {
+    if (first) std::fprintf(stderr, "epserve: %s\n", std::string(parsed.message()).c_str());
+    return 2;
+  }
+  flags.fe.max_queue_delay = absl::Microseconds(queue_delay_us);
+
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int rank = 0, num_ranks = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &num_ranks);
+  const int code = Run(rank, num_ranks, flags);
+  MPI_Finalize();
+  return code;
+}

@@ -1,0 +1,140 @@
+#include "tests/e2e/server_process.h"
+
+#include <grpcpp/create_channel.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+
+#include <cstdlib>
+#include <optional>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace epserve::testing {
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+pid_t Spawn(int ranks, const std::vector<std::string>& args, const std::string& log) {
+  std::vector<std::string> argv = {EPSERVE_MPIEXEC, "-np", std::to_string(ranks), "--oversubscribe",
+                                   "--bind-to", "none", EPSERVE_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    setpgid(0, 0);  // its own process group, so a hard kill reaches every rank
+    std::vector<char*> c;
+    for (std::string& a : argv) c.push_back(a.data());
+    c.push_back(nullptr);
+    execv(c[0], c.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for `pid` until `deadline`; the exit code, -1 if killed, or nullopt on timeout.
+std::optional<int> WaitFor(pid_t pid, absl::Time deadline) {
+  while (true) {
+    int status = 0;
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (absl::Now() >= deadline) return std::nullopt;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+std::vector<std::string> WithDefaults(std::vector<std::string> args, const std::string& dir) {
+  std::vector<std::string> all = {"--model=synthetic:tiny", "--grpc-address=127.0.0.1:0",
+                                  "--metrics-address=127.0.0.1:0",
+                                  absl::StrCat("--ready-file=", dir, "/ready.json")};
+  all.insert(all.end(), args.begin(), args.end());  // later flags win
+  return all;
+}
+
+std::string TempDir() {
+  char tmpl[] = "/tmp/epserve-test-XXXXXX";
+  return mkdtemp(tmpl);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(int ranks,
+                                                                    std::vector<std::string> args,
+                                                                    absl::Duration ready_timeout) {
+  auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
+  p->dir_ = TempDir();
+  p->pid_ = Spawn(ranks, WithDefaults(std::move(args), p->dir_), p->dir_ + "/log.txt");
+  const absl::Time deadline = absl::Now() + ready_timeout;
+  const std::regex re("\"grpc\": \"([^\"]+)\", \"metrics\": \"([^\"]+)\"");
+  while (absl::Now() < deadline) {
+    std::smatch m;
+    const std::string ready = ReadFile(p->dir_ + "/ready.json");
+    if (std::regex_search(ready, m, re)) {
+      p->grpc_address_ = m[1];
+      p->metrics_address_ = m[2];
+      return p;
+    }
+    int status = 0;
+    if (waitpid(p->pid_, &status, WNOHANG) == p->pid_) {
+      p->pid_ = -1;
+      return absl::InternalError(absl::StrCat("server exited before it was ready:\n", p->Log()));
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("server not ready in time:\n", p->Log()));
+}
+
+absl::StatusOr<std::pair<int, std::string>> ServerProcess::RunToExit(int ranks,
+                                                                     std::vector<std::string> args,
+                                                                     absl::Duration timeout) {
+  const std::string dir = TempDir();
+  const pid_t pid = Spawn(ranks, WithDefaults(std::move(args), dir), dir + "/log.txt");
+  std::optional<int> code = WaitFor(pid, absl::Now() + timeout);
+  if (!code) {
+    kill(-pid, SIGKILL);
+    WaitFor(pid, absl::InfiniteFuture());
+    return absl::DeadlineExceededError("the job did not exit in time");
+  }
+  return std::make_pair(*code, ReadFile(dir + "/log.txt"));
+}
+
+ServerProcess::~ServerProcess() {
+  if (pid_ > 0) {
+    kill(-pid_, SIGKILL);
+    WaitFor(pid_, absl::InfiniteFuture());
+  }
+}
+
+std::string ServerProcess::Log() const { return ReadFile(dir_ + "/log.txt"); }
+
+std::unique_ptr<inference::GRPCInferenceService::Stub> ServerProcess::NewStub() const {
+  grpc::ChannelArguments ch;
+  ch.SetMaxReceiveMessageSize(-1);
+  ch.SetMaxSendMessageSize(-1);
+  return inference::GRPCInferenceService::NewStub(
+      grpc::CreateCustomChannel(grpc_address_, grpc::InsecureChannelCredentials(), ch));
+}
+
+absl::StatusOr<ServerExit> ServerProcess::Stop(int signal, absl::Duration timeout) {
+  if (pid_ <= 0) return absl::FailedPreconditionError("not running");
+  const absl::Time start = absl::Now();
+  kill(pid_, signal);
+  std::optional<int> code = WaitFor(pid_, start + timeout);
+  if (!code) return absl::DeadlineExceededError(absl::StrCat("mpirun still running after ", absl::FormatDuration(timeout)));
+  pid_ = -1;
+  return ServerExit{*code, absl::Now() - start};
+}
+
+}  // namespace epserve::testing

@@ -1,0 +1,48 @@
+// Starts `mpirun -np N epserve ...` for a test, waits for its ready file, and stops it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpc_service.grpc.pb.h"
+
+namespace epserve::testing {
+
+struct ServerExit {
+  int exit_code = -1;      // of mpirun; -1 when killed
+  absl::Duration elapsed;  // from the stop signal to mpirun's exit
+};
+
+class ServerProcess {
+ public:
+  // Launches ranks processes with `args` after the defaults (tiny model, port 0 on
+  // 127.0.0.1 for gRPC and metrics, a ready file in a fresh temporary folder).
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(int ranks,
+                                                              std::vector<std::string> args,
+                                                              absl::Duration ready_timeout = absl::Seconds(120));
+  // Runs the job to completion (for startup errors): exit code and everything it printed.
+  static absl::StatusOr<std::pair<int, std::string>> RunToExit(int ranks, std::vector<std::string> args,
+                                                               absl::Duration timeout);
+  ~ServerProcess();  // SIGKILL if still running
+
+  const std::string& grpc_address() const { return grpc_address_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+  std::unique_ptr<inference::GRPCInferenceService::Stub> NewStub() const;
+  std::string Log() const;  // everything the job printed so far
+
+  // Sends `signal` to mpirun and waits up to `timeout` for it to exit.
+  absl::StatusOr<ServerExit> Stop(int signal, absl::Duration timeout);
+
+ private:
+  pid_t pid_ = -1;
+  std::string dir_;
+  std::string grpc_address_;
+  std::string metrics_address_;
+};
+
+}  // namespace epserve::testing

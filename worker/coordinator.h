@@ -1,0 +1,71 @@
+// Rank 0's side of the exchange: scatters a batch's rows into the workers' input regions,
+// starts the batch, waits for every worker and gathers the output rows.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "shmem/heap.h"
+#include "worker/exchange_layout.h"
+
+namespace epserve::worker {
+
+// What a finished batch reports, for metrics.
+struct BatchTrace {
+  int64_t scatter_ns = 0;
+  int64_t gather_ns = 0;
+  // stage_ns[w][stage] as worker w measured it.
+  std::vector<std::array<int64_t, kNumWorkerStages>> stage_ns;
+  std::vector<int64_t> expert_tokens;  // pairs routed to each expert
+};
+
+// A contiguous run of a batch's rows: `rows` rows read from `input` and answered into
+// `output` (both [rows, H] floats, owned by the caller).
+struct RowChunk {
+  const float* input;
+  float* output;
+  int64_t rows;
+};
+
+// Not thread-safe: one thread runs batches, one at a time.
+class Coordinator {
+ public:
+  Coordinator(shmem::SymmetricHeap& heap, const ExchangeLayout& layout)
+      : heap_(heap), layout_(layout) {}
+
+  // Waits until every worker has loaded its weights.
+  absl::Status WaitForWorkers(absl::Time deadline);
+
+  // Runs one batch of `layer_pos` over the rows of `chunks` (at most max_batch_tokens in all).
+  // Every wait ends by `deadline`. After a timeout the exchange is in an unknown state and
+  // every later call fails with UNAVAILABLE.
+  absl::StatusOr<BatchTrace> Run(int layer_pos, std::span<const RowChunk> chunks,
+                                 absl::Time deadline);
+
+  // Sends kStop to every worker and waits for them to acknowledge.
+  absl::Status Stop(absl::Time deadline);
+
+  // Makes a running or later Run return CANCELLED at once (shutdown). Thread-safe.
+  void Abort() { abort_.store(true); }
+
+  bool healthy() const { return healthy_; }
+  const ExchangeShape& shape() const { return layout_.shape; }
+
+ private:
+  absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline);
+  absl::Status WaitDone(absl::Time deadline);
+
+  shmem::SymmetricHeap& heap_;
+  const ExchangeLayout layout_;
+  uint64_t seq_ = 0;
+  bool healthy_ = true;
+  std::atomic<bool> abort_{false};
+};
+
+}  // namespace epserve::worker

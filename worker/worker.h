@@ -1,0 +1,78 @@
+// An expert worker: the per-rank EP pipeline (route, layout/notify, dispatch, expert FFN,
+// combine) and its batch loop. One per worker rank; driven by one thread.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/moe_kernels.h"
+#include "kernels/runtime.h"
+#include "model/weights.h"
+#include "shmem/heap.h"
+#include "worker/exchange_layout.h"
+#include "worker/placement.h"
+
+namespace epserve::worker {
+
+struct WorkerOptions {
+  kernels::RuntimeOptions device;
+  // A stop request (e.g. SIGTERM) ends the loop once no batch has come for this long,
+  // even if rank 0 never sends kStop (rank 0 gone).
+  absl::Duration orphan_grace = absl::Seconds(3);
+};
+
+class Worker {
+ public:
+  // Loads the experts this worker owns of every served layer onto its device.
+  // Configuration-time: slow, allocates.
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(shmem::SymmetricHeap& heap,
+                                                        const ExchangeLayout& layout,
+                                                        const model::WeightSource& source,
+                                                        const WorkerOptions& options);
+
+  // Tells rank 0 this worker is ready, then serves batches until rank 0 sends kStop, or
+  // `stop` turns true and no batch comes within orphan_grace. A batch's error is reported
+  // to rank 0 and the loop goes on.
+  absl::Status Serve(const std::atomic<bool>& stop);
+
+  const kernels::DeviceInfo& device() const { return rt_->device_info(); }
+  size_t weight_bytes() const;
+
+ private:
+  struct Layer {
+    kernels::RouterWeights router;
+    kernels::ExpertWeights experts;
+    kernels::ExpertWeights shared;  // num_experts == 0 when the model has none
+  };
+
+  Worker(shmem::SymmetricHeap& heap, const ExchangeLayout& layout, ExpertPlacement placement,
+         const model::MoeLayerConfig& cfg)
+      : heap_(heap), layout_(layout), placement_(std::move(placement)), cfg_(cfg) {}
+
+  absl::Status RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerReport& report);
+  absl::Status AllocateBuffers();
+
+  shmem::SymmetricHeap& heap_;
+  const ExchangeLayout layout_;
+  const ExpertPlacement placement_;
+  const model::MoeLayerConfig cfg_;
+  int me_ = 0;    // worker index
+  int rank_ = 0;  // heap rank = me_ + 1
+  std::unique_ptr<kernels::Runtime> rt_;
+  std::vector<Layer> layers_;
+
+  // Device buffers, sized for the largest batch.
+  kernels::Buffer x_local_, ids_, weights_, shared_h_, shared_y_;
+  kernels::Buffer x_recv_, row_index_, h_, y_, pair_index_, pair_weight_, out_recv_;
+  // Host scratch, sized for the largest batch.
+  std::vector<int32_t> ids_host_, row_index_host_, pair_index_host_;
+  std::vector<float> weights_host_, pair_weight_host_, shared_y_host_;
+  std::vector<int64_t> slot_;  // [n][W]: row of my combine region holding token t's part from d
+  std::vector<int64_t> expert_offsets_;
+};
+
+}  // namespace epserve::worker
