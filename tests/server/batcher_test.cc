@@ -1,0 +1,202 @@
+#include "server/batcher.h"
+
+#include <cstring>
+#include <mutex>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace epserve::server {
+namespace {
+
+constexpr int64_t kHidden = 4;
+
+// A request whose rows are its own row indices plus an offset, answered by an executor
+// that doubles every value, so each output row proves where it came from.
+struct FakeRequest {
+  std::vector<float> in, out;
+  std::shared_ptr<InferTask> task;
+  int calls = 0;
+  absl::Status status;
+};
+
+std::unique_ptr<FakeRequest> MakeRequest(int64_t tokens, float offset, int layer_pos = 0) {
+  auto r = std::make_unique<FakeRequest>();
+  r->in.resize(tokens * kHidden);
+  for (size_t i = 0; i < r->in.size(); ++i) r->in[i] = offset + static_cast<float>(i);
+  r->out.assign(tokens * kHidden, NAN);
+  r->task = std::make_shared<InferTask>();
+  r->task->layer_pos = layer_pos;
+  r->task->num_tokens = tokens;
+  r->task->input = reinterpret_cast<const char*>(r->in.data());
+  r->task->output = reinterpret_cast<char*>(r->out.data());
+  r->task->enqueued = absl::Now();
+  FakeRequest* raw = r.get();
+  r->task->done = [raw](absl::Status s, absl::Duration) {
+    raw->calls++;
+    raw->status = std::move(s);
+  };
+  return r;
+}
+
+struct Recorder {
+  std::mutex mu;
+  std::vector<int64_t> batch_rows;
+  std::vector<int> layers;
+  absl::Status fail_with;
+  Batcher::Executor Executor() {
+    return [this](int layer_pos, std::span<const worker::RowChunk> chunks) {
+      int64_t rows = 0;
+      for (const auto& c : chunks) {
+        for (int64_t i = 0; i < c.rows * kHidden; ++i) c.output[i] = 2 * c.input[i];
+        rows += c.rows;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      batch_rows.push_back(rows);
+      layers.push_back(layer_pos);
+      return fail_with;
+    };
+  }
+};
+
+BatcherOptions Options(int64_t max_batch, absl::Duration delay = absl::Milliseconds(5)) {
+  BatcherOptions o;
+  o.max_batch_tokens = max_batch;
+  o.max_queue_delay = delay;
+  o.max_queue_tokens = 1000;
+  o.hidden_size = kHidden;
+  return o;
+}
+
+void WaitDone(const std::vector<std::unique_ptr<FakeRequest>>& reqs) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  for (const auto& r : reqs) {
+    while (r->calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+TEST(Batcher, SplitsLargeRequestsAndReassemblesEveryAnswerInOrder) {
+  Recorder rec;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    Batcher b(Options(8), rec.Executor());
+    std::mt19937 rng(std::random_device{}());
+    for (int i = 0; i < 20; ++i) {
+      reqs.push_back(MakeRequest(1 + rng() % 30, 1000.0f * i));
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    }
+    WaitDone(reqs);
+  }
+  for (const auto& r : reqs) {
+    EXPECT_EQ(r->calls, 1);
+    EXPECT_TRUE(r->status.ok()) << r->status;
+    for (size_t i = 0; i < r->in.size(); ++i) ASSERT_EQ(r->out[i], 2 * r->in[i]);
+  }
+  for (int64_t rows : rec.batch_rows) EXPECT_LE(rows, 8);
+}
+
+TEST(Batcher, FillsBatchesWhenRowsAreWaiting) {
+  Recorder rec;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    // A long delay: a full batch must go at once, not after the delay.
+    Batcher b(Options(16, absl::Seconds(5)), rec.Executor());
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < 4; ++i) {
+      reqs.push_back(MakeRequest(4, 0));
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    }
+    WaitDone(reqs);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+  }
+  ASSERT_EQ(rec.batch_rows.size(), 1u);
+  EXPECT_EQ(rec.batch_rows[0], 16);
+}
+
+TEST(Batcher, ABatchHoldsOneLayer) {
+  Recorder rec;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    Batcher b(Options(64, absl::Milliseconds(20)), rec.Executor());
+    for (int i = 0; i < 6; ++i) {
+      reqs.push_back(MakeRequest(3, i, i % 2));
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    }
+    WaitDone(reqs);
+  }
+  ASSERT_EQ(rec.layers.size(), 2u);
+  EXPECT_NE(rec.layers[0], rec.layers[1]);
+  for (const auto& r : reqs) EXPECT_TRUE(r->status.ok());
+}
+
+TEST(Batcher, FullQueueIsResourceExhaustedAndTheCallerKeepsTheTask) {
+  Recorder rec;
+  BatcherOptions o = Options(8, absl::Seconds(5));
+  o.max_queue_tokens = 10;
+  Batcher b(o, rec.Executor());
+  auto big = MakeRequest(11, 0);
+  absl::Status s = b.Enqueue(big->task);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--max-queue-tokens=10"), absl::string_view::npos) << s;
+  EXPECT_EQ(big->calls, 0);
+}
+
+TEST(Batcher, ExecutorErrorsReachEveryRequestOfTheBatchOnce) {
+  Recorder rec;
+  rec.fail_with = absl::UnavailableError("workers gone");
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    Batcher b(Options(8), rec.Executor());
+    for (int i = 0; i < 3; ++i) {
+      reqs.push_back(MakeRequest(20, 0));  // each spans three batches
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    }
+    WaitDone(reqs);
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  for (const auto& r : reqs) {
+    EXPECT_EQ(r->calls, 1);
+    EXPECT_EQ(r->status.code(), absl::StatusCode::kUnavailable);
+  }
+}
+
+TEST(Batcher, StopAnswersQueuedRequestsAndRefusesNewOnes) {
+  Recorder rec;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  Batcher b(Options(8, absl::Seconds(30)), rec.Executor());
+  for (int i = 0; i < 3; ++i) {
+    reqs.push_back(MakeRequest(2, 0));
+    ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+  }
+  b.Stop();
+  for (const auto& r : reqs) {
+    EXPECT_EQ(r->calls, 1);
+    EXPECT_EQ(r->status.code(), absl::StatusCode::kUnavailable);
+  }
+  auto late = MakeRequest(1, 0);
+  EXPECT_EQ(b.Enqueue(late->task).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(late->calls, 0);
+}
+
+TEST(Batcher, CancelledAndExpiredRequestsLeaveWithoutCompute) {
+  Recorder rec;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    Batcher b(Options(8, absl::Milliseconds(20)), rec.Executor());
+    reqs.push_back(MakeRequest(2, 0));
+    reqs.back()->task->cancelled = [] { return true; };
+    reqs.push_back(MakeRequest(2, 0));
+    reqs.back()->task->deadline = absl::Now();
+    reqs.push_back(MakeRequest(2, 0));
+    for (auto& r : reqs) ASSERT_TRUE(b.Enqueue(r->task).ok());
+    WaitDone(reqs);
+  }
+  EXPECT_EQ(reqs[0]->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(reqs[1]->status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(reqs[2]->status.ok());
+  ASSERT_EQ(rec.batch_rows.size(), 1u);
+  EXPECT_EQ(rec.batch_rows[0], 2);
+}
+
+}  // namespace
+}  // namespace epserve::server
