@@ -137,7 +137,8 @@ absl::StatusOr<std::vector<StepSpec>> StepsFromFlags() {
       steps.push_back(step);
     }
   }
-  if (steps.empty()) return absl::InvalidArgumentError("no step to run: empty --rate/--concurrency");
+  if (steps.empty())
+    return absl::InvalidArgumentError("no step to run: empty --rate/--concurrency");
   return steps;
 }
 
@@ -145,8 +146,8 @@ std::string DescribeRun(const std::string& target, const LoadOptions& o, int con
   return absl::StrCat(
       "epserve-load: target ", target, ", model \"", o.request.model_name, "\", hidden ",
       o.request.hidden_size, ", tokens ", FormatTokenRange(o.tokens), ", layer ",
-      o.request.layer.has_value() ? absl::StrCat(*o.request.layer) : std::string("-"),
-      ", warmup ", absl::FormatDuration(o.warmup), ", ",
+      o.request.layer.has_value() ? absl::StrCat(*o.request.layer) : std::string("-"), ", warmup ",
+      absl::FormatDuration(o.warmup), ", ",
       o.num_requests > 0 ? absl::StrCat(o.num_requests, " requests")
                          : absl::StrCat("duration ", absl::FormatDuration(o.duration)),
       " per step, timeout ", absl::FormatDuration(o.timeout), ", connections ", connections,
@@ -202,8 +203,7 @@ int Main(int argc, char** argv) {
   options.max_outstanding = absl::GetFlag(FLAGS_max_outstanding);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   if (options.num_threads == 0) {
-    options.num_threads =
-        static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+    options.num_threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
   }
   const std::string target = absl::GetFlag(FLAGS_target);
   const int connections = absl::GetFlag(FLAGS_connections);

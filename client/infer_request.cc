@@ -89,7 +89,8 @@ void FastRng::FillUniformSigned(float* dst, int64_t count) {
     dst[i] = static_cast<float>(static_cast<int32_t>(x >> 40)) * 0x1p-23f - 1.0f;
     dst[i + 1] = static_cast<float>(static_cast<int32_t>((x >> 16) & 0xFFFFFF)) * 0x1p-23f - 1.0f;
   }
-  if (i < count) dst[i] = static_cast<float>(static_cast<int32_t>((*this)() >> 40)) * 0x1p-23f - 1.0f;
+  if (i < count)
+    dst[i] = static_cast<float>(static_cast<int32_t>((*this)() >> 40)) * 0x1p-23f - 1.0f;
 }
 
 void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string_view id,
@@ -136,8 +137,8 @@ absl::Status CheckInferResponse(const inference::ModelInferResponse& response, i
     }
   }
   if (index < 0) {
-    return absl::DataLossError(absl::StrCat("no output '", kOutputName, "' among ",
-                                            response.outputs_size(), " outputs"));
+    return absl::DataLossError(
+        absl::StrCat("no output '", kOutputName, "' among ", response.outputs_size(), " outputs"));
   }
   const auto& output = response.outputs(index);
   if (output.datatype() != kDatatype) {

@@ -62,8 +62,8 @@ class FastRng {
 // What every request of a run has in common.
 struct RequestTemplate {
   std::string model_name;
-  int64_t hidden_size = 0;             // H
-  std::optional<int64_t> layer;        // sent as the int64 parameter "layer" when set
+  int64_t hidden_size = 0;       // H
+  std::optional<int64_t> layer;  // sent as the int64 parameter "layer" when set
 };
 
 // Fills `request` (cleared first) with a request for `tokens` rows of fresh values uniform

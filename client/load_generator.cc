@@ -53,11 +53,16 @@ namespace {
 
 absl::string_view ChannelStateName(grpc_connectivity_state state) {
   switch (state) {
-    case GRPC_CHANNEL_IDLE: return "IDLE";
-    case GRPC_CHANNEL_CONNECTING: return "CONNECTING";
-    case GRPC_CHANNEL_READY: return "READY";
-    case GRPC_CHANNEL_TRANSIENT_FAILURE: return "TRANSIENT_FAILURE";
-    case GRPC_CHANNEL_SHUTDOWN: return "SHUTDOWN";
+    case GRPC_CHANNEL_IDLE:
+      return "IDLE";
+    case GRPC_CHANNEL_CONNECTING:
+      return "CONNECTING";
+    case GRPC_CHANNEL_READY:
+      return "READY";
+    case GRPC_CHANNEL_TRANSIENT_FAILURE:
+      return "TRANSIENT_FAILURE";
+    case GRPC_CHANNEL_SHUTDOWN:
+      return "SHUTDOWN";
   }
   return "UNKNOWN_STATE";
 }
@@ -80,10 +85,10 @@ absl::Status WaitForChannels(const std::vector<std::shared_ptr<grpc::Channel>>& 
   const auto deadline = DeadlineAfter(timeout);
   for (const auto& channel : channels) {
     if (!channel->WaitForConnected(deadline)) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot connect to ", target, " within ", absl::FormatDuration(timeout),
-          " (channel state ", ChannelStateName(channel->GetState(false)),
-          "); is the server running and listening there?"));
+      return absl::UnavailableError(absl::StrCat("cannot connect to ", target, " within ",
+                                                 absl::FormatDuration(timeout), " (channel state ",
+                                                 ChannelStateName(channel->GetState(false)),
+                                                 "); is the server running and listening there?"));
     }
   }
   return absl::OkStatus();
@@ -115,14 +120,16 @@ absl::StatusOr<int64_t> QueryHiddenSize(const std::shared_ptr<grpc::Channel>& ch
 LoadGenerator::LoadGenerator(std::vector<std::shared_ptr<grpc::Channel>> channels,
                              LoadOptions options)
     : options_(std::move(options)) {
-  for (auto& channel : channels) stubs_.push_back(inference::GRPCInferenceService::NewStub(channel));
+  for (auto& channel : channels)
+    stubs_.push_back(inference::GRPCInferenceService::NewStub(channel));
 }
 
 absl::Status LoadGenerator::Validate(const StepSpec& step) const {
   const LoadOptions& o = options_;
   if (stubs_.empty()) return absl::InvalidArgumentError("connections: need at least one channel");
   if (o.request.hidden_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden: ", o.request.hidden_size, " must be > 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden: ", o.request.hidden_size, " must be > 0"));
   }
   if (o.tokens.min_tokens < 1 || o.tokens.max_tokens < o.tokens.min_tokens) {
     return absl::InvalidArgumentError(
@@ -131,9 +138,9 @@ absl::Status LoadGenerator::Validate(const StepSpec& step) const {
   // A tensor must fit one protobuf bytes field (< 2 GiB).
   constexpr int64_t kMaxPayloadBytes = (int64_t{1} << 31) - (int64_t{1} << 20);
   if (o.tokens.max_tokens > kMaxPayloadBytes / kBytesPerElement / o.request.hidden_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tokens: ", o.tokens.max_tokens, " rows of hidden size ", o.request.hidden_size,
-        " exceed the 2 GiB limit of one message"));
+    return absl::InvalidArgumentError(absl::StrCat("tokens: ", o.tokens.max_tokens,
+                                                   " rows of hidden size ", o.request.hidden_size,
+                                                   " exceed the 2 GiB limit of one message"));
   }
   if (o.num_requests < 0) return absl::InvalidArgumentError("requests: must be >= 0");
   if (o.num_requests == 0 && o.duration <= absl::ZeroDuration()) {
@@ -180,7 +187,7 @@ struct Call {
   Clock::time_point start;  // latency origin (intended send time in open loop)
   int64_t tokens = 0;
   bool measured = false;
-  int slot = -1;            // closed-loop worker that sends again on completion; -1: none
+  int slot = -1;  // closed-loop worker that sends again on completion; -1: none
 };
 
 // What a sending thread needs of its own: payload generator, request scratch (reused so
@@ -334,7 +341,8 @@ class StepRun {
       }
 
       double gap_s = mean_gap_s;
-      if (step_.arrival == Arrival::kPoisson) gap_s = -std::log1p(-sender.rng.UniformUnit()) * mean_gap_s;
+      if (step_.arrival == Arrival::kPoisson)
+        gap_s = -std::log1p(-sender.rng.UniformUnit()) * mean_gap_s;
       intended += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap_s));
     }
   }
@@ -376,8 +384,8 @@ class StepRun {
       lane.stats.RecordError(StatusCodeName(call.status.error_code()), call.status.error_message());
       return;
     }
-    absl::Status check = CheckInferResponse(call.response, call.tokens,
-                                            options_.request.hidden_size, call.id);
+    absl::Status check =
+        CheckInferResponse(call.response, call.tokens, options_.request.hidden_size, call.id);
     if (!check.ok()) {
       lane.stats.RecordError(kBadResponse, check.message());
       return;
@@ -396,10 +404,10 @@ class StepRun {
     Clock::time_point end = options_.num_requests == 0 ? measure_end_ : measure_begin_;
     end = std::max(end, last);
     const double duration_s = std::chrono::duration<double>(end - measure_begin_).count();
-    return MakeStepReport(step_.mode, step_.concurrency, step_.rate_per_s,
-                          step_.mode == LoadMode::kOpenLoop ? std::string(ArrivalName(step_.arrival))
-                                                            : std::string(),
-                          merged, duration_s);
+    return MakeStepReport(
+        step_.mode, step_.concurrency, step_.rate_per_s,
+        step_.mode == LoadMode::kOpenLoop ? std::string(ArrivalName(step_.arrival)) : std::string(),
+        merged, duration_s);
   }
 
   const LoadOptions& options_;

@@ -64,8 +64,8 @@ struct LoadOptions {
 // One step of a run.
 struct StepSpec {
   LoadMode mode = LoadMode::kClosedLoop;
-  int concurrency = 1;                 // closed loop: workers, >= 1
-  double rate_per_s = 0;               // open loop: requests per second, > 0
+  int concurrency = 1;    // closed loop: workers, >= 1
+  double rate_per_s = 0;  // open loop: requests per second, > 0
   Arrival arrival = Arrival::kConstant;
 };
 

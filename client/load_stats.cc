@@ -13,12 +13,23 @@
 namespace epserve::client {
 
 std::string StatusCodeName(int code) {
-  static constexpr absl::string_view kNames[] = {
-      "OK",                 "CANCELLED",         "UNKNOWN",      "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED",  "NOT_FOUND",         "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",    "OUT_OF_RANGE",
-      "UNIMPLEMENTED",      "INTERNAL",          "UNAVAILABLE",  "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static constexpr absl::string_view kNames[] = {"OK",
+                                                 "CANCELLED",
+                                                 "UNKNOWN",
+                                                 "INVALID_ARGUMENT",
+                                                 "DEADLINE_EXCEEDED",
+                                                 "NOT_FOUND",
+                                                 "ALREADY_EXISTS",
+                                                 "PERMISSION_DENIED",
+                                                 "RESOURCE_EXHAUSTED",
+                                                 "FAILED_PRECONDITION",
+                                                 "ABORTED",
+                                                 "OUT_OF_RANGE",
+                                                 "UNIMPLEMENTED",
+                                                 "INTERNAL",
+                                                 "UNAVAILABLE",
+                                                 "DATA_LOSS",
+                                                 "UNAUTHENTICATED"};
   if (code >= 0 && code < static_cast<int>(std::size(kNames))) return std::string(kNames[code]);
   return absl::StrCat("CODE_", code);
 }
@@ -69,7 +80,8 @@ void WorkerStats::MergeFrom(WorkerStats&& other) {
   num_ok += other.num_ok;
   num_ok_tokens += other.num_ok_tokens;
   for (const auto& [key, count] : other.errors) errors[key] += count;
-  for (auto& [key, message] : other.error_examples) error_examples.try_emplace(key, std::move(message));
+  for (auto& [key, message] : other.error_examples)
+    error_examples.try_emplace(key, std::move(message));
   other = WorkerStats();
 }
 
@@ -81,8 +93,8 @@ double StepReport::TokensPerSecond() const {
   return duration_seconds > 0 ? static_cast<double>(num_ok_tokens) / duration_seconds : 0.0;
 }
 
-StepReport MakeStepReport(LoadMode mode, int concurrency, double rate_per_s,
-                          std::string arrival, WorkerStats& stats, double duration_seconds) {
+StepReport MakeStepReport(LoadMode mode, int concurrency, double rate_per_s, std::string arrival,
+                          WorkerStats& stats, double duration_seconds) {
   StepReport r;
   r.mode = mode;
   r.concurrency = concurrency;
@@ -122,11 +134,11 @@ std::string FormatStepTable(const StepReport& r) {
                         r.RequestsPerSecond(), r.TokensPerSecond());
   if (r.latency.has_value()) {
     const LatencySummary& l = *r.latency;
-    absl::StrAppendFormat(&out, "  %-14s %9s %9s %9s %9s %9s %9s\n", "latency (ms)", "p50",
-                          "p90", "p95", "p99", "p99.9", "max");
+    absl::StrAppendFormat(&out, "  %-14s %9s %9s %9s %9s %9s %9s\n", "latency (ms)", "p50", "p90",
+                          "p95", "p99", "p99.9", "max");
     absl::StrAppendFormat(&out, "  %-14s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f\n", "",
-                          NsToMs(l.p50_ns), NsToMs(l.p90_ns), NsToMs(l.p95_ns),
-                          NsToMs(l.p99_ns), NsToMs(l.p999_ns), NsToMs(l.max_ns));
+                          NsToMs(l.p50_ns), NsToMs(l.p90_ns), NsToMs(l.p95_ns), NsToMs(l.p99_ns),
+                          NsToMs(l.p999_ns), NsToMs(l.max_ns));
   } else {
     absl::StrAppendFormat(&out, "  %-14s - (no successful request)\n", "latency (ms)");
   }
@@ -144,11 +156,21 @@ std::string JsonQuote(absl::string_view text) {
   std::string out = "\"";
   for (char c : text) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           absl::StrAppendFormat(&out, "\\u%04x", static_cast<unsigned char>(c));
@@ -191,7 +213,8 @@ std::string FormatStepJson(const StepReport& r) {
   absl::StrAppend(&out, ",\"error_examples\":{",
                   absl::StrJoin(r.error_examples, ",",
                                 [](std::string* o, const auto& kv) {
-                                  absl::StrAppend(o, JsonQuote(kv.first), ":", JsonQuote(kv.second));
+                                  absl::StrAppend(o, JsonQuote(kv.first), ":",
+                                                  JsonQuote(kv.second));
                                 }),
                   "}}");
   return out;

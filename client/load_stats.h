@@ -67,15 +67,15 @@ enum class LoadMode {
 // The figures of one step, as printed.
 struct StepReport {
   LoadMode mode = LoadMode::kClosedLoop;
-  int concurrency = 0;         // closed loop only
-  double rate_per_s = 0;       // open loop only: offered requests per second
-  std::string arrival;         // open loop only: "constant" or "poisson"
-  int64_t num_requests = 0;    // measured requests completed: num_ok + sum(errors)
+  int concurrency = 0;       // closed loop only
+  double rate_per_s = 0;     // open loop only: offered requests per second
+  std::string arrival;       // open loop only: "constant" or "poisson"
+  int64_t num_requests = 0;  // measured requests completed: num_ok + sum(errors)
   int64_t num_ok = 0;
   int64_t num_ok_tokens = 0;
   std::map<std::string, int64_t> errors;
   std::map<std::string, std::string> error_examples;
-  double duration_seconds = 0;  // length of the measured window (see load_generator.h)
+  double duration_seconds = 0;            // length of the measured window (see load_generator.h)
   std::optional<LatencySummary> latency;  // over successful requests; nullopt if none
 
   // Successful requests per second and their token rows per second; 0 for an empty window.
@@ -84,8 +84,8 @@ struct StepReport {
 };
 
 // Builds a step's report from its merged stats. Sorts stats.latency_ns.
-StepReport MakeStepReport(LoadMode mode, int concurrency, double rate_per_s,
-                          std::string arrival, WorkerStats& stats, double duration_seconds);
+StepReport MakeStepReport(LoadMode mode, int concurrency, double rate_per_s, std::string arrival,
+                          WorkerStats& stats, double duration_seconds);
 
 // A human-readable table for one step, ending in a newline.
 std::string FormatStepTable(const StepReport& report);

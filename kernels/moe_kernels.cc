@@ -52,8 +52,8 @@ absl::Status Launch(Runtime& rt, cl_kernel kernel, cl_uint dims, const size_t* g
 
 absl::Status NeedBytes(const Buffer& b, size_t bytes, absl::string_view what) {
   if (b.bytes() < bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", b.bytes(), " bytes, needs ",
-                                                   bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " holds ", b.bytes(), " bytes, needs ", bytes));
   }
   return absl::OkStatus();
 }
@@ -88,9 +88,8 @@ struct FfnKinds {
 
 // Uploads experts [first, first + count) of an FFN of intermediate size `ffn` into the
 // panel layout of kernels/detail/ffn_layout.h, one host tensor at a time.
-absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source,
-                                        int layer, FfnKinds kinds, int first, int count,
-                                        int64_t ffn) {
+absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
+                                        FfnKinds kinds, int first, int count, int64_t ffn) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   const int64_t hidden = cfg.hidden_size;
   RETURN_IF_ERROR(NeedIntRange(hidden, "hidden_size"));
@@ -119,8 +118,8 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
     RETURN_IF_ERROR(FillMapped(rt, w.gate_up, i * gu_floats, gu_floats, [&](float* dst) {
       // dst[(j * H + k) * pw + c]: gate row f = j * half + c for c < half, up row f for c >= half.
       for (int half_index = 0; half_index < 2; ++half_index) {
-        RETURN_IF_ERROR(source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert,
-                                    staging.data()));
+        RETURN_IF_ERROR(
+            source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert, staging.data()));
         for (int64_t j = 0; j < gu_panels; ++j) {
           for (int64_t c = 0; c < half; ++c) {
             const int64_t f = j * half + c;
@@ -158,18 +157,21 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   return w;
 }
 
-// groups[g] = (local expert, first row, end row, 0) of each non-empty expert, on the device.
+// Work tiles on the device: groups[g] = (local expert, first row, end row, 0), covering the
+// rows of every non-empty expert in chunks of at most kFfnRowChunk rows.
 absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offsets,
                                     int* num_groups) {
+  const int64_t chunk = detail::kFfnRowChunk;
   std::vector<cl_int4> groups;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    if (offsets[e + 1] == offsets[e]) continue;
-    cl_int4 g;
-    g.s[0] = static_cast<cl_int>(e);
-    g.s[1] = static_cast<cl_int>(offsets[e]);
-    g.s[2] = static_cast<cl_int>(offsets[e + 1]);
-    g.s[3] = 0;
-    groups.push_back(g);
+    for (int64_t begin = offsets[e]; begin < offsets[e + 1]; begin += chunk) {
+      cl_int4 g;
+      g.s[0] = static_cast<cl_int>(e);
+      g.s[1] = static_cast<cl_int>(begin);
+      g.s[2] = static_cast<cl_int>(std::min(begin + chunk, offsets[e + 1]));
+      g.s[3] = 0;
+      groups.push_back(g);
+    }
   }
   *num_groups = static_cast<int>(groups.size());
   return rt.AllocateCopy(groups.data(), groups.size() * sizeof(cl_int4));
@@ -190,13 +192,12 @@ absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, const 
   const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
   const cl_long x_rows = static_cast<cl_long>(x.bytes() / (w.hidden * sizeof(float)));
   const size_t local[2] = {1, 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, row_index, cl_int{gather ? 1 : 0}, groups,
-                          w.gate_up, hidden, ffn, gu_panels, h_scratch));
+  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, row_index, cl_int{gather ? 1 : 0}, groups, w.gate_up,
+                          hidden, ffn, gu_panels, h_scratch));
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
   RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
   RETURN_IF_ERROR(SetArgs(*down, h_scratch, groups, w.down, hidden, ffn, down_panels, y));
-  const size_t down_global[2] = {static_cast<size_t>(down_panels),
-                                 static_cast<size_t>(num_groups)};
+  const size_t down_global[2] = {static_cast<size_t>(down_panels), static_cast<size_t>(num_groups)};
   return Launch(rt, *down, 2, down_global, local);
 }
 
@@ -235,9 +236,9 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
   const model::MoeLayerConfig& cfg = source.config().layer;
   RETURN_IF_ERROR(cfg.Validate());
   if (first_expert < 0 || num_experts < 0 || first_expert + num_experts > cfg.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "experts [", first_expert, ", ", first_expert + num_experts, ") not within [0, ",
-        cfg.num_experts, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("experts [", first_expert, ", ",
+                                                   first_expert + num_experts, ") not within [0, ",
+                                                   cfg.num_experts, ")"));
   }
   return UploadFfn(rt, source, layer,
                    {TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown},
@@ -252,9 +253,8 @@ absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::Weigh
     return absl::FailedPreconditionError("the layer has no shared expert (shared_ffn_size == 0)");
   }
   absl::StatusOr<ExpertWeights> w = UploadFfn(
-      rt, source, layer,
-      {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown}, 0, 1,
-      cfg.shared_ffn_size);
+      rt, source, layer, {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown},
+      0, 1, cfg.shared_ffn_size);
   if (!w.ok()) return w.status();
   if (cfg.shared_expert_gate) {
     std::vector<float> gate(cfg.hidden_size);
@@ -279,8 +279,8 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
   RETURN_IF_ERROR(SetArgs(*kernel, x, w.router, w.bias, static_cast<cl_int>(n),
                           static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts},
                           cl_int{c.top_k}, static_cast<cl_int>(c.routing),
-                          cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group},
-                          cl_int{c.topk_group}, cl_float{c.routed_scaling_factor}, ids, weights));
+                          cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group}, cl_int{c.topk_group},
+                          cl_float{c.routed_scaling_factor}, ids, weights));
   const size_t global[1] = {static_cast<size_t>(n)};
   return Launch(rt, *kernel, 1, global, nullptr);
 }
@@ -289,9 +289,9 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                        const Buffer& row_index, std::span<const int64_t> expert_offsets,
                        Buffer& h_scratch, Buffer& y) {
   if (expert_offsets.size() != static_cast<size_t>(w.num_experts) + 1) {
-    return absl::InvalidArgumentError(absl::StrCat("expert_offsets has ", expert_offsets.size(),
-                                                   " entries, needs num_experts + 1 = ",
-                                                   w.num_experts + 1));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert_offsets has ", expert_offsets.size(),
+                     " entries, needs num_experts + 1 = ", w.num_experts + 1));
   }
   if (expert_offsets[0] != 0) {
     return absl::InvalidArgumentError(
@@ -333,8 +333,7 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, &num_groups);
   if (!groups.ok()) return groups.status();
   const Buffer no_index;
-  RETURN_IF_ERROR(
-      RunFfn(rt, w, x, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
+  RETURN_IF_ERROR(RunFfn(rt, w, x, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
   absl::StatusOr<cl_kernel> scale = rt.Kernel("scale_rows_by_sigmoid_gate");
   if (!scale.ok()) return scale.status();

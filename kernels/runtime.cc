@@ -58,13 +58,12 @@ absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> EnumerateDevice
     absl::StatusOr<std::string> platform_name = PlatformString(platforms[p], CL_PLATFORM_NAME);
     if (!platform_name.ok()) return platform_name.status();
     cl_uint num_devices = 0;
-    const cl_int derr =
-        clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, 0, nullptr, &num_devices);
+    const cl_int derr = clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, 0, nullptr, &num_devices);
     if (derr == CL_DEVICE_NOT_FOUND || num_devices == 0) continue;
     CL_CHECK(derr);
     std::vector<cl_device_id> devices(num_devices);
-    CL_CHECK(clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, num_devices, devices.data(),
-                            nullptr));
+    CL_CHECK(
+        clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, num_devices, devices.data(), nullptr));
     for (cl_uint d = 0; d < num_devices; ++d) {
       DeviceInfo info;
       info.platform_index = static_cast<int>(p);
@@ -101,8 +100,8 @@ absl::StatusOr<std::pair<cl_device_id, DeviceInfo>> ChooseDevice(
     const std::vector<std::pair<cl_device_id, DeviceInfo>>& devices, std::string_view spec,
     int local_rank) {
   auto none = [&](absl::StatusCode code, std::string_view why) {
-    return absl::Status(code, absl::StrCat("no OpenCL device for device='", Sv(spec), "': ", Sv(why),
-                                           "; devices found: ", DescribeAll(devices)));
+    return absl::Status(code, absl::StrCat("no OpenCL device for device='", Sv(spec), "': ",
+                                           Sv(why), "; devices found: ", DescribeAll(devices)));
   };
   if (spec == "cpu" || spec == "gpu") {
     const bool want_gpu = spec == "gpu";
@@ -113,8 +112,8 @@ absl::StatusOr<std::pair<cl_device_id, DeviceInfo>> ChooseDevice(
     if (matches.empty()) {
       return none(absl::StatusCode::kNotFound, absl::StrCat("there is no ", Sv(spec), " device"));
     }
-    const size_t pick = want_gpu ? static_cast<size_t>(std::max(local_rank, 0)) % matches.size()
-                                 : 0;
+    const size_t pick =
+        want_gpu ? static_cast<size_t>(std::max(local_rank, 0)) % matches.size() : 0;
     return devices[matches[pick]];
   }
   const std::vector<absl::string_view> parts = absl::StrSplit(Sv(spec), ':');
@@ -160,8 +159,8 @@ absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
   return out;
 }
 
-Buffer::Buffer(Buffer&& o) noexcept : mem_(std::exchange(o.mem_, nullptr)),
-                                      bytes_(std::exchange(o.bytes_, 0)) {}
+Buffer::Buffer(Buffer&& o) noexcept
+    : mem_(std::exchange(o.mem_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
@@ -249,8 +248,8 @@ absl::Status Runtime::Write(const Buffer& dst, size_t offset, const void* src, s
                                               " exceeds the buffer's ", dst.bytes(), " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
-  CL_CHECK(clEnqueueWriteBuffer(queue_, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr,
-                                nullptr));
+  CL_CHECK(
+      clEnqueueWriteBuffer(queue_, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr, nullptr));
   return absl::OkStatus();
 }
 
@@ -272,25 +271,23 @@ absl::Status Runtime::Finish() {
 
 const ProgramCacheStats& Runtime::cache_stats() const { return programs_->stats; }
 
-absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name,
-                                                 std::string_view source) {
+absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::string_view source) {
   const std::string options = detail::ProgramBuildOptions();
   ProgramCacheStats& stats = programs_->stats;
   std::string cache_path;
   if (!cache_dir_.empty()) {
-    cache_path = detail::ProgramCachePath(cache_dir_, name,
-                                          detail::ProgramCacheKey(source, options, info_));
+    cache_path =
+        detail::ProgramCachePath(cache_dir_, name, detail::ProgramCacheKey(source, options, info_));
     absl::StatusOr<std::string> binary = detail::ReadWholeFile(cache_path);
     if (binary.ok() && !binary->empty()) {
       const size_t size = binary->size();
       const auto* bytes = reinterpret_cast<const unsigned char*>(binary->data());
       cl_int binary_status = CL_SUCCESS;
       cl_int err = CL_SUCCESS;
-      cl_program program = clCreateProgramWithBinary(context_, 1, &device_, &size, &bytes,
-                                                     &binary_status, &err);
+      cl_program program =
+          clCreateProgramWithBinary(context_, 1, &device_, &size, &bytes, &binary_status, &err);
       if (err == CL_SUCCESS && binary_status == CL_SUCCESS &&
-          clBuildProgram(program, 1, &device_, options.c_str(), nullptr, nullptr) ==
-              CL_SUCCESS) {
+          clBuildProgram(program, 1, &device_, options.c_str(), nullptr, nullptr) == CL_SUCCESS) {
         ++stats.loaded;
         return program;
       }
@@ -313,15 +310,14 @@ absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name,
     if (clGetProgramBuildInfo(program, device_, CL_PROGRAM_BUILD_LOG, 0, nullptr, &log_size) ==
         CL_SUCCESS) {
       log.resize(log_size);
-      clGetProgramBuildInfo(program, device_, CL_PROGRAM_BUILD_LOG, log_size, log.data(),
-                            nullptr);
+      clGetProgramBuildInfo(program, device_, CL_PROGRAM_BUILD_LOG, log_size, log.data(), nullptr);
       while (!log.empty() && log.back() == '\0') log.pop_back();
     }
     clReleaseProgram(program);
     const absl::Status s = detail::ClError(build_err, "clBuildProgram", __FILE__, __LINE__);
-    return absl::Status(s.code(), absl::StrCat("building OpenCL program '", Sv(name), "' for ",
-                                               info_.device_name, ": ", s.message(),
-                                               "\nbuild log:\n", log));
+    return absl::Status(
+        s.code(), absl::StrCat("building OpenCL program '", Sv(name), "' for ", info_.device_name,
+                               ": ", s.message(), "\nbuild log:\n", log));
   }
   ++stats.built;
 
@@ -372,8 +368,7 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
       cl_int err = clGetKernelInfo(kernels[i], CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size);
       if (err == CL_SUCCESS) {
         names[i].resize(size);
-        err = clGetKernelInfo(kernels[i], CL_KERNEL_FUNCTION_NAME, size, names[i].data(),
-                              nullptr);
+        err = clGetKernelInfo(kernels[i], CL_KERNEL_FUNCTION_NAME, size, names[i].data(), nullptr);
       }
       if (err != CL_SUCCESS) {
         for (cl_kernel k : kernels) clReleaseKernel(k);

@@ -281,6 +281,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerR
                                        h_, y_));
     EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, recv_rows, k,
                                              hidden, out_recv_));
+    // Kernels run asynchronously: finish them here so the stage times what it computes.
+    EPSERVE_RETURN_IF_ERROR(rt_->Finish());
   }
   report.stage_ns[kExpertFfn] = ffn_ns + NanosSince(t0);
   report.rows_received = recv_rows;

@@ -46,8 +46,7 @@ void ReexecWithoutCoretype(char** argv) {
 }
 
 double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Median seconds of `fn` over repetitions after `warmup` calls: at least min_reps, more
@@ -104,7 +103,8 @@ double MemcpyBytesPerSecond(int threads) {
     std::vector<std::thread> pool;
     const size_t slice = bytes / threads;
     for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] { std::memcpy(dst.data() + t * slice, src.data() + t * slice, slice); });
+      pool.emplace_back(
+          [&, t] { std::memcpy(dst.data() + t * slice, src.data() + t * slice, slice); });
     }
     for (std::thread& th : pool) th.join();
   });
@@ -138,10 +138,12 @@ int Run(int argc, char** argv) {
                 was);
   } else if (const char* still = std::getenv("OPENBLAS_CORETYPE")) {
     std::printf("WARNING: OPENBLAS_CORETYPE=%s is still set\n", still);
+  } else {
+    std::printf("OPENBLAS_CORETYPE is not set; OpenBLAS picks its own kernels\n");
   }
   openblas_set_num_threads(threads);
-  std::printf("OpenBLAS: %s, core %s, %d threads\n", openblas_get_config(),
-              openblas_get_corename(), threads);
+  std::printf("OpenBLAS: %s, core %s, %d threads\n", openblas_get_config(), openblas_get_corename(),
+              threads);
   const char* pocl_threads = std::getenv("POCL_MAX_PTHREAD_COUNT");
   std::printf("POCL_MAX_PTHREAD_COUNT=%s\n", pocl_threads != nullptr ? pocl_threads : "(unset)");
 
@@ -188,8 +190,9 @@ int Run(int argc, char** argv) {
                 load[2]);
   }
 
-  std::printf("| rows/expert | epserve ms | epserve GFLOP/s | OpenBLAS ms | OpenBLAS GFLOP/s | "
-              "ratio | epserve weight GB/s | memcpy GB/s | ratio | max rel diff |\n");
+  std::printf(
+      "| rows/expert | epserve ms | epserve GFLOP/s | OpenBLAS ms | OpenBLAS GFLOP/s | "
+      "ratio | epserve weight GB/s | memcpy GB/s | ratio | max rel diff |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   std::mt19937_64 rng(42);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -234,8 +237,8 @@ int Run(int argc, char** argv) {
         for (int64_t i = p0 * ffn; i < (p0 + rows) * ffn; ++i) {
           g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, hidden, ffn, 1.0f,
-                    &g[p0 * ffn], ffn, down[e].data(), ffn, 0.0f, &yb_blas[p0 * hidden], hidden);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, hidden, ffn, 1.0f, &g[p0 * ffn],
+                    ffn, down[e].data(), ffn, 0.0f, &yb_blas[p0 * hidden], hidden);
       }
     };
     const auto [t_epserve, t_blas] = PairedMedianSeconds(run_epserve, run_blas);
@@ -266,10 +269,11 @@ int Run(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
-  std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down). Weight GB/s: the %d "
-              "experts' weights (%.0f MiB) read once per FFN call / its median time; memcpy "
-              "GB/s: the better of 1 and 2 threads, bytes copied per second.\n",
-              num_experts, weight_bytes / (1 << 20));
+  std::printf(
+      "\nGFLOP/s count 6*H*F flops per routed row (gate, up, down). Weight GB/s: the %d "
+      "experts' weights (%.0f MiB) read once per FFN call / its median time; memcpy "
+      "GB/s: the better of 1 and 2 threads, bytes copied per second.\n",
+      num_experts, weight_bytes / (1 << 20));
   if (getloadavg(load, 3) == 3) {
     std::printf("load average after the run: %.2f %.2f %.2f\n", load[0], load[1], load[2]);
   }

@@ -1,11 +1,12 @@
 // Expert FFN as grouped GEMMs over expert-major rows. Weight layout: kernels/detail/ffn_layout.h
-// (column panels of FFN_PANEL_VECS float16 vectors per k-step).
+// (column panels of 32 floats per k-step).
 //
-// One work-item (= one work-group) per (panel, non-empty expert): it walks all rows of its
-// expert in register blocks of FFN_ROWS rows (smaller blocks for the remainder), so the
-// panel is streamed from memory once and then re-read from cache. Every output element is
-// written by exactly one work-item with a fixed summation order: results are bit-identical
-// run to run.
+// One work-item (= one work-group of size 1) per (panel, tile), a tile being up to
+// kFfnRowChunk rows of one expert. It walks its rows in register blocks of FFN_ROWS rows
+// (blocks of 8 or 4 for the remainder) times the 32 panel columns, so that the panel is read
+// from memory once per tile and then from cache, and the tile's rows of x stay in cache
+// while consecutive work-items walk the other panels. Every output element is written by
+// exactly one work-item with a fixed summation order: results are bit-identical run to run.
 
 #ifndef FFN_PANEL_VECS
 #define FFN_PANEL_VECS 2

@@ -82,8 +82,8 @@ absl::Status ClError(cl_int err, const char* call, const char* file, int line) {
   // Report the first OpenCL API name in it ("cl" followed by an upper-case letter).
   absl::string_view text(call);
   for (size_t i = 0; i + 2 < text.size(); ++i) {
-    const bool starts_word = i == 0 || !(std::isalnum(static_cast<unsigned char>(text[i - 1])) ||
-                                         text[i - 1] == '_');
+    const bool starts_word =
+        i == 0 || !(std::isalnum(static_cast<unsigned char>(text[i - 1])) || text[i - 1] == '_');
     if (starts_word && text[i] == 'c' && text[i + 1] == 'l' &&
         std::isupper(static_cast<unsigned char>(text[i + 2]))) {
       text.remove_prefix(i);

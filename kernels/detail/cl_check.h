@@ -22,10 +22,10 @@ absl::Status ClError(cl_int err, const char* call, const char* file, int line);
 
 }  // namespace epserve::kernels::detail
 
-#define CL_CHECK(expr)                                                                  \
-  do {                                                                                  \
-    const cl_int cl_check_err_ = (expr);                                                \
-    if (cl_check_err_ != CL_SUCCESS)                                                    \
+#define CL_CHECK(expr)                                                                      \
+  do {                                                                                      \
+    const cl_int cl_check_err_ = (expr);                                                    \
+    if (cl_check_err_ != CL_SUCCESS)                                                        \
       return ::epserve::kernels::detail::ClError(cl_check_err_, #expr, __FILE__, __LINE__); \
   } while (false)
 
@@ -33,9 +33,8 @@ absl::Status ClError(cl_int err, const char* call, const char* file, int line);
 // Returns `expr`'s status from the enclosing function when it is not OK.
 #define RETURN_IF_ERROR(expr) EPSERVE_KERNELS_RETURN_IF_ERROR_(expr, __COUNTER__)
 #define EPSERVE_KERNELS_RETURN_IF_ERROR_(expr, n) EPSERVE_KERNELS_RETURN_IF_ERROR__(expr, n)
-#define EPSERVE_KERNELS_RETURN_IF_ERROR__(expr, n)               \
-  do {                                                           \
-    if (absl::Status status_##n = (expr); !status_##n.ok()) \
-      return status_##n;                                         \
+#define EPSERVE_KERNELS_RETURN_IF_ERROR__(expr, n)                             \
+  do {                                                                         \
+    if (absl::Status status_##n = (expr); !status_##n.ok()) return status_##n; \
   } while (false)
 #endif

@@ -23,6 +23,9 @@ inline constexpr int kFfnPanelVecs = 2;
 inline constexpr int64_t kFfnPanelCols = 16 * kFfnPanelVecs;
 // Rows of x a work-item multiplies against one panel at a time (register block).
 inline constexpr int kFfnRows = 12;
+// Rows of one expert one work-item covers (a multiple of kFfnRows): its rows of x stay in
+// cache while it walks a panel, and panels are re-read once per chunk.
+inline constexpr int64_t kFfnRowChunk = 192;
 // Largest expert count the router kernel supports (its per-token scratch is private).
 inline constexpr int kRouterMaxExperts = 512;
 
@@ -40,8 +43,8 @@ inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
 
 // Options every program is built with.
 inline std::string ProgramBuildOptions() {
-  return absl::StrCat("-cl-std=CL1.2 -DFFN_PANEL_VECS=", kFfnPanelVecs,
-                      " -DFFN_ROWS=", kFfnRows, " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts);
+  return absl::StrCat("-cl-std=CL1.2 -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
+                      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts);
 }
 
 }  // namespace epserve::kernels::detail

@@ -42,10 +42,10 @@ std::string ProgramCacheKey(std::string_view source, std::string_view options,
                             const DeviceInfo& device) {
   Fnv1a64 a(0xcbf29ce484222325ULL);
   Fnv1a64 b(0x84222325cbf29ce4ULL);
-  for (std::string_view field : {source, options, std::string_view(device.platform_name),
-                                 std::string_view(device.device_name),
-                                 std::string_view(device.device_version),
-                                 std::string_view(device.driver_version)}) {
+  for (std::string_view field :
+       {source, options, std::string_view(device.platform_name),
+        std::string_view(device.device_name), std::string_view(device.device_version),
+        std::string_view(device.driver_version)}) {
     a.Add(field);
     b.Add(field);
   }
@@ -90,8 +90,8 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes
   if (ec) {
     std::error_code ignored;
     std::filesystem::remove(tmp, ignored);
-    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ",
-                                               ec.message()));
+    return absl::UnavailableError(
+        absl::StrCat("cannot rename ", tmp, " to ", path, ": ", ec.message()));
   }
   return absl::OkStatus();
 }

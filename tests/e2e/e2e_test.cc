@@ -120,7 +120,7 @@ TEST_P(EndToEnd, ConcurrentRequestsOfEverySizeGetTheirOwnCorrectAnswer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EndToEnd, ::testing::Values(2, 3, 4),
-                         [](const auto& info) { return absl::StrCat("np", info.param); });
+                         [](const ::testing::TestParamInfo<int>& p) { return absl::StrCat("np", p.param); });
 
 // One server for the protocol and bad-request tests.
 class Protocol : public ::testing::Test {

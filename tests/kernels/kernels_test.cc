@@ -45,8 +45,8 @@ class Seeded : public ::testing::Test {
   void SetUp() override {
     seed_ = std::random_device{}();
     rng_.seed(seed_);
-    trace_ = std::make_unique<::testing::ScopedTrace>(__FILE__, __LINE__,
-                                                      absl::StrCat("seed=", seed_));
+    trace_ =
+        std::make_unique<::testing::ScopedTrace>(__FILE__, __LINE__, absl::StrCat("seed=", seed_));
   }
   std::vector<float> Uniform(size_t count, float lo = -1.0f, float hi = 1.0f) {
     std::uniform_real_distribution<float> dist(lo, hi);
@@ -109,8 +109,8 @@ TEST(RuntimeTest, ListsDevicesAndCreatesOnCpu) {
   ASSERT_TRUE(rt.ok()) << rt.status();
   EXPECT_TRUE((*rt)->device_info().is_cpu);
   RuntimeOptions by_index;
-  by_index.device = absl::StrCat((*rt)->device_info().platform_index, ":",
-                                 (*rt)->device_info().device_index);
+  by_index.device =
+      absl::StrCat((*rt)->device_info().platform_index, ":", (*rt)->device_info().device_index);
   absl::StatusOr<std::unique_ptr<Runtime>> rt2 = Runtime::Create(by_index);
   ASSERT_TRUE(rt2.ok()) << rt2.status();
   EXPECT_EQ((*rt2)->device_info().device_name, (*rt)->device_info().device_name);
@@ -149,8 +149,8 @@ TEST(RuntimeTest, BrokenKernelSurfacesBuildLog) {
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("CL_BUILD_PROGRAM_FAILURE"), std::string::npos) << s;
   EXPECT_NE(s.message().find("undeclared_symbol_q7"), std::string::npos) << s;  // from the log
-  EXPECT_TRUE((*rt)->BuildProgramForTest("__kernel void fine(__global float* x) { x[0] = 1; }")
-                  .ok());
+  EXPECT_TRUE(
+      (*rt)->BuildProgramForTest("__kernel void fine(__global float* x) { x[0] = 1; }").ok());
 }
 
 TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
@@ -275,15 +275,14 @@ struct FfnCase {
 // Reference outputs y[p] = FFN_e(x[row_index[p]]) in double.
 std::vector<double> ReferenceFfn(const std::vector<const float*>& gate,
                                  const std::vector<const float*>& up,
-                                 const std::vector<const float*>& down, int64_t hidden,
-                                 int64_t ffn, const std::vector<float>& x,
-                                 const std::vector<int32_t>& row_index,
+                                 const std::vector<const float*>& down, int64_t hidden, int64_t ffn,
+                                 const std::vector<float>& x, const std::vector<int32_t>& row_index,
                                  const std::vector<int64_t>& offsets) {
   std::vector<double> y(offsets.back() * hidden, 0.0);
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p) {
-      model::ReferenceExpert(gate[e], up[e], down[e], hidden, ffn,
-                             x.data() + row_index[p] * hidden, y.data() + p * hidden, 1.0);
+      model::ReferenceExpert(gate[e], up[e], down[e], hidden, ffn, x.data() + row_index[p] * hidden,
+                             y.data() + p * hidden, 1.0);
     }
   }
   return y;
@@ -293,8 +292,8 @@ class ExpertFfnTest : public Seeded {
  protected:
   // Runs ExpertFfn over experts [first, first + count) of `source` for `pairs` rows drawn
   // from `tokens` token rows and checks it against the reference. Returns y.
-  std::vector<float> Check(const model::WeightSource& source, int first, int count,
-                           int64_t tokens, int64_t pairs) {
+  std::vector<float> Check(const model::WeightSource& source, int first, int count, int64_t tokens,
+                           int64_t pairs) {
     const model::MoeLayerConfig& cfg = source.config().layer;
     const int64_t h = cfg.hidden_size;
     const int64_t f = cfg.expert_ffn_size;
@@ -429,7 +428,8 @@ TEST_P(SharedExpertTest, MatchesReference) {
       double scale = 1.0;
       if (cfg.shared_expert_gate) {
         double dot = 0.0;
-        for (int64_t c = 0; c < h; ++c) dot += static_cast<double>(row[c]) * host->shared_expert_gate[c];
+        for (int64_t c = 0; c < h; ++c)
+          dot += static_cast<double>(row[c]) * host->shared_expert_gate[c];
         scale = 1.0 / (1.0 + std::exp(-dot));
       }
       model::ReferenceExpert(host->shared_gate.data(), host->shared_up.data(),
