@@ -1,20 +1,24 @@
 #include "common/flags.h"
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace epserve::common {
 
 void FlagSet::AddFlag(std::string name, std::string help, std::string default_text, bool is_bool,
                       std::function<bool(absl::string_view)> set) {
-  flags_.push_back({std::move(name), std::move(help), std::move(default_text), is_bool, std::move(set)});
+  flags_.push_back(
+      {std::move(name), std::move(help), std::move(default_text), is_bool, std::move(set)});
 }
 
 void FlagSet::Add(std::string name, std::string* value, std::string help) {
   AddFlag(std::move(name), std::move(help), absl::StrCat("\"", *value, "\""), false,
-          [value](absl::string_view v) { *value = std::string(v); return true; });
+          [value](absl::string_view v) {
+            *value = std::string(v);
+            return true;
+          });
 }
 
 void FlagSet::Add(std::string name, int64_t* value, std::string help) {
@@ -50,7 +54,8 @@ absl::Status FlagSet::Parse(int argc, char** argv) {
       return absl::OkStatus();
     }
     if (!absl::StartsWith(arg, "--")) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'; see --help"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected argument '", arg, "'; see --help"));
     }
     arg.remove_prefix(2);
     absl::string_view name = arg;
@@ -83,8 +88,8 @@ absl::Status FlagSet::Parse(int argc, char** argv) {
       }
     }
     if (!flag->set(value)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad value '", value, "' for --", flag->name, " (default ", flag->default_text, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", flag->name,
+                                                     " (default ", flag->default_text, ")"));
     }
   }
   return absl::OkStatus();
@@ -93,7 +98,8 @@ absl::Status FlagSet::Parse(int argc, char** argv) {
 std::string FlagSet::Usage() const {
   std::string out = absl::StrCat("Usage: ", program_, " [flags]\n", summary_, "\n\nFlags:\n");
   for (const Flag& f : flags_) {
-    absl::StrAppend(&out, "  --", f.name, "  (default: ", f.default_text, ")\n      ", f.help, "\n");
+    absl::StrAppend(&out, "  --", f.name, "  (default: ", f.default_text, ")\n      ", f.help,
+                    "\n");
   }
   return out;
 }

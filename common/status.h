@@ -5,10 +5,9 @@
 #include "absl/status/statusor.h"
 
 // Returns the status of `expr` from the enclosing function when it is not OK.
-#define EPSERVE_RETURN_IF_ERROR(expr)                         \
-  do {                                                        \
-    if (::absl::Status epserve_s_ = (expr); !epserve_s_.ok()) \
-      return epserve_s_;                                      \
+#define EPSERVE_RETURN_IF_ERROR(expr)                                            \
+  do {                                                                           \
+    if (::absl::Status epserve_s_ = (expr); !epserve_s_.ok()) return epserve_s_; \
   } while (0)
 
 #define EPSERVE_STATUS_CONCAT_INNER(a, b) a##b

@@ -1,7 +1,7 @@
 #include "model/moe_config.h"
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace epserve::model {
 
@@ -19,9 +19,9 @@ absl::string_view RoutingKindName(RoutingKind kind) {
 
 double MoeLayerConfig::FlopsPerToken() const {
   const double h = static_cast<double>(hidden_size);
-  double flops = 2.0 * h * num_experts;                                 // router
+  double flops = 2.0 * h * num_experts;                                   // router
   flops += top_k * 3.0 * 2.0 * h * static_cast<double>(expert_ffn_size);  // routed experts
-  flops += 3.0 * 2.0 * h * static_cast<double>(shared_ffn_size);         // shared expert
+  flops += 3.0 * 2.0 * h * static_cast<double>(shared_ffn_size);          // shared expert
   if (shared_expert_gate) flops += 2.0 * h;
   return flops;
 }

@@ -6,9 +6,9 @@
 
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace epserve::model {
 
@@ -50,9 +50,9 @@ struct MoeLayerConfig {
 // A served model: a name, the MoE layers it serves (the model's own layer indices) and
 // their common shape.
 struct ModelConfig {
-  std::string source;            // what --model said, e.g. "synthetic:tiny"
-  std::string architecture;      // e.g. "qwen1.5-moe-a2.7b"
-  std::vector<int> moe_layers;   // served layer indices, ascending
+  std::string source;           // what --model said, e.g. "synthetic:tiny"
+  std::string architecture;     // e.g. "qwen1.5-moe-a2.7b"
+  std::vector<int> moe_layers;  // served layer indices, ascending
   MoeLayerConfig layer;
 };
 

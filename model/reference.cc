@@ -45,7 +45,8 @@ Routing ReferenceRoute(const MoeLayerConfig& c, const LayerWeights& w, const flo
   std::vector<double> logits(e_count), choose(e_count);
   for (int64_t t = 0; t < num_tokens; ++t) {
     const float* row = x + t * c.hidden_size;
-    for (int e = 0; e < e_count; ++e) logits[e] = Dot(row, &w.router[e * c.hidden_size], c.hidden_size);
+    for (int e = 0; e < e_count; ++e)
+      logits[e] = Dot(row, &w.router[e * c.hidden_size], c.hidden_size);
     std::vector<bool> allowed(e_count, true);
     std::vector<double> weight(e_count);
     double margin = 0.0;
@@ -100,8 +101,7 @@ Routing ReferenceRoute(const MoeLayerConfig& c, const LayerWeights& w, const flo
     }
     for (int j = 0; j < k; ++j) {
       r.ids[t * k + j] = chosen[j];
-      r.weights[t * k + j] =
-          static_cast<float>(weight[chosen[j]] * norm * c.routed_scaling_factor);
+      r.weights[t * k + j] = static_cast<float>(weight[chosen[j]] * norm * c.routed_scaling_factor);
     }
     r.margins[t] = margin;
   }
@@ -134,8 +134,8 @@ void ReferenceForward(const MoeLayerConfig& c, const LayerWeights& w, const floa
     std::fill(acc.begin(), acc.end(), 0.0);
     for (int j = 0; j < c.top_k; ++j) {
       const int e = r.ids[t * c.top_k + j];
-      ReferenceExpert(w.gate[e].data(), w.up[e].data(), w.down[e].data(), h, c.expert_ffn_size,
-                      row, acc.data(), r.weights[t * c.top_k + j]);
+      ReferenceExpert(w.gate[e].data(), w.up[e].data(), w.down[e].data(), h, c.expert_ffn_size, row,
+                      acc.data(), r.weights[t * c.top_k + j]);
     }
     if (c.shared_ffn_size > 0) {
       const double scale =

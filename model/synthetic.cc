@@ -2,10 +2,10 @@
 
 #include <cmath>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 
 namespace epserve::model {
 namespace {
@@ -76,8 +76,8 @@ absl::StatusOr<ModelConfig> SyntheticPreset(absl::string_view name) {
       return c;
     }
   }
-  return absl::NotFoundError(absl::StrCat("unknown synthetic preset '", name,
-                                          "'; presets: ", absl::StrJoin(SyntheticPresetNames(), ", ")));
+  return absl::NotFoundError(absl::StrCat("unknown synthetic preset '", name, "'; presets: ",
+                                          absl::StrJoin(SyntheticPresetNames(), ", ")));
 }
 
 SyntheticWeights::SyntheticWeights(ModelConfig config, uint64_t seed)
@@ -88,8 +88,8 @@ absl::Status SyntheticWeights::Fill(int layer, TensorKind kind, int expert, floa
   const bool per_expert = kind == TensorKind::kExpertGate || kind == TensorKind::kExpertUp ||
                           kind == TensorKind::kExpertDown;
   if (per_expert && (expert < 0 || expert >= config_.layer.num_experts)) {
-    return absl::OutOfRangeError(absl::StrCat("expert ", expert, " not in [0, ",
-                                              config_.layer.num_experts, ")"));
+    return absl::OutOfRangeError(
+        absl::StrCat("expert ", expert, " not in [0, ", config_.layer.num_experts, ")"));
   }
   const uint64_t base = Mix(Mix(Mix(seed_ ^ 0x6570736572766531ULL) + static_cast<uint64_t>(layer)) +
                             (static_cast<uint64_t>(kind) << 32 | static_cast<uint32_t>(expert)));
@@ -109,9 +109,10 @@ absl::Status SyntheticWeights::Fill(int layer, TensorKind kind, int expert, floa
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(absl::string_view spec, uint64_t seed) {
   constexpr absl::string_view kSynthetic = "synthetic:";
   if (!absl::StartsWith(spec, kSynthetic)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--model must be synthetic:<preset> (presets: ", absl::StrJoin(SyntheticPresetNames(), ", "),
-        "); checkpoint folders are not supported yet, got '", spec, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model must be synthetic:<preset> (presets: ",
+                     absl::StrJoin(SyntheticPresetNames(), ", "),
+                     "); checkpoint folders are not supported yet, got '", spec, "'"));
   }
   absl::StatusOr<ModelConfig> config = SyntheticPreset(spec.substr(kSynthetic.size()));
   if (!config.ok()) return config.status();

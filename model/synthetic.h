@@ -6,8 +6,8 @@
 
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "model/weights.h"
 
 namespace epserve::model {

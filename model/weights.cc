@@ -1,37 +1,52 @@
 #include "model/weights.h"
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace epserve::model {
 
 absl::string_view TensorKindName(TensorKind kind) {
   switch (kind) {
-    case TensorKind::kRouter: return "router";
-    case TensorKind::kRouterBias: return "router_bias";
-    case TensorKind::kExpertGate: return "expert_gate";
-    case TensorKind::kExpertUp: return "expert_up";
-    case TensorKind::kExpertDown: return "expert_down";
-    case TensorKind::kSharedGate: return "shared_gate";
-    case TensorKind::kSharedUp: return "shared_up";
-    case TensorKind::kSharedDown: return "shared_down";
-    case TensorKind::kSharedExpertGate: return "shared_expert_gate";
+    case TensorKind::kRouter:
+      return "router";
+    case TensorKind::kRouterBias:
+      return "router_bias";
+    case TensorKind::kExpertGate:
+      return "expert_gate";
+    case TensorKind::kExpertUp:
+      return "expert_up";
+    case TensorKind::kExpertDown:
+      return "expert_down";
+    case TensorKind::kSharedGate:
+      return "shared_gate";
+    case TensorKind::kSharedUp:
+      return "shared_up";
+    case TensorKind::kSharedDown:
+      return "shared_down";
+    case TensorKind::kSharedExpertGate:
+      return "shared_expert_gate";
   }
   return "unknown";
 }
 
 TensorShape ShapeOf(const MoeLayerConfig& c, TensorKind kind) {
   switch (kind) {
-    case TensorKind::kRouter: return {c.num_experts, c.hidden_size};
+    case TensorKind::kRouter:
+      return {c.num_experts, c.hidden_size};
     case TensorKind::kRouterBias:
       return {c.routing == RoutingKind::kSigmoidGroupedTopK ? 1 : 0, c.num_experts};
     case TensorKind::kExpertGate:
-    case TensorKind::kExpertUp: return {c.expert_ffn_size, c.hidden_size};
-    case TensorKind::kExpertDown: return {c.hidden_size, c.expert_ffn_size};
+    case TensorKind::kExpertUp:
+      return {c.expert_ffn_size, c.hidden_size};
+    case TensorKind::kExpertDown:
+      return {c.hidden_size, c.expert_ffn_size};
     case TensorKind::kSharedGate:
-    case TensorKind::kSharedUp: return {c.shared_ffn_size, c.hidden_size};
-    case TensorKind::kSharedDown: return {c.shared_ffn_size > 0 ? c.hidden_size : 0, c.shared_ffn_size};
-    case TensorKind::kSharedExpertGate: return {c.shared_expert_gate ? 1 : 0, c.hidden_size};
+    case TensorKind::kSharedUp:
+      return {c.shared_ffn_size, c.hidden_size};
+    case TensorKind::kSharedDown:
+      return {c.shared_ffn_size > 0 ? c.hidden_size : 0, c.shared_ffn_size};
+    case TensorKind::kSharedExpertGate:
+      return {c.shared_expert_gate ? 1 : 0, c.hidden_size};
   }
   return {};
 }

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "model/moe_config.h"
 
 namespace epserve::model {
@@ -49,9 +49,9 @@ class WeightSource {
 // All weights of one layer in host memory, FP32. For tests and the reference path;
 // workers load only the experts they own straight into device buffers.
 struct LayerWeights {
-  std::vector<float> router;       // [E, H]
-  std::vector<float> router_bias;  // [E] or empty
-  std::vector<std::vector<float>> gate, up, down;  // per expert
+  std::vector<float> router;                                                   // [E, H]
+  std::vector<float> router_bias;                                              // [E] or empty
+  std::vector<std::vector<float>> gate, up, down;                              // per expert
   std::vector<float> shared_gate, shared_up, shared_down, shared_expert_gate;  // or empty
 };
 absl::StatusOr<LayerWeights> LoadLayer(const WeightSource& source, int layer);

@@ -16,9 +16,9 @@ absl::Status Batcher::Enqueue(std::shared_ptr<InferTask> task) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
     if (queued_tokens_ + task->num_tokens > options_.max_queue_tokens) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "queue full: ", queued_tokens_, " tokens queued, ", task->num_tokens,
-          " more would exceed --max-queue-tokens=", options_.max_queue_tokens));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("queue full: ", queued_tokens_, " tokens queued, ", task->num_tokens,
+                       " more would exceed --max-queue-tokens=", options_.max_queue_tokens));
     }
     queued_tokens_ += task->num_tokens;
     queue_.push_back(std::move(task));
@@ -112,7 +112,8 @@ void Batcher::Loop() {
           }
           t.first_batched = now;
         }
-        const int64_t take = std::min(t.num_tokens - t.rows_taken, options_.max_batch_tokens - rows);
+        const int64_t take =
+            std::min(t.num_tokens - t.rows_taken, options_.max_batch_tokens - rows);
         pieces.push_back({&t, t.rows_taken, take});
         owned.push_back(*it);
         t.rows_taken += take;

@@ -64,7 +64,7 @@ class Batcher {
  private:
   struct Piece {
     InferTask* task;
-    int64_t row;   // first row of the task in this batch
+    int64_t row;  // first row of the task in this batch
     int64_t rows;
   };
   void Loop();
@@ -75,8 +75,8 @@ class Batcher {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<InferTask>> queue_;  // guarded by mu_
-  int64_t queued_tokens_ = 0;                      // guarded by mu_
-  bool stopping_ = false;                          // guarded by mu_
+  int64_t queued_tokens_ = 0;                     // guarded by mu_
+  bool stopping_ = false;                         // guarded by mu_
   std::thread thread_;
 };
 

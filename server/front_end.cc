@@ -30,8 +30,8 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(const FrontEndOptions&
                                                           int64_t heap_bytes) {
   std::unique_ptr<FrontEnd> fe(new FrontEnd(options, coordinator));
   const worker::ExchangeShape& shape = coordinator.shape();
-  absl::StatusOr<std::unique_ptr<Metrics>> metrics =
-      Metrics::Start(options.metrics_address, options.model_name, shape.num_workers, shape.num_experts);
+  absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Start(
+      options.metrics_address, options.model_name, shape.num_workers, shape.num_experts);
   if (!metrics.ok()) return metrics.status();
   fe->metrics_ = *std::move(metrics);
   fe->metrics_->SetHeapBytes(heap_bytes);

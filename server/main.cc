@@ -9,8 +9,8 @@
 #include <cstdlib>
 #include <thread>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/flags.h"
 #include "model/synthetic.h"
 #include "server/front_end.h"
@@ -106,7 +106,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       s = (*fe)->Shutdown();
       if (!s.ok()) Log(rank, absl::StrCat("workers did not stop cleanly: ", s.ToString()));
       fe->reset();
-      Log(rank, absl::StrCat("stopped serving in ", absl::FormatDuration(absl::Now() - stop_start)));
+      Log(rank,
+          absl::StrCat("stopped serving in ", absl::FormatDuration(absl::Now() - stop_start)));
     }
   } else {
     worker::WorkerOptions options;
@@ -141,24 +142,36 @@ int Run(int rank, int num_ranks, const Flags& flags) {
 
 int main(int argc, char** argv) {
   Flags flags;
-  epserve::common::FlagSet fs("epserve",
-                              "Serves MoE layers over gRPC (KServe v2). Launch as one MPI job:\n"
-                              "  mpirun -np 1+W epserve [flags]   (rank 0 front-end, W expert workers)");
-  fs.Add("model", &flags.model, "The model: synthetic:<preset> (tiny, qwen1.5-moe-a2.7b, mixtral-8x7b, ...)");
+  epserve::common::FlagSet fs(
+      "epserve",
+      "Serves MoE layers over gRPC (KServe v2). Launch as one MPI job:\n"
+      "  mpirun -np 1+W epserve [flags]   (rank 0 front-end, W expert workers)");
+  fs.Add("model", &flags.model,
+         "The model: synthetic:<preset> (tiny, qwen1.5-moe-a2.7b, mixtral-8x7b, ...)");
   fs.Add("seed", &flags.seed, "Seed of synthetic weights");
   fs.Add("model-name", &flags.fe.model_name, "Name clients use for the model");
-  fs.Add("grpc-address", &flags.fe.grpc_address, "gRPC listen address host:port (port 0 picks a free port)");
-  fs.Add("metrics-address", &flags.fe.metrics_address, "Prometheus /metrics listen address host:port (port 0: free port)");
-  fs.Add("ready-file", &flags.fe.ready_file, "When set, written once serving: {\"grpc\": host:port, \"metrics\": host:port}");
-  fs.Add("max-batch-tokens", &flags.fe.max_batch_tokens, "Most token rows in one batch; larger requests are split");
+  fs.Add("grpc-address", &flags.fe.grpc_address,
+         "gRPC listen address host:port (port 0 picks a free port)");
+  fs.Add("metrics-address", &flags.fe.metrics_address,
+         "Prometheus /metrics listen address host:port (port 0: free port)");
+  fs.Add("ready-file", &flags.fe.ready_file,
+         "When set, written once serving: {\"grpc\": host:port, \"metrics\": host:port}");
+  fs.Add("max-batch-tokens", &flags.fe.max_batch_tokens,
+         "Most token rows in one batch; larger requests are split");
   absl::Duration queue_delay = flags.fe.max_queue_delay;
   int64_t queue_delay_us = absl::ToInt64Microseconds(queue_delay);
-  fs.Add("max-queue-delay-us", &queue_delay_us, "Longest a request waits for more rows to fill its batch, in microseconds");
-  fs.Add("max-queue-tokens", &flags.fe.max_queue_tokens, "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
-  fs.Add("max-request-bytes", &flags.fe.max_request_bytes, "Largest gRPC message accepted (and sent), in bytes");
-  fs.Add("batch-timeout", &flags.fe.batch_timeout, "Deadline of every cross-rank wait of one batch");
-  fs.Add("drain-timeout", &flags.fe.drain_timeout, "On SIGTERM, how long a running batch may take before its requests get UNAVAILABLE");
-  fs.Add("startup-timeout", &flags.startup_timeout, "How long rank 0 waits for the workers to load their weights");
+  fs.Add("max-queue-delay-us", &queue_delay_us,
+         "Longest a request waits for more rows to fill its batch, in microseconds");
+  fs.Add("max-queue-tokens", &flags.fe.max_queue_tokens,
+         "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
+  fs.Add("max-request-bytes", &flags.fe.max_request_bytes,
+         "Largest gRPC message accepted (and sent), in bytes");
+  fs.Add("batch-timeout", &flags.fe.batch_timeout,
+         "Deadline of every cross-rank wait of one batch");
+  fs.Add("drain-timeout", &flags.fe.drain_timeout,
+         "On SIGTERM, how long a running batch may take before its requests get UNAVAILABLE");
+  fs.Add("startup-timeout", &flags.startup_timeout,
+         "How long rank 0 waits for the workers to load their weights");
   fs.Add("device", &flags.device, "OpenCL device of each worker: cpu, gpu, or <platform>:<device>");
   absl::Status parsed = fs.Parse(argc, argv);
   const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");

@@ -13,8 +13,8 @@ namespace {
 
 // Latencies this system sees: tens of microseconds (a stage of a small batch) to seconds.
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
-  return {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
-          50e-3, 100e-3, 250e-3, 500e-3, 1.0,   2.5,    5.0,    10.0};
+  return {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
+          25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0,  2.5,    5.0,  10.0};
 }
 
 std::string CodeName(absl::StatusCode code) {
@@ -53,12 +53,13 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& addre
                            .Help("Time a request waited in the batcher's queue.")
                            .Register(r)
                            .Add({{"model", model_name}}, LatencyBuckets());
-  m->batch_tokens_ = &prometheus::BuildHistogram()
-                          .Name("epserve_batch_tokens")
-                          .Help("Token rows per batch.")
-                          .Register(r)
-                          .Add({}, prometheus::Histogram::BucketBoundaries{
-                                       1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192});
+  m->batch_tokens_ =
+      &prometheus::BuildHistogram()
+           .Name("epserve_batch_tokens")
+           .Help("Token rows per batch.")
+           .Register(r)
+           .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
+                                                            1024, 2048, 4096, 8192});
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("epserve_tokens_total")
                     .Help("Token rows computed.")

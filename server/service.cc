@@ -14,13 +14,15 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
 
 }  // namespace
 
-absl::Status InferenceService::CheckModel(const std::string& name, const std::string& version) const {
+absl::Status InferenceService::CheckModel(const std::string& name,
+                                          const std::string& version) const {
   if (name != signature_.name) {
     return absl::NotFoundError(
         absl::StrCat("unknown model '", name, "'; this server serves '", signature_.name, "'"));
   }
   if (!version.empty() && version != "1") {
-    return absl::NotFoundError(absl::StrCat("unknown version '", version, "' of model '", name, "'"));
+    return absl::NotFoundError(
+        absl::StrCat("unknown version '", version, "' of model '", name, "'"));
   }
   return absl::OkStatus();
 }
@@ -47,17 +49,17 @@ grpc::ServerUnaryReactor* InferenceService::ModelReady(grpc::CallbackServerConte
   return Reply(ctx, s);
 }
 
-grpc::ServerUnaryReactor* InferenceService::ServerMetadata(grpc::CallbackServerContext* ctx,
-                                                           const inference::ServerMetadataRequest*,
-                                                           inference::ServerMetadataResponse* resp) {
+grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
+    grpc::CallbackServerContext* ctx, const inference::ServerMetadataRequest*,
+    inference::ServerMetadataResponse* resp) {
   resp->set_name("epserve");
   resp->set_version(EPSERVE_VERSION);
   return Reply(ctx, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* InferenceService::ModelMetadata(grpc::CallbackServerContext* ctx,
-                                                          const inference::ModelMetadataRequest* req,
-                                                          inference::ModelMetadataResponse* resp) {
+grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
+    grpc::CallbackServerContext* ctx, const inference::ModelMetadataRequest* req,
+    inference::ModelMetadataResponse* resp) {
   absl::Status s = CheckModel(req->name(), req->version());
   if (!s.ok()) return Reply(ctx, s);
   resp->set_name(signature_.name);

@@ -18,7 +18,9 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   // `batcher` and `metrics` outlive the service.
   InferenceService(ModelSignature signature, model::ModelConfig model, Batcher& batcher,
                    Metrics& metrics)
-      : signature_(std::move(signature)), model_(std::move(model)), batcher_(batcher),
+      : signature_(std::move(signature)),
+        model_(std::move(model)),
+        batcher_(batcher),
         metrics_(metrics) {}
 
   // Ready: workers loaded and not shutting down. Live: the process answers.

@@ -15,12 +15,12 @@ absl::Status Invalid(auto&&... parts) { return absl::InvalidArgumentError(absl::
 absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
                                        const ModelSignature& sig) {
   if (req.model_name() != sig.name) {
-    return absl::NotFoundError(
-        absl::StrCat("unknown model '", req.model_name(), "'; this server serves '", sig.name, "'"));
+    return absl::NotFoundError(absl::StrCat("unknown model '", req.model_name(),
+                                            "'; this server serves '", sig.name, "'"));
   }
   if (!req.model_version().empty() && req.model_version() != "1") {
-    return absl::NotFoundError(absl::StrCat("unknown version '", req.model_version(), "' of model '",
-                                            sig.name, "'; versions: 1"));
+    return absl::NotFoundError(absl::StrCat("unknown version '", req.model_version(),
+                                            "' of model '", sig.name, "'; versions: 1"));
   }
   ParsedInfer out;
   out.layer = sig.layers.front();
@@ -31,21 +31,23 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     out.layer = it->second.int64_param();
     auto pos = std::find(sig.layers.begin(), sig.layers.end(), out.layer);
     if (pos == sig.layers.end()) {
-      return absl::NotFoundError(absl::StrCat("parameter 'layer' = ", out.layer,
-                                              " is not a served MoE layer; served: ",
-                                              absl::StrJoin(sig.layers, ", ")));
+      return absl::NotFoundError(
+          absl::StrCat("parameter 'layer' = ", out.layer,
+                       " is not a served MoE layer; served: ", absl::StrJoin(sig.layers, ", ")));
     }
   }
-  out.layer_pos = static_cast<int>(
-      std::find(sig.layers.begin(), sig.layers.end(), out.layer) - sig.layers.begin());
+  out.layer_pos = static_cast<int>(std::find(sig.layers.begin(), sig.layers.end(), out.layer) -
+                                   sig.layers.begin());
 
   if (req.inputs_size() == 0) return Invalid("missing input '", kInputName, "'");
   for (const auto& input : req.inputs()) {
     if (input.name() != kInputName) {
-      return Invalid("unknown input '", input.name(), "'; expected exactly one input '", kInputName, "'");
+      return Invalid("unknown input '", input.name(), "'; expected exactly one input '", kInputName,
+                     "'");
     }
   }
-  if (req.inputs_size() != 1) return Invalid("input '", kInputName, "' given ", req.inputs_size(), " times");
+  if (req.inputs_size() != 1)
+    return Invalid("input '", kInputName, "' given ", req.inputs_size(), " times");
   const auto& input = req.inputs(0);
   if (input.datatype() != "FP32") {
     return Invalid("input '", kInputName, "' datatype must be FP32, got '", input.datatype(), "'");
@@ -90,7 +92,8 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     }
     out.input = reinterpret_cast<const char*>(fp32.data());
   } else {
-    return Invalid("input '", kInputName, "' has no data: set raw_input_contents or contents.fp32_contents");
+    return Invalid("input '", kInputName,
+                   "' has no data: set raw_input_contents or contents.fp32_contents");
   }
   for (const auto& output : req.outputs()) {
     if (output.name() != kOutputName) {

@@ -13,9 +13,9 @@ namespace epserve::server {
 
 // What the served model accepts.
 struct ModelSignature {
-  std::string name;              // --model-name
-  int64_t hidden_size = 0;       // H
-  std::vector<int> layers;       // served layer indices, ascending; the first is the default
+  std::string name;                // --model-name
+  int64_t hidden_size = 0;         // H
+  std::vector<int> layers;         // served layer indices, ascending; the first is the default
   int64_t max_request_tokens = 0;  // T bound of one request
 };
 
@@ -27,8 +27,8 @@ inline constexpr char kLayerParameter[] = "layer";
 // valid as long as the request is; it holds num_tokens * H little-endian floats, maybe
 // unaligned (read it with memcpy).
 struct ParsedInfer {
-  int layer_pos = 0;     // index into ModelSignature::layers
-  int64_t layer = 0;     // the model's own layer index
+  int layer_pos = 0;  // index into ModelSignature::layers
+  int64_t layer = 0;  // the model's own layer index
   int64_t num_tokens = 0;
   const char* input = nullptr;
 };

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <thread>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace epserve::shmem {
 
@@ -32,14 +32,15 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> SymmetricHeap::Create(MPI_Comm co
 
   // The shm backend needs every rank on this host.
   MPI_Comm node = MPI_COMM_NULL;
-  EPSERVE_MPI_CHECK(MPI_Comm_split_type(heap->comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  EPSERVE_MPI_CHECK(
+      MPI_Comm_split_type(heap->comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   int node_size = 0;
   MPI_Comm_size(node, &node_size);
   MPI_Comm_free(&node);
   if (node_size != heap->num_ranks_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the shared-memory heap needs all ", heap->num_ranks_, " ranks on one host, but only ",
-        node_size, " share this one"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the shared-memory heap needs all ", heap->num_ranks_,
+                     " ranks on one host, but only ", node_size, " share this one"));
   }
 
   // Page-align each segment so device buffers can wrap heap memory directly.
@@ -76,7 +77,8 @@ SymmetricHeap::~SymmetricHeap() {
 
 absl::StatusOr<size_t> SymmetricHeap::Allocate(size_t bytes, size_t align) {
   if (align == 0 || (align & (align - 1)) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("alignment must be a power of two, got ", align));
+    return absl::InvalidArgumentError(
+        absl::StrCat("alignment must be a power of two, got ", align));
   }
   const size_t offset = (next_offset_ + align - 1) / align * align;
   if (offset + bytes > bytes_per_rank_) {
@@ -104,8 +106,8 @@ absl::Status WaitAtLeast(uint64_t* signal, uint64_t target, absl::Time deadline,
       return absl::CancelledError(absl::StrCat("cancelled while waiting for ", what));
     }
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", what, ": saw ",
-                                                      seen, ", waiting for ", target));
+      return absl::DeadlineExceededError(
+          absl::StrCat("timed out waiting for ", what, ": saw ", seen, ", waiting for ", target));
     }
     if (yields < 50) {
       ++yields;

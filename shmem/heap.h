@@ -10,20 +10,19 @@
 #include <cstdint>
 #include <memory>
 
-
-#include "absl/strings/string_view.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace epserve::shmem {
 
 // Status from a failed MPI call, naming the call, file, line and the calling rank.
 absl::Status MpiError(int code, const char* call, const char* file, int line);
-#define EPSERVE_MPI_CHECK(call)                                                     \
-  do {                                                                              \
-    if (int mpi_rc_ = (call); mpi_rc_ != MPI_SUCCESS)                               \
-      return ::epserve::shmem::MpiError(mpi_rc_, #call, __FILE__, __LINE__);        \
+#define EPSERVE_MPI_CHECK(call)                                              \
+  do {                                                                       \
+    if (int mpi_rc_ = (call); mpi_rc_ != MPI_SUCCESS)                        \
+      return ::epserve::shmem::MpiError(mpi_rc_, #call, __FILE__, __LINE__); \
   } while (0)
 
 // Shared-memory backend: an MPI-3 shared window (MPI_Win_allocate_shared) that every rank
@@ -47,9 +46,7 @@ class SymmetricHeap {
   absl::StatusOr<size_t> Allocate(size_t bytes, size_t align = 64);
 
   // Address of `offset` in `rank`'s segment, valid in this process.
-  void* Ptr(int rank, size_t offset) const {
-    return static_cast<char*>(bases_[rank]) + offset;
-  }
+  void* Ptr(int rank, size_t offset) const { return static_cast<char*>(bases_[rank]) + offset; }
   template <typename T>
   T* As(int rank, size_t offset) const {
     return static_cast<T*>(Ptr(rank, offset));

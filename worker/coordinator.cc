@@ -35,9 +35,9 @@ absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, ab
 
 absl::Status Coordinator::WaitDone(absl::Time deadline) {
   for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    absl::Status s = shmem::WaitAtLeast(layout_.Signal(heap_, 0, layout_.done_seq, w), seq_,
-                                        deadline, absl::StrCat("worker ", w, " to finish batch ", seq_),
-                                        absl::Microseconds(50), &abort_);
+    absl::Status s = shmem::WaitAtLeast(
+        layout_.Signal(heap_, 0, layout_.done_seq, w), seq_, deadline,
+        absl::StrCat("worker ", w, " to finish batch ", seq_), absl::Microseconds(50), &abort_);
     if (!s.ok()) {
       healthy_ = false;
       return s;
@@ -49,7 +49,8 @@ absl::Status Coordinator::WaitDone(absl::Time deadline) {
 absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowChunk> chunks,
                                             absl::Time deadline) {
   if (!healthy_) {
-    return absl::UnavailableError("the expert workers stopped answering; the service needs a restart");
+    return absl::UnavailableError(
+        "the expert workers stopped answering; the service needs a restart");
   }
   const ExchangeShape& shape = layout_.shape;
   const int num_workers = shape.num_workers;
@@ -57,8 +58,8 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   int64_t total = 0;
   for (const RowChunk& c : chunks) total += c.rows;
   if (total < 1 || total > shape.max_batch_tokens) {
-    return absl::InternalError(absl::StrCat("batch of ", total, " rows outside [1, ",
-                                            shape.max_batch_tokens, "]"));
+    return absl::InternalError(
+        absl::StrCat("batch of ", total, " rows outside [1, ", shape.max_batch_tokens, "]"));
   }
   BatchTrace trace;
 
@@ -87,8 +88,9 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   for (int i = 0; i < num_workers; ++i) {
     const WorkerReport& report = heap_.As<WorkerReport>(0, layout_.reports)[i];
     if (report.status_code != 0) {
-      return absl::Status(static_cast<absl::StatusCode>(report.status_code),
-                          std::string(report.message, strnlen(report.message, sizeof(report.message))));
+      return absl::Status(
+          static_cast<absl::StatusCode>(report.status_code),
+          std::string(report.message, strnlen(report.message, sizeof(report.message))));
     }
     std::copy(std::begin(report.stage_ns), std::end(report.stage_ns), trace.stage_ns[i].begin());
   }

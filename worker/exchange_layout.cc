@@ -3,8 +3,8 @@
 namespace epserve::worker {
 
 const char* WorkerStageName(int stage) {
-  static const char* const kNames[kNumWorkerStages] = {"route", "layout", "dispatch",
-                                                       "expert_ffn", "combine"};
+  static const char* const kNames[kNumWorkerStages] = {"route", "layout", "dispatch", "expert_ffn",
+                                                       "combine"};
   return stage >= 0 && stage < kNumWorkerStages ? kNames[stage] : "unknown";
 }
 
@@ -53,9 +53,8 @@ absl::StatusOr<ExchangeLayout> ExchangeLayout::Allocate(shmem::SymmetricHeap& he
                                                         const ExchangeShape& shape) {
   ExchangeLayout l{};
   l.shape = shape;
-  absl::Status s = Plan(shape, l, [&](size_t bytes, size_t align) {
-    return heap.Allocate(bytes, align);
-  });
+  absl::Status s =
+      Plan(shape, l, [&](size_t bytes, size_t align) { return heap.Allocate(bytes, align); });
   if (!s.ok()) return s;
   return l;
 }

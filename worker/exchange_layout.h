@@ -27,9 +27,7 @@ struct ExchangeShape {
   // A receiver gets each token at most once: at most the whole batch.
   int64_t max_recv_rows() const { return max_batch_tokens; }
   // An owner gets back at most one row per token and destination.
-  int64_t max_combine_rows() const {
-    return max_rows_per_worker() * std::min(num_workers, top_k);
-  }
+  int64_t max_combine_rows() const { return max_rows_per_worker() * std::min(num_workers, top_k); }
   int64_t recv_meta_stride() const { return 1 + 2 * static_cast<int64_t>(top_k); }
 };
 
@@ -38,10 +36,10 @@ enum class BatchOp : int32_t { kRun = 1, kStop = 2 };
 // Written by rank 0 into each worker's segment before it stores batch_seq.
 struct BatchDescriptor {
   BatchOp op;
-  int32_t layer_pos;        // index into the served layers
-  int64_t row_start;        // first batch row this worker owns
-  int64_t num_rows;         // rows this worker owns
-  int64_t deadline_unix_us; // every wait of this batch ends by then
+  int32_t layer_pos;         // index into the served layers
+  int64_t row_start;         // first batch row this worker owns
+  int64_t num_rows;          // rows this worker owns
+  int64_t deadline_unix_us;  // every wait of this batch ends by then
 };
 
 // Written by worker w into rank 0's segment before it stores done_seq.
@@ -58,12 +56,12 @@ struct WorkerReport {
 struct ExchangeLayout {
   ExchangeShape shape;
   // rank 0 -> worker
-  size_t batch_seq;    // uint64 signal
-  size_t descriptor;   // BatchDescriptor
+  size_t batch_seq;   // uint64 signal
+  size_t descriptor;  // BatchDescriptor
   // worker -> rank 0 (meaningful on rank 0's segment)
-  size_t ready;        // uint64[W]: worker w stored 1 once its weights are loaded
-  size_t done_seq;     // uint64[W] signals, 64 bytes apart
-  size_t reports;      // WorkerReport[W]
+  size_t ready;          // uint64[W]: worker w stored 1 once its weights are loaded
+  size_t done_seq;       // uint64[W] signals, 64 bytes apart
+  size_t reports;        // WorkerReport[W]
   size_t expert_tokens;  // int64[E]: pairs per expert in the last batch
   // worker <-> worker (meaningful on worker segments)
   size_t count_flag;     // uint64[W], 64 bytes apart: batch seq once src's counts row landed
@@ -71,11 +69,12 @@ struct ExchangeLayout {
   size_t dispatch_flag;  // uint64[W], 64 bytes apart
   size_t combine_flag;   // uint64[W], 64 bytes apart
   // data
-  size_t input;      // float[max_rows_per_worker][H], written by rank 0
-  size_t recv;       // float[max_recv_rows][H], written by senders
-  size_t recv_meta;  // int32[max_recv_rows][1 + 2k]: source token, k local ids (-1: none), k weights
-  size_t combine;    // float[max_combine_rows][H], written by receivers back to owners
-  size_t output;     // float[max_batch_tokens][H] (rank 0's segment), written by owners
+  size_t input;  // float[max_rows_per_worker][H], written by rank 0
+  size_t recv;   // float[max_recv_rows][H], written by senders
+  size_t
+      recv_meta;   // int32[max_recv_rows][1 + 2k]: source token, k local ids (-1: none), k weights
+  size_t combine;  // float[max_combine_rows][H], written by receivers back to owners
+  size_t output;   // float[max_batch_tokens][H] (rank 0's segment), written by owners
 
   static constexpr size_t kSignalStride = 64;
 

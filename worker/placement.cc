@@ -6,9 +6,9 @@ namespace epserve::worker {
 
 absl::StatusOr<ExpertPlacement> ExpertPlacement::Contiguous(int num_experts, int num_workers) {
   if (num_workers < 1 || num_workers > num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "worker count must be in [1, num_experts=", num_experts, "], got ", num_workers,
-        " (launch with mpirun -np 1+W, W <= ", num_experts, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker count must be in [1, num_experts=", num_experts, "], got ",
+                     num_workers, " (launch with mpirun -np 1+W, W <= ", num_experts, ")"));
   }
   ExpertPlacement p;
   p.first_.resize(num_workers + 1);

@@ -104,8 +104,9 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   absl::Time stop_seen = absl::InfiniteFuture();
   uint64_t* batch_seq = heap_.As<uint64_t>(rank_, layout_.batch_seq);
   while (true) {
-    absl::Status wait = shmem::WaitAtLeast(batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250),
-                                           "next batch", absl::Microseconds(200));
+    absl::Status wait =
+        shmem::WaitAtLeast(batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250), "next batch",
+                           absl::Microseconds(200));
     if (absl::IsDeadlineExceeded(wait)) {
       if (stop.load()) {
         if (stop_seen == absl::InfiniteFuture()) stop_seen = absl::Now();
@@ -141,8 +142,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerR
   const int64_t n = desc.num_rows;
   if (desc.layer_pos < 0 || desc.layer_pos >= static_cast<int>(layers_.size()) || n < 0 ||
       n > layout_.shape.max_rows_per_worker()) {
-    return absl::InternalError(absl::StrCat("bad batch descriptor: layer_pos ", desc.layer_pos,
-                                            ", rows ", n));
+    return absl::InternalError(
+        absl::StrCat("bad batch descriptor: layer_pos ", desc.layer_pos, ", rows ", n));
   }
   const Layer& layer = layers_[desc.layer_pos];
   const absl::Time deadline = absl::FromUnixMicros(desc.deadline_unix_us);
@@ -180,9 +181,9 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerR
     shmem::SignalStore(layout_.Signal(heap_, d + 1, layout_.count_flag, me_), seq);
   }
   for (int s = 0; s < num_workers; ++s) {
-    EPSERVE_RETURN_IF_ERROR(shmem::WaitAtLeast(layout_.Signal(heap_, rank_, layout_.count_flag, s), seq,
-                                       deadline, absl::StrCat("counts from worker ", s),
-                                       absl::Microseconds(20)));
+    EPSERVE_RETURN_IF_ERROR(
+        shmem::WaitAtLeast(layout_.Signal(heap_, rank_, layout_.count_flag, s), seq, deadline,
+                           absl::StrCat("counts from worker ", s), absl::Microseconds(20)));
   }
   auto count = [&](int src, int dst) { return my_counts[src * num_workers + dst]; };
   report.stage_ns[kLayout] = NanosSince(t0);
@@ -190,7 +191,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerR
   // ---- dispatch: each token row once per destination worker ----
   t0 = absl::Now();
   const int64_t stride = layout_.shape.recv_meta_stride();
-  std::vector<int64_t> recv_base(num_workers);  // where my rows start in d's receive buffer
+  std::vector<int64_t> recv_base(num_workers);     // where my rows start in d's receive buffer
   std::vector<int64_t> combine_base(num_workers);  // where d's answers start in my combine region
   int64_t combine_rows = 0;
   for (int d = 0; d < num_workers; ++d) {
@@ -226,16 +227,17 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerR
   t0 = absl::Now();
   const bool has_shared = layer.shared.num_experts > 0;
   if (has_shared && n > 0) {
-    EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, n, shared_h_, shared_y_));
+    EPSERVE_RETURN_IF_ERROR(
+        kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, n, shared_h_, shared_y_));
     EPSERVE_RETURN_IF_ERROR(rt_->Read(shared_y_, 0, shared_y_host_.data(), n * row_bytes));
   }
   int64_t ffn_ns = NanosSince(t0);
 
   t0 = absl::Now();
   for (int s = 0; s < num_workers; ++s) {
-    EPSERVE_RETURN_IF_ERROR(shmem::WaitAtLeast(layout_.Signal(heap_, rank_, layout_.dispatch_flag, s), seq,
-                                       deadline, absl::StrCat("dispatch from worker ", s),
-                                       absl::Microseconds(20)));
+    EPSERVE_RETURN_IF_ERROR(
+        shmem::WaitAtLeast(layout_.Signal(heap_, rank_, layout_.dispatch_flag, s), seq, deadline,
+                           absl::StrCat("dispatch from worker ", s), absl::Microseconds(20)));
   }
   report.stage_ns[kDispatch] += NanosSince(t0);
 
@@ -271,16 +273,21 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerR
       std::memcpy(&pair_weight_host_[i * k + j], &meta_in[i * stride + 1 + k + j], sizeof(float));
     }
   }
-  for (int e = 0; e < num_local; ++e) expert_tokens[e] = expert_offsets_[e + 1] - expert_offsets_[e];
+  for (int e = 0; e < num_local; ++e)
+    expert_tokens[e] = expert_offsets_[e + 1] - expert_offsets_[e];
   if (recv_rows > 0) {
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, heap_.Ptr(rank_, layout_.recv), recv_rows * row_bytes));
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, row_index_host_.data(), pairs * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, pair_index_host_.data(), recv_rows * k * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_weight_, 0, pair_weight_host_.data(), recv_rows * k * sizeof(float)));
-    EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, expert_offsets_,
-                                       h_, y_));
-    EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, recv_rows, k,
-                                             hidden, out_recv_));
+    EPSERVE_RETURN_IF_ERROR(
+        rt_->Write(x_recv_, 0, heap_.Ptr(rank_, layout_.recv), recv_rows * row_bytes));
+    EPSERVE_RETURN_IF_ERROR(
+        rt_->Write(row_index_, 0, row_index_host_.data(), pairs * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(
+        rt_->Write(pair_index_, 0, pair_index_host_.data(), recv_rows * k * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(
+        rt_->Write(pair_weight_, 0, pair_weight_host_.data(), recv_rows * k * sizeof(float)));
+    EPSERVE_RETURN_IF_ERROR(
+        kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, expert_offsets_, h_, y_));
+    EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, recv_rows,
+                                                     k, hidden, out_recv_));
     // Kernels run asynchronously: finish them here so the stage times what it computes.
     EPSERVE_RETURN_IF_ERROR(rt_->Finish());
   }
@@ -297,16 +304,16 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerR
       int64_t dst_row = 0;  // s's combine region holds its streams in destination order
       for (int d = 0; d < me_; ++d) dst_row += count(s, d);
       EPSERVE_RETURN_IF_ERROR(rt_->Read(out_recv_, offset * row_bytes,
-                                heap_.As<float>(s + 1, layout_.combine) + dst_row * hidden,
-                                rows * row_bytes));
+                                        heap_.As<float>(s + 1, layout_.combine) + dst_row * hidden,
+                                        rows * row_bytes));
     }
     offset += rows;
     shmem::SignalStore(layout_.Signal(heap_, s + 1, layout_.combine_flag, me_), seq);
   }
   for (int d = 0; d < num_workers; ++d) {
-    EPSERVE_RETURN_IF_ERROR(shmem::WaitAtLeast(layout_.Signal(heap_, rank_, layout_.combine_flag, d), seq,
-                                       deadline, absl::StrCat("combine from worker ", d),
-                                       absl::Microseconds(20)));
+    EPSERVE_RETURN_IF_ERROR(
+        shmem::WaitAtLeast(layout_.Signal(heap_, rank_, layout_.combine_flag, d), seq, deadline,
+                           absl::StrCat("combine from worker ", d), absl::Microseconds(20)));
   }
   const float* parts = heap_.As<float>(rank_, layout_.combine);
   float* out = heap_.As<float>(0, layout_.output) + desc.row_start * hidden;

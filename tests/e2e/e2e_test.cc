@@ -27,7 +27,8 @@ std::vector<float> RandomRows(int64_t tokens, std::mt19937_64& rng) {
   return x;
 }
 
-inference::ModelInferRequest Request(const std::vector<float>& x, int64_t tokens, std::string id = "") {
+inference::ModelInferRequest Request(const std::vector<float>& x, int64_t tokens,
+                                     std::string id = "") {
   inference::ModelInferRequest req;
   req.set_model_name("moe");
   req.set_id(std::move(id));
@@ -44,14 +45,16 @@ inference::ModelInferRequest Request(const std::vector<float>& x, int64_t tokens
 class Reference {
  public:
   Reference() : source_(*model::OpenModel("synthetic:tiny", 0)) {
-    for (int layer : source_->config().moe_layers) layers_.push_back(*model::LoadLayer(*source_, layer));
+    for (int layer : source_->config().moe_layers)
+      layers_.push_back(*model::LoadLayer(*source_, layer));
   }
   // Max relative error of `out` against the reference; near-tie tokens skipped.
-  double RelError(const std::vector<float>& x, const float* out, int64_t tokens, int layer_pos = 0) {
+  double RelError(const std::vector<float>& x, const float* out, int64_t tokens,
+                  int layer_pos = 0) {
     std::vector<float> ref(x.size());
     model::Routing routing;
-    model::ReferenceForward(source_->config().layer, layers_[layer_pos], x.data(), tokens, ref.data(),
-                            &routing);
+    model::ReferenceForward(source_->config().layer, layers_[layer_pos], x.data(), tokens,
+                            ref.data(), &routing);
     double err = 0, scale = 1e-30;
     for (int64_t t = 0; t < tokens; ++t) {
       if (routing.margins[t] < 1e-5) continue;
@@ -91,14 +94,16 @@ void ExpectGoodAnswer(inference::GRPCInferenceService::Stub& stub, Reference& re
   ASSERT_EQ(resp.raw_output_contents(0).size(), static_cast<size_t>(tokens * kHidden * 4));
   std::vector<float> out(tokens * kHidden);
   std::memcpy(out.data(), resp.raw_output_contents(0).data(), out.size() * 4);
-  EXPECT_LE(ref.RelError(x, out.data(), tokens), 1e-4) << "request " << id << ", " << tokens << " tokens";
+  EXPECT_LE(ref.RelError(x, out.data(), tokens), 1e-4)
+      << "request " << id << ", " << tokens << " tokens";
 }
 
 class EndToEnd : public ::testing::TestWithParam<int> {};
 
 TEST_P(EndToEnd, ConcurrentRequestsOfEverySizeGetTheirOwnCorrectAnswer) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(
-      GetParam(), {absl::StrCat("--max-batch-tokens=", kMaxBatchTokens), "--max-queue-delay-us=2000"});
+      GetParam(),
+      {absl::StrCat("--max-batch-tokens=", kMaxBatchTokens), "--max-queue-delay-us=2000"});
   ASSERT_TRUE(server.ok()) << server.status();
   Reference ref;
   const uint64_t seed = std::random_device{}();
@@ -108,7 +113,8 @@ TEST_P(EndToEnd, ConcurrentRequestsOfEverySizeGetTheirOwnCorrectAnswer) {
       auto stub = (*server)->NewStub();
       std::mt19937_64 rng(seed + c);
       int i = 0;
-      for (int64_t tokens : {int64_t{1}, int64_t{7}, int64_t{64}, 3 * kMaxBatchTokens + 5, int64_t{2}}) {
+      for (int64_t tokens :
+           {int64_t{1}, int64_t{7}, int64_t{64}, 3 * kMaxBatchTokens + 5, int64_t{2}}) {
         ExpectGoodAnswer(*stub, ref, rng, tokens, absl::StrCat("client", c, "-", i++));
       }
     });
@@ -120,7 +126,9 @@ TEST_P(EndToEnd, ConcurrentRequestsOfEverySizeGetTheirOwnCorrectAnswer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EndToEnd, ::testing::Values(2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& p) { return absl::StrCat("np", p.param); });
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return absl::StrCat("np", p.param);
+                         });
 
 // One server for the protocol and bad-request tests.
 class Protocol : public ::testing::Test {
@@ -140,7 +148,8 @@ class Protocol : public ::testing::Test {
     stub_ = server_->NewStub();
   }
 
-  grpc::Status Infer(const inference::ModelInferRequest& req, inference::ModelInferResponse* resp = nullptr) {
+  grpc::Status Infer(const inference::ModelInferRequest& req,
+                     inference::ModelInferResponse* resp = nullptr) {
     inference::ModelInferResponse local;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
@@ -247,7 +256,8 @@ TEST_F(Protocol, WrongHiddenSize) {
   inference::ModelInferRequest req = Request(x, 2);
   req.mutable_inputs(0)->set_shape(1, 65);
   req.set_raw_input_contents(0, std::string(2 * 65 * 4, '\0'));
-  ExpectRejected(req, grpc::StatusCode::INVALID_ARGUMENT, "shape[1] (hidden size) must be 64, got 65");
+  ExpectRejected(req, grpc::StatusCode::INVALID_ARGUMENT,
+                 "shape[1] (hidden size) must be 64, got 65");
 }
 
 TEST_F(Protocol, ShapeNotOfRankTwo) {
@@ -273,7 +283,8 @@ TEST_F(Protocol, RawContentsOfTheWrongSize) {
 
 TEST_F(Protocol, BothRawAndTypedContents) {
   inference::ModelInferRequest req = Request(RandomRows(1, rng_), 1);
-  for (int i = 0; i < kHidden; ++i) req.mutable_inputs(0)->mutable_contents()->add_fp32_contents(0.5f);
+  for (int i = 0; i < kHidden; ++i)
+    req.mutable_inputs(0)->mutable_contents()->add_fp32_contents(0.5f);
   ExpectRejected(req, grpc::StatusCode::INVALID_ARGUMENT, "both contents and raw_input_contents");
 }
 
@@ -291,10 +302,12 @@ TEST_F(Protocol, RequestOverTheMessageLimitIsRefused) {
 
 TEST(Startup, MoreWorkersThanExpertsIsAClearError) {
   // synthetic:tiny has 8 experts; 1 + 9 ranks.
-  absl::StatusOr<std::pair<int, std::string>> r = ServerProcess::RunToExit(10, {}, absl::Seconds(120));
+  absl::StatusOr<std::pair<int, std::string>> r =
+      ServerProcess::RunToExit(10, {}, absl::Seconds(120));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_NE(r->first, 0);
-  EXPECT_NE(r->second.find("9 workers but the model has only 8 experts"), std::string::npos) << r->second;
+  EXPECT_NE(r->second.find("9 workers but the model has only 8 experts"), std::string::npos)
+      << r->second;
 }
 
 TEST(Shutdown, SigtermAnswersEveryRequestInFlightAndStopsEveryRank) {

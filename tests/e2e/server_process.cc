@@ -8,8 +8,8 @@
 #include <fcntl.h>
 
 #include <cstdlib>
-#include <optional>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <sstream>
 
@@ -26,8 +26,9 @@ std::string ReadFile(const std::string& path) {
 }
 
 pid_t Spawn(int ranks, const std::vector<std::string>& args, const std::string& log) {
-  std::vector<std::string> argv = {EPSERVE_MPIEXEC, "-np", std::to_string(ranks), "--oversubscribe",
-                                   "--bind-to", "none", EPSERVE_BINARY};
+  std::vector<std::string> argv = {EPSERVE_MPIEXEC,   "-np",       std::to_string(ranks),
+                                   "--oversubscribe", "--bind-to", "none",
+                                   EPSERVE_BINARY};
   argv.insert(argv.end(), args.begin(), args.end());
   const pid_t pid = fork();
   if (pid == 0) {
@@ -132,7 +133,9 @@ absl::StatusOr<ServerExit> ServerProcess::Stop(int signal, absl::Duration timeou
   const absl::Time start = absl::Now();
   kill(pid_, signal);
   std::optional<int> code = WaitFor(pid_, start + timeout);
-  if (!code) return absl::DeadlineExceededError(absl::StrCat("mpirun still running after ", absl::FormatDuration(timeout)));
+  if (!code)
+    return absl::DeadlineExceededError(
+        absl::StrCat("mpirun still running after ", absl::FormatDuration(timeout)));
   pid_ = -1;
   return ServerExit{*code, absl::Now() - start};
 }

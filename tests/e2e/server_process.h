@@ -22,11 +22,11 @@ class ServerProcess {
  public:
   // Launches ranks processes with `args` after the defaults (tiny model, port 0 on
   // 127.0.0.1 for gRPC and metrics, a ready file in a fresh temporary folder).
-  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(int ranks,
-                                                              std::vector<std::string> args,
-                                                              absl::Duration ready_timeout = absl::Seconds(120));
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
+      int ranks, std::vector<std::string> args, absl::Duration ready_timeout = absl::Seconds(120));
   // Runs the job to completion (for startup errors): exit code and everything it printed.
-  static absl::StatusOr<std::pair<int, std::string>> RunToExit(int ranks, std::vector<std::string> args,
+  static absl::StatusOr<std::pair<int, std::string>> RunToExit(int ranks,
+                                                               std::vector<std::string> args,
                                                                absl::Duration timeout);
   ~ServerProcess();  // SIGKILL if still running
 

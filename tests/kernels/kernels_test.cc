@@ -226,6 +226,12 @@ TEST_P(RouteTest, MatchesReference) {
     ASSERT_TRUE(Route(Rt(), *w, xb, n, ids, weights).ok());
     const std::vector<int32_t> got_ids = Download<int32_t>(ids, n * k);
     const std::vector<float> got_w = Download<float>(weights, n * k);
+    // A second run gives the same bits.
+    Buffer weights2 = Poisoned(n * k);
+    ASSERT_TRUE(Route(Rt(), *w, xb, n, ids, weights2).ok());
+    EXPECT_EQ(Download<int32_t>(ids, n * k), got_ids);
+    const std::vector<float> got_w2 = Download<float>(weights2, n * k);
+    EXPECT_EQ(std::memcmp(got_w.data(), got_w2.data(), n * k * sizeof(float)), 0);
     for (int64_t t = 0; t < n; ++t) {
       if (ref.margins[t] < kMarginWithinRounding) {
         ++skipped;

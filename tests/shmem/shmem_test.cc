@@ -10,7 +10,8 @@ namespace epserve::shmem {
 namespace {
 
 TEST(SymmetricHeap, OffsetsAgreeOnEveryRank) {
-  absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap = SymmetricHeap::Create(MPI_COMM_WORLD, 1 << 16);
+  absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap =
+      SymmetricHeap::Create(MPI_COMM_WORLD, 1 << 16);
   ASSERT_TRUE(heap.ok()) << heap.status();
   std::vector<unsigned long> offsets;
   for (size_t bytes : {3, 100, 4096, 17}) {
@@ -29,7 +30,8 @@ TEST(SymmetricHeap, OffsetsAgreeOnEveryRank) {
 // Every rank stores rows that encode (source rank, destination rank, index) into every
 // peer's segment, then signals; every rank checks what landed in its own segment.
 TEST(SymmetricHeap, StoresIntoPeersArriveWithTheirSignal) {
-  absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap = SymmetricHeap::Create(MPI_COMM_WORLD, 1 << 20);
+  absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap =
+      SymmetricHeap::Create(MPI_COMM_WORLD, 1 << 20);
   ASSERT_TRUE(heap.ok()) << heap.status();
   SymmetricHeap& h = **heap;
   const int n = h.num_ranks(), me = h.rank();
@@ -43,7 +45,8 @@ TEST(SymmetricHeap, StoresIntoPeersArriveWithTheirSignal) {
   for (int round = 1; round <= 3; ++round) {
     for (int peer = 0; peer < n; ++peer) {
       int64_t* dst = h.As<int64_t>(peer, data) + me * kPerPeer;
-      for (int i = 0; i < kPerPeer; ++i) dst[i] = (int64_t{round} << 48) | (me << 24) | (peer << 16) | i;
+      for (int i = 0; i < kPerPeer; ++i)
+        dst[i] = (int64_t{round} << 48) | (me << 24) | (peer << 16) | i;
       SignalStore(h.As<uint64_t>(peer, flags + 64 * me), round);
     }
     // No early return: every rank must reach the barrier whatever it finds.
@@ -53,7 +56,8 @@ TEST(SymmetricHeap, StoresIntoPeersArriveWithTheirSignal) {
                                    absl::Now() + absl::Seconds(30), "peer rows");
       EXPECT_TRUE(s.ok()) << s;
       for (int i = 0; i < kPerPeer; ++i) {
-        wrong += mine[src * kPerPeer + i] != ((int64_t{round} << 48) | (src << 24) | (me << 16) | i);
+        wrong +=
+            mine[src * kPerPeer + i] != ((int64_t{round} << 48) | (src << 24) | (me << 16) | i);
       }
     }
     EXPECT_EQ(wrong, 0) << "round " << round << " on rank " << me;
@@ -70,8 +74,9 @@ TEST(Signals, WaitEndsAtItsDeadlineOrWhenCancelled) {
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   std::atomic<bool> cancel{true};
-  EXPECT_EQ(WaitAtLeast(&signal, 1, absl::InfiniteFuture(), "x", absl::Microseconds(50), &cancel).code(),
-            absl::StatusCode::kCancelled);
+  EXPECT_EQ(
+      WaitAtLeast(&signal, 1, absl::InfiniteFuture(), "x", absl::Microseconds(50), &cancel).code(),
+      absl::StatusCode::kCancelled);
   SignalStore(&signal, 5);
   EXPECT_TRUE(WaitAtLeast(&signal, 5, absl::Now(), "set").ok());
   EXPECT_EQ(SignalAdd(&signal, 2), 7u);

@@ -29,7 +29,8 @@ Cluster Start(const std::string& preset, int64_t max_batch_tokens, uint64_t seed
   MPI_Comm_size(MPI_COMM_WORLD, &c.num_ranks);
   c.source = *model::OpenModel("synthetic:" + preset, seed);
   const model::MoeLayerConfig& cfg = c.source->config().layer;
-  ExchangeShape shape{c.num_ranks - 1, cfg.num_experts, cfg.top_k, cfg.hidden_size, max_batch_tokens};
+  ExchangeShape shape{c.num_ranks - 1, cfg.num_experts, cfg.top_k, cfg.hidden_size,
+                      max_batch_tokens};
   c.heap = *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeLayout::BytesNeeded(shape));
   c.layout = *ExchangeLayout::Allocate(*c.heap, shape);
   return c;
@@ -48,7 +49,8 @@ void RunCluster(const std::string& preset, int64_t max_batch_tokens,
     EXPECT_TRUE(coordinator.Stop(absl::Now() + absl::Seconds(30)).ok());
   } else {
     WorkerOptions options;
-    absl::StatusOr<std::unique_ptr<Worker>> w = Worker::Create(*c.heap, c.layout, *c.source, options);
+    absl::StatusOr<std::unique_ptr<Worker>> w =
+        Worker::Create(*c.heap, c.layout, *c.source, options);
     ASSERT_TRUE(w.ok()) << w.status();
     std::atomic<bool> stop{false};
     EXPECT_TRUE((*w)->Serve(stop).ok());
@@ -56,8 +58,9 @@ void RunCluster(const std::string& preset, int64_t max_batch_tokens,
 }
 
 // Checks `out` against the reference, skipping tokens whose routing is a near-tie.
-void ExpectMatchesReference(const model::WeightSource& source, int layer, const std::vector<float>& x,
-                            const std::vector<float>& out, int64_t tokens) {
+void ExpectMatchesReference(const model::WeightSource& source, int layer,
+                            const std::vector<float>& x, const std::vector<float>& out,
+                            int64_t tokens) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   model::LayerWeights w = *model::LoadLayer(source, layer);
   std::vector<float> ref(x.size());
