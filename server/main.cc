@@ -173,6 +173,10 @@ int main(int argc, char** argv) {
   fs.Add("startup-timeout", &flags.startup_timeout,
          "How long rank 0 waits for the workers to load their weights");
   fs.Add("device", &flags.device, "OpenCL device of each worker: cpu, gpu, or <platform>:<device>");
+  // ---- front-end flags (server/: protocol, security, limits) ----
+  // ---- end of front-end flags ----
+  // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
+  // ---- end of exchange flags ----
   absl::Status parsed = fs.Parse(argc, argv);
   const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
   const bool first = env_rank == nullptr || absl::string_view(env_rank) == "0";
