@@ -10,6 +10,7 @@ PACKAGES=(
   ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libopenblas-dev
+  prometheus python3
 )
 
 missing=()

@@ -29,8 +29,18 @@ std::string CodeName(absl::StatusCode code) {
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& address,
                                                         const std::string& model_name,
                                                         int num_workers, int num_experts) {
+  MetricsConfig config;
+  config.address = address;
+  config.model_name = model_name;
+  config.num_workers = num_workers;
+  config.num_experts = num_experts;
+  return Start(config);
+}
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& config) {
   std::unique_ptr<Metrics> m(new Metrics());
-  m->num_workers_ = num_workers;
+  const std::string& model_name = config.model_name;
+  m->num_workers_ = config.num_workers;
   m->registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Registry& r = *m->registry_;
 
@@ -58,43 +68,84 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& addre
            .Name("epserve_batch_tokens")
            .Help("Token rows per batch.")
            .Register(r)
-           .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
-                                                            1024, 2048, 4096, 8192});
+           .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256,
+                                                            512, 1024, 2048, 4096, 8192});
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("epserve_tokens_total")
-                    .Help("Token rows computed.")
+                    .Help("Token rows answered successfully.")
                     .Register(r)
                     .Add({{"model", model_name}});
   auto& stages = prometheus::BuildHistogram()
                      .Name("epserve_stage_duration_seconds")
-                     .Help("Duration of each stage of a batch, per rank.")
+                     .Help("Duration of each stage of a batch, per rank (0: front-end).")
                      .Register(r);
   m->scatter_seconds_ = &stages.Add({{"stage", "scatter"}, {"rank", "0"}}, LatencyBuckets());
   m->gather_seconds_ = &stages.Add({{"stage", "gather"}, {"rank", "0"}}, LatencyBuckets());
-  m->stage_seconds_.resize(num_workers);
-  for (int w = 0; w < num_workers; ++w) {
+  m->respond_seconds_ = &stages.Add({{"stage", "respond"}, {"rank", "0"}}, LatencyBuckets());
+  m->stage_seconds_.resize(config.num_workers);
+  for (int w = 0; w < config.num_workers; ++w) {
     for (int s = 0; s < worker::kNumWorkerStages; ++s) {
       m->stage_seconds_[w][s] = &stages.Add(
           {{"stage", worker::WorkerStageName(s)}, {"rank", absl::StrCat(w + 1)}}, LatencyBuckets());
     }
   }
+  auto& exchange = prometheus::BuildCounter()
+                       .Name("epserve_exchange_bytes_total")
+                       .Help("Bytes moved between workers through the heap, by direction.")
+                       .Register(r);
+  m->exchange_bytes_[0] = &exchange.Add({{"direction", "dispatch"}});
+  m->exchange_bytes_[1] = &exchange.Add({{"direction", "combine"}});
   auto& expert_tokens = prometheus::BuildCounter()
                             .Name("epserve_expert_tokens_total")
-                            .Help("Token rows routed to each expert.")
+                            .Help("Token rows routed to each expert, by layer.")
                             .Register(r);
-  for (int e = 0; e < num_experts; ++e) {
-    m->expert_tokens_.push_back(&expert_tokens.Add({{"expert", absl::StrCat(e)}}));
+  auto& balancedness =
+      prometheus::BuildGauge()
+          .Name("epserve_expert_balancedness")
+          .Help(absl::StrCat("Mean over max tokens per expert over the last ",
+                             config.balance_window_batches, " batches of the layer (1: even)."))
+          .Register(r);
+  for (int layer : config.layers) {
+    LayerSeries l;
+    const std::string layer_label = absl::StrCat(layer);
+    for (int e = 0; e < config.num_experts; ++e) {
+      l.expert_tokens.push_back(
+          &expert_tokens.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}}));
+    }
+    l.balancedness = &balancedness.Add({{"layer", layer_label}});
+    l.balancedness->Set(1.0);
+    l.window.assign(std::max(config.balance_window_batches, 1),
+                    std::vector<int64_t>(config.num_experts, 0));
+    l.window_sum.assign(config.num_experts, 0);
+    m->layers_.push_back(std::move(l));
   }
+  m->inflight_ = &prometheus::BuildGauge()
+                      .Name("epserve_inflight_requests")
+                      .Help("Inference requests received and not yet answered.")
+                      .Register(r)
+                      .Add({});
   m->queue_tokens_ = &prometheus::BuildGauge()
                           .Name("epserve_queue_tokens")
                           .Help("Token rows waiting in the batcher's queue.")
                           .Register(r)
                           .Add({});
+  prometheus::BuildGauge()
+      .Name("epserve_queue_capacity_tokens")
+      .Help("Most token rows the queue holds (--max-queue-tokens).")
+      .Register(r)
+      .Add({})
+      .Set(static_cast<double>(config.queue_capacity_tokens));
   m->workers_ready_ = &prometheus::BuildGauge()
                            .Name("epserve_workers_ready")
                            .Help("Expert workers that have loaded their weights and answer.")
                            .Register(r)
                            .Add({});
+  prometheus::BuildGauge()
+      .Name("epserve_workers_configured")
+      .Help("Expert workers the cluster was launched with.")
+      .Register(r)
+      .Add({})
+      .Set(config.num_workers);
   m->heap_bytes_ = &prometheus::BuildGauge()
                         .Name("epserve_heap_bytes")
                         .Help("Bytes of the symmetric heap per rank.")
@@ -108,15 +159,16 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& addre
       .Set(1);
 
   try {  // configuration time: prometheus-cpp reports a failed bind by throwing
-    m->exposer_ = std::make_unique<prometheus::Exposer>(address);
+    m->exposer_ = std::make_unique<prometheus::Exposer>(config.address);
   } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on --metrics-address=", address, ": ", e.what()));
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on --metrics-address=",
+                                               config.address, ": ", e.what()));
   }
   m->exposer_->RegisterCollectable(m->registry_);
   const std::vector<int> ports = m->exposer_->GetListeningPorts();
   if (ports.empty()) return absl::InternalError("metrics exposer reports no listening port");
-  m->bound_address_ = absl::StrCat(address.substr(0, address.rfind(':')), ":", ports.front());
+  m->bound_address_ =
+      absl::StrCat(config.address.substr(0, config.address.rfind(':')), ":", ports.front());
   return m;
 }
 
@@ -134,7 +186,10 @@ void Metrics::ObserveRequest(absl::StatusCode code, absl::Duration latency,
   }
 }
 
-void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows) {
+void Metrics::RequestStarted() { inflight_->Increment(); }
+void Metrics::RequestFinished() { inflight_->Decrement(); }
+
+void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int layer_pos) {
   batch_tokens_->Observe(static_cast<double>(rows));
   scatter_seconds_->Observe(trace.scatter_ns * 1e-9);
   gather_seconds_->Observe(trace.gather_ns * 1e-9);
@@ -143,9 +198,36 @@ void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows) {
       stage_seconds_[w][s]->Observe(trace.stage_ns[w][s] * 1e-9);
     }
   }
-  for (size_t e = 0; e < trace.expert_tokens.size() && e < expert_tokens_.size(); ++e) {
-    expert_tokens_[e]->Increment(static_cast<double>(trace.expert_tokens[e]));
+  if (layer_pos < 0 || layer_pos >= static_cast<int>(layers_.size())) return;
+  LayerSeries& l = layers_[layer_pos];
+  const size_t experts = std::min(trace.expert_tokens.size(), l.expert_tokens.size());
+  for (size_t e = 0; e < experts; ++e) {
+    l.expert_tokens[e]->Increment(static_cast<double>(trace.expert_tokens[e]));
   }
+  std::lock_guard<std::mutex> lock(balance_mu_);
+  std::vector<int64_t>& slot = l.window[l.next];
+  l.next = (l.next + 1) % l.window.size();
+  int64_t total = 0, most = 0;
+  for (size_t e = 0; e < l.window_sum.size(); ++e) {
+    const int64_t now = e < experts ? trace.expert_tokens[e] : 0;
+    l.window_sum[e] += now - slot[e];
+    slot[e] = now;
+    total += l.window_sum[e];
+    most = std::max(most, l.window_sum[e]);
+  }
+  if (most > 0) {
+    l.balancedness->Set(static_cast<double>(total) / static_cast<double>(l.window_sum.size()) /
+                        static_cast<double>(most));
+  }
+}
+
+void Metrics::ObserveRespond(absl::Duration duration) {
+  respond_seconds_->Observe(absl::ToDoubleSeconds(duration));
+}
+
+void Metrics::AddExchangeBytes(int64_t dispatch_bytes, int64_t combine_bytes) {
+  exchange_bytes_[0]->Increment(static_cast<double>(dispatch_bytes));
+  exchange_bytes_[1]->Increment(static_cast<double>(combine_bytes));
 }
 
 void Metrics::SetQueueTokens(int64_t tokens) { queue_tokens_->Set(static_cast<double>(tokens)); }

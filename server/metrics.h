@@ -6,6 +6,7 @@
 
 #include <array>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -24,9 +25,20 @@ class Registry;
 
 namespace epserve::server {
 
+struct MetricsConfig {
+  std::string address;  // "host:port"; port 0 picks a free one
+  std::string model_name;
+  int num_workers = 1;
+  int num_experts = 1;
+  std::vector<int> layers = {0};      // served MoE layers (the model's indices)
+  int64_t queue_capacity_tokens = 0;  // --max-queue-tokens
+  int balance_window_batches = 64;    // epserve_expert_balancedness looks this far back
+};
+
 class Metrics {
  public:
-  // Binds `address` ("host:port", port 0 picks a free one). Configuration time.
+  // Registers every series and binds the address. Configuration time.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Start(const MetricsConfig& config);
   static absl::StatusOr<std::unique_ptr<Metrics>> Start(const std::string& address,
                                                         const std::string& model_name,
                                                         int num_workers, int num_experts);
@@ -34,9 +46,18 @@ class Metrics {
 
   std::string bound_address() const { return bound_address_; }
 
+  // A request arrived / got its answer (epserve_inflight_requests).
+  void RequestStarted();
+  void RequestFinished();
+  // One answered request: its code, time from arrival to answer, time queued, token rows.
   void ObserveRequest(absl::StatusCode code, absl::Duration latency, absl::Duration queue_time,
                       int64_t tokens);
-  void ObserveBatch(const worker::BatchTrace& trace, int64_t rows);
+  // One finished batch of `rows` rows of served layer number `layer_pos`.
+  void ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int layer_pos = 0);
+  // Rank 0's time answering one batch's requests.
+  void ObserveRespond(absl::Duration duration);
+  // Bytes moved between workers by one batch.
+  void AddExchangeBytes(int64_t dispatch_bytes, int64_t combine_bytes);
   void SetQueueTokens(int64_t tokens);
   void SetWorkersReady(int workers);
   void SetHeapBytes(int64_t bytes);
@@ -56,7 +77,19 @@ class Metrics {
   prometheus::Histogram* scatter_seconds_ = nullptr;
   prometheus::Histogram* gather_seconds_ = nullptr;
   std::vector<std::array<prometheus::Histogram*, worker::kNumWorkerStages>> stage_seconds_;
-  std::vector<prometheus::Counter*> expert_tokens_;
+  prometheus::Histogram* respond_seconds_ = nullptr;
+  std::array<prometheus::Counter*, 2> exchange_bytes_{};  // dispatch, combine
+  // Per served layer: per-expert token counters, the balancedness gauge and its window.
+  struct LayerSeries {
+    std::vector<prometheus::Counter*> expert_tokens;
+    prometheus::Gauge* balancedness = nullptr;
+    std::vector<std::vector<int64_t>> window;  // ring of the last batches' per-expert counts
+    std::vector<int64_t> window_sum;           // per expert, over the ring
+    size_t next = 0;
+  };
+  std::vector<LayerSeries> layers_;  // ObserveBatch runs on one thread at a time
+  std::mutex balance_mu_;            // guards the windows
+  prometheus::Gauge* inflight_ = nullptr;
   prometheus::Gauge* queue_tokens_ = nullptr;
   prometheus::Gauge* workers_ready_ = nullptr;
   prometheus::Gauge* heap_bytes_ = nullptr;

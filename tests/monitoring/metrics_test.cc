@@ -1,0 +1,141 @@
+// Known traffic in, exact counts out: scrapes rank 0's /metrics after a fixed set of
+// requests and checks the counters, the per-expert tokens and every rank's stages.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <random>
+#include <regex>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/server_process.h"
+
+namespace epserve::testing {
+namespace {
+
+// GET http://address/path with HTTP/1.0; the body, or "" on failure.
+std::string HttpGet(const std::string& address, const std::string& path) {
+  const size_t colon = address.rfind(':');
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(), &hints,
+                  &res) != 0) {
+    return "";
+  }
+  const int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+  std::string out;
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) out.append(buf, n);
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  const size_t body = out.find("\r\n\r\n");
+  return body == std::string::npos ? "" : out.substr(body + 4);
+}
+
+// Series name with labels -> value, from the text exposition format.
+std::map<std::string, double> ParseMetrics(const std::string& text) {
+  std::map<std::string, double> m;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    double v = 0;
+    if (space != absl::string_view::npos && absl::SimpleAtod(line.substr(space + 1), &v)) {
+      m[std::string(line.substr(0, space))] = v;
+    }
+  }
+  return m;
+}
+
+// Sum of every series of `name` whose labels contain all of `must`.
+double Sum(const std::map<std::string, double>& m, const std::string& name,
+           std::vector<std::string> must = {}) {
+  double total = 0;
+  for (const auto& [series, v] : m) {
+    if (series.compare(0, name.size(), name) != 0) continue;
+    if (series.size() > name.size() && series[name.size()] != '{') continue;
+    bool all = true;
+    for (const std::string& label : must) all &= series.find(label) != std::string::npos;
+    if (all) total += v;
+  }
+  return total;
+}
+
+inference::ModelInferRequest Request(int64_t tokens, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> x(tokens * 64);
+  for (float& v : x) v = u(rng);
+  inference::ModelInferRequest req;
+  req.set_model_name("moe");
+  auto* in = req.add_inputs();
+  in->set_name("hidden_states");
+  in->set_datatype("FP32");
+  in->add_shape(tokens);
+  in->add_shape(64);
+  req.add_raw_input_contents(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
+  return req;
+}
+
+TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
+  constexpr int kRanks = 3, kGood = 20, kBad = 3, kTokens = 6, kTopK = 2;  // synthetic:tiny
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+      ServerProcess::Start(kRanks, {"--max-batch-tokens=16"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = (*server)->NewStub();
+  std::mt19937_64 rng(std::random_device{}());
+  for (int i = 0; i < kGood + kBad; ++i) {
+    inference::ModelInferRequest req = Request(kTokens, rng);
+    if (i >= kGood) req.mutable_inputs(0)->set_datatype("INT8");
+    inference::ModelInferResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+    ASSERT_EQ(s.ok(), i < kGood) << s.error_message();
+  }
+  const std::string text = HttpGet((*server)->metrics_address(), "/metrics");
+  ASSERT_FALSE(text.empty());
+  const std::map<std::string, double> m = ParseMetrics(text);
+  EXPECT_EQ(Sum(m, "epserve_requests_total", {"code=\"OK\""}), kGood);
+  EXPECT_EQ(Sum(m, "epserve_requests_total", {"code=\"INVALID_ARGUMENT\""}), kBad);
+  EXPECT_EQ(Sum(m, "epserve_requests_total"), kGood + kBad);
+  EXPECT_EQ(Sum(m, "epserve_request_duration_seconds_count", {"code=\"OK\""}), kGood);
+  EXPECT_EQ(Sum(m, "epserve_tokens_total"), kGood * kTokens);
+  EXPECT_EQ(Sum(m, "epserve_batch_tokens_sum"), kGood * kTokens);
+  EXPECT_EQ(Sum(m, "epserve_expert_tokens_total"), kGood * kTokens * kTopK);
+  EXPECT_EQ(Sum(m, "epserve_expert_tokens_total", {"layer=\"0\""}), kGood * kTokens * kTopK);
+  const double batches = Sum(m, "epserve_batch_tokens_count");
+  EXPECT_GE(batches, 1);
+  for (const char* stage : {"scatter", "gather"}) {
+    EXPECT_EQ(Sum(m, "epserve_stage_duration_seconds_count",
+                  {"stage=\"" + std::string(stage) + "\"", "rank=\"0\""}),
+              batches)
+        << stage;
+  }
+  for (int rank = 1; rank < kRanks; ++rank) {
+    for (const char* stage : {"route", "layout", "dispatch", "expert_ffn", "combine"}) {
+      EXPECT_EQ(Sum(m, "epserve_stage_duration_seconds_count",
+                    {"stage=\"" + std::string(stage) + "\"",
+                     "rank=\"" + std::to_string(rank) + "\""}),
+                batches)
+          << stage << " rank " << rank;
+    }
+  }
+  EXPECT_EQ(Sum(m, "epserve_workers_ready"), kRanks - 1);
+  EXPECT_EQ(Sum(m, "epserve_workers_configured"), kRanks - 1);
+  const double balance = Sum(m, "epserve_expert_balancedness", {"layer=\"0\""});
+  EXPECT_GT(balance, 0.0);
+  EXPECT_LE(balance, 1.0);
+  EXPECT_GT(Sum(m, "epserve_heap_bytes"), 0);
+  EXPECT_EQ(Sum(m, "epserve_build_info"), 1);
+}
+
+}  // namespace
+}  // namespace epserve::testing
