@@ -50,10 +50,14 @@ struct MoeLayerConfig {
 // A served model: a name, the MoE layers it serves (the model's own layer indices) and
 // their common shape.
 struct ModelConfig {
-  std::string source;           // what --model said, e.g. "synthetic:tiny"
-  std::string architecture;     // e.g. "qwen1.5-moe-a2.7b"
-  std::vector<int> moe_layers;  // served layer indices, ascending
+  std::string source;           // what --model said, e.g. "synthetic:tiny" or a folder
+  std::string architecture;     // e.g. "qwen1.5-moe-a2.7b", or a checkpoint's model_type
+  std::vector<int> moe_layers;  // served layer indices, ascending; never a dense layer
   MoeLayerConfig layer;
+  // Decoder layers of the whole model (MoE and dense, num_hidden_layers); every index in
+  // moe_layers is below it. Layers in [0, num_layers) not in moe_layers are dense or not
+  // served.
+  int num_layers = 0;
 };
 
 }  // namespace epserve::model

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "model/checkpoint.h"
 
 namespace epserve::model {
 namespace {
@@ -73,6 +74,7 @@ absl::StatusOr<ModelConfig> SyntheticPreset(absl::string_view name) {
       c.architecture = p.name;
       c.moe_layers = p.layers;
       c.layer = p.layer;
+      c.num_layers = p.layers.back() + 1;
       return c;
     }
   }
@@ -109,10 +111,14 @@ absl::Status SyntheticWeights::Fill(int layer, TensorKind kind, int expert, floa
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(absl::string_view spec, uint64_t seed) {
   constexpr absl::string_view kSynthetic = "synthetic:";
   if (!absl::StartsWith(spec, kSynthetic)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--model must be synthetic:<preset> (presets: ",
-                     absl::StrJoin(SyntheticPresetNames(), ", "),
-                     "); checkpoint folders are not supported yet, got '", spec, "'"));
+    if (spec.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--model must be synthetic:<preset> (presets: ",
+          absl::StrJoin(SyntheticPresetNames(), ", "), ") or a Hugging Face checkpoint folder"));
+    }
+    absl::StatusOr<std::unique_ptr<CheckpointWeights>> checkpoint = CheckpointWeights::Open(spec);
+    if (!checkpoint.ok()) return checkpoint.status();
+    return std::unique_ptr<WeightSource>(*std::move(checkpoint));
   }
   absl::StatusOr<ModelConfig> config = SyntheticPreset(spec.substr(kSynthetic.size()));
   if (!config.ok()) return config.status();

@@ -31,7 +31,9 @@ class SyntheticWeights final : public WeightSource {
   uint64_t seed_;
 };
 
-// Opens `spec`: "synthetic:<preset>". A checkpoint folder is not supported yet.
+// Opens `spec`: "synthetic:<preset>" (weights from `seed`), or else a Hugging Face checkpoint
+// folder (CheckpointWeights::Open; `seed` unused). A folder that does not exist is NOT_FOUND,
+// a malformed or unsupported checkpoint INVALID_ARGUMENT naming the file and the tensor.
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(absl::string_view spec, uint64_t seed);
 
 }  // namespace epserve::model

@@ -36,7 +36,11 @@ TEST(Synthetic, UnknownPresetListsPresets) {
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(m.status().message().find("tiny"), std::string::npos) << m.status();
-  EXPECT_EQ(OpenModel("/some/folder", 0).status().code(), absl::StatusCode::kInvalidArgument);
+  // Anything else names a checkpoint folder: a missing one is NOT_FOUND naming config.json.
+  absl::Status folder = OpenModel("/some/folder", 0).status();
+  EXPECT_EQ(folder.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(folder.message().find("/some/folder/config.json"), std::string::npos) << folder;
+  EXPECT_EQ(OpenModel("", 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Synthetic, WeightsArePureFunctionsOfSeedLayerTensorExpert) {

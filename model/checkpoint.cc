@@ -1,0 +1,565 @@
+#include "model/checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "model/detail/json.h"
+#include "model/detail/safetensors.h"
+
+namespace epserve::model {
+namespace {
+
+using detail::Json;
+using detail::SafetensorsFile;
+using detail::TensorEntry;
+
+enum Family { kMixtral, kQwen2Moe, kQwen3Moe, kDeepseekV2, kDeepseekV3, kOlmoe };
+
+struct FamilyInfo {
+  Family family;
+  const char* model_type;
+  const char* architecture;
+};
+constexpr FamilyInfo kFamilies[] = {
+    {kMixtral, "mixtral", "MixtralForCausalLM"},
+    {kQwen2Moe, "qwen2_moe", "Qwen2MoeForCausalLM"},
+    {kQwen3Moe, "qwen3_moe", "Qwen3MoeForCausalLM"},
+    {kDeepseekV2, "deepseek_v2", "DeepseekV2ForCausalLM"},
+    {kDeepseekV3, "deepseek_v3", "DeepseekV3ForCausalLM"},
+    {kOlmoe, "olmoe", "OlmoeForCausalLM"},
+};
+
+std::string SupportedList() {
+  std::vector<std::string> names;
+  for (const FamilyInfo& f : kFamilies)
+    names.push_back(absl::StrCat(f.model_type, " (", f.architecture, ")"));
+  return absl::StrJoin(names, ", ");
+}
+
+bool FileExists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    const std::string what = absl::StrCat(path, ": cannot open: ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(what) : absl::InvalidArgumentError(what);
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<Json> ReadJson(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<Json> json = detail::ParseJson(*text);
+  if (!json.ok())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", json.status().message()));
+  if (!json->is_object())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  return json;
+}
+
+// Typed access to config.json keys; a missing or null key takes the default (the value the
+// family's transformers configuration class uses), a key of the wrong type is an error that
+// names the file and the key.
+class ConfigReader {
+ public:
+  ConfigReader(const Json& root, std::string path) : root_(root), path_(std::move(path)) {}
+
+  const std::string& path() const { return path_; }
+  bool Has(absl::string_view key) const {
+    const Json* v = root_.Find(key);
+    return v != nullptr && !v->is_null();
+  }
+
+  absl::Status Error(absl::string_view key, absl::string_view what) const {
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": \"", key, "\" ", what));
+  }
+
+  absl::StatusOr<int64_t> Int(absl::string_view key) const {
+    if (!Has(key)) return Error(key, "is missing");
+    return IntOr(key, 0);
+  }
+  absl::StatusOr<int64_t> IntOr(absl::string_view key, int64_t def) const {
+    if (!Has(key)) return def;
+    const Json& v = *root_.Find(key);
+    if (!v.is_integer()) return Error(key, absl::StrCat("must be an integer, got ", Describe(v)));
+    return v.integer();
+  }
+  absl::StatusOr<double> NumberOr(absl::string_view key, double def) const {
+    if (!Has(key)) return def;
+    const Json& v = *root_.Find(key);
+    if (!v.is_number()) return Error(key, absl::StrCat("must be a number, got ", Describe(v)));
+    return v.number();
+  }
+  absl::StatusOr<bool> BoolOr(absl::string_view key, bool def) const {
+    if (!Has(key)) return def;
+    const Json& v = *root_.Find(key);
+    if (!v.is_bool()) return Error(key, absl::StrCat("must be true or false, got ", Describe(v)));
+    return v.bool_value();
+  }
+  absl::StatusOr<std::string> StringOr(absl::string_view key, std::string def) const {
+    if (!Has(key)) return def;
+    const Json& v = *root_.Find(key);
+    if (!v.is_string()) return Error(key, absl::StrCat("must be a string, got ", Describe(v)));
+    return v.string();
+  }
+  absl::StatusOr<std::vector<int64_t>> IntListOr(absl::string_view key) const {
+    std::vector<int64_t> out;
+    if (!Has(key)) return out;
+    const Json& v = *root_.Find(key);
+    if (!v.is_array())
+      return Error(key, absl::StrCat("must be a list of integers, got ", Describe(v)));
+    for (const Json& e : v.array()) {
+      if (!e.is_integer()) return Error(key, "must be a list of integers");
+      out.push_back(e.integer());
+    }
+    return out;
+  }
+  absl::StatusOr<std::vector<std::string>> StringListOr(absl::string_view key) const {
+    std::vector<std::string> out;
+    if (!Has(key)) return out;
+    const Json& v = *root_.Find(key);
+    if (!v.is_array())
+      return Error(key, absl::StrCat("must be a list of strings, got ", Describe(v)));
+    for (const Json& e : v.array()) {
+      if (!e.is_string()) return Error(key, "must be a list of strings");
+      out.push_back(e.string());
+    }
+    return out;
+  }
+  // A positive count that fits in int.
+  absl::StatusOr<int> Count(absl::string_view key, bool required, int64_t def) const {
+    absl::StatusOr<int64_t> v = required ? Int(key) : IntOr(key, def);
+    if (!v.ok()) return v.status();
+    if (*v < 1 || *v > (int64_t{1} << 30))
+      return Error(key, absl::StrCat("must be >= 1, got ", *v));
+    return static_cast<int>(*v);
+  }
+
+ private:
+  static std::string Describe(const Json& v) {
+    if (v.is_string()) return absl::StrCat("\"", v.string(), "\"");
+    if (v.is_number()) return absl::StrCat(v.number());
+    return std::string(Json::TypeName(v.type()));
+  }
+
+  const Json& root_;
+  std::string path_;
+};
+
+#define EPSERVE_ASSIGN_CFG(lhs, expr)                 \
+  do {                                                \
+    auto epserve_v_ = (expr);                         \
+    if (!epserve_v_.ok()) return epserve_v_.status(); \
+    lhs = *std::move(epserve_v_);                     \
+  } while (0)
+
+// Fills config->layer, config->moe_layers, config->num_layers and the routing facts from
+// config.json of `family`.
+absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* config,
+                             CheckpointFacts* facts) {
+  MoeLayerConfig& c = config->layer;
+  int num_layers = 0;
+  EPSERVE_ASSIGN_CFG(c.hidden_size, r.Count("hidden_size", true, 0));
+  EPSERVE_ASSIGN_CFG(num_layers, r.Count("num_hidden_layers", true, 0));
+  EPSERVE_ASSIGN_CFG(c.top_k, r.Count("num_experts_per_tok", true, 0));
+  std::string act;
+  EPSERVE_ASSIGN_CFG(act, r.StringOr("hidden_act", "silu"));
+  if (act != "silu") {
+    return r.Error("hidden_act", absl::StrCat("is \"", act,
+                                              "\"; experts are served as SwiGLU "
+                                              "(silu) FFNs only"));
+  }
+  bool mlp_bias = false;
+  EPSERVE_ASSIGN_CFG(mlp_bias, r.BoolOr("mlp_bias", false));
+  if (mlp_bias)
+    return r.Error("mlp_bias", "is true; expert projections with biases are not supported");
+  std::vector<bool> is_moe(num_layers, true);
+  facts->scoring_func = "softmax";
+
+  switch (family) {
+    case kMixtral:
+      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("num_local_experts", true, 0));
+      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("intermediate_size", true, 0));
+      c.routing = RoutingKind::kSoftmaxTopK;
+      c.norm_topk_prob = true;  // Mixtral always renormalises the top-k probabilities
+      break;
+    case kOlmoe:
+      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("num_experts", true, 0));
+      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("intermediate_size", true, 0));
+      EPSERVE_ASSIGN_CFG(c.norm_topk_prob, r.BoolOr("norm_topk_prob", false));
+      break;
+    case kQwen2Moe:
+    case kQwen3Moe: {
+      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("num_experts", true, 0));
+      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
+      EPSERVE_ASSIGN_CFG(c.norm_topk_prob, r.BoolOr("norm_topk_prob", false));
+      int step = 1;
+      EPSERVE_ASSIGN_CFG(step, r.Count("decoder_sparse_step", false, 1));
+      std::vector<int64_t> mlp_only;
+      EPSERVE_ASSIGN_CFG(mlp_only, r.IntListOr("mlp_only_layers"));
+      for (int l = 0; l < num_layers; ++l) {
+        const bool listed = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
+        is_moe[l] = !listed && (l + 1) % step == 0;
+      }
+      if (family == kQwen2Moe) {
+        int64_t shared = 0;
+        EPSERVE_ASSIGN_CFG(shared, r.IntOr("shared_expert_intermediate_size", 5632));
+        if (shared < 0) return r.Error("shared_expert_intermediate_size", "must be >= 0");
+        c.shared_ffn_size = shared;
+        c.shared_expert_gate = shared > 0;
+      }
+      break;
+    }
+    case kDeepseekV2:
+    case kDeepseekV3: {
+      const bool v3 = family == kDeepseekV3;
+      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("n_routed_experts", true, 0));
+      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
+      int64_t n_shared = 0;
+      EPSERVE_ASSIGN_CFG(n_shared, r.IntOr("n_shared_experts", v3 ? 1 : 2));
+      if (n_shared < 0) return r.Error("n_shared_experts", "must be >= 0");
+      facts->n_shared_experts = static_cast<int>(n_shared);
+      c.shared_ffn_size = n_shared * c.expert_ffn_size;
+      int64_t first_dense = 0;
+      int freq = 1;
+      EPSERVE_ASSIGN_CFG(first_dense, r.IntOr("first_k_dense_replace", v3 ? 3 : 0));
+      EPSERVE_ASSIGN_CFG(freq, r.Count("moe_layer_freq", false, 1));
+      for (int l = 0; l < num_layers; ++l) is_moe[l] = l >= first_dense && l % freq == 0;
+      bool norm = false;
+      double scale = 1.0;
+      EPSERVE_ASSIGN_CFG(norm, r.BoolOr("norm_topk_prob", v3));
+      EPSERVE_ASSIGN_CFG(scale, r.NumberOr("routed_scaling_factor", v3 ? 2.5 : 1.0));
+      EPSERVE_ASSIGN_CFG(facts->scoring_func,
+                         r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax"));
+      EPSERVE_ASSIGN_CFG(facts->topk_method, r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy"));
+      int64_t n_group = 0, topk_group = 0;
+      EPSERVE_ASSIGN_CFG(n_group, r.IntOr("n_group", v3 ? 8 : 1));
+      EPSERVE_ASSIGN_CFG(topk_group, r.IntOr("topk_group", v3 ? 4 : n_group));
+      // DeepSeek's reference renormalises only for k > 1.
+      norm = norm && c.top_k > 1;
+      const std::string& scoring = facts->scoring_func;
+      const std::string& method = facts->topk_method;
+      if (scoring == "softmax" && (method == "greedy" || method == "group_limited_greedy")) {
+        // group_limited_greedy keeps the topk_group groups with the largest max-probability
+        // expert; it only equals plain top-k when every group is kept.
+        if (method == "group_limited_greedy" && n_group > 1 && topk_group < n_group) {
+          return r.Error(
+              "topk_method",
+              absl::StrCat(
+                  "is \"group_limited_greedy\" with n_group=", n_group, ", topk_group=", topk_group,
+                  ": softmax routing limited to the best groups by max score is not supported "
+                  "(supported: greedy; sigmoid + noaux_tc)"));
+        }
+        c.routing = RoutingKind::kSoftmaxTopK;
+        c.norm_topk_prob = norm;
+        // DeepSeek-V2's gate either renormalises or scales by routed_scaling_factor.
+        c.routed_scaling_factor = norm ? 1.0f : static_cast<float>(scale);
+      } else if (scoring == "sigmoid" && method == "noaux_tc") {
+        c.routing = RoutingKind::kSigmoidGroupedTopK;
+        c.norm_topk_prob = norm;
+        c.routed_scaling_factor = static_cast<float>(scale);
+        if (n_group < 1 || n_group > c.num_experts)
+          return r.Error("n_group", "must be in [1, n_routed_experts]");
+        if (topk_group < 1 || topk_group > n_group)
+          return r.Error("topk_group", "must be in [1, n_group]");
+        c.n_group = static_cast<int>(n_group);
+        c.topk_group = static_cast<int>(topk_group);
+      } else {
+        return r.Error(
+            "scoring_func",
+            absl::StrCat("is \"", scoring, "\" with topk_method \"", method,
+                         "\": supported are softmax with greedy, and sigmoid with noaux_tc"));
+      }
+      break;
+    }
+  }
+  config->num_layers = num_layers;
+  config->moe_layers.clear();
+  facts->dense_layers.clear();
+  for (int l = 0; l < num_layers; ++l)
+    (is_moe[l] ? config->moe_layers : facts->dense_layers).push_back(l);
+  if (config->moe_layers.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(r.path(), ": no MoE layer among the ", num_layers, " layers"));
+  }
+  if (absl::Status s = c.Validate(); !s.ok())
+    return absl::InvalidArgumentError(absl::StrCat(r.path(), ": ", s.message()));
+  return absl::OkStatus();
+}
+
+bool SafeRelativePath(absl::string_view p) {
+  if (p.empty() || p[0] == '/') return false;
+  for (absl::string_view part : absl::StrSplit(p, '/'))
+    if (part == ".." || part.empty()) return false;
+  return true;
+}
+
+}  // namespace
+
+CheckpointWeights::~CheckpointWeights() = default;
+
+absl::StatusOr<std::unique_ptr<CheckpointWeights>> CheckpointWeights::Open(
+    absl::string_view folder_in) {
+  std::string folder(folder_in);
+  while (folder.size() > 1 && folder.back() == '/') folder.pop_back();
+  std::unique_ptr<CheckpointWeights> w(new CheckpointWeights());
+  w->facts_.folder = folder;
+  const std::string config_path = folder + "/config.json";
+  absl::StatusOr<Json> root = ReadJson(config_path);
+  if (!root.ok()) return root.status();
+  ConfigReader r(*root, config_path);
+
+  // The family: model_type when known, else the first known architecture.
+  EPSERVE_ASSIGN_CFG(w->facts_.model_type, r.StringOr("model_type", ""));
+  EPSERVE_ASSIGN_CFG(w->facts_.architectures, r.StringListOr("architectures"));
+  const FamilyInfo* family = nullptr;
+  for (const FamilyInfo& f : kFamilies)
+    if (w->facts_.model_type == f.model_type) family = &f;
+  for (const std::string& arch : w->facts_.architectures)
+    for (const FamilyInfo& f : kFamilies)
+      if (family == nullptr && arch == f.architecture) family = &f;
+  if (family == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_path, ": unsupported architecture (model_type \"", w->facts_.model_type,
+                     "\", architectures [", absl::StrJoin(w->facts_.architectures, ", "),
+                     "]); supported: ", SupportedList()));
+  }
+  if (r.Has("quantization_config")) {
+    const Json& q = *root->Find("quantization_config");
+    const Json* method = q.is_object() ? q.Find("quant_method") : nullptr;
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_path, ": quantized checkpoints are not supported (quantization_config",
+                     method != nullptr && method->is_string()
+                         ? absl::StrCat(".quant_method \"", method->string(), "\"")
+                         : "",
+                     "); use an F32, BF16 or F16 checkpoint"));
+  }
+  w->family_ = family->family;
+  w->config_.source = folder;
+  w->config_.architecture = family->model_type;
+  if (absl::Status s = ReadModelConfig(r, family->family, &w->config_, &w->facts_); !s.ok())
+    return s;
+
+  // The safetensors files.
+  const std::string index_path = folder + "/model.safetensors.index.json";
+  const std::string single_path = folder + "/model.safetensors";
+  if (FileExists(index_path)) {
+    w->index_file_ = "model.safetensors.index.json";
+    absl::StatusOr<Json> index = ReadJson(index_path);
+    if (!index.ok()) return index.status();
+    const Json* map = index->Find("weight_map");
+    if (map == nullptr || !map->is_object())
+      return absl::InvalidArgumentError(absl::StrCat(index_path, ": no \"weight_map\" object"));
+    std::map<std::string, const SafetensorsFile*> opened;
+    for (const auto& [tensor, file] : map->members()) {
+      if (!file.is_string() || !SafeRelativePath(file.string())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            index_path, ": tensor '", tensor, "': weight_map entry is not a file in the folder"));
+      }
+      auto it = opened.find(file.string());
+      if (it == opened.end()) {
+        absl::StatusOr<std::unique_ptr<SafetensorsFile>> f =
+            SafetensorsFile::Open(folder + "/" + file.string());
+        if (!f.ok()) {
+          return absl::Status(f.status().code(),
+                              absl::StrCat(f.status().message(), " (listed in ", index_path,
+                                           " for tensor '", tensor, "')"));
+        }
+        w->facts_.files.push_back(file.string());
+        it = opened.emplace(file.string(), f->get()).first;
+        w->files_.push_back(*std::move(f));
+      }
+      w->weight_map_[tensor] = it->second;
+    }
+  } else if (FileExists(single_path)) {
+    absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(single_path);
+    if (!f.ok()) return f.status();
+    w->facts_.files.push_back("model.safetensors");
+    w->files_.push_back(*std::move(f));
+  } else {
+    return absl::NotFoundError(absl::StrCat(
+        folder, ": neither model.safetensors nor model.safetensors.index.json is there"));
+  }
+  if (absl::Status s = w->Index(); !s.ok()) return s;
+  return w;
+}
+
+std::string CheckpointWeights::TensorName(int layer, TensorKind kind, int expert) const {
+  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const bool mixtral = family_ == kMixtral;
+  const std::string moe = mixtral ? "block_sparse_moe." : "mlp.";
+  const std::string e = absl::StrCat(moe, "experts.", expert, ".");
+  const std::string shared = family_ == kQwen2Moe ? "mlp.shared_expert." : "mlp.shared_experts.";
+  switch (kind) {
+    case TensorKind::kRouter:
+      return absl::StrCat(p, moe, "gate.weight");
+    case TensorKind::kRouterBias:
+      return config_.layer.routing == RoutingKind::kSigmoidGroupedTopK
+                 ? absl::StrCat(p, "mlp.gate.e_score_correction_bias")
+                 : "";
+    case TensorKind::kExpertGate:
+      return absl::StrCat(p, e, mixtral ? "w1.weight" : "gate_proj.weight");
+    case TensorKind::kExpertUp:
+      return absl::StrCat(p, e, mixtral ? "w3.weight" : "up_proj.weight");
+    case TensorKind::kExpertDown:
+      return absl::StrCat(p, e, mixtral ? "w2.weight" : "down_proj.weight");
+    case TensorKind::kSharedGate:
+      return config_.layer.shared_ffn_size > 0 ? absl::StrCat(p, shared, "gate_proj.weight") : "";
+    case TensorKind::kSharedUp:
+      return config_.layer.shared_ffn_size > 0 ? absl::StrCat(p, shared, "up_proj.weight") : "";
+    case TensorKind::kSharedDown:
+      return config_.layer.shared_ffn_size > 0 ? absl::StrCat(p, shared, "down_proj.weight") : "";
+    case TensorKind::kSharedExpertGate:
+      return config_.layer.shared_expert_gate ? absl::StrCat(p, "mlp.shared_expert_gate.weight")
+                                              : "";
+  }
+  return "";
+}
+
+absl::Status CheckpointWeights::Index() {
+  const MoeLayerConfig& c = config_.layer;
+  const std::string folder = facts_.folder;
+  auto resolve = [&](int layer, TensorKind kind, int expert, Ref* ref) -> absl::Status {
+    const std::string name = TensorName(layer, kind, expert);
+    if (name.empty()) return absl::OkStatus();
+    const SafetensorsFile* file = nullptr;
+    if (index_file_.empty()) {
+      file = files_.front().get();
+    } else {
+      auto it = weight_map_.find(name);
+      if (it == weight_map_.end()) {
+        const std::string fused = absl::StrCat("model.layers.", layer, ".mlp.experts.gate_up_proj");
+        return absl::InvalidArgumentError(absl::StrCat(
+            folder, "/", index_file_, ": tensor '", name, "' (layer ", layer, " ",
+            TensorKindName(kind), ") is not in weight_map",
+            weight_map_.count(fused) ? "; fused expert tensors (gate_up_proj) are not supported"
+                                     : ""));
+      }
+      file = it->second;
+    }
+    const TensorEntry* entry = file->Find(name);
+    if (entry == nullptr) {
+      const bool fused =
+          file->Find(absl::StrCat("model.layers.", layer, ".mlp.experts.gate_up_proj")) != nullptr;
+      return absl::InvalidArgumentError(absl::StrCat(
+          file->path(), ": tensor '", name, "' (layer ", layer, " ", TensorKindName(kind),
+          ") is missing",
+          index_file_.empty() ? "" : absl::StrCat(" though ", index_file_, " lists it here"),
+          fused ? "; fused expert tensors (gate_up_proj) are not supported" : ""));
+    }
+    if (entry->dtype == detail::Dtype::kOther) {
+      return absl::InvalidArgumentError(absl::StrCat(file->path(), ": tensor '", name, "': dtype ",
+                                                     entry->dtype_name,
+                                                     " is not supported (F32, F16, BF16)"));
+    }
+    const TensorShape want = ShapeOf(c, kind);
+    std::vector<int64_t> expected = {want.rows, want.cols};
+    if (kind == TensorKind::kRouterBias) expected = {want.cols};
+    if (entry->shape != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file->path(), ": tensor '", name, "': shape ", entry->ShapeString(),
+          " disagrees with config.json, which implies [", absl::StrJoin(expected, ", "),
+          "] (hidden_size=", c.hidden_size, ", experts=", c.num_experts, ", expert intermediate=",
+          c.expert_ffn_size, ", shared intermediate=", c.shared_ffn_size, ")"));
+    }
+    ++facts_.stored_dtypes[entry->dtype_name];
+    facts_.stored_bytes += static_cast<int64_t>(entry->end - entry->begin);
+    ref->file = file;
+    ref->entry = entry;
+    return absl::OkStatus();
+  };
+  for (int layer : config_.moe_layers) {
+    LayerRefs& l = layers_[layer];
+    l.gate.resize(c.num_experts);
+    l.up.resize(c.num_experts);
+    l.down.resize(c.num_experts);
+    const std::pair<TensorKind, Ref*> singles[] = {
+        {TensorKind::kRouter, &l.router},
+        {TensorKind::kRouterBias, &l.router_bias},
+        {TensorKind::kSharedGate, &l.shared_gate},
+        {TensorKind::kSharedUp, &l.shared_up},
+        {TensorKind::kSharedDown, &l.shared_down},
+        {TensorKind::kSharedExpertGate, &l.shared_expert_gate},
+    };
+    for (const auto& [kind, ref] : singles)
+      if (absl::Status s = resolve(layer, kind, 0, ref); !s.ok()) return s;
+    for (int e = 0; e < c.num_experts; ++e) {
+      if (absl::Status s = resolve(layer, TensorKind::kExpertGate, e, &l.gate[e]); !s.ok())
+        return s;
+      if (absl::Status s = resolve(layer, TensorKind::kExpertUp, e, &l.up[e]); !s.ok()) return s;
+      if (absl::Status s = resolve(layer, TensorKind::kExpertDown, e, &l.down[e]); !s.ok())
+        return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+const CheckpointWeights::Ref* CheckpointWeights::Lookup(int layer, TensorKind kind, int expert,
+                                                        absl::Status* error) const {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) {
+    *error = absl::OutOfRangeError(
+        absl::StrCat("layer ", layer, " is not an MoE layer of ", facts_.folder));
+    return nullptr;
+  }
+  const LayerRefs& l = it->second;
+  const bool per_expert = kind == TensorKind::kExpertGate || kind == TensorKind::kExpertUp ||
+                          kind == TensorKind::kExpertDown;
+  if (per_expert && (expert < 0 || expert >= config_.layer.num_experts)) {
+    *error = absl::OutOfRangeError(
+        absl::StrCat("expert ", expert, " not in [0, ", config_.layer.num_experts, ")"));
+    return nullptr;
+  }
+  switch (kind) {
+    case TensorKind::kRouter:
+      return &l.router;
+    case TensorKind::kRouterBias:
+      return &l.router_bias;
+    case TensorKind::kExpertGate:
+      return &l.gate[expert];
+    case TensorKind::kExpertUp:
+      return &l.up[expert];
+    case TensorKind::kExpertDown:
+      return &l.down[expert];
+    case TensorKind::kSharedGate:
+      return &l.shared_gate;
+    case TensorKind::kSharedUp:
+      return &l.shared_up;
+    case TensorKind::kSharedDown:
+      return &l.shared_down;
+    case TensorKind::kSharedExpertGate:
+      return &l.shared_expert_gate;
+  }
+  *error = absl::InvalidArgumentError("unknown tensor kind");
+  return nullptr;
+}
+
+absl::Status CheckpointWeights::Fill(int layer, TensorKind kind, int expert, float* dst) const {
+  absl::Status error;
+  const Ref* ref = Lookup(layer, kind, expert, &error);
+  if (ref == nullptr) return error;
+  if (ref->entry == nullptr) return absl::OkStatus();  // a kind this model lacks: 0 elements
+  return ref->file->ReadAsFloat(*ref->entry, dst);
+}
+
+#undef EPSERVE_ASSIGN_CFG
+
+}  // namespace epserve::model

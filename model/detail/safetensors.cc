@@ -1,0 +1,264 @@
+#include "model/detail/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "model/detail/json.h"
+
+namespace epserve::model::detail {
+namespace {
+
+// The safetensors reference implementation refuses larger headers too.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+struct DtypeInfo {
+  const char* name;
+  size_t bytes;
+};
+constexpr DtypeInfo kDtypes[] = {
+    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"F8_E8M0", 1},
+    {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},     {"U32", 4},
+    {"F32", 4},  {"F64", 8}, {"I64", 8}, {"U64", 8},
+};
+
+absl::Status Bad(const std::string& path, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", what));
+}
+absl::Status BadTensor(const std::string& path, absl::string_view tensor, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "': ", what));
+}
+
+}  // namespace
+
+size_t DtypeBytes(absl::string_view name) {
+  for (const DtypeInfo& d : kDtypes)
+    if (name == d.name) return d.bytes;
+  return 0;
+}
+
+int64_t TensorEntry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string TensorEntry::ShapeString() const {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    const std::string what = absl::StrCat(path, ": cannot open: ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(what) : absl::InvalidArgumentError(what);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Bad(path, "not a regular file");
+  }
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = path;
+  f->size_ = static_cast<uint64_t>(st.st_size);
+  if (f->size_ < 8) {
+    ::close(fd);
+    return Bad(path, absl::StrCat("file of ", f->size_,
+                                  " bytes is too short for a safetensors header (truncated?)"));
+  }
+  void* map = ::mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_err = errno;
+  ::close(fd);
+  if (map == MAP_FAILED) return Bad(path, absl::StrCat("mmap failed: ", std::strerror(map_err)));
+  f->data_ = static_cast<const unsigned char*>(map);
+
+  uint64_t header_bytes = 0;
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | f->data_[i];
+  if (header_bytes > kMaxHeaderBytes || header_bytes > f->size_ - 8) {
+    return Bad(path, absl::StrCat("header length ", header_bytes, " exceeds the file (", f->size_,
+                                  " bytes): truncated or not a safetensors file"));
+  }
+  const uint64_t data_start = 8 + header_bytes;
+  const uint64_t data_bytes = f->size_ - data_start;
+  absl::StatusOr<Json> header =
+      ParseJson(absl::string_view(reinterpret_cast<const char*>(f->data_ + 8), header_bytes));
+  if (!header.ok()) return Bad(path, absl::StrCat("bad header: ", header.status().message()));
+  if (!header->is_object()) return Bad(path, "bad header: not a JSON object");
+
+  std::vector<const TensorEntry*> by_offset;
+  for (const auto& [name, value] : header->members()) {
+    if (name == "__metadata__") {
+      if (!value.is_object()) return Bad(path, "bad header: __metadata__ is not an object");
+      continue;
+    }
+    auto bad = [&](absl::string_view what) { return BadTensor(path, name, what); };
+    if (!value.is_object()) return bad("header entry is not an object");
+    const Json* dtype = value.Find("dtype");
+    const Json* shape = value.Find("shape");
+    const Json* offsets = value.Find("data_offsets");
+    if (dtype == nullptr || !dtype->is_string()) return bad("header entry has no string 'dtype'");
+    if (shape == nullptr || !shape->is_array()) return bad("header entry has no array 'shape'");
+    if (offsets == nullptr || !offsets->is_array() || offsets->array().size() != 2)
+      return bad("header entry has no 'data_offsets' [begin, end]");
+    TensorEntry e;
+    e.name = name;
+    e.dtype_name = dtype->string();
+    e.dtype = e.dtype_name == "F32"    ? Dtype::kF32
+              : e.dtype_name == "F16"  ? Dtype::kF16
+              : e.dtype_name == "BF16" ? Dtype::kBF16
+                                       : Dtype::kOther;
+    // numel with an overflow guard: no real tensor has 2^62 elements.
+    int64_t numel = 1;
+    for (const Json& d : shape->array()) {
+      if (!d.is_integer() || d.integer() < 0)
+        return bad("shape has a dimension that is not a size");
+      e.shape.push_back(d.integer());
+      if (d.integer() != 0 && numel > (int64_t{1} << 62) / d.integer())
+        return bad("shape has too many elements");
+      numel *= d.integer();
+    }
+    for (const Json& o : offsets->array())
+      if (!o.is_integer() || o.integer() < 0) return bad("data_offsets are not byte offsets");
+    const uint64_t begin = static_cast<uint64_t>(offsets->array()[0].integer());
+    const uint64_t end = static_cast<uint64_t>(offsets->array()[1].integer());
+    if (begin > end) return bad(absl::StrCat("data_offsets [", begin, ", ", end, ") are reversed"));
+    if (end > data_bytes) {
+      return bad(absl::StrCat("data_offsets [", begin, ", ", end,
+                              ") run past the end of the data (", data_bytes,
+                              " bytes): file truncated or header wrong"));
+    }
+    const size_t elem = DtypeBytes(e.dtype_name);
+    if (elem != 0 && static_cast<uint64_t>(numel) * elem != end - begin) {
+      return bad(absl::StrCat("data_offsets [", begin, ", ", end, ") hold ", end - begin,
+                              " bytes but ", e.dtype_name, " ", e.ShapeString(), " needs ",
+                              static_cast<uint64_t>(numel) * elem));
+    }
+    e.begin = data_start + begin;
+    e.end = data_start + end;
+    auto [it, inserted] = f->tensors_.emplace(name, std::move(e));
+    if (!inserted) return bad("listed twice in the header");
+  }
+  for (const auto& [name, e] : f->tensors_)
+    if (e.end > e.begin) by_offset.push_back(&e);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorEntry* a, const TensorEntry* b) { return a->begin < b->begin; });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const TensorEntry& prev = *by_offset[i - 1];
+    const TensorEntry& cur = *by_offset[i];
+    if (cur.begin < prev.end) {
+      return BadTensor(path, cur.name,
+                       absl::StrCat("data [", cur.begin - data_start, ", ", cur.end - data_start,
+                                    ") overlaps tensor '", prev.name, "' [",
+                                    prev.begin - data_start, ", ", prev.end - data_start, ")"));
+    }
+  }
+  return f;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
+}
+
+const TensorEntry* SafetensorsFile::Find(absl::string_view name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+absl::Status SafetensorsFile::ReadAsFloat(const TensorEntry& e, float* dst) const {
+  const unsigned char* src = data_ + e.begin;
+  const int64_t n = e.numel();
+  switch (e.dtype) {
+    case Dtype::kF32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return absl::OkStatus();
+    case Dtype::kBF16:
+    case Dtype::kF16: {
+      const bool bf16 = e.dtype == Dtype::kBF16;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t bits = static_cast<uint16_t>(src[2 * i] | (src[2 * i + 1] << 8));
+        dst[i] = bf16 ? Bf16ToFloat(bits) : F16ToFloat(bits);
+      }
+      return absl::OkStatus();
+    }
+    case Dtype::kOther:
+      break;
+  }
+  return BadTensor(path_, e.name,
+                   absl::StrCat("dtype ", e.dtype_name, " is not supported (F32, F16, BF16)"));
+}
+
+float Bf16ToFloat(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t mant = h & 0x3FF;
+  uint32_t u;
+  if (exp == 0x1F) {
+    u = sign | 0x7F800000 | (mant << 13);  // inf or NaN
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (mant << 13);  // normal: rebias 15 -> 127
+  } else if (mant == 0) {
+    u = sign;  // signed zero
+  } else {
+    // Subnormal: shift the leading one into the implicit bit.
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400) == 0);
+    u = sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+uint16_t FloatToBf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  if ((u & 0x7F800000) == 0x7F800000 && (u & 0x7FFFFF) != 0)
+    return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+uint16_t FloatToF16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000);
+  const uint32_t abs = u & 0x7FFFFFFF;
+  if (abs >= 0x7F800000) return sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0);  // inf / NaN
+  if (abs >= 0x477FF000) return sign | 0x7C00;  // rounds past 65504: inf
+  if (abs < 0x38800000) {
+    // Subnormal or zero in half: value = m * 2^-24 with m rounded to nearest even.
+    if (abs < 0x33000000) return sign;  // below half the smallest subnormal
+    const uint32_t exp = abs >> 23;
+    const uint32_t mant = (abs & 0x7FFFFF) | 0x800000;
+    const uint32_t shift = 126 - exp;  // 14 - (exp - 127) + 10 - 23 ... bits to drop
+    uint32_t m = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (m & 1))) ++m;
+    return sign | static_cast<uint16_t>(m);
+  }
+  uint32_t r = abs + 0xFFF + ((abs >> 13) & 1);  // round the 13 dropped bits to nearest even
+  r -= 0x38000000;                               // rebias 127 -> 15
+  return sign | static_cast<uint16_t>(r >> 13);
+}
+
+}  // namespace epserve::model::detail

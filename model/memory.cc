@@ -1,0 +1,57 @@
+#include "model/memory.h"
+
+#include <cstdio>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "model/weights.h"
+
+namespace epserve::model {
+
+absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_workers,
+                                             int worker) {
+  const MoeLayerConfig& c = config.layer;
+  if (num_workers < 1 || num_workers > c.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker count must be in [1, num_experts=", c.num_experts, "], got ", num_workers));
+  }
+  if (worker < 0 || worker >= num_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker must be in [0, ", num_workers, "), got ", worker));
+  }
+  auto numel = [&](TensorKind kind) { return ShapeOf(c, kind).numel(); };
+  RankMemory m;
+  m.first_expert = static_cast<int>(static_cast<int64_t>(worker) * c.num_experts / num_workers);
+  m.num_experts = static_cast<int>(static_cast<int64_t>(worker + 1) * c.num_experts / num_workers) -
+                  m.first_expert;
+  m.num_layers = static_cast<int>(config.moe_layers.size());
+  const int64_t layers = m.num_layers;
+  m.router_params = layers * (numel(TensorKind::kRouter) + numel(TensorKind::kRouterBias));
+  m.expert_params = layers * m.num_experts *
+                    (numel(TensorKind::kExpertGate) + numel(TensorKind::kExpertUp) +
+                     numel(TensorKind::kExpertDown));
+  m.shared_params =
+      layers * (numel(TensorKind::kSharedGate) + numel(TensorKind::kSharedUp) +
+                numel(TensorKind::kSharedDown) + numel(TensorKind::kSharedExpertGate));
+  return m;
+}
+
+std::string FormatBytes(int64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024.0 && unit < 5) {
+    v /= 1024.0;
+    ++unit;
+  }
+  if (unit == 0) return absl::StrCat(bytes, " B");
+  char buf[32];
+  std::snprintf(buf, sizeof(buf),
+                v < 10    ? "%.2f %s"
+                : v < 100 ? "%.1f %s"
+                          : "%.0f %s",
+                v, kUnits[unit]);
+  return buf;
+}
+
+}  // namespace epserve::model
