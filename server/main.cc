@@ -3,6 +3,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -30,6 +31,7 @@ struct Flags {
   std::string device = "cpu";
   epserve::server::FrontEndOptions fe;
   absl::Duration startup_timeout = absl::Minutes(10);
+  epserve::worker::ExchangeFlags exchange;
 };
 
 void Log(int rank, const std::string& line) {
@@ -68,13 +70,20 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   shape.top_k = config.layer.top_k;
   shape.hidden = config.layer.hidden_size;
   shape.max_batch_tokens = flags.fe.max_batch_tokens;
+  if (absl::Status s = flags.exchange.Apply(shape); !s.ok()) return Fail(rank, s);
+  absl::StatusOr<shmem::HeapBackend> backend = shmem::ParseHeapBackend(flags.exchange.heap);
+  if (!backend.ok()) return Fail(rank, backend.status());
   const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(shape);
 
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
-      shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes);
+      shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, *backend);
   if (!heap.ok()) return Fail(rank, heap.status());
   absl::StatusOr<worker::ExchangeLayout> layout = worker::ExchangeLayout::Allocate(**heap, shape);
   if (!layout.ok()) return Fail(rank, layout.status());
+  if (rank == 0) {
+    Log(rank, absl::StrCat("heap ", shmem::HeapBackendName((*heap)->backend()), ": ",
+                           worker::ExchangeRegions::Describe(shape.exchange())));
+  }
   if (rank == 0) {
     Log(rank, absl::StrCat("model ", config.source, ": H=", config.layer.hidden_size,
                            " F=", config.layer.expert_ffn_size, " E=", config.layer.num_experts,
@@ -176,6 +185,23 @@ int main(int argc, char** argv) {
   // ---- front-end flags (server/: protocol, security, limits) ----
   // ---- end of front-end flags ----
   // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
+  fs.Add("heap", &flags.exchange.heap,
+         "Symmetric heap backend: shm (shared-memory window, all ranks on one host), rma (MPI "
+         "one-sided RMA, any hosts) or auto (shm when every rank shares a host)");
+  fs.Add("dispatch-dtype", &flags.exchange.dispatch_dtype,
+         "Token rows sent to experts: fp32, bf16 or fp8 (e4m3, one fp32 scale per 128 values)");
+  fs.Add("combine-dtype", &flags.exchange.combine_dtype,
+         "Expert output rows sent back to their owners: fp32 or bf16");
+  fs.Add("max-recv-tokens-per-rank", &flags.exchange.max_recv_tokens_per_rank,
+         "Receive capacity of each worker in token rows per batch (bounds the heap); 0: "
+         "--max-batch-tokens, which never overflows");
+  fs.Add("recv-overflow", &flags.exchange.recv_overflow,
+         "When a batch exceeds a receive capacity: fail (RESOURCE_EXHAUSTED) or split (run "
+         "it in rounds)");
+  fs.Add("exchange-timeout-ms", &flags.exchange.exchange_timeout_ms,
+         "Every cross-rank wait of a batch ends within this many milliseconds (or "
+         "--batch-timeout, if shorter); a peer that stops taking part fails the batch with "
+         "UNAVAILABLE");
   // ---- end of exchange flags ----
   absl::Status parsed = fs.Parse(argc, argv);
   const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
@@ -196,11 +222,18 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
 
+  // Rank 0's batcher thread makes the MPI calls of the rma heap while the main thread
+  // waits, so calls never overlap: SERIALIZED is enough.
   int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
   int rank = 0, num_ranks = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &num_ranks);
+  if (provided < MPI_THREAD_SERIALIZED) {
+    if (rank == 0) std::fprintf(stderr, "epserve: this MPI library lacks MPI_THREAD_SERIALIZED\n");
+    MPI_Finalize();
+    return 1;
+  }
   const int code = Run(rank, num_ranks, flags);
   MPI_Finalize();
   return code;

@@ -3,11 +3,12 @@
 #include <emmintrin.h>
 #include <sched.h>
 
-#include <cstring>
+#include <algorithm>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "shmem/detail/backends.h"
 
 namespace epserve::shmem {
 
@@ -23,55 +24,55 @@ absl::Status MpiError(int code, const char* call, const char* file, int line) {
                                           ": ", absl::string_view(text, len)));
 }
 
-absl::StatusOr<std::unique_ptr<SymmetricHeap>> SymmetricHeap::Create(MPI_Comm comm,
-                                                                     size_t bytes_per_rank) {
-  std::unique_ptr<SymmetricHeap> heap(new SymmetricHeap());
-  EPSERVE_MPI_CHECK(MPI_Comm_dup(comm, &heap->comm_));
-  EPSERVE_MPI_CHECK(MPI_Comm_rank(heap->comm_, &heap->rank_));
-  EPSERVE_MPI_CHECK(MPI_Comm_size(heap->comm_, &heap->num_ranks_));
+absl::StatusOr<HeapBackend> ParseHeapBackend(absl::string_view name) {
+  if (name == "auto") return HeapBackend::kAuto;
+  if (name == "shm") return HeapBackend::kShm;
+  if (name == "rma") return HeapBackend::kRma;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--heap must be auto, shm or rma, got '", name, "'"));
+}
 
-  // The shm backend needs every rank on this host.
+const char* HeapBackendName(HeapBackend backend) {
+  switch (backend) {
+    case HeapBackend::kAuto:
+      return "auto";
+    case HeapBackend::kShm:
+      return "shm";
+    case HeapBackend::kRma:
+      return "rma";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<std::unique_ptr<SymmetricHeap>> SymmetricHeap::Create(MPI_Comm comm,
+                                                                     size_t bytes_per_rank,
+                                                                     HeapBackend backend) {
+  MPI_Comm dup = MPI_COMM_NULL;
+  EPSERVE_MPI_CHECK(MPI_Comm_dup(comm, &dup));
+  int num_ranks = 0;
+  MPI_Comm_size(dup, &num_ranks);
+  // Whether every rank shares this host: the same answer on every rank.
   MPI_Comm node = MPI_COMM_NULL;
-  EPSERVE_MPI_CHECK(
-      MPI_Comm_split_type(heap->comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  EPSERVE_MPI_CHECK(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   int node_size = 0;
   MPI_Comm_size(node, &node_size);
   MPI_Comm_free(&node);
-  if (node_size != heap->num_ranks_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the shared-memory heap needs all ", heap->num_ranks_,
-                     " ranks on one host, but only ", node_size, " share this one"));
+  int all_local = node_size == num_ranks ? 1 : 0;
+  EPSERVE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_local, 1, MPI_INT, MPI_MIN, dup));
+  if (backend == HeapBackend::kAuto) backend = all_local ? HeapBackend::kShm : HeapBackend::kRma;
+  if (backend == HeapBackend::kShm && !all_local) {
+    MPI_Comm_free(&dup);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--heap=shm needs all ", num_ranks, " ranks on one host, but only ", node_size,
+        " share this one; use --heap=rma or --heap=auto"));
   }
-
   // Page-align each segment so device buffers can wrap heap memory directly.
-  bytes_per_rank = (bytes_per_rank + 4095) / 4096 * 4096;
-  MPI_Info info;
-  EPSERVE_MPI_CHECK(MPI_Info_create(&info));
-  MPI_Info_set(info, "alloc_shared_noncontig", "true");
-  void* local = nullptr;
-  const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes_per_rank), 1, info,
-                                         heap->comm_, &local, &heap->win_);
-  MPI_Info_free(&info);
-  EPSERVE_MPI_CHECK(rc);
-  heap->bytes_per_rank_ = bytes_per_rank;
-  heap->bases_ = std::make_unique<void*[]>(heap->num_ranks_);
-  for (int r = 0; r < heap->num_ranks_; ++r) {
-    MPI_Aint size = 0;
-    int disp = 0;
-    EPSERVE_MPI_CHECK(MPI_Win_shared_query(heap->win_, r, &size, &disp, &heap->bases_[r]));
-    if (static_cast<size_t>(size) != bytes_per_rank) {
-      return absl::InternalError(absl::StrCat("rank ", r, "'s heap segment has ", size,
-                                              " bytes, expected ", bytes_per_rank));
-    }
-  }
-  std::memset(local, 0, bytes_per_rank);
-  // Everyone's segment is zeroed before anyone signals through it.
-  EPSERVE_MPI_CHECK(MPI_Barrier(heap->comm_));
-  return heap;
+  bytes_per_rank = std::max<size_t>((bytes_per_rank + 4095) / 4096 * 4096, 4096);
+  return backend == HeapBackend::kShm ? detail::CreateShmHeap(dup, bytes_per_rank)
+                                      : detail::CreateRmaHeap(dup, bytes_per_rank);
 }
 
 SymmetricHeap::~SymmetricHeap() {
-  if (win_ != MPI_WIN_NULL) MPI_Win_free(&win_);
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
@@ -90,33 +91,66 @@ absl::StatusOr<size_t> SymmetricHeap::Allocate(size_t bytes, size_t align) {
   return offset;
 }
 
-absl::Status WaitAtLeast(uint64_t* signal, uint64_t target, absl::Time deadline,
-                         absl::string_view what, absl::Duration max_sleep,
-                         const std::atomic<bool>* cancel) {
-  for (int i = 0; i < 2000; ++i) {
-    if (SignalLoad(signal) >= target) return absl::OkStatus();
+absl::Status SymmetricHeap::TakeLoadError() {
+  absl::Status s = std::move(load_error_);
+  load_error_ = absl::OkStatus();
+  return s;
+}
+
+namespace {
+
+// The wait loop shared by both waits: spin, then yield, then sleep with backoff.
+template <typename Load>
+absl::Status WaitLoop(Load load, uint64_t target, absl::Time deadline, absl::string_view what,
+                      int index, const WaitOptions& wait) {
+  for (int i = 0; i < 256; ++i) {
+    if (load() >= target) return absl::OkStatus();
     _mm_pause();
   }
   absl::Duration sleep = absl::Microseconds(1);
   int yields = 0;
   while (true) {
-    const uint64_t seen = SignalLoad(signal);
+    const uint64_t seen = load();
     if (seen >= target) return absl::OkStatus();
-    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
-      return absl::CancelledError(absl::StrCat("cancelled while waiting for ", what));
+    if (wait.cancel != nullptr && wait.cancel->load(std::memory_order_relaxed)) {
+      return absl::CancelledError(
+          absl::StrCat("cancelled while waiting for ", what, index >= 0 ? " " : "",
+                       index >= 0 ? absl::StrCat(index) : ""));
     }
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(
-          absl::StrCat("timed out waiting for ", what, ": saw ", seen, ", waiting for ", target));
+          absl::StrCat("timed out waiting for ", what, index >= 0 ? " " : "",
+                       index >= 0 ? absl::StrCat(index) : "", ": saw ", seen, ", waiting for ",
+                       target));
     }
-    if (yields < 50) {
+    if (yields < 200) {
       ++yields;
       sched_yield();
     } else {
       std::this_thread::sleep_for(absl::ToChronoNanoseconds(sleep));
-      sleep = std::min(sleep * 2, max_sleep);
+      sleep = std::min(sleep * 2, wait.max_sleep);
     }
   }
+}
+
+}  // namespace
+
+absl::Status SymmetricHeap::WaitSignal(size_t offset, uint64_t target, absl::Time deadline,
+                                       absl::string_view what, int index,
+                                       const WaitOptions& wait) {
+  absl::Status s = WaitLoop([&] { return SignalLoad(offset); }, target, deadline, what, index,
+                            wait);
+  absl::Status load = TakeLoadError();
+  return load.ok() ? s : load;
+}
+
+absl::Status WaitAtLeast(uint64_t* signal, uint64_t target, absl::Time deadline,
+                         absl::string_view what, absl::Duration max_sleep,
+                         const std::atomic<bool>* cancel) {
+  WaitOptions wait;
+  wait.max_sleep = max_sleep;
+  wait.cancel = cancel;
+  return WaitLoop([signal] { return SignalLoad(signal); }, target, deadline, what, -1, wait);
 }
 
 }  // namespace epserve::shmem

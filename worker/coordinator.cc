@@ -1,17 +1,19 @@
 #include "worker/coordinator.h"
 
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace epserve::worker {
 
 absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
+  shmem::WaitOptions wait;
+  wait.max_sleep = absl::Milliseconds(5);
   for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    absl::Status s = shmem::WaitAtLeast(layout_.Signal(heap_, 0, layout_.ready, w), 1, deadline,
-                                        absl::StrCat("worker ", w, " to load its weights"),
-                                        absl::Milliseconds(5));
-    if (!s.ok()) return s;
+    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(ExchangeLayout::Signal(layout_.ready, w), 1, deadline,
+                                             "weights loaded by worker", w, wait));
   }
   return absl::OkStatus();
 }
@@ -19,31 +21,41 @@ absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
 absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline) {
   const int num_workers = layout_.shape.num_workers;
   ++seq_;
+  // Workers give up a little before rank 0 does, so their reports arrive in time.
+  const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
+  const absl::Time worker_deadline = deadline - std::min(left / 5, absl::Milliseconds(100));
   for (int w = 0; w < num_workers; ++w) {
     const int64_t begin = total_rows * w / num_workers;
     const int64_t end = total_rows * (w + 1) / num_workers;
-    BatchDescriptor* desc = heap_.As<BatchDescriptor>(w + 1, layout_.descriptor);
-    desc->op = op;
-    desc->layer_pos = layer_pos;
-    desc->row_start = begin;
-    desc->num_rows = end - begin;
-    desc->deadline_unix_us = absl::ToUnixMicros(deadline);
-    shmem::SignalStore(heap_.As<uint64_t>(w + 1, layout_.batch_seq), seq_);
+    BatchDescriptor desc{};
+    desc.op = op;
+    desc.layer_pos = layer_pos;
+    desc.row_start = begin;
+    desc.num_rows = end - begin;
+    desc.deadline_unix_us = absl::ToUnixMicros(worker_deadline);
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(w + 1, layout_.descriptor, &desc, sizeof(desc)));
+    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(w + 1, layout_.batch_seq, seq_));
   }
   return absl::OkStatus();
 }
 
 absl::Status Coordinator::WaitDone(absl::Time deadline) {
+  shmem::WaitOptions wait;
+  wait.cancel = &abort_;
   for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    absl::Status s = shmem::WaitAtLeast(
-        layout_.Signal(heap_, 0, layout_.done_seq, w), seq_, deadline,
-        absl::StrCat("worker ", w, " to finish batch ", seq_), absl::Microseconds(50), &abort_);
-    if (!s.ok()) {
-      healthy_ = false;
-      return s;
-    }
+    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(ExchangeLayout::Signal(layout_.done_seq, w), seq_,
+                                             deadline, "the end of the batch on worker", w, wait));
   }
   return absl::OkStatus();
+}
+
+absl::Status Coordinator::Fail(absl::string_view why) {
+  healthy_ = false;
+  const std::string message =
+      absl::StrCat("the expert exchange failed in batch ", seq_, ": ", why,
+                   "; the service needs a restart");
+  std::fprintf(stderr, "[epserve rank 0] %s\n", message.c_str());
+  return absl::UnavailableError(message);
 }
 
 absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowChunk> chunks,
@@ -61,6 +73,7 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
     return absl::InternalError(
         absl::StrCat("batch of ", total, " rows outside [1, ", shape.max_batch_tokens, "]"));
   }
+  deadline = std::min(deadline, absl::Now() + shape.exchange_timeout);
   BatchTrace trace;
 
   // Scatter: batch row r goes to worker w with begin(w) <= r < end(w).
@@ -73,8 +86,9 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
       const int64_t begin = total * w / num_workers;
       const int64_t end = total * (w + 1) / num_workers;
       const int64_t take = std::min(c.rows - done, end - row);
-      std::memcpy(heap_.As<float>(w + 1, layout_.input) + (row - begin) * shape.hidden,
-                  c.input + done * shape.hidden, take * row_bytes);
+      absl::Status s = heap_.Put(w + 1, layout_.input + (row - begin) * row_bytes,
+                                 c.input + done * shape.hidden, take * row_bytes);
+      if (!s.ok()) return Fail(s.ToString());
       row += take;
       done += take;
     }
@@ -82,24 +96,55 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
 
   absl::Status s = Post(BatchOp::kRun, layer_pos, total, deadline);
-  if (s.ok()) s = WaitDone(deadline);
-  if (!s.ok()) return s;
+  if (!s.ok()) return Fail(s.ToString());
+  s = WaitDone(deadline);
+  // What every worker that finished reports.
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(layout_.reports);
+  auto report_done = [&](int i) {
+    return heap_.SignalLoad(ExchangeLayout::Signal(layout_.done_seq, i)) >= seq_;
+  };
+  auto report_text = [&](int i) {
+    return std::string(reports[i].message, strnlen(reports[i].message, sizeof(reports[i].message)));
+  };
+  if (!s.ok()) {
+    if (absl::IsCancelled(s)) {
+      healthy_ = false;
+      return s;
+    }
+    std::string why = std::string(s.message());
+    for (int i = 0; i < num_workers; ++i) {
+      if (!report_done(i)) {
+        absl::StrAppend(&why, "; worker ", i, " (rank ", i + 1, ") did not finish");
+      } else if (reports[i].status_code != 0) {
+        absl::StrAppend(&why, "; ", report_text(i));
+      }
+    }
+    return Fail(why);
+  }
   trace.stage_ns.resize(num_workers);
+  std::string timeouts;
+  absl::Status first_error;
   for (int i = 0; i < num_workers; ++i) {
-    const WorkerReport& report = heap_.As<WorkerReport>(0, layout_.reports)[i];
+    const WorkerReport& report = reports[i];
     if (report.status_code != 0) {
-      return absl::Status(
-          static_cast<absl::StatusCode>(report.status_code),
-          std::string(report.message, strnlen(report.message, sizeof(report.message))));
+      const auto code = static_cast<absl::StatusCode>(report.status_code);
+      if (code == absl::StatusCode::kDeadlineExceeded) {
+        absl::StrAppend(&timeouts, timeouts.empty() ? "" : "; ", report_text(i));
+      } else if (first_error.ok()) {
+        first_error = absl::Status(code, report_text(i));
+      }
+      continue;
     }
     std::copy(std::begin(report.stage_ns), std::end(report.stage_ns), trace.stage_ns[i].begin());
   }
-  const int64_t* expert_tokens = heap_.As<int64_t>(0, layout_.expert_tokens);
+  if (!timeouts.empty()) return Fail(timeouts);
+  if (!first_error.ok()) return first_error;
+  const int64_t* expert_tokens = heap_.LocalAs<int64_t>(layout_.expert_tokens);
   trace.expert_tokens.assign(expert_tokens, expert_tokens + shape.num_experts);
 
   // Gather.
   t0 = absl::Now();
-  const float* out = heap_.As<float>(0, layout_.output);
+  const float* out = heap_.LocalAs<float>(layout_.output);
   for (const RowChunk& c : chunks) {
     std::memcpy(c.output, out, c.rows * row_bytes);
     out += c.rows * shape.hidden;

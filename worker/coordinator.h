@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "shmem/heap.h"
 #include "worker/exchange_layout.h"
@@ -43,8 +44,12 @@ class Coordinator {
   absl::Status WaitForWorkers(absl::Time deadline);
 
   // Runs one batch of `layer_pos` over the rows of `chunks` (at most max_batch_tokens in all).
-  // Every wait ends by `deadline`. After a timeout the exchange is in an unknown state and
-  // every later call fails with UNAVAILABLE.
+  // Every wait ends by `deadline`; the workers get a slightly earlier one, so that their
+  // reports of which peer stopped taking part arrive first. When a worker or a peer did
+  // not take part in time, the batch fails with UNAVAILABLE naming what happened (also
+  // written to stderr), the exchange is in an unknown state and every later call fails
+  // with UNAVAILABLE. RESOURCE_EXHAUSTED: the batch overflowed a receive capacity under
+  // --recv-overflow=fail (no output rows were written; later batches run).
   absl::StatusOr<BatchTrace> Run(int layer_pos, std::span<const RowChunk> chunks,
                                  absl::Time deadline);
 
@@ -60,6 +65,8 @@ class Coordinator {
  private:
   absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline);
   absl::Status WaitDone(absl::Time deadline);
+  // Turns the exchange unhealthy and returns UNAVAILABLE explaining `why`.
+  absl::Status Fail(absl::string_view why);
 
   shmem::SymmetricHeap& heap_;
   const ExchangeLayout layout_;

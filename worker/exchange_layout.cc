@@ -1,11 +1,53 @@
 #include "worker/exchange_layout.h"
 
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
 namespace epserve::worker {
 
 const char* WorkerStageName(int stage) {
   static const char* const kNames[kNumWorkerStages] = {"route", "layout", "dispatch", "expert_ffn",
                                                        "combine"};
   return stage >= 0 && stage < kNumWorkerStages ? kNames[stage] : "unknown";
+}
+
+ExchangeConfig ExchangeShape::exchange() const {
+  ExchangeConfig c;
+  c.num_workers = num_workers;
+  c.first_rank = 1;
+  c.num_experts = num_experts;
+  c.top_k = top_k;
+  c.hidden = hidden;
+  c.max_send_tokens = max_rows_per_worker();
+  // A receiver gets each token at most once: at most the whole batch.
+  c.max_recv_tokens = max_recv_tokens_per_rank > 0
+                          ? std::min(max_recv_tokens_per_rank, max_batch_tokens)
+                          : max_batch_tokens;
+  c.dispatch_dtype = dispatch_dtype;
+  c.combine_dtype = combine_dtype;
+  c.overflow = overflow;
+  return c;
+}
+
+absl::Status ExchangeFlags::Apply(ExchangeShape& shape) const {
+  EPSERVE_ASSIGN_OR_RETURN(shape.dispatch_dtype, ParsePayloadType(dispatch_dtype, "dispatch-dtype"));
+  EPSERVE_ASSIGN_OR_RETURN(shape.combine_dtype, ParsePayloadType(combine_dtype, "combine-dtype"));
+  if (shape.combine_dtype == PayloadType::kFp8) {
+    return absl::InvalidArgumentError("--combine-dtype must be fp32 or bf16, got 'fp8'");
+  }
+  EPSERVE_ASSIGN_OR_RETURN(shape.overflow, ParseOverflowPolicy(recv_overflow));
+  if (max_recv_tokens_per_rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-recv-tokens-per-rank must be >= 0 (0: --max-batch-tokens), got ",
+        max_recv_tokens_per_rank));
+  }
+  shape.max_recv_tokens_per_rank = max_recv_tokens_per_rank;
+  if (exchange_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--exchange-timeout-ms must be >= 1, got ", exchange_timeout_ms));
+  }
+  shape.exchange_timeout = absl::Milliseconds(exchange_timeout_ms);
+  return shape.exchange().Validate();
 }
 
 namespace {
@@ -28,15 +70,7 @@ absl::Status Plan(const ExchangeShape& s, ExchangeLayout& l, Alloc alloc) {
       {&l.done_seq, w * sig, 64},
       {&l.reports, w * sizeof(WorkerReport), 64},
       {&l.expert_tokens, static_cast<size_t>(s.num_experts) * sizeof(int64_t), 64},
-      {&l.count_flag, w * sig, 64},
-      {&l.counts, w * w * sizeof(int64_t), 64},
-      {&l.dispatch_flag, w * sig, 64},
-      {&l.combine_flag, w * sig, 64},
       {&l.input, static_cast<size_t>(s.max_rows_per_worker()) * row_bytes, 4096},
-      {&l.recv, static_cast<size_t>(s.max_recv_rows()) * row_bytes, 4096},
-      {&l.recv_meta,
-       static_cast<size_t>(s.max_recv_rows() * s.recv_meta_stride()) * sizeof(int32_t), 64},
-      {&l.combine, static_cast<size_t>(s.max_combine_rows()) * row_bytes, 4096},
       {&l.output, static_cast<size_t>(s.max_batch_tokens) * row_bytes, 4096},
   };
   for (const Item& item : items) {
@@ -44,6 +78,9 @@ absl::Status Plan(const ExchangeShape& s, ExchangeLayout& l, Alloc alloc) {
     if (!offset.ok()) return offset.status();
     *item.offset = *offset;
   }
+  absl::StatusOr<ExchangeRegions> regions = ExchangeRegions::Plan(s.exchange(), alloc);
+  if (!regions.ok()) return regions.status();
+  l.exchange = *regions;
   return absl::OkStatus();
 }
 
@@ -53,9 +90,8 @@ absl::StatusOr<ExchangeLayout> ExchangeLayout::Allocate(shmem::SymmetricHeap& he
                                                         const ExchangeShape& shape) {
   ExchangeLayout l{};
   l.shape = shape;
-  absl::Status s =
-      Plan(shape, l, [&](size_t bytes, size_t align) { return heap.Allocate(bytes, align); });
-  if (!s.ok()) return s;
+  EPSERVE_RETURN_IF_ERROR(
+      Plan(shape, l, [&](size_t bytes, size_t align) { return heap.Allocate(bytes, align); }));
   return l;
 }
 

@@ -6,9 +6,13 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "shmem/heap.h"
+#include "worker/exchange.h"
+#include "worker/payload.h"
 
 namespace epserve::worker {
 
@@ -22,13 +26,31 @@ struct ExchangeShape {
   int top_k = 1;
   int64_t hidden = 1;
   int64_t max_batch_tokens = 1;
+  // The worker-to-worker exchange (see worker/exchange.h).
+  PayloadType dispatch_dtype = PayloadType::kFp32;
+  PayloadType combine_dtype = PayloadType::kFp32;
+  int64_t max_recv_tokens_per_rank = 0;  // 0: max_batch_tokens (never overflows)
+  OverflowPolicy overflow = OverflowPolicy::kFail;
+  // Every cross-rank wait of a batch ends within this (or the caller's deadline, if earlier).
+  absl::Duration exchange_timeout = absl::InfiniteDuration();
 
   int64_t max_rows_per_worker() const { return (max_batch_tokens + num_workers - 1) / num_workers; }
-  // A receiver gets each token at most once: at most the whole batch.
-  int64_t max_recv_rows() const { return max_batch_tokens; }
-  // An owner gets back at most one row per token and destination.
-  int64_t max_combine_rows() const { return max_rows_per_worker() * std::min(num_workers, top_k); }
-  int64_t recv_meta_stride() const { return 1 + 2 * static_cast<int64_t>(top_k); }
+  // The exchange among ranks 1..W.
+  ExchangeConfig exchange() const;
+};
+
+// The exchange's command-line settings as given (server/main.cc's exchange flags).
+struct ExchangeFlags {
+  std::string heap = "auto";  // shmem::ParseHeapBackend
+  std::string dispatch_dtype = "fp32";
+  std::string combine_dtype = "fp32";
+  int64_t max_recv_tokens_per_rank = 0;
+  std::string recv_overflow = "fail";
+  int64_t exchange_timeout_ms = 60000;
+
+  // Sets the exchange fields of `shape` (whose other fields are set); INVALID_ARGUMENT
+  // naming the flag and its bound.
+  absl::Status Apply(ExchangeShape& shape) const;
 };
 
 enum class BatchOp : int32_t { kRun = 1, kStop = 2 };
@@ -63,18 +85,11 @@ struct ExchangeLayout {
   size_t done_seq;       // uint64[W] signals, 64 bytes apart
   size_t reports;        // WorkerReport[W]
   size_t expert_tokens;  // int64[E]: pairs per expert in the last batch
-  // worker <-> worker (meaningful on worker segments)
-  size_t count_flag;     // uint64[W], 64 bytes apart: batch seq once src's counts row landed
-  size_t counts;         // int64[W][W]: rows src sends to dest
-  size_t dispatch_flag;  // uint64[W], 64 bytes apart
-  size_t combine_flag;   // uint64[W], 64 bytes apart
   // data
-  size_t input;  // float[max_rows_per_worker][H], written by rank 0
-  size_t recv;   // float[max_recv_rows][H], written by senders
-  size_t
-      recv_meta;   // int32[max_recv_rows][1 + 2k]: source token, k local ids (-1: none), k weights
-  size_t combine;  // float[max_combine_rows][H], written by receivers back to owners
-  size_t output;   // float[max_batch_tokens][H] (rank 0's segment), written by owners
+  size_t input;   // float[max_rows_per_worker][H] (worker segments), written by rank 0
+  size_t output;  // float[max_batch_tokens][H] (rank 0's segment), written by owners
+  // worker <-> worker
+  ExchangeRegions exchange;
 
   static constexpr size_t kSignalStride = 64;
 
@@ -84,8 +99,9 @@ struct ExchangeLayout {
   // Bytes per rank the layout needs, for sizing the heap.
   static size_t BytesNeeded(const ExchangeShape& shape);
 
-  uint64_t* Signal(const shmem::SymmetricHeap& heap, int rank, size_t base, int index) const {
-    return heap.As<uint64_t>(rank, base + static_cast<size_t>(index) * kSignalStride);
+  // Offset of signal `index` of the array at `base`.
+  static size_t Signal(size_t base, int index) {
+    return base + static_cast<size_t>(index) * kSignalStride;
   }
 };
 

@@ -13,6 +13,7 @@
 #include "kernels/runtime.h"
 #include "model/weights.h"
 #include "shmem/heap.h"
+#include "worker/exchange.h"
 #include "worker/exchange_layout.h"
 #include "worker/placement.h"
 
@@ -49,17 +50,16 @@ class Worker {
     kernels::ExpertWeights shared;  // num_experts == 0 when the model has none
   };
 
-  Worker(shmem::SymmetricHeap& heap, const ExchangeLayout& layout, ExpertPlacement placement,
-         const model::MoeLayerConfig& cfg)
-      : heap_(heap), layout_(layout), placement_(std::move(placement)), cfg_(cfg) {}
+  Worker(shmem::SymmetricHeap& heap, const ExchangeLayout& layout, const model::MoeLayerConfig& cfg)
+      : heap_(heap), layout_(layout), cfg_(cfg) {}
 
-  absl::Status RunBatch(const BatchDescriptor& desc, uint64_t seq, WorkerReport& report);
+  absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
   absl::Status AllocateBuffers();
 
   shmem::SymmetricHeap& heap_;
   const ExchangeLayout layout_;
-  const ExpertPlacement placement_;
   const model::MoeLayerConfig cfg_;
+  std::unique_ptr<Exchange> exchange_;
   int me_ = 0;    // worker index
   int rank_ = 0;  // heap rank = me_ + 1
   std::unique_ptr<kernels::Runtime> rt_;
@@ -69,10 +69,11 @@ class Worker {
   kernels::Buffer x_local_, ids_, weights_, shared_h_, shared_y_;
   kernels::Buffer x_recv_, row_index_, h_, y_, pair_index_, pair_weight_, out_recv_;
   // Host scratch, sized for the largest batch.
-  std::vector<int32_t> ids_host_, row_index_host_, pair_index_host_;
-  std::vector<float> weights_host_, pair_weight_host_, shared_y_host_;
-  std::vector<int64_t> slot_;  // [n][W]: row of my combine region holding token t's part from d
-  std::vector<int64_t> expert_offsets_;
+  std::vector<int32_t> ids_host_;
+  std::vector<float> weights_host_;
+  std::vector<float> x_recv_host_;  // decoded rows when the payload is not plain fp32
+  std::vector<float> y_host_;       // output rows when rank 0's segment is not load/store
+  std::vector<int64_t> expert_tokens_;
 };
 
 }  // namespace epserve::worker

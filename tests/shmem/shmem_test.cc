@@ -1,3 +1,4 @@
+// The symmetric heap, both backends, across real ranks.
 #include <mpi.h>
 
 #include <random>
@@ -9,60 +10,140 @@
 namespace epserve::shmem {
 namespace {
 
-TEST(SymmetricHeap, OffsetsAgreeOnEveryRank) {
-  absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap =
-      SymmetricHeap::Create(MPI_COMM_WORLD, 1 << 16);
-  ASSERT_TRUE(heap.ok()) << heap.status();
+class HeapTest : public ::testing::TestWithParam<HeapBackend> {
+ protected:
+  std::unique_ptr<SymmetricHeap> Make(size_t bytes) {
+    absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap =
+        SymmetricHeap::Create(MPI_COMM_WORLD, bytes, GetParam());
+    EXPECT_TRUE(heap.ok()) << heap.status();
+    return heap.ok() ? *std::move(heap) : nullptr;
+  }
+};
+
+TEST_P(HeapTest, OffsetsAgreeOnEveryRank) {
+  std::unique_ptr<SymmetricHeap> heap = Make(1 << 16);
+  ASSERT_NE(heap, nullptr);
+  EXPECT_EQ(heap->backend(), GetParam());
   std::vector<unsigned long> offsets;
   for (size_t bytes : {3, 100, 4096, 17}) {
-    absl::StatusOr<size_t> off = (*heap)->Allocate(bytes, 64);
+    absl::StatusOr<size_t> off = heap->Allocate(bytes, 64);
     ASSERT_TRUE(off.ok());
     EXPECT_EQ(*off % 64, 0u);
     offsets.push_back(*off);
   }
-  std::vector<unsigned long> all(offsets.size() * (*heap)->num_ranks());
+  std::vector<unsigned long> all(offsets.size() * heap->num_ranks());
   MPI_Allgather(offsets.data(), offsets.size(), MPI_UNSIGNED_LONG, all.data(), offsets.size(),
                 MPI_UNSIGNED_LONG, MPI_COMM_WORLD);
   for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i], offsets[i % offsets.size()]);
-  EXPECT_EQ((*heap)->Allocate(1 << 20).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(heap->Allocate(1 << 20).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(heap->Allocate(8, 3).status().code(), absl::StatusCode::kInvalidArgument);
+  // Direct access: every peer on shm, only this rank on rma.
+  for (int r = 0; r < heap->num_ranks(); ++r) {
+    const bool direct = heap->Direct(r, 0) != nullptr;
+    EXPECT_EQ(direct, GetParam() == HeapBackend::kShm || r == heap->rank()) << "rank " << r;
+  }
 }
 
-// Every rank stores rows that encode (source rank, destination rank, index) into every
-// peer's segment, then signals; every rank checks what landed in its own segment.
-TEST(SymmetricHeap, StoresIntoPeersArriveWithTheirSignal) {
-  absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap =
-      SymmetricHeap::Create(MPI_COMM_WORLD, 1 << 20);
-  ASSERT_TRUE(heap.ok()) << heap.status();
-  SymmetricHeap& h = **heap;
+// Every rank puts rows that encode (round, source rank, destination rank, index) into every
+// peer's segment, then signals; every rank checks what landed in its own segment, with no
+// barrier between rounds: a rank overwrites a peer's rows only after that peer said (with
+// an acknowledgement signal) that it has read them.
+TEST_P(HeapTest, PutsArriveWithTheirSignalRoundAfterRound) {
+  std::unique_ptr<SymmetricHeap> heap = Make(1 << 20);
+  ASSERT_NE(heap, nullptr);
+  SymmetricHeap& h = *heap;
   const int n = h.num_ranks(), me = h.rank();
   constexpr int kPerPeer = 1000;
   const size_t data = *h.Allocate(sizeof(int64_t) * kPerPeer * n);
   const size_t flags = *h.Allocate(64 * n);
-  // Poison my segment's data region.
-  int64_t* mine = h.As<int64_t>(me, data);
+  const size_t acks = *h.Allocate(64 * n);
+  int64_t* mine = h.LocalAs<int64_t>(data);
   std::fill(mine, mine + kPerPeer * n, -1);
   MPI_Barrier(MPI_COMM_WORLD);
-  for (int round = 1; round <= 3; ++round) {
+  std::vector<int64_t> rows(kPerPeer);
+  int wrong = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  for (int round = 1; round <= 20; ++round) {
     for (int peer = 0; peer < n; ++peer) {
-      int64_t* dst = h.As<int64_t>(peer, data) + me * kPerPeer;
-      for (int i = 0; i < kPerPeer; ++i)
-        dst[i] = (int64_t{round} << 48) | (me << 24) | (peer << 16) | i;
-      SignalStore(h.As<uint64_t>(peer, flags + 64 * me), round);
-    }
-    // No early return: every rank must reach the barrier whatever it finds.
-    int wrong = 0;
-    for (int src = 0; src < n; ++src) {
-      absl::Status s = WaitAtLeast(h.As<uint64_t>(me, flags + 64 * src), round,
-                                   absl::Now() + absl::Seconds(30), "peer rows");
-      EXPECT_TRUE(s.ok()) << s;
+      // The peer read my rows of the previous round.
+      ASSERT_TRUE(h.WaitSignal(acks + 64 * peer, round - 1, deadline, "ack from", peer).ok());
       for (int i = 0; i < kPerPeer; ++i) {
-        wrong +=
-            mine[src * kPerPeer + i] != ((int64_t{round} << 48) | (src << 24) | (me << 16) | i);
+        rows[i] = (int64_t{round} << 48) | (int64_t{me} << 32) | (peer << 16) | i;
       }
+      ASSERT_TRUE(h.Put(peer, data + sizeof(int64_t) * kPerPeer * me, rows.data(),
+                        rows.size() * sizeof(int64_t)).ok());
+      ASSERT_TRUE(h.SignalSet(peer, flags + 64 * me, round).ok());
     }
-    EXPECT_EQ(wrong, 0) << "round " << round << " on rank " << me;
-    MPI_Barrier(MPI_COMM_WORLD);  // nobody starts the next round while others still read
+    for (int src = 0; src < n; ++src) {
+      absl::Status s = h.WaitSignal(flags + 64 * src, round, deadline, "rows from", src);
+      ASSERT_TRUE(s.ok()) << s;
+      for (int i = 0; i < kPerPeer; ++i) {
+        wrong += mine[src * kPerPeer + i] !=
+                 ((int64_t{round} << 48) | (int64_t{src} << 32) | (me << 16) | i);
+      }
+      ASSERT_TRUE(h.SignalSet(src, acks + 64 * me, round).ok());
+    }
   }
+  EXPECT_EQ(wrong, 0) << "on rank " << me;
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_P(HeapTest, GetAndAtomicAddAcrossRanks) {
+  std::unique_ptr<SymmetricHeap> heap = Make(1 << 16);
+  ASSERT_NE(heap, nullptr);
+  SymmetricHeap& h = *heap;
+  const size_t counter = *h.Allocate(64);
+  const size_t value = *h.Allocate(64);
+  *h.LocalAs<int64_t>(value) = 1000 + h.rank();
+  MPI_Barrier(MPI_COMM_WORLD);
+  // Every rank adds (rank + 1) to every rank's counter, ten times.
+  for (int i = 0; i < 10; ++i) {
+    for (int r = 0; r < h.num_ranks(); ++r) {
+      ASSERT_TRUE(h.SignalAdd(r, counter, h.rank() + 1).ok());
+    }
+  }
+  const uint64_t expected = 10ull * h.num_ranks() * (h.num_ranks() + 1) / 2;
+  EXPECT_TRUE(h.WaitSignal(counter, expected, absl::Now() + absl::Seconds(30), "adds").ok());
+  EXPECT_EQ(h.SignalLoad(counter), expected);
+  const int peer = (h.rank() + 1) % h.num_ranks();
+  int64_t got = 0;
+  ASSERT_TRUE(h.Get(peer, value, &got, sizeof(got)).ok());
+  EXPECT_EQ(got, 1000 + peer);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_P(HeapTest, WaitEndsAtItsDeadline) {
+  std::unique_ptr<SymmetricHeap> heap = Make(1 << 12);
+  ASSERT_NE(heap, nullptr);
+  const size_t never = *heap->Allocate(64);
+  const absl::Time start = absl::Now();
+  absl::Status s = heap->WaitSignal(never, 1, start + absl::Milliseconds(50), "a signal", 7);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(s.message().find("a signal 7"), absl::string_view::npos) << s;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, HeapTest,
+                         ::testing::Values(HeapBackend::kShm, HeapBackend::kRma),
+                         [](const ::testing::TestParamInfo<HeapBackend>& p) {
+                           return std::string(HeapBackendName(p.param));
+                         });
+
+TEST(HeapBackend, ParsesTheFlag) {
+  EXPECT_EQ(*ParseHeapBackend("auto"), HeapBackend::kAuto);
+  EXPECT_EQ(*ParseHeapBackend("rma"), HeapBackend::kRma);
+  absl::StatusOr<HeapBackend> bad = ParseHeapBackend("nvshmem");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("--heap"), absl::string_view::npos);
+}
+
+TEST(HeapBackend, AutoPicksSharedMemoryOnOneHost) {
+  absl::StatusOr<std::unique_ptr<SymmetricHeap>> heap =
+      SymmetricHeap::Create(MPI_COMM_WORLD, 4096, HeapBackend::kAuto);
+  ASSERT_TRUE(heap.ok()) << heap.status();
+  EXPECT_EQ((*heap)->backend(), HeapBackend::kShm);
 }
 
 TEST(Signals, WaitEndsAtItsDeadlineOrWhenCancelled) {

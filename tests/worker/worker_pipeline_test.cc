@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "model/reference.h"
 #include "model/synthetic.h"
@@ -23,25 +24,36 @@ struct Cluster {
   ExchangeLayout layout;
 };
 
-Cluster Start(const std::string& preset, int64_t max_batch_tokens, uint64_t seed) {
+struct ClusterOptions {
+  std::string preset = "tiny";
+  int64_t max_batch_tokens = 64;
+  shmem::HeapBackend backend = shmem::HeapBackend::kAuto;
+  ExchangeFlags exchange;
+  int stalled_rank = -1;  // this worker loads, says it is ready, then sleeps stall_for
+  absl::Duration stall_for = absl::ZeroDuration();
+};
+
+Cluster Start(const ClusterOptions& o, uint64_t seed) {
   Cluster c;
   MPI_Comm_rank(MPI_COMM_WORLD, &c.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &c.num_ranks);
-  c.source = *model::OpenModel("synthetic:" + preset, seed);
+  c.source = *model::OpenModel("synthetic:" + o.preset, seed);
   const model::MoeLayerConfig& cfg = c.source->config().layer;
   ExchangeShape shape{c.num_ranks - 1, cfg.num_experts, cfg.top_k, cfg.hidden_size,
-                      max_batch_tokens};
-  c.heap = *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeLayout::BytesNeeded(shape));
+                      o.max_batch_tokens};
+  absl::Status applied = o.exchange.Apply(shape);
+  EXPECT_TRUE(applied.ok()) << applied;
+  c.heap =
+      *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeLayout::BytesNeeded(shape), o.backend);
   c.layout = *ExchangeLayout::Allocate(*c.heap, shape);
   return c;
 }
 
 // Runs on every rank: workers serve until rank 0 stops them; rank 0 runs `body`.
-void RunCluster(const std::string& preset, int64_t max_batch_tokens,
-                const std::function<void(Cluster&, Coordinator&)>& body) {
+void RunCluster(const ClusterOptions& o, const std::function<void(Cluster&, Coordinator&)>& body) {
   uint64_t seed = std::random_device{}();
   MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  Cluster c = Start(preset, max_batch_tokens, seed);
+  Cluster c = Start(o, seed);
   if (c.rank == 0) {
     Coordinator coordinator(*c.heap, c.layout);
     ASSERT_TRUE(coordinator.WaitForWorkers(absl::Now() + absl::Seconds(120)).ok());
@@ -52,15 +64,22 @@ void RunCluster(const std::string& preset, int64_t max_batch_tokens,
     absl::StatusOr<std::unique_ptr<Worker>> w =
         Worker::Create(*c.heap, c.layout, *c.source, options);
     ASSERT_TRUE(w.ok()) << w.status();
+    if (c.rank == o.stalled_rank) {
+      // Ready as far as rank 0 knows, then stuck for a while.
+      ASSERT_TRUE(
+          c.heap->SignalSet(0, ExchangeLayout::Signal(c.layout.ready, c.rank - 1), 1).ok());
+      absl::SleepFor(o.stall_for);
+    }
     std::atomic<bool> stop{false};
     EXPECT_TRUE((*w)->Serve(stop).ok());
   }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // Checks `out` against the reference, skipping tokens whose routing is a near-tie.
 void ExpectMatchesReference(const model::WeightSource& source, int layer,
                             const std::vector<float>& x, const std::vector<float>& out,
-                            int64_t tokens) {
+                            int64_t tokens, double tolerance = 1e-4) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   model::LayerWeights w = *model::LoadLayer(source, layer);
   std::vector<float> ref(x.size());
@@ -81,11 +100,11 @@ void ExpectMatchesReference(const model::WeightSource& source, int layer,
     }
   }
   EXPECT_LE(skipped, tokens / 10 + 1);
-  EXPECT_LE(max_err / std::max(max_ref, 1e-30), 1e-4) << "max abs error " << max_err;
+  EXPECT_LE(max_err / std::max(max_ref, 1e-30), tolerance) << "max abs error " << max_err;
 }
 
 TEST(WorkerPipeline, BatchesOfEverySizeMatchTheReference) {
-  RunCluster("tiny", 64, [](Cluster& c, Coordinator& coord) {
+  RunCluster({}, [](Cluster& c, Coordinator& coord) {
     std::mt19937_64 rng(std::random_device{}());
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     const int64_t h = c.source->config().layer.hidden_size;
@@ -110,7 +129,10 @@ TEST(WorkerPipeline, BatchesOfEverySizeMatchTheReference) {
 }
 
 TEST(WorkerPipeline, GroupedRoutingWithoutGateMatchesTheReference) {
-  RunCluster("tiny-grouped", 40, [](Cluster& c, Coordinator& coord) {
+  ClusterOptions o;
+  o.preset = "tiny-grouped";
+  o.max_batch_tokens = 40;
+  RunCluster(o, [](Cluster& c, Coordinator& coord) {
     std::mt19937_64 rng(std::random_device{}());
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     const int64_t h = c.source->config().layer.hidden_size;
@@ -121,6 +143,98 @@ TEST(WorkerPipeline, GroupedRoutingWithoutGateMatchesTheReference) {
     absl::StatusOr<BatchTrace> trace = coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
     ASSERT_TRUE(trace.ok()) << trace.status();
     ExpectMatchesReference(*c.source, 0, x, out, tokens);
+  });
+}
+
+// The rma backend, narrow payloads, and a small receive capacity split into rounds: every
+// output row still matches the reference (within the payload's rounding).
+struct Variant {
+  const char* name;
+  shmem::HeapBackend backend;
+  const char* dispatch;
+  const char* combine;
+  int64_t max_recv;
+  const char* overflow;
+  double tolerance;
+};
+
+class PipelineVariants : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(PipelineVariants, MatchTheReference) {
+  const Variant& v = GetParam();
+  ClusterOptions o;
+  o.max_batch_tokens = 48;
+  o.backend = v.backend;
+  o.exchange.dispatch_dtype = v.dispatch;
+  o.exchange.combine_dtype = v.combine;
+  o.exchange.max_recv_tokens_per_rank = v.max_recv;
+  o.exchange.recv_overflow = v.overflow;
+  RunCluster(o, [&](Cluster& c, Coordinator& coord) {
+    std::mt19937_64 rng(std::random_device{}());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int64_t h = c.source->config().layer.hidden_size;
+    for (int64_t tokens : {1, 48, 17}) {
+      std::vector<float> x(tokens * h), out(tokens * h, NAN);
+      for (float& val : x) val = u(rng);
+      RowChunk chunk{x.data(), out.data(), tokens};
+      absl::StatusOr<BatchTrace> trace =
+          coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
+      ASSERT_TRUE(trace.ok()) << trace.status();
+      ExpectMatchesReference(*c.source, c.source->config().moe_layers[0], x, out, tokens,
+                             v.tolerance);
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Exchange, PipelineVariants,
+    ::testing::Values(
+        Variant{"rma", shmem::HeapBackend::kRma, "fp32", "fp32", 0, "fail", 1e-4},
+        Variant{"shm_bf16", shmem::HeapBackend::kShm, "bf16", "bf16", 0, "fail", 2e-2},
+        Variant{"rma_fp8_split", shmem::HeapBackend::kRma, "fp8", "fp32", 8, "split", 1.5e-1}),
+    [](const ::testing::TestParamInfo<Variant>& p) { return std::string(p.param.name); });
+
+TEST(WorkerPipeline, OverflowUnderFailPolicyIsResourceExhaustedAndNextBatchRuns) {
+  ClusterOptions o;
+  o.max_batch_tokens = 48;
+  o.exchange.max_recv_tokens_per_rank = 2;
+  RunCluster(o, [&](Cluster& c, Coordinator& coord) {
+    const int64_t h = c.source->config().layer.hidden_size;
+    std::vector<float> x(48 * h, 0.5f), out(48 * h, NAN);
+    RowChunk chunk{x.data(), out.data(), 48};
+    absl::StatusOr<BatchTrace> trace = coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
+    EXPECT_EQ(trace.status().code(), absl::StatusCode::kResourceExhausted) << trace.status();
+    EXPECT_TRUE(coord.healthy());
+    chunk.rows = 1;
+    trace = coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
+    EXPECT_TRUE(trace.ok()) << trace.status();
+  });
+}
+
+// A worker that stops taking part: rank 0's batch fails with UNAVAILABLE by the exchange
+// timeout (plus a small margin), naming the worker; the exchange then stays unhealthy.
+TEST(WorkerPipeline, StalledWorkerFailsTheBatchWithUnavailableByTheTimeout) {
+  int num_ranks = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &num_ranks);
+  ClusterOptions o;
+  o.exchange.exchange_timeout_ms = 500;
+  o.stalled_rank = num_ranks - 1;
+  o.stall_for = absl::Milliseconds(1500);
+  RunCluster(o, [&](Cluster& c, Coordinator& coord) {
+    const int64_t h = c.source->config().layer.hidden_size;
+    std::vector<float> x(16 * h, 0.5f), out(16 * h, NAN);
+    RowChunk chunk{x.data(), out.data(), 16};
+    const absl::Time start = absl::Now();
+    absl::StatusOr<BatchTrace> trace = coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(trace.status().code(), absl::StatusCode::kUnavailable) << trace.status();
+    EXPECT_NE(trace.status().message().find(absl::StrCat("worker ", num_ranks - 2)),
+              absl::string_view::npos)
+        << trace.status();
+    EXPECT_LT(took, absl::Milliseconds(500 + 250));
+    EXPECT_FALSE(coord.healthy());
+    trace = coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
+    EXPECT_EQ(trace.status().code(), absl::StatusCode::kUnavailable);
   });
 }
 

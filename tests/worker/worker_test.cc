@@ -1,5 +1,11 @@
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
 #include "gtest/gtest.h"
 #include "worker/exchange_layout.h"
+#include "worker/payload.h"
 #include "worker/placement.h"
 
 namespace epserve::worker {
@@ -31,7 +37,7 @@ TEST(ExpertPlacement, MoreWorkersThanExpertsIsAClearError) {
   EXPECT_NE(p.status().message().find("num_experts=8"), absl::string_view::npos) << p.status();
 }
 
-TEST(ExchangeLayout, RegionsDoNotOverlapAndFitTheSize) {
+TEST(ExchangeLayout, HeapSizeFollowsCapacityAndDtypes) {
   ExchangeShape s;
   s.num_workers = 3;
   s.num_experts = 8;
@@ -39,11 +45,200 @@ TEST(ExchangeLayout, RegionsDoNotOverlapAndFitTheSize) {
   s.hidden = 64;
   s.max_batch_tokens = 100;
   EXPECT_EQ(s.max_rows_per_worker(), 34);
-  EXPECT_EQ(s.max_combine_rows(), 68);
+  const ExchangeConfig c = s.exchange();
+  EXPECT_EQ(c.first_rank, 1);
+  EXPECT_EQ(c.recv_capacity(), 100);  // a receiver gets each token at most once
+  EXPECT_EQ(c.max_combine_rows(), 68);
   const size_t bytes = ExchangeLayout::BytesNeeded(s);
   const size_t row = 64 * sizeof(float);
-  EXPECT_GE(bytes, (34 + 100 + 68 + 100) * row);
-  EXPECT_LT(bytes, (34 + 100 + 68 + 100) * row + 6 * 4096 + 100 * 5 * 4 + 4096);
+  // input + output + receive + combine rows, plus metadata and alignment.
+  EXPECT_GE(bytes, (34 + 100 + 100 + 68) * row);
+  EXPECT_LT(bytes, (34 + 100 + 100 + 68) * row + 12 * 4096 + 100 * 7 * 4);
+
+  // A smaller capacity and narrower payloads shrink the heap.
+  ExchangeShape small = s;
+  small.max_recv_tokens_per_rank = 20;
+  small.dispatch_dtype = PayloadType::kFp8;
+  small.combine_dtype = PayloadType::kBf16;
+  EXPECT_EQ(small.exchange().recv_capacity(), 20);
+  EXPECT_LT(ExchangeLayout::BytesNeeded(small), bytes - 80 * row);
+  EXPECT_NE(ExchangeRegions::Describe(small.exchange()).find("fp8"), std::string::npos);
+}
+
+TEST(ExchangeFlags, BadValuesNameTheFlag) {
+  ExchangeShape s;
+  s.num_workers = 4;
+  s.num_experts = 8;
+  s.top_k = 2;
+  s.hidden = 64;
+  s.max_batch_tokens = 64;
+  ExchangeFlags f;
+  EXPECT_TRUE(f.Apply(s).ok());
+  auto message = [&](ExchangeFlags g) { return std::string(g.Apply(s).message()); };
+  ExchangeFlags bad = f;
+  bad.dispatch_dtype = "fp16";
+  EXPECT_NE(message(bad).find("--dispatch-dtype"), std::string::npos);
+  bad = f;
+  bad.combine_dtype = "fp8";
+  EXPECT_NE(message(bad).find("--combine-dtype"), std::string::npos);
+  bad = f;
+  bad.recv_overflow = "drop";
+  EXPECT_NE(message(bad).find("--recv-overflow"), std::string::npos);
+  bad = f;
+  bad.max_recv_tokens_per_rank = -1;
+  EXPECT_NE(message(bad).find("--max-recv-tokens-per-rank"), std::string::npos);
+  bad = f;
+  bad.exchange_timeout_ms = 0;
+  EXPECT_NE(message(bad).find("--exchange-timeout-ms"), std::string::npos);
+  // Split rounds carry capacity / W tokens per sender: the capacity must reach W.
+  bad = f;
+  bad.recv_overflow = "split";
+  bad.max_recv_tokens_per_rank = 3;
+  EXPECT_NE(message(bad).find("--max-recv-tokens-per-rank"), std::string::npos);
+  bad.max_recv_tokens_per_rank = 4;
+  EXPECT_TRUE(bad.Apply(s).ok());
+  EXPECT_EQ(s.exchange_timeout, absl::Milliseconds(f.exchange_timeout_ms));
+}
+
+// ---- payload encodings ----
+
+TEST(Payload, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3F80);
+  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+  EXPECT_EQ(FloatToBf16(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
+  // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6: rounds up to even.
+  EXPECT_EQ(FloatToBf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
+  // Just above the halfway point rounds up.
+  EXPECT_EQ(FloatToBf16(std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f)), 0x3F81);
+  EXPECT_EQ(FloatToBf16(-2.0f), 0xC000);
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(NAN))));
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(INFINITY)), INFINITY);
+  // The largest float rounds to infinity, as IEEE rounding does.
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(3.4028235e38f)), INFINITY);
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {  // every finite bf16 survives a round trip
+    const float v = Bf16ToFloat(static_cast<uint16_t>(bits));
+    if (!std::isnan(v)) {
+      ASSERT_EQ(FloatToBf16(v), bits);
+    }
+  }
+}
+
+TEST(Payload, Fp8E4m3IsExactOnItsGridRoundsToEvenAndSaturates) {
+  EXPECT_EQ(Fp8E4m3ToFloat(0x7E), 448.0f);
+  EXPECT_EQ(Fp8E4m3ToFloat(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(Fp8E4m3ToFloat(0x08), std::ldexp(1.0f, -6));
+  EXPECT_EQ(Fp8E4m3ToFloat(0x38), 1.0f);
+  EXPECT_TRUE(std::isnan(Fp8E4m3ToFloat(0x7F)));
+  std::vector<float> grid;
+  for (int b = 0; b < 0x7F; ++b) {
+    const float v = Fp8E4m3ToFloat(static_cast<uint8_t>(b));
+    ASSERT_EQ(FloatToFp8E4m3(v), b) << v;
+    ASSERT_EQ(FloatToFp8E4m3(-v), b == 0 ? 0x80 : (0x80 | b)) << -v;
+    grid.push_back(v);
+  }
+  // Between two neighbours: the nearer one; at the midpoint, the one with an even code.
+  for (size_t i = 0; i + 1 < grid.size(); ++i) {
+    const float lo = grid[i], hi = grid[i + 1];
+    const float mid = lo + (hi - lo) / 2;
+    EXPECT_EQ(FloatToFp8E4m3(std::nextafter(mid, lo)), i);
+    EXPECT_EQ(FloatToFp8E4m3(std::nextafter(mid, hi)), i + 1);
+    EXPECT_EQ(FloatToFp8E4m3(mid), i % 2 == 0 ? i : i + 1) << lo << " " << hi;
+  }
+  EXPECT_EQ(FloatToFp8E4m3(460.0f), 0x7E);
+  EXPECT_EQ(FloatToFp8E4m3(1e30f), 0x7E);
+  EXPECT_EQ(FloatToFp8E4m3(INFINITY), 0x7E);
+  EXPECT_EQ(FloatToFp8E4m3(-INFINITY), 0xFE);
+  EXPECT_EQ(FloatToFp8E4m3(NAN) & 0x7F, 0x7F);
+  EXPECT_EQ(FloatToFp8E4m3(std::ldexp(1.0f, -11)), 0x00);  // below half the smallest: zero
+}
+
+TEST(Payload, RowsRoundTripWithinTheirTolerance) {
+  std::mt19937 rng(7);
+  for (int64_t hidden : {1, 7, 128, 300, 2048}) {
+    std::vector<float> x(hidden);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    for (float& v : x) v = normal(rng);
+    x[0] = 0.0f;
+    for (PayloadType type : {PayloadType::kFp32, PayloadType::kBf16, PayloadType::kFp8}) {
+      const size_t bytes = PayloadRowBytes(type, hidden);
+      EXPECT_EQ(bytes % 16, 0u);
+      std::vector<unsigned char> row(bytes + 1, 0xAB);
+      EncodeRow(type, x.data(), hidden, row.data());
+      EXPECT_EQ(row[bytes], 0xAB) << "wrote past the row";
+      std::vector<float> y(hidden, NAN), acc(hidden, 1.0f);
+      DecodeRow(type, row.data(), hidden, y.data());
+      AccumulateRow(type, row.data(), hidden, acc.data());
+      for (int64_t b = 0; b < hidden; b += kFp8BlockSize) {
+        float amax = 0;
+        for (int64_t i = b; i < std::min(hidden, b + kFp8BlockSize); ++i) amax = std::max(amax, std::fabs(x[i]));
+        for (int64_t i = b; i < std::min(hidden, b + kFp8BlockSize); ++i) {
+          const float err = std::fabs(y[i] - x[i]);
+          switch (type) {
+            case PayloadType::kFp32:
+              ASSERT_EQ(y[i], x[i]);
+              break;
+            case PayloadType::kBf16:
+              ASSERT_LE(err, std::fabs(x[i]) * std::ldexp(1.0f, -8)) << i;
+              break;
+            case PayloadType::kFp8:
+              // Half a step of 3 mantissa bits relative to the value, or of the subnormal
+              // step relative to the block's scale.
+              ASSERT_LE(err, std::max(std::fabs(x[i]) / 16, amax / 448 * std::ldexp(1.0f, -10)) * 1.0001f)
+                  << "hidden " << hidden << " i " << i;
+              break;
+          }
+          ASSERT_EQ(acc[i], 1.0f + y[i]);
+        }
+      }
+    }
+  }
+}
+
+TEST(Payload, SumRowsEqualsDecodeThenAccumulate) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (PayloadType type : {PayloadType::kFp32, PayloadType::kBf16, PayloadType::kFp8}) {
+    for (int64_t hidden : {5, 130, 300}) {
+      for (int parts : {0, 1, 3}) {
+        for (bool accumulate : {false, true}) {
+          std::vector<std::vector<unsigned char>> rows(parts);
+          std::vector<const void*> ptrs;
+          std::vector<float> x(hidden);
+          for (auto& row : rows) {
+            for (float& v : x) v = normal(rng);
+            row.resize(PayloadRowBytes(type, hidden));
+            EncodeRow(type, x.data(), hidden, row.data());
+            ptrs.push_back(row.data());
+          }
+          std::vector<float> expect(hidden, 0.25f), got(hidden, 0.25f);
+          if (!accumulate) std::fill(expect.begin(), expect.end(), 0.0f);
+          for (int m = 0; m < parts; ++m) {
+            if (m == 0 && !accumulate) {
+              DecodeRow(type, ptrs[0], hidden, expect.data());
+            } else {
+              AccumulateRow(type, ptrs[m], hidden, expect.data());
+            }
+          }
+          SumRows(type, ptrs.data(), parts, hidden, got.data(), accumulate);
+          ASSERT_EQ(std::memcmp(expect.data(), got.data(), hidden * sizeof(float)), 0)
+              << PayloadTypeName(type) << " hidden " << hidden << " parts " << parts;
+        }
+      }
+    }
+  }
+}
+
+TEST(Payload, Fp8BlockWithInfinitySaturatesInsteadOfPoisoningTheBlock) {
+  std::vector<float> x(128, 1.0f);
+  x[5] = INFINITY;
+  x[6] = -INFINITY;
+  std::vector<unsigned char> row(PayloadRowBytes(PayloadType::kFp8, 128));
+  EncodeRow(PayloadType::kFp8, x.data(), 128, row.data());
+  std::vector<float> y(128);
+  DecodeRow(PayloadType::kFp8, row.data(), 128, y.data());
+  EXPECT_EQ(y[0], 1.0f);
+  EXPECT_EQ(y[5], 1.0f);
+  EXPECT_EQ(y[6], -1.0f);
 }
 
 }  // namespace

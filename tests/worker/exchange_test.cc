@@ -1,0 +1,369 @@
+// The exchange across real ranks (every rank a worker), both heap backends, every payload
+// dtype. Token rows encode their source rank and index and the routing is a function of
+// (batch, source rank, token), so every receiver knows exactly which rows must arrive,
+// where, with which metadata, and every owner knows its combined rows bit for bit.
+#include <mpi.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "shmem/heap.h"
+#include "worker/exchange.h"
+
+namespace epserve::worker {
+namespace {
+
+enum class Routing { kUniform, kSkewed };
+
+struct Case {
+  shmem::HeapBackend backend;
+  PayloadType dispatch;
+  PayloadType combine;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& p) {
+  return absl::StrCat(shmem::HeapBackendName(p.param.backend), "_",
+                      PayloadTypeName(p.param.dispatch), "_", PayloadTypeName(p.param.combine));
+}
+
+uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+// Everything any rank needs to know about any rank's batch, computed the same everywhere.
+class Batch {
+ public:
+  Batch(const ExchangeConfig& c, uint64_t seed, int src, int64_t n, Routing routing)
+      : c_(c), n_(n), x_(n * c.hidden), ids_(n * c.top_k), weights_(n * c.top_k) {
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < c.hidden; ++i) {
+        // Source rank, token and column, exactly representable; a negative sign now and then.
+        const float v = static_cast<float>(src * 4096 + t) + static_cast<float>(i) / 256.0f;
+        x_[t * c.hidden + i] = (i % 7 == 3) ? -v : v;
+      }
+      // k distinct experts; skewed: expert 0 is nearly always among them.
+      std::vector<int> experts(c.num_experts);
+      for (int e = 0; e < c.num_experts; ++e) experts[e] = e;
+      std::mt19937_64 rng(Mix(seed ^ Mix(src * 1000003ull + t)));
+      std::shuffle(experts.begin(), experts.end(), rng);
+      if (routing == Routing::kSkewed && rng() % 16 != 0) {
+        std::iter_swap(experts.begin(), std::find(experts.begin(), experts.end(), 0));
+      }
+      for (int j = 0; j < c.top_k; ++j) {
+        ids_[t * c.top_k + j] = experts[j];
+        weights_[t * c.top_k + j] = static_cast<float>(1 + (rng() % 1000)) / 1024.0f;
+      }
+    }
+  }
+  int64_t n() const { return n_; }
+  const float* x(int64_t t) const { return &x_[t * c_.hidden]; }
+  const int32_t* ids(int64_t t) const { return &ids_[t * c_.top_k]; }
+  const float* weights(int64_t t) const { return &weights_[t * c_.top_k]; }
+
+ private:
+  const ExchangeConfig& c_;
+  int64_t n_;
+  std::vector<float> x_;
+  std::vector<int32_t> ids_;
+  std::vector<float> weights_;
+};
+
+// The test's "expert e": x + (e + 1), weighted; summed over the token's choices j owned by
+// one receiver, in order of j. Used by the receivers and by the reference alike.
+void ExpertPart(const ExchangeConfig& c, const float* x, const int32_t* ids, const float* weights,
+                const std::function<bool(int)>& mine, float* out) {
+  std::fill(out, out + c.hidden, 0.0f);
+  for (int j = 0; j < c.top_k; ++j) {
+    if (!mine(j)) continue;
+    for (int64_t i = 0; i < c.hidden; ++i) out[i] += weights[j] * (x[i] + static_cast<float>(ids[j] + 1));
+  }
+}
+
+class ExchangeTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &ranks_);
+    seed_ = std::random_device{}();
+    MPI_Bcast(&seed_, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  }
+
+  ExchangeConfig Config() const {
+    ExchangeConfig c;
+    c.num_workers = ranks_;
+    c.first_rank = 0;
+    c.num_experts = 2 * ranks_ + 1;  // uneven placement
+    c.top_k = 3;
+    c.hidden = 130;  // a partial fp8 block; fp32 rows padded to 16 bytes
+    c.max_send_tokens = 40;
+    c.dispatch_dtype = GetParam().dispatch;
+    c.combine_dtype = GetParam().combine;
+    return c;
+  }
+
+  struct Setup {
+    std::unique_ptr<shmem::SymmetricHeap> heap;
+    std::unique_ptr<Exchange> exchange;
+  };
+  Setup Make(const ExchangeConfig& c) {
+    Setup s;
+    s.heap = *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeRegions::BytesNeeded(c),
+                                           GetParam().backend);
+    absl::StatusOr<ExchangeRegions> regions = Exchange::Allocate(*s.heap, c);
+    EXPECT_TRUE(regions.ok()) << regions.status();
+    absl::StatusOr<std::unique_ptr<Exchange>> ex = Exchange::Create(*s.heap, c, *regions, rank_);
+    EXPECT_TRUE(ex.ok()) << ex.status();
+    s.exchange = *std::move(ex);
+    return s;
+  }
+
+  // Runs one batch on every rank (rank r sends sizes[r] tokens) and checks, on every rank,
+  // what it received and what came back. Returns the status of Run.
+  absl::Status RunAndCheck(Exchange& ex, uint64_t batch, const std::vector<int64_t>& sizes,
+                           Routing routing, ExchangeStats* stats = nullptr) {
+    const ExchangeConfig& c = ex.config();
+    const ExpertPlacement& placement = ex.placement();
+    std::vector<Batch> batches;
+    for (int r = 0; r < ranks_; ++r) batches.emplace_back(c, seed_ + batch, r, sizes[r], routing);
+    const Batch& mine = batches[rank_];
+    const size_t row_bytes = c.dispatch_row_bytes();
+
+    int wrong_rows = 0, wrong_meta = 0, rounds_seen = 0;
+    std::vector<unsigned char> expect_row(row_bytes);
+    std::vector<float> decoded(c.hidden);
+    const Exchange::ExpertStep expert = [&](const ReceivedRows& in, float* out) {
+      ++rounds_seen;
+      // Every pair is listed once, under its expert.
+      std::vector<int> pair_hits(in.pairs, 0);
+      for (int64_t r = 0; r < in.rows; ++r) {
+        const int src = in.Source(r);
+        const int64_t t = in.token[r];
+        if (src < 0 || src >= ranks_ || t < 0 || t >= batches[src].n()) {
+          ++wrong_meta;
+          continue;
+        }
+        EncodeRow(c.dispatch_dtype, batches[src].x(t), c.hidden, expect_row.data());
+        const size_t compare = c.dispatch_dtype == PayloadType::kFp32
+                                   ? c.hidden * sizeof(float)
+                                   : row_bytes;
+        wrong_rows += std::memcmp(in.Row(r), expect_row.data(), compare) != 0;
+        for (int j = 0; j < c.top_k; ++j) {
+          const int e = batches[src].ids(t)[j];
+          const int32_t p = in.pair[r * c.top_k + j];
+          wrong_meta += std::memcmp(&in.weight[r * c.top_k + j], batches[src].weights(t) + j, 4) != 0;
+          if (placement.owner(e) != rank_) {
+            wrong_meta += p != -1;
+            continue;
+          }
+          const int local = e - placement.first(rank_);
+          if (p < in.expert_offsets[local] || p >= in.expert_offsets[local + 1] ||
+              in.pair_row[p] != r) {
+            ++wrong_meta;
+            continue;
+          }
+          ++pair_hits[p];
+        }
+        // Rows of one source arrive in its token order.
+        if (r > in.source_begin[src] && in.token[r - 1] >= t) ++wrong_meta;
+        in.Decode(r, 1, decoded.data());
+        const int32_t* ids = batches[src].ids(t);
+        ExpertPart(c, decoded.data(), ids, batches[src].weights(t),
+                   [&](int j) { return placement.owner(ids[j]) == rank_; }, out + r * c.hidden);
+      }
+      for (int h : pair_hits) wrong_meta += h != 1;
+      return absl::OkStatus();
+    };
+
+    std::vector<float> y(std::max<int64_t>(mine.n(), 1) * c.hidden, NAN);
+    // Routing arrays of this rank, contiguous.
+    std::vector<float> x(mine.n() * c.hidden), w(mine.n() * c.top_k);
+    std::vector<int32_t> ids(mine.n() * c.top_k);
+    for (int64_t t = 0; t < mine.n(); ++t) {
+      std::copy(mine.x(t), mine.x(t) + c.hidden, &x[t * c.hidden]);
+      std::copy(mine.ids(t), mine.ids(t) + c.top_k, &ids[t * c.top_k]);
+      std::copy(mine.weights(t), mine.weights(t) + c.top_k, &w[t * c.top_k]);
+    }
+    absl::Status s = ex.Run(x.data(), mine.n(), ids.data(), w.data(), y.data(), false, expert,
+                            absl::Now() + absl::Seconds(60), stats);
+    if (!s.ok()) return s;
+
+    // Expected rows received: every (source, token) with an expert of mine, per round.
+    int64_t expected_received = 0;
+    for (int r = 0; r < ranks_; ++r) {
+      for (int64_t t = 0; t < batches[r].n(); ++t) {
+        bool hit = false;
+        for (int j = 0; j < c.top_k; ++j) hit |= placement.owner(batches[r].ids(t)[j]) == rank_;
+        expected_received += hit;
+      }
+    }
+    if (stats != nullptr) {
+      EXPECT_EQ(stats->rows_received, expected_received);
+    }
+
+    // Reference combine: parts in destination order, each through the combine dtype.
+    int wrong_out = 0;
+    std::vector<float> part(c.hidden), ref(c.hidden), x_rt(c.hidden);
+    std::vector<unsigned char> enc(std::max(c.combine_row_bytes(), row_bytes));
+    for (int64_t t = 0; t < mine.n(); ++t) {
+      EncodeRow(c.dispatch_dtype, mine.x(t), c.hidden, enc.data());
+      DecodeRow(c.dispatch_dtype, enc.data(), c.hidden, x_rt.data());
+      bool first = true;
+      for (int d = 0; d < ranks_; ++d) {
+        bool any = false;
+        for (int j = 0; j < c.top_k; ++j) any |= placement.owner(mine.ids(t)[j]) == d;
+        if (!any) continue;
+        ExpertPart(c, x_rt.data(), mine.ids(t), mine.weights(t),
+                   [&](int j) { return placement.owner(mine.ids(t)[j]) == d; }, part.data());
+        EncodeRow(c.combine_dtype, part.data(), c.hidden, enc.data());
+        if (first) {
+          DecodeRow(c.combine_dtype, enc.data(), c.hidden, ref.data());
+          first = false;
+        } else {
+          AccumulateRow(c.combine_dtype, enc.data(), c.hidden, ref.data());
+        }
+      }
+      wrong_out += std::memcmp(ref.data(), &y[t * c.hidden], c.hidden * sizeof(float)) != 0;
+    }
+    EXPECT_EQ(wrong_rows, 0) << "rank " << rank_ << " batch " << batch;
+    EXPECT_EQ(wrong_meta, 0) << "rank " << rank_ << " batch " << batch;
+    EXPECT_EQ(wrong_out, 0) << "rank " << rank_ << " batch " << batch;
+    if (stats != nullptr) {
+      EXPECT_EQ(rounds_seen, stats->rounds);
+    }
+    return absl::OkStatus();
+  }
+
+  int rank_ = 0;
+  int ranks_ = 0;
+  uint64_t seed_ = 0;
+};
+
+TEST_P(ExchangeTest, RowsLandWhereExpectedAndCombineIsExact) {
+  const ExchangeConfig c = Config();
+  Setup s = Make(c);
+  ASSERT_NE(s.exchange, nullptr);
+  std::mt19937 rng(static_cast<uint32_t>(seed_));
+  // Repeated batches of changing sizes, uniform and skewed, with empty ones in between;
+  // buffers are never cleared.
+  uint64_t batch = 0;
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+    for (int i = 0; i < 8; ++i) {
+      std::vector<int64_t> sizes(ranks_);
+      for (int64_t& n : sizes) {
+        n = i == 0 ? 0 : i == 1 ? 1 : i == 2 ? c.max_send_tokens : rng() % (c.max_send_tokens + 1);
+      }
+      if (i == 3) sizes[0] = 0;  // one rank sends nothing, the others do
+      ExchangeStats stats;
+      absl::Status st = RunAndCheck(*s.exchange, ++batch, sizes, routing, &stats);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(stats.rounds, 1);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_P(ExchangeTest, OverflowFailsEverywhereThenLaterBatchesRun) {
+  ExchangeConfig c = Config();
+  c.max_recv_tokens = c.max_send_tokens;  // a skewed full batch needs ~W * max_send_tokens
+  c.overflow = OverflowPolicy::kFail;
+  Setup s = Make(c);
+  ASSERT_NE(s.exchange, nullptr);
+  const std::vector<int64_t> full(ranks_, c.max_send_tokens), small(ranks_, 3);
+  absl::Status st = RunAndCheck(*s.exchange, 1, full, Routing::kSkewed);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("--max-recv-tokens-per-rank"), absl::string_view::npos) << st;
+  st = RunAndCheck(*s.exchange, 2, small, Routing::kSkewed);
+  EXPECT_TRUE(st.ok()) << st;
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_P(ExchangeTest, OverflowSplitServesEveryTokenInRounds) {
+  ExchangeConfig c = Config();
+  c.max_recv_tokens = 2 * ranks_ + 1;  // rounds of 2 tokens per sender
+  c.overflow = OverflowPolicy::kSplit;
+  Setup s = Make(c);
+  ASSERT_NE(s.exchange, nullptr);
+  for (uint64_t batch = 1; batch <= 3; ++batch) {
+    std::vector<int64_t> sizes(ranks_);
+    for (int r = 0; r < ranks_; ++r) sizes[r] = batch == 2 ? 0 : 5 + 3 * r;
+    ExchangeStats stats;
+    absl::Status st = RunAndCheck(*s.exchange, batch, sizes, Routing::kSkewed, &stats);
+    ASSERT_TRUE(st.ok()) << st;
+    if (batch != 2) {
+      EXPECT_EQ(stats.rounds, (5 + 3 * (ranks_ - 1) + 1) / 2);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Backends, ExchangeTest,
+    ::testing::Values(Case{shmem::HeapBackend::kShm, PayloadType::kFp32, PayloadType::kFp32},
+                      Case{shmem::HeapBackend::kRma, PayloadType::kFp32, PayloadType::kFp32},
+                      Case{shmem::HeapBackend::kShm, PayloadType::kBf16, PayloadType::kBf16},
+                      Case{shmem::HeapBackend::kRma, PayloadType::kBf16, PayloadType::kFp32},
+                      Case{shmem::HeapBackend::kShm, PayloadType::kFp8, PayloadType::kFp32},
+                      Case{shmem::HeapBackend::kRma, PayloadType::kFp8, PayloadType::kBf16}),
+    CaseName);
+
+// A peer that stops taking part: every other rank's wait ends with DEADLINE_EXCEEDED by
+// the deadline plus a small margin, naming the peer. The last rank stalls (sleeps without
+// taking part) instead of being killed, so that mpirun leaves the others running.
+class StallTest : public ::testing::TestWithParam<shmem::HeapBackend> {};
+
+TEST_P(StallTest, OthersFailByTheDeadline) {
+  int rank = 0, ranks = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  ExchangeConfig c;
+  c.num_workers = ranks;
+  c.num_experts = ranks;
+  c.top_k = 1;
+  c.hidden = 64;
+  c.max_send_tokens = 8;
+  std::unique_ptr<shmem::SymmetricHeap> heap =
+      *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeRegions::BytesNeeded(c), GetParam());
+  std::unique_ptr<Exchange> ex = *Exchange::Create(*heap, c, *Exchange::Allocate(*heap, c), rank);
+  std::vector<float> x(8 * 64, 1.0f), y(8 * 64), w(8, 1.0f);
+  std::vector<int32_t> ids(8);
+  for (int t = 0; t < 8; ++t) ids[t] = t % ranks;
+  const Exchange::ExpertStep copy = [&](const ReceivedRows& in, float* out) {
+    in.Decode(0, in.rows, out);
+    return absl::OkStatus();
+  };
+  // One good batch first.
+  ASSERT_TRUE(ex->Run(x.data(), 8, ids.data(), w.data(), y.data(), false, copy,
+                      absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_EQ(y[5 * 64], 1.0f);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const absl::Duration timeout = absl::Milliseconds(500);
+  const absl::Time start = absl::Now();
+  if (rank == ranks - 1) {
+    absl::SleepFor(timeout * 3);  // stuck: takes no part in the batch
+  } else {
+    absl::Status s =
+        ex->Run(x.data(), 8, ids.data(), w.data(), y.data(), false, copy, start + timeout);
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_NE(s.message().find(absl::StrCat("worker ", ranks - 1)), absl::string_view::npos) << s;
+    EXPECT_GE(took, timeout);
+    EXPECT_LT(took, timeout + absl::Milliseconds(250)) << "rank " << rank;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, StallTest,
+                         ::testing::Values(shmem::HeapBackend::kShm, shmem::HeapBackend::kRma),
+                         [](const ::testing::TestParamInfo<shmem::HeapBackend>& p) {
+                           return std::string(shmem::HeapBackendName(p.param));
+                         });
+
+}  // namespace
+}  // namespace epserve::worker

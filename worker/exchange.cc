@@ -1,0 +1,571 @@
+#include "worker/exchange.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace epserve::worker {
+namespace {
+
+int64_t NanosSince(absl::Time start) { return absl::ToInt64Nanoseconds(absl::Now() - start); }
+
+int MaxLocalExperts(const ExchangeConfig& c) {
+  return (c.num_experts + c.num_workers - 1) / c.num_workers;
+}
+
+}  // namespace
+
+absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name) {
+  if (name == "fail") return OverflowPolicy::kFail;
+  if (name == "split") return OverflowPolicy::kSplit;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--recv-overflow must be fail or split, got '", name, "'"));
+}
+
+const char* OverflowPolicyName(OverflowPolicy policy) {
+  return policy == OverflowPolicy::kFail ? "fail" : "split";
+}
+
+// ---- config and regions ----
+
+absl::Status ExchangeConfig::Validate() const {
+  if (num_workers < 1 || num_workers > num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("the exchange needs 1 <= workers (",
+                                                   num_workers, ") <= experts (", num_experts,
+                                                   ")"));
+  }
+  if (top_k < 1 || top_k > num_experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k ", top_k, " outside [1, ", num_experts, "]"));
+  }
+  if (hidden < 1 || max_send_tokens < 1 || max_recv_tokens < 0 || first_rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bad exchange shape: hidden ", hidden, ", max_send_tokens ", max_send_tokens,
+        ", max_recv_tokens ", max_recv_tokens, ", first_rank ", first_rank));
+  }
+  if (overflow == OverflowPolicy::kSplit && recv_capacity() < num_workers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--recv-overflow=split needs --max-recv-tokens-per-rank >= the number of workers (",
+        num_workers, "), got ", recv_capacity()));
+  }
+  return absl::OkStatus();
+}
+
+int64_t ExchangeConfig::recv_capacity() const {
+  const int64_t most = max_send_tokens * num_workers;
+  return max_recv_tokens > 0 ? std::min(max_recv_tokens, most) : most;
+}
+
+int64_t ExchangeConfig::max_combine_rows() const {
+  return max_send_tokens * std::min(num_workers, top_k);
+}
+
+absl::StatusOr<ExchangeRegions> ExchangeRegions::Plan(const ExchangeConfig& c,
+                                                     const Allocator& alloc) {
+  EPSERVE_RETURN_IF_ERROR(c.Validate());
+  ExchangeRegions r{};
+  const size_t w = static_cast<size_t>(c.num_workers);
+  const size_t cap = static_cast<size_t>(c.recv_capacity());
+  const size_t k = static_cast<size_t>(c.top_k);
+  const size_t stride = 2 + static_cast<size_t>(MaxLocalExperts(c));
+  struct Item {
+    size_t* offset;
+    size_t bytes;
+    size_t align;
+  };
+  const Item items[] = {
+      {&r.count_flag, w * kSignalStride, 64},
+      {&r.counts, 2 * w * w * stride * sizeof(int64_t), 64},
+      {&r.dispatch_flag, w * kSignalStride, 64},
+      {&r.combine_flag, w * kSignalStride, 64},
+      {&r.recv_rows, cap * c.dispatch_row_bytes(), 4096},
+      {&r.recv_token, cap * sizeof(int32_t), 64},
+      {&r.recv_pair, cap * k * sizeof(int32_t), 64},
+      {&r.recv_weight, cap * k * sizeof(float), 64},
+      {&r.pair_row, cap * k * sizeof(int32_t), 64},
+      {&r.combine_rows, static_cast<size_t>(c.max_combine_rows()) * c.combine_row_bytes(), 4096},
+  };
+  for (const Item& item : items) {
+    absl::StatusOr<size_t> offset = alloc(item.bytes, item.align);
+    if (!offset.ok()) return offset.status();
+    *item.offset = *offset;
+  }
+  return r;
+}
+
+size_t ExchangeRegions::BytesNeeded(const ExchangeConfig& config) {
+  size_t next = 0;
+  Plan(config, [&](size_t bytes, size_t align) -> absl::StatusOr<size_t> {
+    const size_t offset = (next + align - 1) / align * align;
+    next = offset + bytes;
+    return offset;
+  }).IgnoreError();
+  return next;
+}
+
+std::string ExchangeRegions::Describe(const ExchangeConfig& c) {
+  const int64_t cap = c.recv_capacity();
+  return absl::StrCat(
+      "exchange: receive ", cap, " rows x ", c.dispatch_row_bytes(), " B (",
+      PayloadTypeName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(), " B, combine ",
+      c.max_combine_rows(), " rows x ", c.combine_row_bytes(), " B (",
+      PayloadTypeName(c.combine_dtype), ") = ", c.max_combine_rows() * c.combine_row_bytes(),
+      " B, metadata ", cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
+      OverflowPolicyName(c.overflow), "; ", BytesNeeded(c), " B per rank in all");
+}
+
+// ---- ReceivedRows ----
+
+void ReceivedRows::Decode(int64_t first_row, int64_t num_rows, float* dst) const {
+  if (dtype == PayloadType::kFp32 && row_bytes == static_cast<size_t>(hidden) * sizeof(float)) {
+    std::memcpy(dst, Row(first_row), static_cast<size_t>(num_rows) * row_bytes);
+    return;
+  }
+  for (int64_t r = 0; r < num_rows; ++r) DecodeRow(dtype, Row(first_row + r), hidden, dst + r * hidden);
+}
+
+int ReceivedRows::Source(int64_t r) const {
+  return static_cast<int>(std::upper_bound(source_begin.begin(), source_begin.end(), r) -
+                          source_begin.begin()) -
+         1;
+}
+
+// ---- Exchange ----
+
+absl::StatusOr<ExchangeRegions> Exchange::Allocate(shmem::SymmetricHeap& heap,
+                                                   const ExchangeConfig& config) {
+  return ExchangeRegions::Plan(
+      config, [&](size_t bytes, size_t align) { return heap.Allocate(bytes, align); });
+}
+
+absl::StatusOr<std::unique_ptr<Exchange>> Exchange::Create(shmem::SymmetricHeap& heap,
+                                                           const ExchangeConfig& config,
+                                                           const ExchangeRegions& regions,
+                                                           int me) {
+  EPSERVE_RETURN_IF_ERROR(config.Validate());
+  if (me < 0 || me >= config.num_workers ||
+      config.first_rank + config.num_workers > heap.num_ranks()) {
+    return absl::InvalidArgumentError(absl::StrCat("worker ", me, " of ", config.num_workers,
+                                                   " from heap rank ", config.first_rank,
+                                                   " does not fit a heap of ", heap.num_ranks(),
+                                                   " ranks"));
+  }
+  absl::StatusOr<ExpertPlacement> placement =
+      ExpertPlacement::Contiguous(config.num_experts, config.num_workers);
+  if (!placement.ok()) return placement.status();
+  return std::unique_ptr<Exchange>(
+      new Exchange(heap, config, regions, *std::move(placement), me));
+}
+
+Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config,
+                   const ExchangeRegions& regions, ExpertPlacement placement, int me)
+    : heap_(heap),
+      config_(config),
+      regions_(regions),
+      placement_(std::move(placement)),
+      me_(me),
+      num_local_max_(MaxLocalExperts(config)),
+      count_stride_(2 + static_cast<size_t>(MaxLocalExperts(config))) {
+  const size_t w = static_cast<size_t>(config.num_workers);
+  counts_.resize(w * w * count_stride_);
+  my_counts_.resize(w * count_stride_);
+  row_base_.resize(w);
+  pair_base_.resize(w * static_cast<size_t>(num_local_max_));
+  combine_base_.resize(w + 1);
+  source_begin_.resize(w + 1);
+  expert_offsets_.resize(static_cast<size_t>(placement_.count(me)) + 1);
+  slot_.reserve(static_cast<size_t>(config.max_send_tokens) * w);
+  pair_local_.reserve(static_cast<size_t>(config.max_send_tokens * config.top_k));
+}
+
+int64_t Exchange::rows_sent() const {
+  int64_t rows = 0;
+  for (int d = 0; d < config_.num_workers; ++d) rows += my_counts_[d * count_stride_];
+  return rows;
+}
+
+absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Time deadline) {
+  const int num_workers = config_.num_workers;
+  const int k = config_.top_k;
+  if (n < 0 || n > config_.max_send_tokens) {
+    return absl::InternalError(
+        absl::StrCat(n, " tokens outside [0, ", config_.max_send_tokens, "]"));
+  }
+  ++epoch_;
+  n_ = n;
+  ids_ = ids;
+  // An expert id out of range is a bug upstream; the pass still runs (with expert 0 in its
+  // place) so that peers are not left waiting, and Run reports it afterwards.
+  for (int64_t i = 0; i < n * k; ++i) {
+    if (ids[i] >= 0 && ids[i] < config_.num_experts) continue;
+    if (bad_id_.ok()) bad_id_ = absl::InternalError(absl::StrCat("router produced expert id ", ids[i]));
+    ids_copy_.assign(ids, ids + n * k);
+    for (int32_t& e : ids_copy_) {
+      if (e < 0 || e >= config_.num_experts) e = 0;
+    }
+    ids_ = ids = ids_copy_.data();
+    break;
+  }
+  std::fill(my_counts_.begin(), my_counts_.end(), 0);
+  slot_.assign(static_cast<size_t>(n) * num_workers, -1);
+  pair_local_.resize(static_cast<size_t>(n) * k);
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t* slot = &slot_[t * num_workers];
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = ids[t * k + j];
+      const int d = placement_.owner(e);
+      int64_t* mine = &my_counts_[d * count_stride_];
+      if (slot[d] < 0) slot[d] = mine[0]++;
+      pair_local_[t * k + j] = static_cast<int32_t>(mine[2 + e - placement_.first(d)]++);
+    }
+  }
+  for (int d = 0; d < num_workers; ++d) my_counts_[d * count_stride_ + 1] = n;
+
+  // Notify: my row of the matrix into every worker's segment, then its count signal.
+  const size_t parity = epoch_ & 1;
+  const size_t block = static_cast<size_t>(num_workers) * count_stride_ * sizeof(int64_t);
+  const size_t my_block = regions_.counts + (parity * num_workers + me_) * block;
+  for (int d = 0; d < num_workers; ++d) {
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(rank_of(d), my_block, my_counts_.data(), block));
+    EPSERVE_RETURN_IF_ERROR(
+        heap_.SignalSet(rank_of(d), signal(regions_.count_flag, me_), epoch_));
+  }
+  for (int s = 0; s < num_workers; ++s) {
+    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.count_flag, s), epoch_, deadline,
+                                             "counts from worker", s));
+  }
+  std::memcpy(counts_.data(), heap_.Local(regions_.counts + parity * num_workers * block),
+              num_workers * block);
+
+  // Prefix sums: where my rows and pairs land in every receiver, where peers' rows land
+  // in mine, where the parts of my tokens come back.
+  int64_t max_recv = 0;
+  for (int d = 0; d < num_workers; ++d) {
+    int64_t rows = 0;
+    for (int s = 0; s < num_workers; ++s) {
+      if (s == me_) row_base_[d] = rows;
+      rows += count_row(s, d)[0];
+    }
+    max_recv = std::max(max_recv, rows);
+    int64_t expert_begin = 0;
+    for (int e = 0; e < placement_.count(d); ++e) {
+      int64_t before_me = 0, all = 0;
+      for (int s = 0; s < num_workers; ++s) {
+        if (s == me_) before_me = all;
+        all += count_row(s, d)[2 + e];
+      }
+      pair_base_[d * num_local_max_ + e] = expert_begin + before_me;
+      expert_begin += all;
+    }
+  }
+  source_begin_[0] = 0;
+  for (int s = 0; s < num_workers; ++s) source_begin_[s + 1] = source_begin_[s] + count_row(s, me_)[0];
+  expert_offsets_[0] = 0;
+  for (int e = 0; e < placement_.count(me_); ++e) {
+    int64_t all = 0;
+    for (int s = 0; s < num_workers; ++s) all += count_row(s, me_)[2 + e];
+    expert_offsets_[e + 1] = expert_offsets_[e] + all;
+  }
+  combine_base_[0] = 0;
+  for (int d = 0; d < num_workers; ++d) combine_base_[d + 1] = combine_base_[d] + count_row(me_, d)[0];
+  return max_recv;
+}
+
+absl::Status Exchange::Dispatch(const float* x, const float* weights, absl::Time deadline) {
+  return RunPass(x, weights, nullptr, false, nullptr, deadline, nullptr, nullptr);
+}
+
+absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, bool accumulate,
+                               const ExpertStep& expert, absl::Time deadline,
+                               ExchangeStats* stats,
+                               const std::function<absl::Status()>* overlap) {
+  const int64_t n = n_;
+  const int32_t* ids = ids_;
+  const int num_workers = config_.num_workers;
+  const int k = config_.top_k;
+  const int64_t hidden = config_.hidden;
+  const PayloadType dtype = config_.dispatch_dtype;
+  const size_t row_bytes = config_.dispatch_row_bytes();
+  const size_t fp32_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  absl::Time t0 = absl::Now();
+
+  // ---- dispatch: each row once per destination, with its metadata ----
+  bool direct = true;
+  for (int d = 0; d < num_workers && direct; ++d) direct = heap_.Direct(rank_of(d), 0) != nullptr;
+  if (direct) {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t* slot = &slot_[t * num_workers];
+      const float* src = x + t * hidden;
+      const void* first = nullptr;
+      for (int d = 0; d < num_workers; ++d) {
+        if (slot[d] < 0) continue;
+        const int rank = rank_of(d);
+        const int64_t row = row_base_[d] + slot[d];
+        void* dst = heap_.Direct(rank, regions_.recv_rows + row * row_bytes);
+        if (dtype == PayloadType::kFp32) {
+          std::memcpy(dst, src, fp32_bytes);
+        } else if (first == nullptr) {
+          EncodeRow(dtype, src, hidden, dst);
+          first = dst;
+        } else {
+          std::memcpy(dst, first, row_bytes);
+        }
+        heap_.DirectAs<int32_t>(rank, regions_.recv_token)[row] =
+            static_cast<int32_t>(token_base_ + t);
+        int32_t* pair = heap_.DirectAs<int32_t>(rank, regions_.recv_pair) + row * k;
+        float* weight = heap_.DirectAs<float>(rank, regions_.recv_weight) + row * k;
+        int32_t* pair_row = heap_.DirectAs<int32_t>(rank, regions_.pair_row);
+        const int first_expert = placement_.first(d);
+        for (int j = 0; j < k; ++j) {
+          const int32_t e = ids[t * k + j];
+          weight[j] = weights[t * k + j];
+          if (placement_.owner(e) != d) {
+            pair[j] = -1;
+            continue;
+          }
+          const int64_t p = pair_base_[d * num_local_max_ + e - first_expert] + pair_local_[t * k + j];
+          pair[j] = static_cast<int32_t>(p);
+          pair_row[p] = static_cast<int32_t>(row);
+        }
+      }
+    }
+  } else {
+    // Staged: rows encoded once per token, metadata gathered per destination, one Put per
+    // row and one per metadata run.
+    const int64_t streams = combine_base_[num_workers];  // my rows to all destinations
+    stage_token_.resize(streams);
+    stage_pair_.resize(streams * k);
+    stage_weight_.resize(streams * k);
+    stage_pair_row_.resize(static_cast<size_t>(n) * k);
+    if (dtype != PayloadType::kFp32) stage_rows_.resize(static_cast<size_t>(n) * row_bytes);
+    // Runs of my pairs per (d, e) in stage_pair_row_.
+    std::vector<int64_t> run_base(static_cast<size_t>(num_workers) * num_local_max_ + 1, 0);
+    for (int d = 0, i = 0; d < num_workers; ++d) {
+      for (int e = 0; e < num_local_max_; ++e, ++i) {
+        run_base[i + 1] = run_base[i] + my_counts_[d * count_stride_ + 2 + e];
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t* slot = &slot_[t * num_workers];
+      if (dtype != PayloadType::kFp32) EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
+      for (int d = 0; d < num_workers; ++d) {
+        if (slot[d] < 0) continue;
+        const int64_t pos = combine_base_[d] + slot[d];
+        const int64_t row = row_base_[d] + slot[d];
+        stage_token_[pos] = static_cast<int32_t>(token_base_ + t);
+        const int first_expert = placement_.first(d);
+        for (int j = 0; j < k; ++j) {
+          const int32_t e = ids[t * k + j];
+          stage_weight_[pos * k + j] = weights[t * k + j];
+          if (placement_.owner(e) != d) {
+            stage_pair_[pos * k + j] = -1;
+            continue;
+          }
+          const int le = e - first_expert;
+          stage_pair_[pos * k + j] =
+              static_cast<int32_t>(pair_base_[d * num_local_max_ + le] + pair_local_[t * k + j]);
+          stage_pair_row_[run_base[d * num_local_max_ + le] + pair_local_[t * k + j]] =
+              static_cast<int32_t>(row);
+        }
+        const void* src = dtype == PayloadType::kFp32
+                              ? static_cast<const void*>(x + t * hidden)
+                              : static_cast<const void*>(&stage_rows_[t * row_bytes]);
+        EPSERVE_RETURN_IF_ERROR(heap_.Put(rank_of(d), regions_.recv_rows + row * row_bytes, src,
+                                          dtype == PayloadType::kFp32 ? fp32_bytes : row_bytes));
+      }
+    }
+    for (int d = 0; d < num_workers; ++d) {
+      const int64_t rows = my_counts_[d * count_stride_];
+      if (rows == 0) continue;
+      const int rank = rank_of(d);
+      const int64_t pos = combine_base_[d];
+      const size_t at = static_cast<size_t>(row_base_[d]);
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_token + at * sizeof(int32_t),
+                                        &stage_token_[pos], rows * sizeof(int32_t)));
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_pair + at * k * sizeof(int32_t),
+                                        &stage_pair_[pos * k], rows * k * sizeof(int32_t)));
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_weight + at * k * sizeof(float),
+                                        &stage_weight_[pos * k], rows * k * sizeof(float)));
+      for (int e = 0; e < placement_.count(d); ++e) {
+        const int i = d * num_local_max_ + e;
+        const int64_t len = run_base[i + 1] - run_base[i];
+        if (len == 0) continue;
+        EPSERVE_RETURN_IF_ERROR(heap_.Put(
+            rank, regions_.pair_row + static_cast<size_t>(pair_base_[i]) * sizeof(int32_t),
+            &stage_pair_row_[run_base[i]], len * sizeof(int32_t)));
+      }
+    }
+  }
+  for (int d = 0; d < num_workers; ++d) {
+    EPSERVE_RETURN_IF_ERROR(
+        heap_.SignalSet(rank_of(d), signal(regions_.dispatch_flag, me_), epoch_));
+  }
+  if (overlap != nullptr && *overlap) {
+    const absl::Time o0 = absl::Now();
+    EPSERVE_RETURN_IF_ERROR((*overlap)());
+    if (stats != nullptr) stats->expert_ns += NanosSince(o0);
+    t0 += absl::Now() - o0;
+  }
+  for (int s = 0; s < num_workers; ++s) {
+    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.dispatch_flag, s), epoch_, deadline,
+                                             "rows from worker", s));
+  }
+  received_.rows = source_begin_[num_workers];
+  received_.pairs = expert_offsets_.back();
+  received_.dtype = dtype;
+  received_.row_bytes = row_bytes;
+  received_.hidden = hidden;
+  received_.top_k = k;
+  received_.payload = heap_.Local(regions_.recv_rows);
+  received_.token = heap_.LocalAs<int32_t>(regions_.recv_token);
+  received_.pair = heap_.LocalAs<int32_t>(regions_.recv_pair);
+  received_.weight = heap_.LocalAs<float>(regions_.recv_weight);
+  received_.pair_row = heap_.LocalAs<int32_t>(regions_.pair_row);
+  received_.expert_offsets = expert_offsets_;
+  received_.source_begin = source_begin_;
+  if (stats != nullptr) {
+    stats->dispatch_ns += NanosSince(t0);
+    stats->rows_received += received_.rows;
+    stats->pairs += received_.pairs;
+    stats->expert_pairs.resize(expert_offsets_.size() - 1);
+    for (size_t e = 0; e + 1 < expert_offsets_.size(); ++e) {
+      stats->expert_pairs[e] += expert_offsets_[e + 1] - expert_offsets_[e];
+    }
+  }
+  if (!expert) return absl::OkStatus();  // Dispatch() only
+
+  // ---- the caller's expert step ----
+  t0 = absl::Now();
+  out_.resize(std::max<size_t>(out_.size(), static_cast<size_t>(received_.rows * hidden)));
+  EPSERVE_RETURN_IF_ERROR(expert(received_, out_.data()));
+  if (stats != nullptr) stats->expert_ns += NanosSince(t0);
+
+  // ---- combine and reduce ----
+  t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(Combine(out_.data()));
+  EPSERVE_RETURN_IF_ERROR(Reduce(y, accumulate, deadline));
+  if (stats != nullptr) stats->combine_ns += NanosSince(t0);
+  return absl::OkStatus();
+}
+
+absl::Status Exchange::Combine(const float* out) {
+  const int num_workers = config_.num_workers;
+  const int64_t hidden = config_.hidden;
+  const PayloadType dtype = config_.combine_dtype;
+  const size_t row_bytes = config_.combine_row_bytes();
+  const size_t fp32_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  for (int s = 0; s < num_workers; ++s) {
+    const int64_t first = source_begin_[s];
+    const int64_t rows = source_begin_[s + 1] - first;
+    if (rows == 0) continue;
+    // s's combine buffer holds its parts in destination order.
+    int64_t at = 0;
+    for (int d = 0; d < me_; ++d) at += count_row(s, d)[0];
+    const int rank = rank_of(s);
+    const size_t offset = regions_.combine_rows + static_cast<size_t>(at) * row_bytes;
+    const float* src = out + first * hidden;
+    if (void* dst = heap_.Direct(rank, offset); dst != nullptr) {
+      if (dtype == PayloadType::kFp32 && row_bytes == fp32_bytes) {
+        std::memcpy(dst, src, rows * fp32_bytes);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          EncodeRow(dtype, src + r * hidden, hidden, static_cast<char*>(dst) + r * row_bytes);
+        }
+      }
+    } else if (dtype == PayloadType::kFp32 && row_bytes == fp32_bytes) {
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, offset, src, rows * fp32_bytes));
+    } else {
+      stage_rows_.resize(std::max(stage_rows_.size(), static_cast<size_t>(rows) * row_bytes));
+      for (int64_t r = 0; r < rows; ++r) {
+        EncodeRow(dtype, src + r * hidden, hidden, &stage_rows_[r * row_bytes]);
+      }
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, offset, stage_rows_.data(), rows * row_bytes));
+      EPSERVE_RETURN_IF_ERROR(heap_.Flush(rank));  // stage_rows_ is reused for the next owner
+    }
+  }
+  for (int s = 0; s < num_workers; ++s) {
+    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(rank_of(s), signal(regions_.combine_flag, me_), epoch_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Exchange::Reduce(float* y, bool accumulate, absl::Time deadline) {
+  const int num_workers = config_.num_workers;
+  const int64_t hidden = config_.hidden;
+  const PayloadType dtype = config_.combine_dtype;
+  const size_t row_bytes = config_.combine_row_bytes();
+  for (int d = 0; d < num_workers; ++d) {
+    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.combine_flag, d), epoch_, deadline,
+                                             "combined rows from worker", d));
+  }
+  const char* parts = static_cast<const char*>(heap_.Local(regions_.combine_rows));
+  std::vector<const void*>& mine = reduce_parts_;
+  mine.resize(num_workers);
+  for (int64_t t = 0; t < n_; ++t) {
+    const int64_t* slot = &slot_[t * num_workers];
+    int count = 0;
+    for (int d = 0; d < num_workers; ++d) {
+      if (slot[d] >= 0) mine[count++] = parts + (combine_base_[d] + slot[d]) * row_bytes;
+    }
+    SumRows(dtype, mine.data(), count, hidden, y + t * hidden, accumulate);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Exchange::TakeBadIdError() {
+  absl::Status s = std::move(bad_id_);
+  bad_id_ = absl::OkStatus();
+  return s;
+}
+
+absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const float* weights,
+                           float* y, bool accumulate, const ExpertStep& expert, absl::Time deadline,
+                           ExchangeStats* stats, const std::function<absl::Status()>& overlap) {
+  const int k = config_.top_k;
+  const int64_t hidden = config_.hidden;
+  const int64_t capacity = config_.recv_capacity();
+  absl::Time t0 = absl::Now();
+  absl::StatusOr<int64_t> max_recv = Layout(n, ids, deadline);
+  if (!max_recv.ok()) return max_recv.status();
+  if (stats != nullptr) stats->layout_ns += NanosSince(t0);
+  token_base_ = 0;
+  if (*max_recv <= capacity) {
+    if (stats != nullptr) stats->rounds += 1;
+    EPSERVE_RETURN_IF_ERROR(
+        RunPass(x, weights, y, accumulate, expert, deadline, stats, &overlap));
+    return TakeBadIdError();
+  }
+  if (config_.overflow == OverflowPolicy::kFail) {
+    bad_id_ = absl::OkStatus();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the batch needs ", *max_recv, " rows on one worker, over its receive capacity of ",
+        capacity, " (--max-recv-tokens-per-rank); --recv-overflow=split would run it in rounds"));
+  }
+  // Split: rounds of at most capacity / W tokens per sender always fit.
+  const int64_t per_round = capacity / config_.num_workers;
+  int64_t most_tokens = 0;
+  for (int s = 0; s < config_.num_workers; ++s) most_tokens = std::max(most_tokens, count_row(s, 0)[1]);
+  const int64_t rounds = (most_tokens + per_round - 1) / per_round;
+  for (int64_t r = 0; r < rounds; ++r) {
+    const int64_t begin = std::min(n, r * per_round);
+    const int64_t count = std::min(n, begin + per_round) - begin;
+    t0 = absl::Now();
+    max_recv = Layout(count, ids + begin * k, deadline);
+    if (!max_recv.ok()) return max_recv.status();
+    if (stats != nullptr) {
+      stats->layout_ns += NanosSince(t0);
+      stats->rounds += 1;
+    }
+    if (*max_recv > capacity) return absl::InternalError("a split round overflowed its capacity");
+    token_base_ = begin;
+    EPSERVE_RETURN_IF_ERROR(RunPass(x + begin * hidden, weights + begin * k, y + begin * hidden,
+                                    accumulate, expert, deadline, stats,
+                                    r == 0 ? &overlap : nullptr));
+  }
+  token_base_ = 0;
+  return TakeBadIdError();
+}
+
+}  // namespace epserve::worker

@@ -1,0 +1,227 @@
+// The expert-parallel exchange among W workers through the symmetric heap: layout/notify,
+// dispatch, combine. One Exchange per worker rank; every worker of a batch runs the same
+// sequence of calls. No OpenCL here: the expert step between dispatch and combine is the
+// caller's (worker.cc runs the FFN kernels; tests and benchmarks run plain functions).
+//
+// One pass (a batch, or one round of a split batch):
+//   Layout    each worker counts, per destination worker d and per local expert of d, the
+//             rows and (token, expert) pairs it sends, and writes its counts into every
+//             worker's segment; after the W count signals every worker knows the whole
+//             matrix and hence, by prefix sums, where each of its rows and pairs lands.
+//   Dispatch  each token row is stored once per destination worker (encoded in the
+//             dispatch dtype) into that worker's receive buffer, sender-major, with the
+//             token's metadata: its index at the owner, per choice j the expert-major pair
+//             index (or -1) and the routing weight; the expert-major pair table (pair ->
+//             received row) is written by the senders too, so the receiver never sorts.
+//   (caller)  the receiver computes one output row per received row: the routing-weighted
+//             sum of its local experts' outputs for that token.
+//   Combine   each output row goes back (encoded in the combine dtype) to the token's owner,
+//             into its combine buffer.
+//   Reduce    the owner adds its parts (at most one per destination worker) to its output
+//             rows, in destination order (deterministic).
+// Every signal carries the pass's epoch (a counter all workers advance together), so a
+// signal left from an earlier pass never satisfies a later wait, and buffers are reused
+// across passes without being cleared: a sender writes pass p+1 into a receiver's buffers
+// only after that receiver's combine signal of pass p, which it stores once it has read
+// them; the count matrix is double-buffered by epoch parity. Every wait has a deadline.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "shmem/heap.h"
+#include "worker/payload.h"
+#include "worker/placement.h"
+
+namespace epserve::worker {
+
+// What happens when a receiver would get more rows than its capacity.
+enum class OverflowPolicy {
+  kFail,   // the batch fails with RESOURCE_EXHAUSTED on every worker; nothing is sent
+  kSplit,  // the batch runs in rounds of at most capacity / W tokens per sender
+};
+absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name);
+const char* OverflowPolicyName(OverflowPolicy policy);
+
+// Shape of the exchange; every worker must use the same.
+struct ExchangeConfig {
+  int num_workers = 1;
+  int first_rank = 0;  // heap rank of worker 0; worker w is heap rank first_rank + w
+  int num_experts = 1;
+  int top_k = 1;
+  int64_t hidden = 1;
+  int64_t max_send_tokens = 1;  // most tokens one worker sends in one batch
+  // Receive capacity: most rows one worker receives in one pass. 0: the most it can ever
+  // receive, max_send_tokens * num_workers (never overflows).
+  int64_t max_recv_tokens = 0;
+  PayloadType dispatch_dtype = PayloadType::kFp32;
+  PayloadType combine_dtype = PayloadType::kFp32;
+  OverflowPolicy overflow = OverflowPolicy::kFail;
+
+  absl::Status Validate() const;
+  int64_t recv_capacity() const;
+  // An owner gets back at most one row per token and destination.
+  int64_t max_combine_rows() const;
+  size_t dispatch_row_bytes() const { return PayloadRowBytes(dispatch_dtype, hidden); }
+  size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype, hidden); }
+};
+
+// Offsets of the exchange's regions in every rank's segment (meaningful on workers).
+struct ExchangeRegions {
+  static constexpr size_t kSignalStride = 64;
+  size_t count_flag;     // uint64[W] signals: epoch once src's counts landed
+  size_t counts;         // int64[2][W][W][2 + L]: per parity, src, dst: rows, src's tokens,
+                         // pairs per local expert of dst (L = most experts of one worker)
+  size_t dispatch_flag;  // uint64[W] signals: epoch once src's rows and metadata landed
+  size_t combine_flag;   // uint64[W] signals: epoch once dst's combine rows landed
+  size_t recv_rows;      // [capacity][dispatch_row_bytes]
+  size_t recv_token;     // int32[capacity]: token index at its owner
+  size_t recv_pair;      // int32[capacity][k]: expert-major pair index, or -1
+  size_t recv_weight;    // float[capacity][k]
+  size_t pair_row;       // int32[capacity * k]: received row of each pair, expert-major
+  size_t combine_rows;   // [max_combine_rows][combine_row_bytes]
+
+  // Plans the regions with `alloc(bytes, align) -> offset`.
+  using Allocator = std::function<absl::StatusOr<size_t>(size_t bytes, size_t align)>;
+  static absl::StatusOr<ExchangeRegions> Plan(const ExchangeConfig& config, const Allocator& alloc);
+  // Bytes per rank the regions take, and a one-line breakdown for the startup log.
+  static size_t BytesNeeded(const ExchangeConfig& config);
+  static std::string Describe(const ExchangeConfig& config);
+};
+
+// What the receiver of a pass holds once Dispatch returned; pointers into its own segment,
+// valid until its Combine.
+struct ReceivedRows {
+  int64_t rows = 0;   // received rows, sender-major
+  int64_t pairs = 0;  // (row, local expert) pairs
+  PayloadType dtype = PayloadType::kFp32;
+  size_t row_bytes = 0;
+  int64_t hidden = 0;
+  int top_k = 0;
+  const void* payload = nullptr;     // [rows][row_bytes]
+  const int32_t* token = nullptr;    // [rows]: the token's index in its owner's batch
+  const int32_t* pair = nullptr;     // [rows][top_k]
+  const float* weight = nullptr;     // [rows][top_k]
+  const int32_t* pair_row = nullptr;  // [pairs], expert-major
+  std::span<const int64_t> expert_offsets;  // [local experts + 1]
+  std::span<const int64_t> source_begin;    // [W + 1]: rows of worker s are [b[s], b[s+1])
+
+  const void* Row(int64_t r) const { return static_cast<const char*>(payload) + r * row_bytes; }
+  // fp32 payload: the rows themselves; else nullptr.
+  const float* Fp32Rows() const {
+    return dtype == PayloadType::kFp32 ? static_cast<const float*>(payload) : nullptr;
+  }
+  void Decode(int64_t first_row, int64_t num_rows, float* dst) const;
+  int Source(int64_t r) const;  // sending worker of row r
+};
+
+struct ExchangeStats {
+  int64_t layout_ns = 0;
+  int64_t dispatch_ns = 0;  // including waiting for peers' rows
+  int64_t expert_ns = 0;    // the caller's step
+  int64_t combine_ns = 0;   // including waiting for parts and the owner's sum
+  int64_t rows_received = 0;
+  int64_t pairs = 0;
+  int rounds = 0;
+  std::vector<int64_t> expert_pairs;  // per local expert, summed over rounds
+};
+
+// Not thread-safe: one thread drives an Exchange. The heap must outlive it.
+class Exchange {
+ public:
+  // Reserves the regions in `heap`: every rank of the heap (workers or not) must call it
+  // with the same config, in the same order as its other allocations.
+  static absl::StatusOr<ExchangeRegions> Allocate(shmem::SymmetricHeap& heap,
+                                                  const ExchangeConfig& config);
+  // `me`: this rank's worker index.
+  static absl::StatusOr<std::unique_ptr<Exchange>> Create(shmem::SymmetricHeap& heap,
+                                                          const ExchangeConfig& config,
+                                                          const ExchangeRegions& regions, int me);
+
+  // The caller's step: out[r] for every received row r, [rows][hidden] floats.
+  using ExpertStep = std::function<absl::Status(const ReceivedRows& in, float* out)>;
+
+  // One batch: x [n][hidden] this worker's token rows, ids/weights [n][k] their routing
+  // (global expert ids). y [n][hidden] receives the combined rows (added to y when
+  // `accumulate`, else overwriting it). `overlap`, when set, runs once while peers
+  // dispatch. Errors: RESOURCE_EXHAUSTED (capacity, policy fail; every worker returns it
+  // and nothing was sent), DEADLINE_EXCEEDED (a peer did not take part in time: the
+  // exchange is then unusable).
+  absl::Status Run(const float* x, int64_t n, const int32_t* ids, const float* weights, float* y,
+                   bool accumulate, const ExpertStep& expert, absl::Time deadline,
+                   ExchangeStats* stats = nullptr, const std::function<absl::Status()>& overlap = {});
+
+  // ---- the stages of one pass, for tests and benchmarks (Run calls them) ----
+  // Counts and exchanges the layout of tokens [0, n). Returns the most rows any worker
+  // would receive in this pass.
+  absl::StatusOr<int64_t> Layout(int64_t n, const int32_t* ids, absl::Time deadline);
+  // Sends rows x [n][hidden] with `weights` and waits for every peer's rows.
+  absl::Status Dispatch(const float* x, const float* weights, absl::Time deadline);
+  const ReceivedRows& received() const { return received_; }
+  // Sends out [received().rows][hidden] back to the owners.
+  absl::Status Combine(const float* out);
+  // Waits for every part and sums them into y [n][hidden].
+  absl::Status Reduce(float* y, bool accumulate, absl::Time deadline);
+
+  const ExchangeConfig& config() const { return config_; }
+  const ExpertPlacement& placement() const { return placement_; }
+  int me() const { return me_; }
+  uint64_t epoch() const { return epoch_; }
+  // Rows this worker sends in the current pass (all destinations).
+  int64_t rows_sent() const;
+
+ private:
+  Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config, const ExchangeRegions& regions,
+           ExpertPlacement placement, int me);
+  // Dispatch, the expert step (when set), combine and reduce of the pass laid out last.
+  absl::Status RunPass(const float* x, const float* weights, float* y, bool accumulate,
+                       const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
+                       const std::function<absl::Status()>* overlap);
+  absl::Status TakeBadIdError();
+  int rank_of(int worker) const { return config_.first_rank + worker; }
+  size_t signal(size_t base, int index) const {
+    return base + static_cast<size_t>(index) * ExchangeRegions::kSignalStride;
+  }
+  const int64_t* count_row(int src, int dst) const {
+    return &counts_[(static_cast<size_t>(src) * config_.num_workers + dst) * count_stride_];
+  }
+
+  shmem::SymmetricHeap& heap_;
+  const ExchangeConfig config_;
+  const ExchangeRegions regions_;
+  const ExpertPlacement placement_;
+  const int me_;
+  const int num_local_max_;    // L
+  const size_t count_stride_;  // 2 + L
+  uint64_t epoch_ = 0;
+
+  // The current pass.
+  int64_t n_ = 0;
+  int64_t token_base_ = 0;  // batch index of the pass's first token (split rounds)
+  const int32_t* ids_ = nullptr;
+  std::vector<int32_t> ids_copy_;      // ids with out-of-range entries replaced
+  absl::Status bad_id_;
+  std::vector<int64_t> counts_;        // [W][W][2 + L] copy of the matrix
+  std::vector<int64_t> my_counts_;     // [W][2 + L] what I send to each destination
+  std::vector<int64_t> slot_;          // [n][W]: my stream position to d, or -1
+  std::vector<int32_t> pair_local_;    // [n][k]: index among my pairs to (owner, local e)
+  std::vector<int64_t> row_base_;      // [W]: where my rows start in d's receive buffer
+  std::vector<int64_t> pair_base_;     // [W][L]: where my pairs of (d, e) start in d's table
+  std::vector<int64_t> combine_base_;  // [W]: where d's parts start in my combine buffer
+  std::vector<int64_t> source_begin_;  // [W + 1]
+  std::vector<int64_t> expert_offsets_;  // [L_me + 1]
+  ReceivedRows received_;
+  // Staging for backends without load/store access to peers.
+  std::vector<char> stage_rows_;
+  std::vector<int32_t> stage_token_, stage_pair_, stage_pair_row_;
+  std::vector<float> stage_weight_;
+  std::vector<float> out_;  // the expert step's output, [capacity][hidden]
+  std::vector<const void*> reduce_parts_;
+};
+
+}  // namespace epserve::worker

@@ -1,0 +1,236 @@
+#include "worker/payload.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace epserve::worker {
+
+absl::StatusOr<PayloadType> ParsePayloadType(absl::string_view name, absl::string_view flag) {
+  if (name == "fp32") return PayloadType::kFp32;
+  if (name == "bf16") return PayloadType::kBf16;
+  if (name == "fp8") return PayloadType::kFp8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be fp32, bf16 or fp8, got '", name, "'"));
+}
+
+const char* PayloadTypeName(PayloadType type) {
+  switch (type) {
+    case PayloadType::kFp32:
+      return "fp32";
+    case PayloadType::kBf16:
+      return "bf16";
+    case PayloadType::kFp8:
+      return "fp8";
+  }
+  return "unknown";
+}
+
+namespace {
+
+size_t RoundUp16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+int64_t NumBlocks(int64_t hidden) { return (hidden + kFp8BlockSize - 1) / kFp8BlockSize; }
+
+constexpr float kFp8Max = 448.0f;
+
+const std::array<float, 256>& Fp8Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      const int exp = (b >> 3) & 0xF;
+      const int man = b & 0x7;
+      float v;
+      if (exp == 0xF && man == 0x7) {
+        v = std::numeric_limits<float>::quiet_NaN();
+      } else if (exp == 0) {
+        v = std::ldexp(static_cast<float>(man), -9);
+      } else {
+        v = std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
+      }
+      t[b] = (b & 0x80) ? -v : v;
+    }
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+uint16_t FloatToBf16(float x) {
+  const uint32_t b = std::bit_cast<uint32_t>(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40);  // NaN
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+uint8_t FloatToFp8E4m3(float x) {
+  const uint32_t b = std::bit_cast<uint32_t>(x);
+  const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
+  if (a >= 0x43E00000u) return sign | 0x7E;  // >= 448 (and inf): saturate
+  if (a < 0x3C800000u) {
+    // Below 2^-6: subnormal, in units of 2^-9, rounded to nearest even (8 = 2^-6 is the
+    // smallest normal, whose encoding is 0x08 as well).
+    const float q = std::nearbyint(std::bit_cast<float>(a) * 512.0f);
+    return sign | static_cast<uint8_t>(q);
+  }
+  // Normal: keep 3 mantissa bits, rounding to nearest even; a carry moves into the
+  // exponent. Re-bias the exponent from 127 to 7.
+  const uint32_t rounded = (a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+  const uint32_t code = rounded - ((127u - 7u) << 3);
+  return sign | static_cast<uint8_t>(code > 0x7E ? 0x7E : code);
+}
+
+float Fp8E4m3ToFloat(uint8_t bits) { return Fp8Table()[bits]; }
+
+size_t PayloadRowBytes(PayloadType type, int64_t hidden) {
+  const size_t h = static_cast<size_t>(hidden);
+  switch (type) {
+    case PayloadType::kFp32:
+      return RoundUp16(h * sizeof(float));
+    case PayloadType::kBf16:
+      return RoundUp16(h * sizeof(uint16_t));
+    case PayloadType::kFp8:
+      return RoundUp16(static_cast<size_t>(NumBlocks(hidden)) * sizeof(float) + h);
+  }
+  return 0;
+}
+
+void EncodeRow(PayloadType type, const float* src, int64_t hidden, void* dst) {
+  // Padding is zeroed, so that an encoded row is a function of its values only.
+  const size_t used = type == PayloadType::kFp32   ? static_cast<size_t>(hidden) * sizeof(float)
+                      : type == PayloadType::kBf16 ? static_cast<size_t>(hidden) * sizeof(uint16_t)
+                                                   : static_cast<size_t>(NumBlocks(hidden)) *
+                                                             sizeof(float) +
+                                                         static_cast<size_t>(hidden);
+  std::memset(static_cast<char*>(dst) + used, 0, PayloadRowBytes(type, hidden) - used);
+  switch (type) {
+    case PayloadType::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
+      return;
+    case PayloadType::kBf16: {
+      uint16_t* out = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < hidden; ++i) out[i] = FloatToBf16(src[i]);
+      return;
+    }
+    case PayloadType::kFp8: {
+      const int64_t blocks = NumBlocks(hidden);
+      float* scales = static_cast<float*>(dst);
+      uint8_t* out = static_cast<uint8_t*>(dst) + blocks * sizeof(float);
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t begin = blk * kFp8BlockSize;
+        const int64_t end = std::min(hidden, begin + kFp8BlockSize);
+        float amax = 0.0f;
+        for (int64_t i = begin; i < end; ++i) {
+          const float a = std::fabs(src[i]);
+          if (std::isfinite(a)) amax = std::max(amax, a);
+        }
+        const float scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
+        const float inv = 1.0f / scale;
+        scales[blk] = scale;
+        for (int64_t i = begin; i < end; ++i) out[i] = FloatToFp8E4m3(src[i] * inv);
+      }
+      return;
+    }
+  }
+}
+
+void DecodeRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
+  switch (type) {
+    case PayloadType::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
+      return;
+    case PayloadType::kBf16: {
+      const uint16_t* in = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < hidden; ++i) dst[i] = Bf16ToFloat(in[i]);
+      return;
+    }
+    case PayloadType::kFp8: {
+      const int64_t blocks = NumBlocks(hidden);
+      const float* scales = static_cast<const float*>(src);
+      const uint8_t* in = static_cast<const uint8_t*>(src) + blocks * sizeof(float);
+      const std::array<float, 256>& table = Fp8Table();
+      for (int64_t i = 0; i < hidden; ++i) dst[i] = table[in[i]] * scales[i / kFp8BlockSize];
+      return;
+    }
+  }
+}
+
+void AccumulateRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
+  switch (type) {
+    case PayloadType::kFp32: {
+      const float* in = static_cast<const float*>(src);
+      for (int64_t i = 0; i < hidden; ++i) dst[i] += in[i];
+      return;
+    }
+    case PayloadType::kBf16: {
+      const uint16_t* in = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < hidden; ++i) dst[i] += Bf16ToFloat(in[i]);
+      return;
+    }
+    case PayloadType::kFp8: {
+      const int64_t blocks = NumBlocks(hidden);
+      const float* scales = static_cast<const float*>(src);
+      const uint8_t* in = static_cast<const uint8_t*>(src) + blocks * sizeof(float);
+      const std::array<float, 256>& table = Fp8Table();
+      for (int64_t i = 0; i < hidden; ++i) dst[i] += table[in[i]] * scales[i / kFp8BlockSize];
+      return;
+    }
+  }
+}
+
+void SumRows(PayloadType type, const void* const* parts, int num_parts, int64_t hidden, float* dst,
+             bool accumulate) {
+  constexpr int64_t kChunk = 128;  // = kFp8BlockSize, so an fp8 chunk has one scale
+  float acc[kChunk];
+  float part[kChunk];
+  for (int64_t begin = 0; begin < hidden; begin += kChunk) {
+    const int64_t len = std::min(kChunk, hidden - begin);
+    int first = 0;
+    if (accumulate) {
+      std::memcpy(acc, dst + begin, len * sizeof(float));
+    } else if (num_parts > 0) {
+      first = 1;
+      if (type == PayloadType::kFp32) {
+        std::memcpy(acc, static_cast<const float*>(parts[0]) + begin, len * sizeof(float));
+      } else {
+        for (int64_t i = 0; i < len; ++i) acc[i] = 0.0f;
+      }
+    } else {
+      for (int64_t i = 0; i < len; ++i) acc[i] = 0.0f;
+    }
+    for (int m = 0; m < num_parts; ++m) {
+      if (m < first && type == PayloadType::kFp32) continue;
+      const float* values;
+      if (type == PayloadType::kFp32) {
+        values = static_cast<const float*>(parts[m]) + begin;
+      } else if (type == PayloadType::kBf16) {
+        const uint16_t* in = static_cast<const uint16_t*>(parts[m]) + begin;
+        for (int64_t i = 0; i < len; ++i) part[i] = Bf16ToFloat(in[i]);
+        values = part;
+      } else {
+        const int64_t blocks = NumBlocks(hidden);
+        const float scale = static_cast<const float*>(parts[m])[begin / kFp8BlockSize];
+        const uint8_t* in = static_cast<const uint8_t*>(parts[m]) + blocks * sizeof(float) + begin;
+        const std::array<float, 256>& table = Fp8Table();
+        for (int64_t i = 0; i < len; ++i) part[i] = table[in[i]] * scale;
+        values = part;
+      }
+      if (m < first) {
+        std::memcpy(acc, values, len * sizeof(float));  // the first part, as DecodeRow
+      } else {
+        for (int64_t i = 0; i < len; ++i) acc[i] += values[i];
+      }
+    }
+    std::memcpy(dst + begin, acc, len * sizeof(float));
+  }
+}
+
+}  // namespace epserve::worker

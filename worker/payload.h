@@ -1,0 +1,49 @@
+// Row encodings of the exchange payload. A row is `hidden` values:
+//   fp32  4 bytes per value.
+//   bf16  2 bytes per value, rounded to nearest, ties to even (NaN stays NaN).
+//   fp8   FP8 E4M3 (OCP "e4m3fn": bias 7, no infinities, max 448) with one FP32 scale per
+//         block of 128 values: scales first (ceil(hidden / 128) floats), then one byte per
+//         value. scale = max |x| of the block / 448; values saturate at +-448 (so +-inf
+//         becomes +-448 * scale), NaN stays NaN.
+// Every row size is rounded up to 16 bytes so rows stay aligned. Pure functions,
+// thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace epserve::worker {
+
+enum class PayloadType { kFp32, kBf16, kFp8 };
+// "fp32", "bf16", "fp8"; INVALID_ARGUMENT naming `flag` otherwise.
+absl::StatusOr<PayloadType> ParsePayloadType(absl::string_view name, absl::string_view flag);
+const char* PayloadTypeName(PayloadType type);
+
+inline constexpr int64_t kFp8BlockSize = 128;
+
+// Bytes of one encoded row of `hidden` values (a multiple of 16).
+size_t PayloadRowBytes(PayloadType type, int64_t hidden);
+
+// src [hidden] -> dst [PayloadRowBytes], padding zeroed.
+void EncodeRow(PayloadType type, const float* src, int64_t hidden, void* dst);
+// src [PayloadRowBytes] -> dst [hidden].
+void DecodeRow(PayloadType type, const void* src, int64_t hidden, float* dst);
+// dst[i] += decoded value i.
+void AccumulateRow(PayloadType type, const void* src, int64_t hidden, float* dst);
+
+// dst = (dst +) parts[0] + parts[1] + ... (decoded), summed left to right in fp32: the same
+// values as DecodeRow of the first part (unless `accumulate`) followed by AccumulateRow of
+// the others, in one pass over dst.
+void SumRows(PayloadType type, const void* const* parts, int num_parts, int64_t hidden, float* dst,
+             bool accumulate);
+
+// Scalar conversions, exposed for tests.
+uint16_t FloatToBf16(float x);
+float Bf16ToFloat(uint16_t bits);
+uint8_t FloatToFp8E4m3(float x);  // saturating, round to nearest even
+float Fp8E4m3ToFloat(uint8_t bits);
+
+}  // namespace epserve::worker
