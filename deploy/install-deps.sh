@@ -11,6 +11,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libopenblas-dev
   prometheus python3
+  python3-grpcio python3-numpy python3-protobuf python3-venv openssl
 )
 
 missing=()

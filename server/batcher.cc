@@ -1,17 +1,71 @@
 #include "server/batcher.h"
 
-#include <vector>
-
 #include "absl/strings/str_cat.h"
 
 namespace epserve::server {
 
-Batcher::Batcher(BatcherOptions options, Executor executor)
-    : options_(options), executor_(std::move(executor)), thread_([this] { Loop(); }) {}
+void Batcher::Channel::Push(Batch* b) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return items_.size() < capacity_; });
+    items_.push_back(b);
+  }
+  cv_.notify_all();
+}
+
+Batcher::Batch* Batcher::Channel::Pop() {
+  Batch* b = nullptr;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return closed_ || !items_.empty(); });
+    if (items_.empty()) return nullptr;
+    b = items_.front();
+    items_.pop_front();
+  }
+  cv_.notify_all();
+  return b;
+}
+
+void Batcher::Channel::WaitNotFull() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return items_.size() < capacity_; });
+}
+
+void Batcher::Channel::Close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+}
+
+Batcher::Batcher(BatcherOptions options, Executor executor, BatchObserver observer)
+    : options_(options),
+      executor_(std::move(executor)),
+      observer_(std::move(observer)),
+      queues_(std::max<uint32_t>(options.priority_levels, 1)),
+      queued_rows_(std::max(options.num_layers, 1), 0) {
+  for (int i = 0; i < 4; ++i) {
+    batches_.push_back(std::make_unique<Batch>());
+    free_.Push(batches_.back().get());
+  }
+  form_thread_ = std::thread([this] { FormLoop(); });
+  execute_thread_ = std::thread([this] { ExecuteLoop(); });
+  complete_thread_ = std::thread([this] { CompleteLoop(); });
+}
 
 Batcher::~Batcher() { Stop(); }
 
 absl::Status Batcher::Enqueue(std::shared_ptr<InferTask> task) {
+  if (task->layer_pos < 0 || task->layer_pos >= static_cast<int>(queued_rows_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer position ", task->layer_pos,
+                                                   " outside [0, ", queued_rows_.size(), ")"));
+  }
+  if (task->priority < 1 || task->priority > queues_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("priority ", task->priority, " outside [1, ", queues_.size(), "]"));
+  }
+  if (task->num_tokens < 1) return absl::InvalidArgumentError("a request needs >= 1 token");
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
@@ -21,7 +75,8 @@ absl::Status Batcher::Enqueue(std::shared_ptr<InferTask> task) {
                        " more would exceed --max-queue-tokens=", options_.max_queue_tokens));
     }
     queued_tokens_ += task->num_tokens;
-    queue_.push_back(std::move(task));
+    queued_rows_[task->layer_pos] += task->num_tokens;
+    queues_[task->priority - 1].push_back(std::move(task));
   }
   cv_.notify_one();
   return absl::OkStatus();
@@ -33,116 +88,219 @@ int64_t Batcher::queued_tokens() const {
 }
 
 void Batcher::Stop() {
+  std::call_once(stop_once_, [this] {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    form_thread_.join();
+    execute_thread_.join();
+    complete_thread_.join();
+  });
+}
+
+void Batcher::Fail(InferTask& task, absl::Status status) {
+  std::lock_guard<std::mutex> lock(task.mu);
+  if (task.status.ok()) task.status = std::move(status);
+  task.failed.store(true, std::memory_order_release);
+}
+
+void Batcher::Release(InferTask& task) {
+  if (task.refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  absl::Status status;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(task.mu);
+    status = task.status;
   }
-  cv_.notify_one();
-  if (thread_.joinable()) thread_.join();
+  task.times.queue = std::min(task.first_batched, absl::Now()) - task.enqueued;
+  task.done(std::move(status), task.times);
 }
 
-void Batcher::Finish(InferTask& task, absl::Status status) {
-  const absl::Time batched = std::min(task.first_batched, absl::Now());
-  task.done(std::move(status), batched - task.enqueued);
+absl::Status Batcher::Dropped(InferTask& task, absl::Time now) {
+  if (task.failed.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(task.mu);
+    return task.status;
+  }
+  if (task.cancelled && task.cancelled()) {
+    return absl::CancelledError("request cancelled before its rows were computed");
+  }
+  if (now >= task.deadline) {
+    return absl::DeadlineExceededError("request deadline passed before its rows were computed");
+  }
+  return absl::OkStatus();
 }
 
-void Batcher::Loop() {
-  std::vector<std::shared_ptr<InferTask>> owned;  // tasks with rows in the current batch
-  std::vector<Piece> pieces;
-  std::vector<worker::RowChunk> chunks;
-  const size_t row_bytes = static_cast<size_t>(options_.hidden_size) * sizeof(float);
+bool Batcher::TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
+                         std::vector<std::shared_ptr<InferTask>>& to_release) {
+  auto head = [&]() -> InferTask* {
+    for (auto& q : queues_) {
+      if (!q.empty()) return q.front().get();
+    }
+    return nullptr;
+  };
+  // Wait for a full batch of the head's layer, or until the head has waited long enough.
+  // The head is the oldest request of the highest priority level that has one.
   while (true) {
-    owned.clear();
-    pieces.clear();
-    chunks.clear();
-    int layer_pos = 0;
+    cv_.wait(lock, [&] { return stopping_ || head() != nullptr; });
+    if (stopping_) return false;
+    const InferTask& h = *head();
+    const absl::Time flush_at = h.enqueued + options_.max_queue_delay;
+    if (queued_rows_[h.layer_pos] >= options_.max_batch_tokens || absl::Now() >= flush_at) break;
+    cv_.wait_for(lock, absl::ToChronoNanoseconds(flush_at - absl::Now()));
+  }
+  const int layer_pos = head()->layer_pos;
+  batch.layer_pos = layer_pos;
+  const absl::Time now = absl::Now();
+  int64_t rows = 0;
+  for (auto& q : queues_) {
+    for (auto it = q.begin(); it != q.end() && rows < options_.max_batch_tokens;) {
+      InferTask& t = **it;
+      if (t.layer_pos != layer_pos) {
+        ++it;
+        continue;
+      }
+      if (absl::Status drop = Dropped(t, now); !drop.ok()) {
+        const int64_t left = t.num_tokens - t.rows_taken;
+        queued_tokens_ -= left;
+        queued_rows_[layer_pos] -= left;
+        Fail(t, std::move(drop));
+        to_release.push_back(std::move(*it));
+        it = q.erase(it);
+        continue;
+      }
+      if (t.rows_taken == 0) t.first_batched = now;
+      const int64_t take = std::min(t.num_tokens - t.rows_taken, options_.max_batch_tokens - rows);
+      t.refs.fetch_add(1, std::memory_order_relaxed);
+      batch.pieces.push_back({*it, t.rows_taken, take, rows, false});
+      t.rows_taken += take;
+      rows += take;
+      queued_tokens_ -= take;
+      queued_rows_[layer_pos] -= take;
+      if (t.rows_taken == t.num_tokens) {
+        to_release.push_back(std::move(*it));  // the queue's reference
+        it = q.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return true;
+}
+
+void Batcher::FormLoop() {
+  const int64_t h = options_.hidden_size;
+  while (true) {
+    ready_.WaitNotFull();  // form the next batch only once the previous one has started
+    Batch* b = free_.Pop();
+    std::vector<std::shared_ptr<InferTask>> to_release;
+    bool running;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (stopping_) {
-        for (auto& task : queue_) {
-          if (!task->failed) Finish(*task, absl::UnavailableError("the server is shutting down"));
+      running = TakePieces(lock, *b, to_release);
+      if (!running) {
+        for (auto& q : queues_) {
+          for (auto& t : q) {
+            Fail(*t, absl::UnavailableError("the server is shutting down"));
+            to_release.push_back(std::move(t));
+          }
+          q.clear();
         }
-        queue_.clear();
         queued_tokens_ = 0;
-        return;
-      }
-      // Wait for a full batch of the head's layer, or until the head has waited long enough.
-      const absl::Time flush_at = queue_.front()->enqueued + options_.max_queue_delay;
-      auto ready = [&] {
-        if (stopping_ || queue_.empty()) return true;
-        int64_t rows = 0;
-        for (const auto& t : queue_) {
-          if (t->layer_pos == queue_.front()->layer_pos) rows += t->num_tokens - t->rows_taken;
-          if (rows >= options_.max_batch_tokens) return true;
-        }
-        return false;
-      };
-      while (!ready() && absl::Now() < flush_at) {
-        cv_.wait_for(lock, absl::ToChronoNanoseconds(flush_at - absl::Now()));
-      }
-      if (stopping_ || queue_.empty()) continue;
-      // Take rows, in queue order, of the head's layer.
-      layer_pos = queue_.front()->layer_pos;
-      int64_t rows = 0;
-      const absl::Time now = absl::Now();
-      for (auto it = queue_.begin(); it != queue_.end() && rows < options_.max_batch_tokens;) {
-        InferTask& t = **it;
-        if (t.failed) {  // an earlier part failed and was answered: drop the rest
-          queued_tokens_ -= t.num_tokens - t.rows_taken;
-          it = queue_.erase(it);
-          continue;
-        }
-        if (t.layer_pos != layer_pos) {
-          ++it;
-          continue;
-        }
-        if (t.rows_taken == 0) {
-          absl::Status dropped;
-          if (t.cancelled && t.cancelled()) {
-            dropped = absl::CancelledError("request cancelled before it was batched");
-          } else if (now >= t.deadline) {
-            dropped = absl::DeadlineExceededError("request deadline passed while queued");
-          }
-          if (!dropped.ok()) {
-            queued_tokens_ -= t.num_tokens;
-            Finish(t, dropped);
-            it = queue_.erase(it);
-            continue;
-          }
-          t.first_batched = now;
-        }
-        const int64_t take =
-            std::min(t.num_tokens - t.rows_taken, options_.max_batch_tokens - rows);
-        pieces.push_back({&t, t.rows_taken, take});
-        owned.push_back(*it);
-        t.rows_taken += take;
-        rows += take;
-        queued_tokens_ -= take;
-        if (t.rows_taken == t.num_tokens) {
-          it = queue_.erase(it);
-        } else {
-          ++it;
-        }
+        std::fill(queued_rows_.begin(), queued_rows_.end(), 0);
       }
     }
-    if (pieces.empty()) continue;
-    for (const Piece& p : pieces) {
-      chunks.push_back({reinterpret_cast<const float*>(p.task->input + p.row * row_bytes),
-                        reinterpret_cast<float*>(p.task->output + p.row * row_bytes), p.rows});
+    for (auto& t : to_release) Release(*t);
+    if (!running) {
+      free_.Push(b);
+      ready_.Close();
+      return;
     }
-    const absl::Status status = executor_(layer_pos, chunks);
-    for (const Piece& p : pieces) {
+    if (b->pieces.empty()) {
+      free_.Push(b);
+      continue;
+    }
+    const absl::Time t0 = absl::Now();
+    for (const Piece& p : b->pieces) {
+      const InferTask& t = *p.task;
+      if (t.input_type != ElementType::kFp32) {
+        if (b->input_staging.empty()) b->input_staging.resize(options_.max_batch_tokens * h);
+        ToFp32(t.input_type, t.input + p.row * h * ElementBytes(t.input_type),
+               b->input_staging.data() + p.at * h, p.rows * h);
+      }
+      if (t.output_type != ElementType::kFp32 && b->output_staging.empty()) {
+        b->output_staging.resize(options_.max_batch_tokens * h);
+      }
+    }
+    b->input_time = absl::Now() - t0;
+    ready_.Push(b);
+  }
+}
+
+void Batcher::ExecuteLoop() {
+  const int64_t h = options_.hidden_size;
+  while (Batch* b = ready_.Pop()) {
+    const absl::Time now = absl::Now();
+    b->chunks.clear();
+    for (Piece& p : b->pieces) {
       InferTask& t = *p.task;
-      if (t.failed) continue;
-      if (!status.ok()) {
-        t.failed = true;
-        // Rows of this task still queued are skipped when their turn comes.
-        Finish(t, status);
-      } else if (p.row + p.rows == t.num_tokens) {
-        Finish(t, absl::OkStatus());
+      // Rows whose request is already answered, cancelled or expired cost no compute.
+      if (absl::Status drop = Dropped(t, now); !drop.ok()) {
+        Fail(t, std::move(drop));
+        p.skipped = true;
+        continue;
+      }
+      const float* in = t.input_type == ElementType::kFp32
+                            ? reinterpret_cast<const float*>(t.input + p.row * h * sizeof(float))
+                            : b->input_staging.data() + p.at * h;
+      float* out = t.output_type == ElementType::kFp32
+                       ? reinterpret_cast<float*>(t.output + p.row * h * sizeof(float))
+                       : b->output_staging.data() + p.at * h;
+      b->chunks.push_back({in, out, p.rows});
+    }
+    b->status = absl::OkStatus();
+    b->infer_time = absl::ZeroDuration();
+    if (!b->chunks.empty()) {
+      const absl::Time t0 = absl::Now();
+      b->status = executor_(b->layer_pos, b->chunks);
+      b->infer_time = absl::Now() - t0;
+    }
+    finished_.Push(b);
+  }
+  finished_.Close();
+}
+
+void Batcher::CompleteLoop() {
+  const int64_t h = options_.hidden_size;
+  while (Batch* b = finished_.Pop()) {
+    const absl::Time t0 = absl::Now();
+    for (const Piece& p : b->pieces) {
+      InferTask& t = *p.task;
+      if (p.skipped) continue;
+      if (!b->status.ok()) {
+        Fail(t, b->status);
+      } else if (t.output_type != ElementType::kFp32 && !t.failed.load()) {
+        FromFp32(t.output_type, b->output_staging.data() + p.at * h,
+                 t.output + p.row * h * ElementBytes(t.output_type), p.rows * h);
       }
     }
+    b->output_time = absl::Now() - t0;
+    if (observer_ && b->status.ok() && !b->chunks.empty()) {
+      int64_t rows = 0;
+      for (const worker::RowChunk& c : b->chunks) rows += c.rows;
+      observer_(rows, b->input_time, b->infer_time, b->output_time);
+    }
+    for (const Piece& p : b->pieces) {
+      InferTask& t = *p.task;
+      if (!p.skipped) {
+        t.times.compute_input += b->input_time;
+        t.times.compute_infer += b->infer_time;
+        t.times.compute_output += b->output_time;
+      }
+      Release(t);
+    }
+    b->pieces.clear();
+    free_.Push(b);
   }
 }
 

@@ -1,8 +1,18 @@
 // The dynamic batcher: packs queued requests of one layer into batches of at most
 // max_batch_tokens rows (splitting requests larger than that), waiting at most
-// max_queue_delay for more rows, and runs each batch through an executor.
+// max_queue_delay for more rows, highest priority first, and runs each batch through an
+// executor. Three threads form a pipeline so that rank 0 is never idle between batches:
+//
+//   formation   picks the pieces of the next batch and converts BF16/FP16 inputs into an
+//               FP32 staging buffer, while the executor runs the current batch;
+//   executor    runs one batch at a time (the coordinator is single-threaded);
+//   completion  converts outputs back to the requested datatype and answers requests.
+//
+// At most one formed batch waits for the executor, so a batch is formed as late as the
+// pipeline allows and takes in every row that arrived meanwhile.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -11,27 +21,49 @@
 #include <mutex>
 #include <span>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/dtype.h"
 #include "worker/coordinator.h"
 
 namespace epserve::server {
 
-// One accepted request. The batcher calls `done` exactly once, from its own thread.
+// Where one request's time went, as Triton's statistics report it. A request split over
+// several batches is charged each batch's time.
+struct TaskTimes {
+  absl::Duration queue;           // accepted until its first rows entered a batch
+  absl::Duration compute_input;   // rank 0 converting its batches' inputs
+  absl::Duration compute_infer;   // its batches' runs through the workers
+  absl::Duration compute_output;  // rank 0 converting its batches' outputs
+};
+
+// One accepted request. The fields above "batcher internals" are set by the caller before
+// Enqueue and not changed afterwards.
 struct InferTask {
   int layer_pos = 0;
   int64_t num_tokens = 0;
-  const char* input = nullptr;  // num_tokens * H floats, owned by the caller until done
-  char* output = nullptr;       // num_tokens * H floats, owned by the caller until done
+  uint32_t priority = 1;        // 1 is served first; at most BatcherOptions::priority_levels
+  const char* input = nullptr;  // num_tokens * H elements of input_type, maybe unaligned
+  ElementType input_type = ElementType::kFp32;
+  char* output = nullptr;  // num_tokens * H elements of output_type
+  ElementType output_type = ElementType::kFp32;
   absl::Time enqueued;
   absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> cancelled;  // may be empty
-  std::function<void(absl::Status, absl::Duration queue_time)> done;
-  // Batcher thread only.
-  int64_t rows_taken = 0;
-  bool failed = false;
-  absl::Time first_batched = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty; called from the batcher's threads
+  // Called exactly once, from one of the batcher's threads, after the batcher's last use of
+  // input and output.
+  std::function<void(absl::Status, const TaskTimes&)> done;
+
+  // ---- batcher internals ----
+  int64_t rows_taken = 0;                             // formation thread only
+  absl::Time first_batched = absl::InfiniteFuture();  // formation thread only
+  std::atomic<bool> failed{false};  // an error was recorded; remaining rows are dropped
+  std::atomic<int> refs{1};         // the queue's reference + one per piece in flight
+  std::mutex mu;
+  absl::Status status;  // guarded by mu; the first error wins
+  TaskTimes times;      // completion thread only until refs drops to 0
 };
 
 struct BatcherOptions {
@@ -39,45 +71,97 @@ struct BatcherOptions {
   absl::Duration max_queue_delay = absl::Microseconds(500);
   int64_t max_queue_tokens = 65536;
   int64_t hidden_size = 0;
+  int num_layers = 1;
+  uint32_t priority_levels = 1;
 };
 
-// Thread-safe: Enqueue from any thread; one internal thread forms and runs batches.
+// Thread-safe: Enqueue and Stop from any thread.
 class Batcher {
  public:
-  // Runs one batch; called only from the batcher thread, one batch at a time.
+  // Runs one batch; called only from the executor thread, one batch at a time.
   using Executor =
       std::function<absl::Status(int layer_pos, std::span<const worker::RowChunk> chunks)>;
 
-  Batcher(BatcherOptions options, Executor executor);
+  // Told of every batch the executor ran successfully: its rows and where its time went.
+  // Called from the completion thread.
+  using BatchObserver = std::function<void(int64_t rows, absl::Duration input, absl::Duration infer,
+                                           absl::Duration output)>;
+
+  Batcher(BatcherOptions options, Executor executor, BatchObserver observer = nullptr);
   ~Batcher();  // Stop(), then joins.
 
   // On OK the batcher owns the task and will call task->done. On error (RESOURCE_EXHAUSTED
-  // when the queue is full, UNAVAILABLE when stopped) the caller keeps it; done is not called.
+  // when the queue is full, UNAVAILABLE when stopped, INVALID_ARGUMENT for a layer or
+  // priority out of range) the caller keeps it; done is not called.
   absl::Status Enqueue(std::shared_ptr<InferTask> task);
 
-  // Stops accepting; fails queued tasks with UNAVAILABLE; lets the running batch finish and
-  // joins the thread. Idempotent.
+  // Stops accepting; fails queued tasks with UNAVAILABLE; lets formed batches run, answers
+  // them and joins the threads. Idempotent.
   void Stop();
 
   int64_t queued_tokens() const;
 
  private:
   struct Piece {
-    InferTask* task;
-    int64_t row;  // first row of the task in this batch
-    int64_t rows;
+    std::shared_ptr<InferTask> task;
+    int64_t row = 0;  // first row of the task in this batch
+    int64_t rows = 0;
+    int64_t at = 0;        // first row of the piece in the batch
+    bool skipped = false;  // left out before the run (cancelled, expired, failed)
   };
-  void Loop();
-  void Finish(InferTask& task, absl::Status status);
+  struct Batch {
+    int layer_pos = 0;
+    std::vector<Piece> pieces;
+    std::vector<worker::RowChunk> chunks;
+    std::vector<float> input_staging;   // max_batch_tokens * H, for non-FP32 inputs
+    std::vector<float> output_staging;  // max_batch_tokens * H, for non-FP32 outputs
+    absl::Duration input_time, infer_time, output_time;
+    absl::Status status;
+  };
+  // A bounded FIFO between two threads of the pipeline.
+  class Channel {
+   public:
+    explicit Channel(size_t capacity) : capacity_(capacity) {}
+    void Push(Batch* b);
+    Batch* Pop();  // nullptr once closed and empty
+    void WaitNotFull();
+    void Close();
+
+   private:
+    const size_t capacity_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Batch*> items_;
+    bool closed_ = false;
+  };
+
+  void FormLoop();
+  void ExecuteLoop();
+  void CompleteLoop();
+  // Takes pieces of the next batch from the queue; false when stopping. Holds `lock`.
+  // Tasks whose queue reference must be dropped (after unlocking) go to `to_release`.
+  bool TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
+                  std::vector<std::shared_ptr<InferTask>>& to_release);
+  void Fail(InferTask& task, absl::Status status);
+  void Release(InferTask& task);  // drops one reference; the last one answers
+  static absl::Status Dropped(InferTask& task, absl::Time now);
 
   const BatcherOptions options_;
   const Executor executor_;
+  const BatchObserver observer_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<InferTask>> queue_;  // guarded by mu_
-  int64_t queued_tokens_ = 0;                     // guarded by mu_
-  bool stopping_ = false;                         // guarded by mu_
-  std::thread thread_;
+  // Per priority level (index 0 is level 1), FIFO.
+  std::vector<std::deque<std::shared_ptr<InferTask>>> queues_;  // guarded by mu_
+  std::vector<int64_t> queued_rows_;                            // per layer, guarded by mu_
+  int64_t queued_tokens_ = 0;                                   // guarded by mu_
+  bool stopping_ = false;                                       // guarded by mu_
+  std::vector<std::unique_ptr<Batch>> batches_;
+  Channel free_{4};
+  Channel ready_{1};
+  Channel finished_{4};
+  std::once_flag stop_once_;
+  std::thread form_thread_, execute_thread_, complete_thread_;
 };
 
 }  // namespace epserve::server

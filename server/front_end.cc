@@ -1,14 +1,86 @@
 #include "server/front_end.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 
 namespace epserve::server {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream f(path);
+  if (!f) return absl::InvalidArgumentError(absl::StrCat("cannot read ", flag, "=", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  if (ss.str().empty())
+    return absl::InvalidArgumentError(absl::StrCat(flag, "=", path, " is empty"));
+  return ss.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const FrontEndOptions& o) {
+  if (o.tls_cert.empty() != o.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (o.tls_cert.empty()) {
+    if (!o.tls_client_ca.empty()) {
+      return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  absl::StatusOr<std::string> cert = ReadPem(o.tls_cert, "--tls-cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(o.tls_key, "--tls-key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl(
+      o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  if (!o.tls_client_ca.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(o.tls_client_ca, "--tls-client-ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+  }
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  return grpc::SslServerCredentials(ssl);
+}
+
+absl::Status CheckOptions(const FrontEndOptions& o) {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (o.max_batch_tokens < 1) return bad("--max-batch-tokens must be >= 1");
+  if (o.max_queue_delay < absl::ZeroDuration()) return bad("--max-queue-delay-us must be >= 0");
+  if (o.max_request_tokens < 1) return bad("--max-request-tokens must be >= 1");
+  if (o.max_queue_tokens < o.max_request_tokens) {
+    return bad("--max-queue-tokens (", o.max_queue_tokens, ") must be >= --max-request-tokens (",
+               o.max_request_tokens, ")");
+  }
+  if (o.priority_levels < 1 || o.priority_levels > 1000) {
+    return bad("--priority-levels must be in [1, 1000]");
+  }
+  if (o.default_priority < 1 || o.default_priority > o.priority_levels) {
+    return bad("--default-priority must be in [1, --priority-levels=", o.priority_levels, "]");
+  }
+  for (int64_t bytes : {o.max_request_bytes, o.max_response_bytes}) {
+    if (bytes < 1024 || bytes > INT32_MAX) {
+      return bad("--max-request-bytes and --max-response-bytes must be in [1024, ", INT32_MAX, "]");
+    }
+  }
+  if (o.max_stream_inflight < 1) return bad("--max-stream-inflight must be >= 1");
+  if (o.max_concurrent_streams < 1) return bad("--max-concurrent-streams must be >= 1");
+  return absl::OkStatus();
+}
+
+int Millis(absl::Duration d) {
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d), INT32_MAX));
+}
+
+}  // namespace
 
 absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_address,
                             const std::string& metrics_address) {
@@ -28,66 +100,128 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(const FrontEndOptions&
                                                           const model::ModelConfig& model,
                                                           worker::Coordinator& coordinator,
                                                           int64_t heap_bytes) {
-  std::unique_ptr<FrontEnd> fe(new FrontEnd(options, coordinator));
+  std::unique_ptr<FrontEnd> fe(new FrontEnd(options, &coordinator));
   const worker::ExchangeShape& shape = coordinator.shape();
-  absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Start(
-      options.metrics_address, options.model_name, shape.num_workers, shape.num_experts);
-  if (!metrics.ok()) return metrics.status();
-  fe->metrics_ = *std::move(metrics);
-  fe->metrics_->SetHeapBytes(heap_bytes);
-
-  BatcherOptions batcher;
-  batcher.max_batch_tokens = options.max_batch_tokens;
-  batcher.max_queue_delay = options.max_queue_delay;
-  batcher.max_queue_tokens = options.max_queue_tokens;
-  batcher.hidden_size = model.layer.hidden_size;
+  ServedModel served;
+  served.hidden_size = model.layer.hidden_size;
+  served.layers = model.moe_layers;
+  served.num_workers = shape.num_workers;
+  served.num_experts = shape.num_experts;
   FrontEnd* self = fe.get();
-  fe->batcher_ = std::make_unique<Batcher>(
-      batcher, [self](int layer_pos, std::span<const worker::RowChunk> chunks) {
-        return self->RunBatch(layer_pos, chunks);
-      });
-
-  ModelSignature signature;
-  signature.name = options.model_name;
-  signature.hidden_size = model.layer.hidden_size;
-  signature.layers = model.moe_layers;
-  // A request may be as large as the queue; the message limit bounds it too.
-  signature.max_request_tokens = options.max_queue_tokens;
-  fe->service_ = std::make_unique<InferenceService>(signature, model, *fe->batcher_, *fe->metrics_);
-
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_request_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(options.max_request_bytes));
-  builder.RegisterService(fe->service_.get());
-  fe->server_ = builder.BuildAndStart();
-  if (fe->server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve gRPC on --grpc-address=", options.grpc_address));
-  }
-  fe->grpc_address_ =
-      absl::StrCat(options.grpc_address.substr(0, options.grpc_address.rfind(':')), ":", port);
-  fe->metrics_->SetWorkersReady(shape.num_workers);
-  fe->service_->set_ready(true);
-  if (!options.ready_file.empty()) {
-    absl::Status s = WriteReadyFile(options.ready_file, fe->grpc_address_, fe->metrics_address());
-    if (!s.ok()) return s;
-  }
+  absl::Status s = fe->Init(served, [self](int layer_pos, std::span<const worker::RowChunk> c) {
+    return self->RunBatch(layer_pos, c);
+  });
+  if (!s.ok()) return s;
+  fe->metrics_->SetHeapBytes(heap_bytes);
   return fe;
 }
 
-FrontEnd::~FrontEnd() { Shutdown().IgnoreError(); }
+absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::StartWithExecutor(
+    const FrontEndOptions& options, const ServedModel& model, Batcher::Executor executor) {
+  std::unique_ptr<FrontEnd> fe(new FrontEnd(options, nullptr));
+  absl::Status s = fe->Init(model, std::move(executor));
+  if (!s.ok()) return s;
+  return fe;
+}
+
+absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor) {
+  const FrontEndOptions& o = options_;
+  if (absl::Status s = CheckOptions(o); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<const Authenticator>> auth =
+      Authenticator::FromFile(o.auth_token_file);
+  if (!auth.ok()) return auth.status();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = Credentials(o);
+  if (!creds.ok()) return creds.status();
+
+  absl::StatusOr<std::unique_ptr<Metrics>> metrics =
+      Metrics::Start(o.metrics_address, o.model_name, model.num_workers, model.num_experts);
+  if (!metrics.ok()) return metrics.status();
+  metrics_ = *std::move(metrics);
+
+  BatcherOptions batcher;
+  batcher.max_batch_tokens = o.max_batch_tokens;
+  batcher.max_queue_delay = o.max_queue_delay;
+  batcher.max_queue_tokens = o.max_queue_tokens;
+  batcher.hidden_size = model.hidden_size;
+  batcher.num_layers = static_cast<int>(model.layers.size());
+  batcher.priority_levels = o.priority_levels;
+  batcher_ = std::make_unique<Batcher>(
+      batcher, std::move(executor),
+      [this](int64_t rows, absl::Duration in, absl::Duration infer, absl::Duration out) {
+        statistics_.ObserveBatch(rows, in, infer, out);
+      });
+
+  ServiceOptions service;
+  service.signature.name = o.model_name;
+  service.signature.hidden_size = model.hidden_size;
+  service.signature.layers = model.layers;
+  service.signature.max_request_tokens = o.max_request_tokens;
+  service.signature.priority_levels = o.priority_levels;
+  service.signature.default_priority = o.default_priority;
+  service.num_workers = model.num_workers;
+  service.device = o.device;
+  service.max_batch_tokens = o.max_batch_tokens;
+  service.max_queue_delay = o.max_queue_delay;
+  service.max_queue_tokens = o.max_queue_tokens;
+  service.max_stream_inflight = o.max_stream_inflight;
+  service_ =
+      std::make_unique<InferenceService>(service, *batcher_, metrics_.get(), statistics_, *auth);
+  health_ = std::make_unique<HealthService>();
+
+  if (o.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.grpc_address, *creds, &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_request_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(o.max_response_bytes));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(o.keepalive_time));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, Millis(o.keepalive_timeout));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                             o.keepalive_permit_without_calls ? 1 : 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             Millis(o.http2_min_recv_ping_interval));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, o.http2_max_ping_strikes);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
+  if ((*auth)->enabled()) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back((*auth)->InterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
+  builder.RegisterService(service_.get());
+  builder.RegisterService(health_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve gRPC on --grpc-address=", o.grpc_address));
+  }
+  grpc_address_ = absl::StrCat(o.grpc_address.substr(0, o.grpc_address.rfind(':')), ":", port);
+  metrics_->SetWorkersReady(model.num_workers);
+  SetReady(true);
+  if (!o.ready_file.empty()) {
+    absl::Status s = WriteReadyFile(o.ready_file, grpc_address_, metrics_address());
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+FrontEnd::~FrontEnd() {
+  if (server_ != nullptr) Shutdown().IgnoreError();
+}
+
+void FrontEnd::SetReady(bool ready) {
+  service_->set_ready(ready);
+  health_->SetServing(ready);
+}
 
 absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks) {
   int64_t rows = 0;
   for (const worker::RowChunk& c : chunks) rows += c.rows;
   metrics_->SetQueueTokens(batcher_->queued_tokens());
   absl::StatusOr<worker::BatchTrace> trace =
-      coordinator_.Run(layer_pos, chunks, absl::Now() + options_.batch_timeout);
+      coordinator_->Run(layer_pos, chunks, absl::Now() + options_.batch_timeout);
   if (!trace.ok()) {
-    if (!coordinator_.healthy()) {
-      service_->set_ready(false);
+    if (!coordinator_->healthy()) {
+      SetReady(false);
       metrics_->SetWorkersReady(0);
     }
     if (absl::IsCancelled(trace.status())) {
@@ -102,20 +236,22 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
 absl::Status FrontEnd::Shutdown() {
   if (shut_down_) return absl::OkStatus();
   shut_down_ = true;
-  service_->set_ready(false);
-  // Give a running batch drain_timeout to finish, then abandon it; Stop answers the rest.
+  SetReady(false);  // new requests get UNAVAILABLE; health says NOT_SERVING
+  // Give formed batches drain_timeout to finish, then abandon them; Stop answers the rest.
   std::atomic<bool> stopped{false};
   std::thread watchdog([&] {
     const absl::Time give_up = absl::Now() + options_.drain_timeout;
     while (!stopped.load() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
-    if (!stopped.load()) coordinator_.Abort();
+    if (!stopped.load() && coordinator_ != nullptr) coordinator_->Abort();
   });
   batcher_->Stop();
   stopped.store(true);
   watchdog.join();
-  // Every reactor has finished; let gRPC flush the answers.
+  health_->Shutdown();
+  // Every inference reactor has its answer; let gRPC flush them and end open streams.
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
-  return coordinator_.Stop(absl::Now() + absl::Seconds(2));
+  if (coordinator_ == nullptr) return absl::OkStatus();
+  return coordinator_->Stop(absl::Now() + absl::Seconds(2));
 }
 
 }  // namespace epserve::server

@@ -1,5 +1,6 @@
-// Rank 0: the gRPC service, the dynamic batcher, the metrics endpoint and the hand-off of
-// batches to the workers through the coordinator.
+// Rank 0: the gRPC server (KServe v2 inference, grpc.health.v1, reflection), the dynamic
+// batcher, the metrics endpoint and the hand-off of batches to the workers through the
+// coordinator.
 #pragma once
 
 #include <memory>
@@ -10,9 +11,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "model/moe_config.h"
+#include "server/auth.h"
 #include "server/batcher.h"
+#include "server/health.h"
 #include "server/metrics.h"
 #include "server/service.h"
+#include "server/statistics.h"
 #include "worker/coordinator.h"
 
 namespace epserve::server {
@@ -22,12 +26,42 @@ struct FrontEndOptions {
   std::string grpc_address = "127.0.0.1:8001";
   std::string metrics_address = "127.0.0.1:8002";
   std::string ready_file;
+  std::string device = "cpu";  // reported in ModelConfig's instance group
+  // Batching.
   int64_t max_batch_tokens = 256;
   absl::Duration max_queue_delay = absl::Microseconds(500);
   int64_t max_queue_tokens = 65536;
-  int64_t max_request_bytes = 64 << 20;
+  uint32_t priority_levels = 3;
+  uint32_t default_priority = 2;
+  // Limits. The default message size fits 8192 tokens of hidden size 7168 in FP32.
+  int64_t max_request_bytes = 256 << 20;
+  int64_t max_response_bytes = 256 << 20;
+  int64_t max_request_tokens = 8192;
+  int max_stream_inflight = 64;
+  int max_concurrent_streams = 256;  // per connection
+  // Keepalive (gRPC channel arguments of the server).
+  absl::Duration keepalive_time = absl::Hours(2);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
+  bool keepalive_permit_without_calls = false;
+  absl::Duration http2_min_recv_ping_interval = absl::Minutes(5);
+  int http2_max_ping_strikes = 2;
+  // Security. TLS when cert and key are set; mutual TLS when client_ca is set too.
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  std::string auth_token_file;
+  bool reflection = true;
+  // Shutdown and worker waits.
   absl::Duration batch_timeout = absl::Seconds(60);
   absl::Duration drain_timeout = absl::Milliseconds(300);
+};
+
+// What the front-end serves, independent of who computes it.
+struct ServedModel {
+  int64_t hidden_size = 0;
+  std::vector<int> layers;  // served MoE layer indices
+  int num_workers = 1;
+  int num_experts = 1;
 };
 
 // Not thread-safe: one thread starts and shuts it down.
@@ -39,25 +73,34 @@ class FrontEnd {
                                                          const model::ModelConfig& model,
                                                          worker::Coordinator& coordinator,
                                                          int64_t heap_bytes);
+  // The same front-end over any executor (benchmarks, tests): `executor` runs each batch.
+  static absl::StatusOr<std::unique_ptr<FrontEnd>> StartWithExecutor(const FrontEndOptions& options,
+                                                                     const ServedModel& model,
+                                                                     Batcher::Executor executor);
   ~FrontEnd();
 
   const std::string& grpc_address() const { return grpc_address_; }
   std::string metrics_address() const { return metrics_->bound_address(); }
 
-  // Stops accepting requests and answers every accepted one (its result, or UNAVAILABLE if
-  // its batch does not finish within drain_timeout), then stops the workers.
+  // Drains: turns health NOT_SERVING and refuses new requests (UNAVAILABLE), answers every
+  // accepted one (its result, or UNAVAILABLE if its batch does not finish within
+  // drain_timeout), stops the gRPC server, then stops the workers.
   absl::Status Shutdown();
 
  private:
-  FrontEnd(FrontEndOptions options, worker::Coordinator& coordinator)
+  FrontEnd(FrontEndOptions options, worker::Coordinator* coordinator)
       : options_(std::move(options)), coordinator_(coordinator) {}
+  absl::Status Init(const ServedModel& model, Batcher::Executor executor);
   absl::Status RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
+  void SetReady(bool ready);
 
   const FrontEndOptions options_;
-  worker::Coordinator& coordinator_;
+  worker::Coordinator* const coordinator_;  // null with StartWithExecutor
   std::unique_ptr<Metrics> metrics_;
+  Statistics statistics_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<InferenceService> service_;
+  std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
   bool shut_down_ = false;

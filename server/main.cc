@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   fs.Add("max-queue-tokens", &flags.fe.max_queue_tokens,
          "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
   fs.Add("max-request-bytes", &flags.fe.max_request_bytes,
-         "Largest gRPC message accepted (and sent), in bytes");
+         "Largest gRPC message accepted, in bytes");
   fs.Add("batch-timeout", &flags.fe.batch_timeout,
          "Deadline of every cross-rank wait of one batch");
   fs.Add("drain-timeout", &flags.fe.drain_timeout,
@@ -183,6 +183,39 @@ int main(int argc, char** argv) {
          "How long rank 0 waits for the workers to load their weights");
   fs.Add("device", &flags.device, "OpenCL device of each worker: cpu, gpu, or <platform>:<device>");
   // ---- front-end flags (server/: protocol, security, limits) ----
+  epserve::server::FrontEndOptions& fe = flags.fe;
+  fs.Add("max-request-tokens", &fe.max_request_tokens,
+         "Most token rows in one request; larger ones get INVALID_ARGUMENT");
+  fs.Add("max-response-bytes", &fe.max_response_bytes, "Largest gRPC message sent, in bytes");
+  int64_t priority_levels = fe.priority_levels;
+  fs.Add("priority-levels", &priority_levels,
+         "Request priority levels (request parameter `priority`, 1 is served first)");
+  int64_t default_priority = fe.default_priority;
+  fs.Add("default-priority", &default_priority,
+         "Priority level of a request that names none (or priority 0)");
+  fs.Add("max-stream-inflight", &fe.max_stream_inflight,
+         "Requests of one ModelStreamInfer stream read but not yet answered; beyond it the "
+         "server stops reading the stream");
+  fs.Add("max-concurrent-streams", &fe.max_concurrent_streams,
+         "Most concurrent RPCs on one client connection (HTTP/2 streams)");
+  fs.Add("keepalive-time", &fe.keepalive_time,
+         "Interval of the server's keepalive pings on an idle connection");
+  fs.Add("keepalive-timeout", &fe.keepalive_timeout,
+         "How long the server waits for a keepalive ping's answer before closing");
+  fs.Add("keepalive-permit-without-calls", &fe.keepalive_permit_without_calls,
+         "Allow client keepalive pings on connections without RPCs in flight");
+  fs.Add("http2-min-recv-ping-interval", &fe.http2_min_recv_ping_interval,
+         "Shortest interval between client pings without data the server tolerates");
+  fs.Add("http2-max-ping-strikes", &fe.http2_max_ping_strikes,
+         "Pings too early before the server closes the connection (0: unlimited)");
+  fs.Add("tls-cert", &fe.tls_cert, "PEM certificate chain of the server; with --tls-key: TLS");
+  fs.Add("tls-key", &fe.tls_key, "PEM private key of --tls-cert");
+  fs.Add("tls-client-ca", &fe.tls_client_ca,
+         "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)");
+  fs.Add("auth-token-file", &fe.auth_token_file,
+         "File holding a bearer token; when set, every RPC but health needs the metadata "
+         "'authorization: Bearer <token>'");
+  fs.Add("grpc-reflection", &fe.reflection, "Serve gRPC server reflection");
   // ---- end of front-end flags ----
   // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
   fs.Add("heap", &flags.exchange.heap,
@@ -215,6 +248,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   flags.fe.max_queue_delay = absl::Microseconds(queue_delay_us);
+  // Out-of-range values stay out of range (FrontEnd::Start names the bound).
+  flags.fe.priority_levels = static_cast<uint32_t>(std::clamp<int64_t>(priority_levels, 0, 1001));
+  flags.fe.default_priority = static_cast<uint32_t>(std::clamp<int64_t>(default_priority, 0, 1002));
+  flags.fe.device = flags.device;
 
   struct sigaction sa {};
   sa.sa_handler = OnSignal;

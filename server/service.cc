@@ -1,6 +1,9 @@
 #include "server/service.h"
 
+#include <deque>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/grpc_status.h"
 
 namespace epserve::server {
@@ -12,24 +15,92 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
   return reactor;
 }
 
+absl::Time DeadlineOf(const grpc::CallbackServerContext& ctx) {
+  const auto d = ctx.deadline();
+  return d == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
+                                                           : absl::FromChrono(d);
+}
+
 }  // namespace
+
+InferenceService::InferenceService(ServiceOptions options, Batcher& batcher, Metrics* metrics,
+                                   Statistics& statistics,
+                                   std::shared_ptr<const Authenticator> auth)
+    : options_(std::move(options)),
+      batcher_(batcher),
+      metrics_(metrics),
+      statistics_(statistics),
+      auth_(auth ? std::move(auth) : std::make_shared<const Authenticator>("")) {
+  BuildModelConfig();
+}
+
+void InferenceService::BuildModelConfig() {
+  const ModelSignature& sig = options_.signature;
+  inference::ModelConfig& c = model_config_;
+  c.set_name(sig.name);
+  c.set_platform("epserve_moe");
+  c.set_backend("epserve");
+  c.mutable_version_policy()->mutable_latest()->set_num_versions(1);
+  // No implicit batch dimension: the token dimension is explicit (-1) and the dynamic
+  // batcher packs token rows.
+  c.set_max_batch_size(0);
+  inference::ModelInput* in = c.add_input();
+  in->set_name(kInputName);
+  in->set_data_type(inference::TYPE_FP32);
+  in->add_dims(-1);
+  in->add_dims(sig.hidden_size);
+  in->set_allow_ragged_batch(true);
+  inference::ModelOutput* out = c.add_output();
+  out->set_name(kOutputName);
+  out->set_data_type(inference::TYPE_FP32);
+  out->add_dims(-1);
+  out->add_dims(sig.hidden_size);
+  inference::ModelInstanceGroup* group = c.add_instance_group();
+  group->set_name("expert_workers");
+  group->set_count(options_.num_workers);
+  group->set_kind(options_.device == "gpu" ? inference::ModelInstanceGroup::KIND_GPU
+                                           : inference::ModelInstanceGroup::KIND_CPU);
+  inference::ModelDynamicBatching* db = c.mutable_dynamic_batching();
+  db->add_preferred_batch_size(static_cast<int32_t>(options_.max_batch_tokens));
+  db->set_max_queue_delay_microseconds(
+      static_cast<uint64_t>(absl::ToInt64Microseconds(options_.max_queue_delay)));
+  db->set_preserve_ordering(false);
+  db->set_priority_levels(sig.priority_levels);
+  db->set_default_priority_level(sig.default_priority);
+  inference::ModelQueuePolicy* policy = db->mutable_default_queue_policy();
+  policy->set_timeout_action(inference::ModelQueuePolicy::REJECT);
+  policy->set_allow_timeout_override(true);
+  auto& params = *c.mutable_parameters();
+  params["max_batch_tokens"].set_string_value(absl::StrCat(options_.max_batch_tokens));
+  params["max_queue_tokens"].set_string_value(absl::StrCat(options_.max_queue_tokens));
+  params["max_request_tokens"].set_string_value(absl::StrCat(sig.max_request_tokens));
+  params["input_datatypes"].set_string_value("FP32,BF16,FP16");
+  params["served_layers"].set_string_value(absl::StrJoin(sig.layers, ","));
+}
 
 absl::Status InferenceService::CheckModel(const std::string& name,
                                           const std::string& version) const {
-  if (name != signature_.name) {
-    return absl::NotFoundError(
-        absl::StrCat("unknown model '", name, "'; this server serves '", signature_.name, "'"));
+  if (name != options_.signature.name) {
+    return absl::NotFoundError(absl::StrCat("unknown model '", name, "'; this server serves '",
+                                            options_.signature.name, "'"));
   }
   if (!version.empty() && version != "1") {
     return absl::NotFoundError(
-        absl::StrCat("unknown version '", version, "' of model '", name, "'"));
+        absl::StrCat("unknown version '", version, "' of model '", name, "'; versions: 1"));
   }
   return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* InferenceService::Unimplemented(grpc::CallbackServerContext* ctx,
+                                                          const char* rpc) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  return Reply(ctx, absl::UnimplementedError(absl::StrCat(rpc, " is not implemented by epserve")));
 }
 
 grpc::ServerUnaryReactor* InferenceService::ServerLive(grpc::CallbackServerContext* ctx,
                                                        const inference::ServerLiveRequest*,
                                                        inference::ServerLiveResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   resp->set_live(true);
   return Reply(ctx, absl::OkStatus());
 }
@@ -37,6 +108,7 @@ grpc::ServerUnaryReactor* InferenceService::ServerLive(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* InferenceService::ServerReady(grpc::CallbackServerContext* ctx,
                                                         const inference::ServerReadyRequest*,
                                                         inference::ServerReadyResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   resp->set_ready(ready());
   return Reply(ctx, absl::OkStatus());
 }
@@ -44,6 +116,7 @@ grpc::ServerUnaryReactor* InferenceService::ServerReady(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* InferenceService::ModelReady(grpc::CallbackServerContext* ctx,
                                                        const inference::ModelReadyRequest* req,
                                                        inference::ModelReadyResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   absl::Status s = CheckModel(req->name(), req->version());
   if (s.ok()) resp->set_ready(ready());
   return Reply(ctx, s);
@@ -52,71 +125,255 @@ grpc::ServerUnaryReactor* InferenceService::ModelReady(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
     grpc::CallbackServerContext* ctx, const inference::ServerMetadataRequest*,
     inference::ServerMetadataResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   resp->set_name("epserve");
   resp->set_version(EPSERVE_VERSION);
+  for (const char* ext : {"model_configuration", "statistics", "schedule_policy"}) {
+    resp->add_extensions(ext);
+  }
   return Reply(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
     grpc::CallbackServerContext* ctx, const inference::ModelMetadataRequest* req,
     inference::ModelMetadataResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   absl::Status s = CheckModel(req->name(), req->version());
   if (!s.ok()) return Reply(ctx, s);
-  resp->set_name(signature_.name);
+  resp->set_name(options_.signature.name);
   resp->add_versions("1");
   resp->set_platform("epserve_moe");
   for (auto* t : {resp->add_inputs(), resp->add_outputs()}) {
     t->set_datatype("FP32");
     t->add_shape(-1);
-    t->add_shape(signature_.hidden_size);
+    t->add_shape(options_.signature.hidden_size);
   }
   resp->mutable_inputs(0)->set_name(kInputName);
   resp->mutable_outputs(0)->set_name(kOutputName);
   return Reply(ctx, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* InferenceService::ModelInfer(grpc::CallbackServerContext* ctx,
-                                                       const inference::ModelInferRequest* req,
-                                                       inference::ModelInferResponse* resp) {
-  const absl::Time start = absl::Now();
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  absl::StatusOr<ParsedInfer> parsed = ParseInfer(*req, signature_);
-  if (!parsed.ok()) {
-    metrics_.ObserveRequest(parsed.status().code(), absl::Now() - start, absl::ZeroDuration(), 0);
-    reactor->Finish(ToGrpcStatus(parsed.status()));
-    return reactor;
+grpc::ServerUnaryReactor* InferenceService::ModelConfig(grpc::CallbackServerContext* ctx,
+                                                        const inference::ModelConfigRequest* req,
+                                                        inference::ModelConfigResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  absl::Status s = CheckModel(req->name(), req->version());
+  if (s.ok()) *resp->mutable_config() = model_config_;
+  return Reply(ctx, s);
+}
+
+grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
+    grpc::CallbackServerContext* ctx, const inference::ModelStatisticsRequest* req,
+    inference::ModelStatisticsResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  if (!req->name().empty()) {
+    if (absl::Status s = CheckModel(req->name(), req->version()); !s.ok()) return Reply(ctx, s);
   }
-  resp->set_model_name(signature_.name);
+  inference::ModelStatistics* stats = resp->add_model_stats();
+  stats->set_name(options_.signature.name);
+  stats->set_version("1");
+  statistics_.Fill(stats);
+  return Reply(ctx, absl::OkStatus());
+}
+
+absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
+                                      inference::ModelInferResponse* resp, absl::Time start,
+                                      absl::Time deadline, std::function<bool()> cancelled,
+                                      std::function<void(absl::Status)> done) {
+  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, options_.signature);
+  absl::Status status = parsed.status();
+  if (status.ok() && !ready()) {
+    status = absl::UnavailableError("the server is not ready (starting, stopping or unhealthy)");
+  }
+  if (!status.ok()) {
+    if (metrics_ != nullptr) {
+      metrics_->ObserveRequest(status.code(), absl::Now() - start, absl::ZeroDuration(), 0);
+    }
+    if (!absl::IsNotFound(status)) statistics_.ObserveRequest(status, absl::Now() - start, {});
+    return status;
+  }
+  const int64_t h = options_.signature.hidden_size;
+  resp->set_model_name(options_.signature.name);
   resp->set_model_version("1");
-  resp->set_id(req->id());
+  resp->set_id(req.id());
   auto* out = resp->add_outputs();
   out->set_name(kOutputName);
-  out->set_datatype("FP32");
+  out->set_datatype(ElementTypeName(parsed->output_type));
   out->add_shape(parsed->num_tokens);
-  out->add_shape(signature_.hidden_size);
+  out->add_shape(h);
   std::string* raw = resp->add_raw_output_contents();
-  raw->resize(static_cast<size_t>(parsed->num_tokens * signature_.hidden_size) * sizeof(float));
+  raw->resize(static_cast<size_t>(parsed->num_tokens * h) * ElementBytes(parsed->output_type));
 
   auto task = std::make_shared<InferTask>();
   task->layer_pos = parsed->layer_pos;
   task->num_tokens = parsed->num_tokens;
+  task->priority = parsed->priority;
   task->input = parsed->input;
+  task->input_type = parsed->input_type;
   task->output = raw->data();
+  task->output_type = parsed->output_type;
   task->enqueued = start;
-  if (const auto d = ctx->deadline(); d != std::chrono::system_clock::time_point::max()) {
-    task->deadline = absl::FromChrono(d);
-  }
-  task->cancelled = [ctx] { return ctx->IsCancelled(); };
-  task->done = [this, reactor, start, tokens = parsed->num_tokens](absl::Status s,
-                                                                   absl::Duration queue_time) {
-    metrics_.ObserveRequest(s.code(), absl::Now() - start, queue_time, tokens);
-    reactor->Finish(ToGrpcStatus(s));
+  task->deadline = std::min(deadline, start + parsed->timeout);
+  task->cancelled = std::move(cancelled);
+  task->done = [this, start, tokens = parsed->num_tokens, done = std::move(done)](
+                   absl::Status s, const TaskTimes& times) {
+    const absl::Duration total = absl::Now() - start;
+    if (metrics_ != nullptr) metrics_->ObserveRequest(s.code(), total, times.queue, tokens);
+    statistics_.ObserveRequest(s, total, times);
+    done(std::move(s));
   };
-  if (absl::Status s = batcher_.Enqueue(task); !s.ok()) {
-    metrics_.ObserveRequest(s.code(), absl::Now() - start, absl::ZeroDuration(), 0);
-    reactor->Finish(ToGrpcStatus(s));
+  status = batcher_.Enqueue(task);
+  if (!status.ok()) {
+    if (metrics_ != nullptr) {
+      metrics_->ObserveRequest(status.code(), absl::Now() - start, absl::ZeroDuration(), 0);
+    }
+    statistics_.ObserveRequest(status, absl::Now() - start, {});
   }
+  return status;
+}
+
+grpc::ServerUnaryReactor* InferenceService::ModelInfer(grpc::CallbackServerContext* ctx,
+                                                       const inference::ModelInferRequest* req,
+                                                       inference::ModelInferResponse* resp) {
+  const absl::Time start = absl::Now();
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::Status s = Submit(
+      *req, resp, start, DeadlineOf(*ctx), [ctx] { return ctx->IsCancelled(); },
+      [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+  if (!s.ok()) reactor->Finish(ToGrpcStatus(s));
   return reactor;
+}
+
+// One ModelStreamInfer call. Reads requests while fewer than max_stream_inflight are
+// unanswered, answers each (in completion order) with its id, a failed one with
+// error_message, and ends once the client has half-closed and every answer is written.
+// Deletes itself in OnDone.
+class InferenceService::StreamInfer final
+    : public grpc::ServerBidiReactor<inference::ModelInferRequest,
+                                     inference::ModelStreamInferResponse> {
+ public:
+  StreamInfer(InferenceService& service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx) {
+    if (absl::Status s = service_.auth_->Check(*ctx); !s.ok()) {
+      finished_ = true;
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ReadNext();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_ptr<Slot> slot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      if (!ok) {
+        reads_done_ = true;
+        next_.reset();
+        MaybeFinish();
+        return;
+      }
+      slot = std::move(next_);
+      ++inflight_;
+    }
+    Slot* raw = slot.release();  // owned by the stream until written
+    const absl::Time start = absl::Now();
+    grpc::CallbackServerContext* ctx = ctx_;
+    absl::Status s = service_.Submit(
+        raw->request, raw->response.mutable_infer_response(), start, DeadlineOf(*ctx),
+        [ctx] { return ctx->IsCancelled(); },
+        [this, raw](absl::Status status) { Answer(raw, std::move(status)); });
+    if (!s.ok()) Answer(raw, std::move(s));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (inflight_ < service_.options_.max_stream_inflight) ReadNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    written_.pop_front();
+    --inflight_;
+    if (!ok) broken_ = true;
+    Pump();
+    if (!reads_done_ && !reading_ && inflight_ < service_.options_.max_stream_inflight) {
+      ReadNext();
+    }
+    MaybeFinish();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Slot {
+    inference::ModelInferRequest request;
+    inference::ModelStreamInferResponse response;
+  };
+
+  void Answer(Slot* raw, absl::Status status) {
+    std::unique_ptr<Slot> slot(raw);
+    if (!status.ok()) {
+      inference::ModelInferResponse* r = slot->response.mutable_infer_response();
+      r->Clear();
+      r->set_model_name(slot->request.model_name());
+      r->set_model_version(slot->request.model_version());
+      r->set_id(slot->request.id());
+      slot->response.set_error_message(
+          absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message()));
+    }
+    slot->request.Clear();  // the input is no longer needed
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back(std::move(slot));
+    Pump();
+    MaybeFinish();
+  }
+
+  void ReadNext() {  // holds mu_
+    if (reading_ || reads_done_ || finished_) return;
+    next_ = std::make_unique<Slot>();
+    reading_ = true;
+    StartRead(&next_->request);
+  }
+
+  void Pump() {  // holds mu_
+    while (!writing_ && !pending_.empty()) {
+      std::unique_ptr<Slot> slot = std::move(pending_.front());
+      pending_.pop_front();
+      if (broken_ || finished_) {  // nobody to write to: drop the answer
+        --inflight_;
+        continue;
+      }
+      written_.push_back(std::move(slot));
+      writing_ = true;
+      StartWrite(&written_.back()->response);
+    }
+  }
+
+  void MaybeFinish() {  // holds mu_
+    if (finished_ || inflight_ > 0 || writing_ || reading_) return;
+    if (!reads_done_ && !broken_) return;
+    finished_ = true;
+    Finish(ctx_->IsCancelled() ? grpc::Status::CANCELLED : grpc::Status::OK);
+  }
+
+  InferenceService& service_;
+  grpc::CallbackServerContext* const ctx_;
+  std::mutex mu_;
+  std::unique_ptr<Slot> next_;                 // the read in flight
+  std::deque<std::unique_ptr<Slot>> pending_;  // answered, waiting for the write
+  std::deque<std::unique_ptr<Slot>> written_;  // the write in flight
+  int inflight_ = 0;                           // read and not yet written or dropped
+  bool reading_ = false;
+  bool reads_done_ = false;
+  bool writing_ = false;
+  bool broken_ = false;
+  bool finished_ = false;
+};
+
+grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*
+InferenceService::ModelStreamInfer(grpc::CallbackServerContext* ctx) {
+  return new StreamInfer(*this, ctx);
 }
 
 }  // namespace epserve::server

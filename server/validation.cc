@@ -10,6 +10,24 @@ namespace {
 
 absl::Status Invalid(auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); }
 
+// An integer request parameter given as int64_param or uint64_param (Triton's clients use
+// either); INVALID_ARGUMENT naming it otherwise or when negative.
+absl::StatusOr<int64_t> NonNegativeInt(const inference::InferParameter& p, const char* name) {
+  int64_t v = 0;
+  if (p.parameter_choice_case() == inference::InferParameter::kInt64Param) {
+    v = p.int64_param();
+  } else if (p.parameter_choice_case() == inference::InferParameter::kUint64Param) {
+    if (p.uint64_param() > static_cast<uint64_t>(INT64_MAX)) {
+      return Invalid("parameter '", name, "' must be at most ", INT64_MAX);
+    }
+    v = static_cast<int64_t>(p.uint64_param());
+  } else {
+    return Invalid("parameter '", name, "' must be an int64_param or uint64_param");
+  }
+  if (v < 0) return Invalid("parameter '", name, "' must be >= 0, got ", v);
+  return v;
+}
+
 }  // namespace
 
 absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
@@ -24,7 +42,9 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   }
   ParsedInfer out;
   out.layer = sig.layers.front();
-  if (auto it = req.parameters().find(kLayerParameter); it != req.parameters().end()) {
+  out.priority = sig.default_priority;
+  const auto& params = req.parameters();
+  if (auto it = params.find(kLayerParameter); it != params.end()) {
     if (it->second.parameter_choice_case() != inference::InferParameter::kInt64Param) {
       return Invalid("parameter 'layer' must be an int64_param");
     }
@@ -38,6 +58,20 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   }
   out.layer_pos = static_cast<int>(std::find(sig.layers.begin(), sig.layers.end(), out.layer) -
                                    sig.layers.begin());
+  if (auto it = params.find(kPriorityParameter); it != params.end()) {
+    absl::StatusOr<int64_t> p = NonNegativeInt(it->second, kPriorityParameter);
+    if (!p.ok()) return p.status();
+    if (*p > sig.priority_levels) {
+      return Invalid("parameter 'priority' must be in [0, ", sig.priority_levels,
+                     "] (0: the default level ", sig.default_priority, "), got ", *p);
+    }
+    if (*p != 0) out.priority = static_cast<uint32_t>(*p);
+  }
+  if (auto it = params.find(kTimeoutParameter); it != params.end()) {
+    absl::StatusOr<int64_t> us = NonNegativeInt(it->second, kTimeoutParameter);
+    if (!us.ok()) return us.status();
+    if (*us > 0) out.timeout = absl::Microseconds(*us);
+  }
 
   if (req.inputs_size() == 0) return Invalid("missing input '", kInputName, "'");
   for (const auto& input : req.inputs()) {
@@ -49,9 +83,13 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   if (req.inputs_size() != 1)
     return Invalid("input '", kInputName, "' given ", req.inputs_size(), " times");
   const auto& input = req.inputs(0);
-  if (input.datatype() != "FP32") {
-    return Invalid("input '", kInputName, "' datatype must be FP32, got '", input.datatype(), "'");
+  std::optional<ElementType> type = ParseElementType(input.datatype());
+  if (!type) {
+    return Invalid("input '", kInputName, "' datatype must be FP32, BF16 or FP16, got '",
+                   input.datatype(), "'");
   }
+  out.input_type = *type;
+  out.output_type = *type;
   if (input.shape_size() != 2) {
     return Invalid("input '", kInputName, "' shape must have rank 2 [tokens, ", sig.hidden_size,
                    "], got rank ", input.shape_size());
@@ -67,6 +105,7 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   }
   out.num_tokens = tokens;
   const int64_t elements = tokens * sig.hidden_size;
+  const int64_t bytes = elements * static_cast<int64_t>(ElementBytes(*type));
   const bool has_typed = input.has_contents();
   const bool has_raw = req.raw_input_contents_size() > 0;
   if (has_typed && has_raw) {
@@ -79,12 +118,16 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
                      req.raw_input_contents_size());
     }
     const std::string& raw = req.raw_input_contents(0);
-    if (static_cast<int64_t>(raw.size()) != elements * 4) {
-      return Invalid("raw_input_contents[0] must hold ", elements * 4, " bytes (", tokens, " x ",
-                     sig.hidden_size, " FP32), got ", raw.size());
+    if (static_cast<int64_t>(raw.size()) != bytes) {
+      return Invalid("raw_input_contents[0] must hold ", bytes, " bytes (", tokens, " x ",
+                     sig.hidden_size, " ", input.datatype(), "), got ", raw.size());
     }
     out.input = raw.data();
   } else if (has_typed) {
+    if (*type != ElementType::kFp32) {
+      return Invalid("input '", kInputName, "' of datatype ", input.datatype(),
+                     " must travel in raw_input_contents (contents has no field for it)");
+    }
     const auto& fp32 = input.contents().fp32_contents();
     if (fp32.size() != elements) {
       return Invalid("contents.fp32_contents of input '", kInputName, "' must hold ", elements,
@@ -96,8 +139,27 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
                    "' has no data: set raw_input_contents or contents.fp32_contents");
   }
   for (const auto& output : req.outputs()) {
+    if (output.name() == kTopkIdsName || output.name() == kTopkWeightsName) {
+      return Invalid("output '", output.name(), "' is not supported yet");
+    }
     if (output.name() != kOutputName) {
       return Invalid("unknown requested output '", output.name(), "'; outputs: ", kOutputName);
+    }
+    for (const auto& [name, value] : output.parameters()) {
+      if (name == kDatatypeParameter) {
+        std::optional<ElementType> want =
+            value.parameter_choice_case() == inference::InferParameter::kStringParam
+                ? ParseElementType(value.string_param())
+                : std::nullopt;
+        if (!want) {
+          return Invalid("parameter 'datatype' of output '", kOutputName,
+                         "' must be a string_param FP32, BF16 or FP16");
+        }
+        out.output_type = *want;
+      } else if (name == "classification") {
+        return Invalid("parameter 'classification' of output '", kOutputName,
+                       "' is not supported (the output is not a classification)");
+      }
     }
   }
   return out;

@@ -12,66 +12,13 @@
 #include "gtest/gtest.h"
 #include "model/reference.h"
 #include "model/synthetic.h"
+#include "tests/e2e/reference.h"
 #include "tests/e2e/server_process.h"
 
 namespace epserve::testing {
 namespace {
 
-constexpr int64_t kHidden = 64;  // synthetic:tiny
 constexpr int64_t kMaxBatchTokens = 32;
-
-std::vector<float> RandomRows(int64_t tokens, std::mt19937_64& rng) {
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> x(tokens * kHidden);
-  for (float& v : x) v = u(rng);
-  return x;
-}
-
-inference::ModelInferRequest Request(const std::vector<float>& x, int64_t tokens,
-                                     std::string id = "") {
-  inference::ModelInferRequest req;
-  req.set_model_name("moe");
-  req.set_id(std::move(id));
-  auto* in = req.add_inputs();
-  in->set_name("hidden_states");
-  in->set_datatype("FP32");
-  in->add_shape(tokens);
-  in->add_shape(kHidden);
-  req.add_raw_input_contents(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
-  return req;
-}
-
-// The reference output of the tiny model (seed 0, as the server runs it).
-class Reference {
- public:
-  Reference() : source_(*model::OpenModel("synthetic:tiny", 0)) {
-    for (int layer : source_->config().moe_layers)
-      layers_.push_back(*model::LoadLayer(*source_, layer));
-  }
-  // Max relative error of `out` against the reference; near-tie tokens skipped.
-  double RelError(const std::vector<float>& x, const float* out, int64_t tokens,
-                  int layer_pos = 0) {
-    std::vector<float> ref(x.size());
-    model::Routing routing;
-    model::ReferenceForward(source_->config().layer, layers_[layer_pos], x.data(), tokens,
-                            ref.data(), &routing);
-    double err = 0, scale = 1e-30;
-    for (int64_t t = 0; t < tokens; ++t) {
-      if (routing.margins[t] < 1e-5) continue;
-      for (int64_t i = 0; i < kHidden; ++i) {
-        const double o = out[t * kHidden + i];
-        if (!std::isfinite(o)) return INFINITY;
-        err = std::max(err, std::abs(o - ref[t * kHidden + i]));
-        scale = std::max(scale, std::abs(static_cast<double>(ref[t * kHidden + i])));
-      }
-    }
-    return err / scale;
-  }
-
- private:
-  std::unique_ptr<model::WeightSource> source_;
-  std::vector<model::LayerWeights> layers_;
-};
 
 // Sends one request and checks its answer in full.
 void ExpectGoodAnswer(inference::GRPCInferenceService::Stub& stub, Reference& ref,
@@ -248,7 +195,8 @@ TEST_F(Protocol, MissingInput) {
 TEST_F(Protocol, WrongDatatype) {
   inference::ModelInferRequest req = Request(RandomRows(2, rng_), 2);
   req.mutable_inputs(0)->set_datatype("INT8");
-  ExpectRejected(req, grpc::StatusCode::INVALID_ARGUMENT, "datatype must be FP32, got 'INT8'");
+  ExpectRejected(req, grpc::StatusCode::INVALID_ARGUMENT,
+                 "datatype must be FP32, BF16 or FP16, got 'INT8'");
 }
 
 TEST_F(Protocol, WrongHiddenSize) {

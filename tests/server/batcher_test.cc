@@ -1,8 +1,12 @@
 #include "server/batcher.h"
 
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include "gtest/gtest.h"
 
@@ -32,7 +36,7 @@ std::unique_ptr<FakeRequest> MakeRequest(int64_t tokens, float offset, int layer
   r->task->output = reinterpret_cast<char*>(r->out.data());
   r->task->enqueued = absl::Now();
   FakeRequest* raw = r.get();
-  r->task->done = [raw](absl::Status s, absl::Duration) {
+  r->task->done = [raw](absl::Status s, const TaskTimes&) {
     raw->calls++;
     raw->status = std::move(s);
   };
@@ -65,6 +69,8 @@ BatcherOptions Options(int64_t max_batch, absl::Duration delay = absl::Milliseco
   o.max_queue_delay = delay;
   o.max_queue_tokens = 1000;
   o.hidden_size = kHidden;
+  o.num_layers = 2;
+  o.priority_levels = 3;
   return o;
 }
 
@@ -196,6 +202,161 @@ TEST(Batcher, CancelledAndExpiredRequestsLeaveWithoutCompute) {
   EXPECT_TRUE(reqs[2]->status.ok());
   ASSERT_EQ(rec.batch_rows.size(), 1u);
   EXPECT_EQ(rec.batch_rows[0], 2);
+}
+
+// An executor that holds the first batch until released, recording the first input value of
+// every batch it runs.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  std::vector<float> first_values;
+  Batcher::Executor Executor() {
+    return [this](int, std::span<const worker::RowChunk> chunks) {
+      std::unique_lock<std::mutex> lock(mu);
+      first_values.push_back(chunks[0].input[0]);
+      cv.wait(lock, [&] { return open; });
+      for (const auto& c : chunks) {
+        for (int64_t i = 0; i < c.rows * kHidden; ++i) c.output[i] = 2 * c.input[i];
+      }
+      return absl::OkStatus();
+    };
+  }
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      open = true;
+    }
+    cv.notify_all();
+  }
+  size_t batches() {
+    std::lock_guard<std::mutex> lock(mu);
+    return first_values.size();
+  }
+};
+
+TEST(Batcher, HigherPriorityOvertakesQueuedRequests) {
+  Gate gate;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    Batcher b(Options(4, absl::ZeroDuration()), gate.Executor());
+    reqs.push_back(MakeRequest(4, 1000));  // runs first and holds the executor
+    ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    while (gate.batches() == 0) absl::SleepFor(absl::Milliseconds(1));
+    for (int i = 1; i <= 4; ++i) {  // one full batch each, lowest priority
+      reqs.push_back(MakeRequest(4, 1000.0f * (i + 1)));
+      reqs.back()->task->priority = 3;
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    }
+    reqs.push_back(MakeRequest(4, 99000));
+    reqs.back()->task->priority = 1;
+    ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    gate.Open();
+    WaitDone(reqs);
+  }
+  for (const auto& r : reqs) ASSERT_TRUE(r->status.ok()) << r->status;
+  ASSERT_EQ(gate.first_values.size(), 6u);
+  // At most one low-priority batch was formed before the high-priority request arrived.
+  const auto high = std::find(gate.first_values.begin(), gate.first_values.end(), 99000.0f);
+  EXPECT_LE(high - gate.first_values.begin(), 2) << "the priority-1 request ran too late";
+}
+
+TEST(Batcher, ConvertsBf16AndFp16BothWays) {
+  Recorder rec;
+  const int64_t tokens = 11;  // two batches of 8 rows: split and reassembled
+  std::vector<float> values(tokens * kHidden);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i) - 3.0f;
+  std::vector<char> bf16(values.size() * 2), fp16_out(values.size() * 2);
+  FromFp32(ElementType::kBf16, values.data(), bf16.data(), values.size());
+  auto task = std::make_shared<InferTask>();
+  task->num_tokens = tokens;
+  task->input = bf16.data();
+  task->input_type = ElementType::kBf16;
+  task->output = fp16_out.data();
+  task->output_type = ElementType::kFp16;
+  task->enqueued = absl::Now();
+  std::atomic<int> calls{0};
+  absl::Status status;
+  task->done = [&](absl::Status s, const TaskTimes&) {
+    status = s;
+    calls++;
+  };
+  {
+    Batcher b(Options(8), rec.Executor());
+    ASSERT_TRUE(b.Enqueue(task).ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(calls, 1);
+  ASSERT_TRUE(status.ok()) << status;
+  std::vector<float> out(values.size());
+  ToFp32(ElementType::kFp16, fp16_out.data(), out.data(), out.size());
+  for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(out[i], 2 * values[i]) << i;
+}
+
+TEST(Batcher, ARequestCancelledMidwayIsAnsweredOnceAndItsRestIsNotComputed) {
+  Gate gate;
+  std::atomic<bool> cancel{false};
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    Batcher b(Options(4, absl::ZeroDuration()), gate.Executor());
+    reqs.push_back(MakeRequest(40, 0));  // ten batches
+    reqs.back()->task->cancelled = [&] { return cancel.load(); };
+    ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    while (gate.batches() == 0) absl::SleepFor(absl::Milliseconds(1));
+    cancel = true;
+    gate.Open();
+    WaitDone(reqs);
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(reqs[0]->calls, 1);
+  EXPECT_EQ(reqs[0]->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_LE(gate.first_values.size(), 2u);  // the running batch and at most none after
+}
+
+TEST(Batcher, StopLetsFormedBatchesFinishAndFailsTheQueue) {
+  Gate gate;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  Batcher b(Options(4, absl::ZeroDuration()), gate.Executor());
+  for (int i = 0; i < 5; ++i) {
+    reqs.push_back(MakeRequest(4, 100.0f * i));
+    ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+  }
+  while (gate.batches() == 0) absl::SleepFor(absl::Milliseconds(1));
+  std::thread opener([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    gate.Open();
+  });
+  b.Stop();
+  opener.join();
+  int ok = 0, unavailable = 0;
+  for (const auto& r : reqs) {
+    EXPECT_EQ(r->calls, 1);
+    if (r->status.ok()) ++ok;
+    if (r->status.code() == absl::StatusCode::kUnavailable) ++unavailable;
+  }
+  EXPECT_GE(ok, 1);  // the running batch (and the one formed behind it) finished
+  EXPECT_EQ(ok + unavailable, 5);
+}
+
+TEST(Batcher, ReportsEveryBatchToTheObserver) {
+  Recorder rec;
+  std::mutex mu;
+  int64_t observed_rows = 0;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    Batcher b(Options(8), rec.Executor(),
+              [&](int64_t rows, absl::Duration, absl::Duration, absl::Duration) {
+                std::lock_guard<std::mutex> lock(mu);
+                observed_rows += rows;
+              });
+    for (int i = 0; i < 5; ++i) {
+      reqs.push_back(MakeRequest(7, 0));
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    }
+    WaitDone(reqs);
+  }
+  EXPECT_EQ(observed_rows, 35);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "server/validation.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "gtest/gtest.h"
@@ -55,6 +56,104 @@ TEST(ParseInfer, UnknownRequestedOutputAndDuplicateInput) {
   r = Good(1);
   r.set_model_version("2");
   EXPECT_EQ(ParseInfer(r, Sig()).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ParseInfer, Bf16AndFp16InputsAndTheOutputDatatype) {
+  inference::ModelInferRequest r = Good(2);
+  r.mutable_inputs(0)->set_datatype("BF16");
+  EXPECT_NE(ParseInfer(r, Sig()).status().message().find("must hold 16 bytes"),
+            absl::string_view::npos);  // 2 x 4 BF16 = 16 bytes, not 32
+  r.set_raw_input_contents(0, std::string(16, '\0'));
+  absl::StatusOr<ParsedInfer> p = ParseInfer(r, Sig());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->input_type, ElementType::kBf16);
+  EXPECT_EQ(p->output_type, ElementType::kBf16);  // the input's unless asked otherwise
+  auto* out = r.add_outputs();
+  out->set_name("moe_output");
+  (*out->mutable_parameters())["datatype"].set_string_param("FP32");
+  p = ParseInfer(r, Sig());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->output_type, ElementType::kFp32);
+  (*out->mutable_parameters())["datatype"].set_string_param("INT8");
+  EXPECT_EQ(ParseInfer(r, Sig()).status().code(), absl::StatusCode::kInvalidArgument);
+  r = Good(2);
+  r.mutable_inputs(0)->set_datatype("FP16");
+  r.set_raw_input_contents(0, std::string(16, '\0'));
+  p = ParseInfer(r, Sig());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->input_type, ElementType::kFp16);
+  // FP16 has no typed contents field.
+  r.clear_raw_input_contents();
+  for (int i = 0; i < 8; ++i) r.mutable_inputs(0)->mutable_contents()->add_fp32_contents(i);
+  EXPECT_NE(ParseInfer(r, Sig()).status().message().find("must travel in raw_input_contents"),
+            absl::string_view::npos);
+}
+
+TEST(ParseInfer, TopkOutputsAreRefusedAsNotSupportedYet) {
+  for (const char* name : {"topk_ids", "topk_weights"}) {
+    inference::ModelInferRequest r = Good(1);
+    r.add_outputs()->set_name(name);
+    absl::Status s = ParseInfer(r, Sig()).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(std::string("output '") + name + "' is not supported yet"),
+              absl::string_view::npos)
+        << s;
+  }
+}
+
+TEST(ParseInfer, PriorityAndTimeoutParameters) {
+  ModelSignature sig = Sig();
+  sig.priority_levels = 3;
+  sig.default_priority = 2;
+  inference::ModelInferRequest r = Good(1);
+  absl::StatusOr<ParsedInfer> p = ParseInfer(r, sig);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->priority, 2u);
+  EXPECT_EQ(p->timeout, absl::InfiniteDuration());
+  (*r.mutable_parameters())["priority"].set_uint64_param(1);  // tritonclient's choice
+  (*r.mutable_parameters())["timeout"].set_int64_param(1500);
+  p = ParseInfer(r, sig);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->priority, 1u);
+  EXPECT_EQ(p->timeout, absl::Microseconds(1500));
+  (*r.mutable_parameters())["priority"].set_int64_param(0);
+  EXPECT_EQ(ParseInfer(r, sig)->priority, 2u);
+  (*r.mutable_parameters())["priority"].set_int64_param(4);
+  absl::Status s = ParseInfer(r, sig).status();
+  EXPECT_NE(s.message().find("'priority' must be in [0, 3]"), absl::string_view::npos) << s;
+  (*r.mutable_parameters())["priority"].set_int64_param(1);
+  (*r.mutable_parameters())["timeout"].set_int64_param(-1);
+  EXPECT_EQ(ParseInfer(r, sig).status().code(), absl::StatusCode::kInvalidArgument);
+  (*r.mutable_parameters())["timeout"].set_string_param("1s");
+  EXPECT_EQ(ParseInfer(r, sig).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Dtype, RoundTripsAndRoundsToNearestEven) {
+  EXPECT_EQ(Fp32ToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(Bf16ToFp32(0x3f80), 1.0f);
+  // 1 + 2^-8 is halfway between two BF16 values: ties go to the even one (1.0).
+  EXPECT_EQ(Fp32ToBf16(1.00390625f), 0x3f80);
+  EXPECT_EQ(Fp32ToBf16(1.01171875f), 0x3f82);  // 1 + 3 * 2^-8: tie, up to even
+  EXPECT_TRUE(std::isnan(Bf16ToFp32(Fp32ToBf16(NAN))));
+  EXPECT_EQ(Fp32ToFp16(1.0f), 0x3c00);
+  EXPECT_EQ(Fp32ToFp16(-2.0f), 0xc000);
+  EXPECT_EQ(Fp32ToFp16(65504.0f), 0x7bff);
+  EXPECT_EQ(Fp32ToFp16(65520.0f), 0x7c00);            // rounds past the largest: infinity
+  EXPECT_EQ(Fp32ToFp16(5.9604645e-8f), 0x0001);       // the smallest subnormal
+  EXPECT_EQ(Fp32ToFp16(1.0f + 1.0f / 2048), 0x3c00);  // tie to even
+  EXPECT_TRUE(std::isnan(Fp16ToFp32(Fp32ToFp16(NAN))));
+  EXPECT_EQ(Fp16ToFp32(0x0001), 5.9604645e-8f);
+  // Every FP16 value survives FP16 -> FP32 -> FP16.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = Fp16ToFp32(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(Fp32ToFp16(f), h) << std::hex << h;
+  }
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const float f = Bf16ToFp32(static_cast<uint16_t>(b));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(Fp32ToBf16(f), b) << std::hex << b;
+  }
 }
 
 }  // namespace

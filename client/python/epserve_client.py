@@ -1,0 +1,177 @@
+"""A small Python client of the epserve front-end (KServe v2 over gRPC).
+
+Needs grpcio, numpy and the protocol's Python modules (grpc_service_pb2, model_config_pb2,
+health_pb2), which the build generates into <build>/proto/python; put that folder on
+sys.path or PYTHONPATH. On Debian: apt-get install python3-grpcio python3-numpy
+python3-protobuf, and run it with /usr/bin/python3.
+
+    from epserve_client import Client
+    c = Client("127.0.0.1:8001")
+    y = c.infer(x)                       # x: float32 [T, H]; y: float32 [T, H]
+    y = c.infer(x, datatype="BF16")      # sent as BF16, answered in BF16, returned as float32
+
+A Client is thread-safe (one gRPC channel; calls may run concurrently).
+"""
+
+import grpc
+import numpy as np
+
+import grpc_service_pb2 as pb
+import health_pb2
+
+_SERVICE = "/inference.GRPCInferenceService/"
+INPUT = "hidden_states"
+OUTPUT = "moe_output"
+
+
+class InferError(Exception):
+    """A failed inference; `code` is the grpc.StatusCode (None for an in-band stream error)."""
+
+    def __init__(self, code, message, request_id=""):
+        super().__init__(f"{code}: {message}" if code else message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def encode(x, datatype):
+    """float32 array -> little-endian bytes of `datatype` (FP32, BF16 rounded to nearest even,
+    FP16)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if datatype == "FP32":
+        return x.astype("<f4").tobytes()
+    if datatype == "FP16":
+        return x.astype("<f2").tobytes()
+    if datatype == "BF16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = np.isnan(x)
+        rounded[nan] = (bits[nan] >> 16) | 0x40
+        return rounded.astype("<u2").tobytes()
+    raise ValueError(f"unsupported datatype {datatype!r}")
+
+
+def decode(raw, datatype, shape):
+    """Bytes of `datatype` -> float32 array of `shape`."""
+    if datatype == "FP32":
+        out = np.frombuffer(raw, dtype="<f4")
+    elif datatype == "FP16":
+        out = np.frombuffer(raw, dtype="<f2").astype(np.float32)
+    elif datatype == "BF16":
+        out = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        raise ValueError(f"unsupported datatype {datatype!r}")
+    return out.reshape(shape)
+
+
+class Client:
+    def __init__(self, address, model="moe", *, root_certificates=None, private_key=None,
+                 certificate_chain=None, token=None, max_message_bytes=512 << 20,
+                 ssl_target_name=None):
+        """`address` is host:port. TLS when `root_certificates` (PEM bytes) is given; mutual
+        TLS with `private_key` and `certificate_chain` as well. `token`: bearer token."""
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if ssl_target_name:
+            options.append(("grpc.ssl_target_name_override", ssl_target_name))
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key,
+                                                 certificate_chain)
+            self.channel = grpc.secure_channel(address, creds, options)
+        else:
+            self.channel = grpc.insecure_channel(address, options)
+        self.model = model
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def close(self):
+        self.channel.close()
+
+    def _unary(self, method, request, response_type, timeout=30.0):
+        call = self.channel.unary_unary(_SERVICE + method,
+                                        request_serializer=type(request).SerializeToString,
+                                        response_deserializer=response_type.FromString)
+        return call(request, timeout=timeout, metadata=self.metadata)
+
+    # ---- health and metadata
+    def live(self):
+        return self._unary("ServerLive", pb.ServerLiveRequest(), pb.ServerLiveResponse).live
+
+    def ready(self):
+        return self._unary("ServerReady", pb.ServerReadyRequest(), pb.ServerReadyResponse).ready
+
+    def model_ready(self):
+        return self._unary("ModelReady", pb.ModelReadyRequest(name=self.model),
+                           pb.ModelReadyResponse).ready
+
+    def server_metadata(self):
+        return self._unary("ServerMetadata", pb.ServerMetadataRequest(),
+                           pb.ServerMetadataResponse)
+
+    def model_metadata(self):
+        return self._unary("ModelMetadata", pb.ModelMetadataRequest(name=self.model),
+                           pb.ModelMetadataResponse)
+
+    def model_config(self):
+        return self._unary("ModelConfig", pb.ModelConfigRequest(name=self.model),
+                           pb.ModelConfigResponse).config
+
+    def model_statistics(self):
+        return self._unary("ModelStatistics", pb.ModelStatisticsRequest(name=self.model),
+                           pb.ModelStatisticsResponse).model_stats[0]
+
+    def health(self, service=""):
+        """grpc.health.v1 Check: 'SERVING', 'NOT_SERVING', ... (no token needed)."""
+        call = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        resp = call(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    # ---- inference
+    def request(self, x, *, datatype="FP32", output_datatype=None, layer=None, priority=None,
+                timeout_us=None, request_id=""):
+        """The ModelInferRequest for float32 rows `x` [T, H] sent as `datatype`."""
+        x = np.asarray(x, dtype=np.float32)
+        req = pb.ModelInferRequest(model_name=self.model, id=request_id)
+        req.inputs.add(name=INPUT, datatype=datatype, shape=list(x.shape))
+        req.raw_input_contents.append(encode(x, datatype))
+        if output_datatype is not None:
+            out = req.outputs.add(name=OUTPUT)
+            out.parameters["datatype"].string_param = output_datatype
+        if layer is not None:
+            req.parameters["layer"].int64_param = layer
+        if priority is not None:
+            req.parameters["priority"].int64_param = priority
+        if timeout_us is not None:
+            req.parameters["timeout"].int64_param = timeout_us
+        return req
+
+    @staticmethod
+    def output(resp):
+        """The float32 array of a ModelInferResponse's moe_output."""
+        t = resp.outputs[0]
+        return decode(resp.raw_output_contents[0], t.datatype, tuple(t.shape))
+
+    def infer(self, x, *, timeout=60.0, **kwargs):
+        """Rows `x` through the served MoE layer; returns float32 [T, H]. Raises InferError."""
+        try:
+            resp = self._unary("ModelInfer", self.request(x, **kwargs), pb.ModelInferResponse,
+                               timeout=timeout)
+        except grpc.RpcError as e:
+            raise InferError(e.code(), e.details(), kwargs.get("request_id", "")) from None
+        return self.output(resp)
+
+    def stream_infer(self, requests, timeout=120.0):
+        """Sends ModelInferRequests (see request()) over one ModelStreamInfer stream; yields
+        (id, float32 array or InferError) in the order the answers arrive."""
+        call = self.channel.stream_stream(
+            _SERVICE + "ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString)
+        for resp in call(iter(requests), timeout=timeout, metadata=self.metadata):
+            rid = resp.infer_response.id
+            if resp.error_message:
+                yield rid, InferError(None, resp.error_message, rid)
+            else:
+                yield rid, self.output(resp.infer_response)

@@ -1,0 +1,178 @@
+"""The front-end through Python's grpcio and the project's proto (client/python)."""
+
+import sys
+import threading
+import unittest
+
+import grpc
+import numpy as np
+
+from epserve_cluster import Cluster
+from epserve_client import Client, InferError
+
+H = 64  # synthetic:tiny
+
+
+def reflection_services(channel, metadata=()):
+    """Service names from grpc.reflection.v1alpha's ListServices, decoding the protobuf
+    wire format by hand (Debian's grpcio has no reflection module)."""
+    call = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                 request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    request = b"\x3a\x00"  # field 7 (list_services) = ""
+
+    def fields(buf):
+        i = 0
+        while i < len(buf):
+            key, i = varint(buf, i)
+            if key & 7 == 2:
+                n, i = varint(buf, i)
+                yield key >> 3, buf[i:i + n]
+                i += n
+            elif key & 7 == 0:
+                _, i = varint(buf, i)
+            else:
+                raise ValueError("unexpected wire type")
+
+    def varint(buf, i):
+        v = shift = 0
+        while True:
+            b = buf[i]
+            i += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                return v, i
+
+    names = []
+    for resp in call(iter([request]), timeout=10, metadata=metadata):
+        for num, body in fields(resp):
+            if num == 6:  # list_services_response
+                for _, service in fields(body):
+                    names += [v.decode() for n, v in fields(service) if n == 1]
+    return names
+
+
+class PythonClient(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = Cluster(3, ["--max-batch-tokens=16", "--max-queue-delay-us=200"])
+        cls.client = Client(cls.cluster.address)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.cluster.stop()
+
+    def test_health_metadata_and_config(self):
+        c = self.client
+        self.assertTrue(c.live())
+        self.assertTrue(c.ready())
+        self.assertTrue(c.model_ready())
+        self.assertEqual(c.health(), "SERVING")
+        meta = c.model_metadata()
+        self.assertEqual(meta.inputs[0].name, "hidden_states")
+        self.assertEqual(list(meta.inputs[0].shape), [-1, H])
+        self.assertEqual(list(meta.outputs[0].shape), [-1, H])
+        self.assertIn("statistics", c.server_metadata().extensions)
+        config = c.model_config()
+        self.assertEqual(config.max_batch_size, 0)
+        self.assertEqual(config.dynamic_batching.max_queue_delay_microseconds, 200)
+
+    def test_fp32_bf16_fp16_agree(self):
+        rng = np.random.default_rng(1)
+        x = rng.uniform(-1, 1, size=(20, H)).astype(np.float32)
+        y32 = self.client.infer(x)
+        self.assertEqual(y32.shape, (20, H))
+        np.testing.assert_array_equal(self.client.infer(x), y32)  # deterministic
+        scale = np.abs(y32).max()
+        for dt, tol in (("BF16", 3e-2), ("FP16", 5e-3)):
+            y = self.client.infer(x, datatype=dt)
+            err = np.abs(y - y32).max() / scale
+            self.assertLess(err, tol, dt)
+        y = self.client.infer(x, datatype="BF16", output_datatype="FP32")
+        self.assertLess(np.abs(y - y32).max() / scale, 3e-2)
+
+    def test_errors_name_the_field(self):
+        with self.assertRaises(InferError) as e:
+            self.client.infer(np.zeros((2, H + 1), np.float32))
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("shape[1] (hidden size) must be 64", e.exception.message)
+        with self.assertRaises(InferError) as e:
+            self.client.infer(np.zeros((2, H), np.float32), timeout_us=1)
+        self.assertEqual(e.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def test_stream_matches_answers_to_requests(self):
+        rng = np.random.default_rng(2)
+        xs = {f"r{i}": rng.uniform(-1, 1, size=(1 + i % 7, H)).astype(np.float32)
+              for i in range(20)}
+        reqs = [self.client.request(x, request_id=rid) for rid, x in xs.items()]
+        reqs.append(self.client.request(np.zeros((1, H)), request_id="bad", layer=99))
+        got = dict(self.client.stream_infer(reqs))
+        self.assertEqual(set(got), set(xs) | {"bad"})
+        self.assertIsInstance(got["bad"], InferError)
+        self.assertIn("not a served MoE layer", got["bad"].message)
+        for rid, x in xs.items():
+            np.testing.assert_allclose(got[rid], self.client.infer(x), rtol=1e-5, atol=1e-6)
+
+    def test_concurrent_clients(self):
+        rng = np.random.default_rng(3)
+        xs = [rng.uniform(-1, 1, size=(1 + i % 9, H)).astype(np.float32) for i in range(16)]
+        want = [self.client.infer(x) for x in xs]
+        got = [None] * len(xs)
+
+        def run(i):
+            got[i] = self.client.infer(xs[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+    def test_reflection_lists_the_services(self):
+        names = reflection_services(self.client.channel)
+        self.assertIn("inference.GRPCInferenceService", names)
+        self.assertIn("grpc.health.v1.Health", names)
+
+    def test_statistics(self):
+        self.client.infer(np.zeros((3, H), np.float32))
+        s = self.client.model_statistics()
+        self.assertGreater(s.inference_count, 0)
+        self.assertGreater(s.execution_count, 0)
+        self.assertEqual(s.inference_stats.queue.count, s.inference_stats.success.count)
+
+
+class Token(unittest.TestCase):
+    def test_every_rpc_but_health_needs_the_token(self):
+        import os
+        import tempfile
+        fd, path = tempfile.mkstemp()
+        os.write(fd, b"py-token\n")
+        os.close(fd)
+        with Cluster(2, [f"--auth-token-file={path}"]) as cluster:
+            anonymous = Client(cluster.address)
+            with self.assertRaises(grpc.RpcError) as e:
+                anonymous.live()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+            with self.assertRaises(InferError) as e2:
+                anonymous.infer(np.zeros((1, H), np.float32))
+            self.assertEqual(e2.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+            with self.assertRaises(grpc.RpcError) as e3:
+                reflection_services(anonymous.channel)
+            self.assertEqual(e3.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+            self.assertEqual(anonymous.health(), "SERVING")
+            wrong = Client(cluster.address, token="nope")
+            with self.assertRaises(grpc.RpcError) as e:
+                wrong.model_metadata()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+            good = Client(cluster.address, token="py-token")
+            self.assertTrue(good.live())
+            self.assertEqual(good.infer(np.zeros((1, H), np.float32)).shape, (1, H))
+            self.assertIn("inference.GRPCInferenceService",
+                          reflection_services(good.channel, good.metadata))
+
+
+if __name__ == "__main__":
+    sys.exit(unittest.main(verbosity=2))
