@@ -285,11 +285,6 @@ void Batcher::CompleteLoop() {
       }
     }
     b->output_time = absl::Now() - t0;
-    if (observer_ && b->status.ok() && !b->chunks.empty()) {
-      int64_t rows = 0;
-      for (const worker::RowChunk& c : b->chunks) rows += c.rows;
-      observer_(rows, b->input_time, b->infer_time, b->output_time);
-    }
     for (const Piece& p : b->pieces) {
       InferTask& t = *p.task;
       if (!p.skipped) {
@@ -298,6 +293,11 @@ void Batcher::CompleteLoop() {
         t.times.compute_output += b->output_time;
       }
       Release(t);
+    }
+    if (observer_ && b->status.ok() && !b->chunks.empty()) {
+      int64_t rows = 0;
+      for (const worker::RowChunk& c : b->chunks) rows += c.rows;
+      observer_(rows, b->input_time, b->infer_time, b->output_time, absl::Now() - t0);
     }
     b->pieces.clear();
     free_.Push(b);

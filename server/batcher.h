@@ -82,10 +82,12 @@ class Batcher {
   using Executor =
       std::function<absl::Status(int layer_pos, std::span<const worker::RowChunk> chunks)>;
 
-  // Told of every batch the executor ran successfully: its rows and where its time went.
-  // Called from the completion thread.
+  // Told of every batch the executor ran successfully, after its requests were answered:
+  // its rows and where its time went (input conversion, the executor, output conversion,
+  // and the whole completion: output conversion plus answering). Called from the
+  // completion thread.
   using BatchObserver = std::function<void(int64_t rows, absl::Duration input, absl::Duration infer,
-                                           absl::Duration output)>;
+                                           absl::Duration output, absl::Duration respond)>;
 
   Batcher(BatcherOptions options, Executor executor, BatchObserver observer = nullptr);
   ~Batcher();  // Stop(), then joins.

@@ -133,8 +133,14 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = Credentials(o);
   if (!creds.ok()) return creds.status();
 
-  absl::StatusOr<std::unique_ptr<Metrics>> metrics =
-      Metrics::Start(o.metrics_address, o.model_name, model.num_workers, model.num_experts);
+  MetricsConfig metrics_config;
+  metrics_config.address = o.metrics_address;
+  metrics_config.model_name = o.model_name;
+  metrics_config.num_workers = model.num_workers;
+  metrics_config.num_experts = model.num_experts;
+  metrics_config.layers = model.layers;
+  metrics_config.queue_capacity_tokens = o.max_queue_tokens;
+  absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Start(metrics_config);
   if (!metrics.ok()) return metrics.status();
   metrics_ = *std::move(metrics);
 
@@ -145,11 +151,13 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   batcher.hidden_size = model.hidden_size;
   batcher.num_layers = static_cast<int>(model.layers.size());
   batcher.priority_levels = o.priority_levels;
-  batcher_ = std::make_unique<Batcher>(
-      batcher, std::move(executor),
-      [this](int64_t rows, absl::Duration in, absl::Duration infer, absl::Duration out) {
-        statistics_.ObserveBatch(rows, in, infer, out);
-      });
+  batcher_ = std::make_unique<Batcher>(batcher, std::move(executor),
+                                       [this](int64_t rows, absl::Duration in, absl::Duration infer,
+                                              absl::Duration out, absl::Duration respond) {
+                                         statistics_.ObserveBatch(rows, in, infer, out);
+                                         metrics_->ObserveRespond(respond);
+                                         metrics_->SetQueueTokens(batcher_->queued_tokens());
+                                       });
 
   ServiceOptions service;
   service.signature.name = o.model_name;
@@ -229,7 +237,7 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
     }
     return trace.status();
   }
-  metrics_->ObserveBatch(*trace, rows);
+  metrics_->ObserveBatch(*trace, rows, layer_pos);
   return absl::OkStatus();
 }
 

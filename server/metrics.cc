@@ -26,17 +26,6 @@ std::string CodeName(absl::StatusCode code) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& address,
-                                                        const std::string& model_name,
-                                                        int num_workers, int num_experts) {
-  MetricsConfig config;
-  config.address = address;
-  config.model_name = model_name;
-  config.num_workers = num_workers;
-  config.num_experts = num_experts;
-  return Start(config);
-}
-
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& config) {
   std::unique_ptr<Metrics> m(new Metrics());
   const std::string& model_name = config.model_name;
@@ -68,8 +57,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
            .Name("epserve_batch_tokens")
            .Help("Token rows per batch.")
            .Register(r)
-           .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256,
-                                                            512, 1024, 2048, 4096, 8192});
+           .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
+                                                            1024, 2048, 4096, 8192});
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("epserve_tokens_total")
                     .Help("Token rows answered successfully.")
@@ -161,8 +150,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
   try {  // configuration time: prometheus-cpp reports a failed bind by throwing
     m->exposer_ = std::make_unique<prometheus::Exposer>(config.address);
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on --metrics-address=",
-                                               config.address, ": ", e.what()));
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on --metrics-address=", config.address, ": ", e.what()));
   }
   m->exposer_->RegisterCollectable(m->registry_);
   const std::vector<int> ports = m->exposer_->GetListeningPorts();
@@ -176,6 +165,7 @@ Metrics::~Metrics() = default;
 
 void Metrics::ObserveRequest(absl::StatusCode code, absl::Duration latency,
                              absl::Duration queue_time, int64_t tokens) {
+  inflight_->Decrement();
   const int c = static_cast<int>(code);
   if (c < 0 || c >= kNumCodes) return;
   requests_[c]->Increment();
@@ -187,10 +177,11 @@ void Metrics::ObserveRequest(absl::StatusCode code, absl::Duration latency,
 }
 
 void Metrics::RequestStarted() { inflight_->Increment(); }
-void Metrics::RequestFinished() { inflight_->Decrement(); }
 
 void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int layer_pos) {
   batch_tokens_->Observe(static_cast<double>(rows));
+  exchange_bytes_[0]->Increment(static_cast<double>(trace.dispatch_bytes));
+  exchange_bytes_[1]->Increment(static_cast<double>(trace.combine_bytes));
   scatter_seconds_->Observe(trace.scatter_ns * 1e-9);
   gather_seconds_->Observe(trace.gather_ns * 1e-9);
   for (size_t w = 0; w < trace.stage_ns.size() && w < stage_seconds_.size(); ++w) {
@@ -223,11 +214,6 @@ void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int la
 
 void Metrics::ObserveRespond(absl::Duration duration) {
   respond_seconds_->Observe(absl::ToDoubleSeconds(duration));
-}
-
-void Metrics::AddExchangeBytes(int64_t dispatch_bytes, int64_t combine_bytes) {
-  exchange_bytes_[0]->Increment(static_cast<double>(dispatch_bytes));
-  exchange_bytes_[1]->Increment(static_cast<double>(combine_bytes));
 }
 
 void Metrics::SetQueueTokens(int64_t tokens) { queue_tokens_->Set(static_cast<double>(tokens)); }

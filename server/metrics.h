@@ -39,16 +39,12 @@ class Metrics {
  public:
   // Registers every series and binds the address. Configuration time.
   static absl::StatusOr<std::unique_ptr<Metrics>> Start(const MetricsConfig& config);
-  static absl::StatusOr<std::unique_ptr<Metrics>> Start(const std::string& address,
-                                                        const std::string& model_name,
-                                                        int num_workers, int num_experts);
   ~Metrics();
 
   std::string bound_address() const { return bound_address_; }
 
-  // A request arrived / got its answer (epserve_inflight_requests).
+  // A request arrived (epserve_inflight_requests); ObserveRequest ends it.
   void RequestStarted();
-  void RequestFinished();
   // One answered request: its code, time from arrival to answer, time queued, token rows.
   void ObserveRequest(absl::StatusCode code, absl::Duration latency, absl::Duration queue_time,
                       int64_t tokens);
@@ -56,8 +52,6 @@ class Metrics {
   void ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int layer_pos = 0);
   // Rank 0's time answering one batch's requests.
   void ObserveRespond(absl::Duration duration);
-  // Bytes moved between workers by one batch.
-  void AddExchangeBytes(int64_t dispatch_bytes, int64_t combine_bytes);
   void SetQueueTokens(int64_t tokens);
   void SetWorkersReady(int workers);
   void SetHeapBytes(int64_t bytes);

@@ -180,6 +180,7 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
                                       inference::ModelInferResponse* resp, absl::Time start,
                                       absl::Time deadline, std::function<bool()> cancelled,
                                       std::function<void(absl::Status)> done) {
+  if (metrics_ != nullptr) metrics_->RequestStarted();  // every path below observes it once
   absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, options_.signature);
   absl::Status status = parsed.status();
   if (status.ok() && !ready()) {

@@ -51,9 +51,8 @@ absl::Status Coordinator::WaitDone(absl::Time deadline) {
 
 absl::Status Coordinator::Fail(absl::string_view why) {
   healthy_ = false;
-  const std::string message =
-      absl::StrCat("the expert exchange failed in batch ", seq_, ": ", why,
-                   "; the service needs a restart");
+  const std::string message = absl::StrCat("the expert exchange failed in batch ", seq_, ": ", why,
+                                           "; the service needs a restart");
   std::fprintf(stderr, "[epserve rank 0] %s\n", message.c_str());
   return absl::UnavailableError(message);
 }
@@ -122,6 +121,9 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
     return Fail(why);
   }
   trace.stage_ns.resize(num_workers);
+  const ExchangeConfig exchange = shape.exchange();
+  const size_t dispatch_row_bytes = exchange.dispatch_row_bytes();
+  const size_t combine_row_bytes = exchange.combine_row_bytes();
   std::string timeouts;
   absl::Status first_error;
   for (int i = 0; i < num_workers; ++i) {
@@ -136,6 +138,8 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
       continue;
     }
     std::copy(std::begin(report.stage_ns), std::end(report.stage_ns), trace.stage_ns[i].begin());
+    trace.dispatch_bytes += report.rows_received * static_cast<int64_t>(dispatch_row_bytes);
+    trace.combine_bytes += report.rows_received * static_cast<int64_t>(combine_row_bytes);
   }
   if (!timeouts.empty()) return Fail(timeouts);
   if (!first_error.ok()) return first_error;

@@ -24,6 +24,8 @@ struct BatchTrace {
   // stage_ns[w][stage] as worker w measured it.
   std::vector<std::array<int64_t, kNumWorkerStages>> stage_ns;
   std::vector<int64_t> expert_tokens;  // pairs routed to each expert
+  int64_t dispatch_bytes = 0;          // token rows stored into receivers, all workers
+  int64_t combine_bytes = 0;           // expert output rows returned to owners, all workers
 };
 
 // A contiguous run of a batch's rows: `rows` rows read from `input` and answered into

@@ -95,6 +95,8 @@ TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
   for (int i = 0; i < kGood + kBad; ++i) {
     inference::ModelInferRequest req = Request(kTokens, rng);
     if (i >= kGood) req.mutable_inputs(0)->set_datatype("INT8");
+    // A quarter of the good requests go to the tiny model's second MoE layer.
+    if (i < kGood / 4) (*req.mutable_parameters())["layer"].set_int64_param(1);
     inference::ModelInferResponse resp;
     grpc::ClientContext ctx;
     grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
@@ -110,10 +112,20 @@ TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
   EXPECT_EQ(Sum(m, "epserve_tokens_total"), kGood * kTokens);
   EXPECT_EQ(Sum(m, "epserve_batch_tokens_sum"), kGood * kTokens);
   EXPECT_EQ(Sum(m, "epserve_expert_tokens_total"), kGood * kTokens * kTopK);
-  EXPECT_EQ(Sum(m, "epserve_expert_tokens_total", {"layer=\"0\""}), kGood * kTokens * kTopK);
+  EXPECT_EQ(Sum(m, "epserve_expert_tokens_total", {"layer=\"1\""}), kGood / 4 * kTokens * kTopK);
+  EXPECT_EQ(Sum(m, "epserve_expert_tokens_total", {"layer=\"0\""}),
+            (kGood - kGood / 4) * kTokens * kTopK);
+  // Every request has been answered: nothing in flight, nothing queued.
+  EXPECT_EQ(Sum(m, "epserve_inflight_requests"), 0);
+  EXPECT_EQ(Sum(m, "epserve_queue_tokens"), 0);
+  // FP32 rows both ways: a token reaches at least one and at most k workers.
+  const double dispatch = Sum(m, "epserve_exchange_bytes_total", {"direction=\"dispatch\""});
+  EXPECT_EQ(Sum(m, "epserve_exchange_bytes_total", {"direction=\"combine\""}), dispatch);
+  EXPECT_GE(dispatch, kGood * kTokens * 64 * 4);
+  EXPECT_LE(dispatch, kGood * kTokens * 64 * 4 * kTopK);
   const double batches = Sum(m, "epserve_batch_tokens_count");
   EXPECT_GE(batches, 1);
-  for (const char* stage : {"scatter", "gather"}) {
+  for (const char* stage : {"scatter", "gather", "respond"}) {
     EXPECT_EQ(Sum(m, "epserve_stage_duration_seconds_count",
                   {"stage=\"" + std::string(stage) + "\"", "rank=\"0\""}),
               batches)
@@ -121,10 +133,10 @@ TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
   }
   for (int rank = 1; rank < kRanks; ++rank) {
     for (const char* stage : {"route", "layout", "dispatch", "expert_ffn", "combine"}) {
-      EXPECT_EQ(Sum(m, "epserve_stage_duration_seconds_count",
-                    {"stage=\"" + std::string(stage) + "\"",
-                     "rank=\"" + std::to_string(rank) + "\""}),
-                batches)
+      EXPECT_EQ(
+          Sum(m, "epserve_stage_duration_seconds_count",
+              {"stage=\"" + std::string(stage) + "\"", "rank=\"" + std::to_string(rank) + "\""}),
+          batches)
           << stage << " rank " << rank;
     }
   }

@@ -346,7 +346,7 @@ TEST(Batcher, ReportsEveryBatchToTheObserver) {
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
     Batcher b(Options(8), rec.Executor(),
-              [&](int64_t rows, absl::Duration, absl::Duration, absl::Duration) {
+              [&](int64_t rows, absl::Duration, absl::Duration, absl::Duration, absl::Duration) {
                 std::lock_guard<std::mutex> lock(mu);
                 observed_rows += rows;
               });
