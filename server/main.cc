@@ -8,11 +8,15 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/flags.h"
+#include "absl/strings/numbers.h"
+#include "model/layers.h"
+#include "model/memory.h"
 #include "model/synthetic.h"
 #include "server/front_end.h"
 #include "shmem/heap.h"
@@ -31,6 +35,8 @@ struct Flags {
   std::string device = "cpu";
   epserve::server::FrontEndOptions fe;
   absl::Duration startup_timeout = absl::Minutes(10);
+  std::string layers = "all";
+  std::string memory_limit;
   epserve::worker::ExchangeFlags exchange;
 };
 
@@ -44,11 +50,97 @@ int Fail(int rank, const absl::Status& s) {
   return 1;
 }
 
+// This process's resident set size (VmRSS), or -1 where /proc does not tell.
+int64_t ResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return -1;
+}
+
+// "64G", "512M", "1048576": bytes, with binary K/M/G/T suffixes; "" or "0": this machine's.
+absl::StatusOr<int64_t> ParseMemoryLimit(const std::string& text) {
+  if (text.empty() || text == "0") {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    int64_t kib = 0;
+    while (meminfo >> key >> kib) {
+      if (key == "MemTotal:") return kib * 1024;
+      meminfo.ignore(1 << 10, '\n');
+    }
+    return absl::FailedPreconditionError("cannot read MemTotal from /proc/meminfo; set --memory-limit");
+  }
+  int64_t scale = 1;
+  std::string digits = text;
+  switch (text.back()) {
+    case 'K': case 'k': scale = int64_t{1} << 10; break;
+    case 'M': case 'm': scale = int64_t{1} << 20; break;
+    case 'G': case 'g': scale = int64_t{1} << 30; break;
+    case 'T': case 't': scale = int64_t{1} << 40; break;
+    default: break;
+  }
+  if (scale != 1) digits.pop_back();
+  double value = 0;
+  if (!absl::SimpleAtod(digits, &value) || value <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory-limit must be bytes with an optional K/M/G/T suffix, got '", text, "'"));
+  }
+  return static_cast<int64_t>(value * static_cast<double>(scale));
+}
+
+// Refuses, before anything is loaded, a cluster whose ranks on this host would need more
+// than --memory-limit: each worker's weights (model::EstimateRankBytes) plus every local
+// rank's heap segment. All ranks reach the same verdict (allreduce), so all leave together.
+absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_workers,
+                         size_t heap_bytes, int64_t limit) {
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int node_size = 0, world_rank = 0;
+  MPI_Comm_size(node, &node_size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  std::vector<int> local(node_size);
+  MPI_Allgather(&world_rank, 1, MPI_INT, local.data(), 1, MPI_INT, node);
+  MPI_Comm_free(&node);
+  int64_t need = static_cast<int64_t>(heap_bytes) * node_size;
+  std::string parts;
+  absl::Status status;
+  for (int r : local) {
+    if (r == 0) continue;  // the front-end holds no expert weights
+    absl::StatusOr<epserve::model::RankMemory> m =
+        epserve::model::EstimateRankBytes(config, num_workers, r - 1);
+    if (!m.ok()) {
+      status = m.status();
+      break;
+    }
+    need += m->fp32_bytes();
+    absl::StrAppend(&parts, parts.empty() ? "" : ", ", "rank ", r, " ",
+                    epserve::model::FormatBytes(m->fp32_bytes()));
+  }
+  if (status.ok() && need > limit) {
+    status = absl::ResourceExhaustedError(absl::StrCat(
+        "the ranks on this host need ", epserve::model::FormatBytes(need), " (FP32 weights: ", parts,
+        "; heap ", epserve::model::FormatBytes(static_cast<int64_t>(heap_bytes)), " per rank x ",
+        node_size, ") but --memory-limit is ", epserve::model::FormatBytes(limit),
+        ": use more workers or hosts, fewer --layers, or a larger limit"));
+  }
+  int bad = status.ok() ? 0 : 1, any_bad = 0;
+  MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (status.ok() && any_bad) {
+    return absl::ResourceExhaustedError("another host's ranks would exceed --memory-limit");
+  }
+  return status;
+}
+
 int Run(int rank, int num_ranks, const Flags& flags) {
   using namespace epserve;
   absl::StatusOr<std::unique_ptr<model::WeightSource>> source =
       model::OpenModel(flags.model, static_cast<uint64_t>(flags.seed));
   if (!source.ok()) return Fail(rank, source.status());
+  if (flags.layers != "all") {
+    source = model::ServeLayers(*std::move(source), flags.layers);
+    if (!source.ok()) return Fail(rank, source.status());
+  }
   const model::ModelConfig& config = (*source)->config();
   const int num_workers = num_ranks - 1;
   if (num_workers < 1) {
@@ -74,6 +166,11 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   absl::StatusOr<shmem::HeapBackend> backend = shmem::ParseHeapBackend(flags.exchange.heap);
   if (!backend.ok()) return Fail(rank, backend.status());
   const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(shape);
+  absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
+  if (!memory_limit.ok()) return Fail(rank, memory_limit.status());
+  if (absl::Status s = CheckMemory(config, num_workers, heap_bytes, *memory_limit); !s.ok()) {
+    return Fail(rank, s);
+  }
 
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
       shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, *backend);
@@ -88,7 +185,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     Log(rank, absl::StrCat("model ", config.source, ": H=", config.layer.hidden_size,
                            " F=", config.layer.expert_ffn_size, " E=", config.layer.num_experts,
                            " k=", config.layer.top_k, " shared F=", config.layer.shared_ffn_size,
-                           ", ", config.moe_layers.size(), " layer(s), ", num_workers,
+                           ", ", config.architecture, " MoE layers ",
+                           model::FormatLayers(config.moe_layers), ", ", num_workers,
                            " worker(s); heap ", (*heap)->bytes_per_rank(), " bytes per rank"));
   }
 
@@ -129,7 +227,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     Log(rank, absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
-                           (*w)->weight_bytes(), " weight bytes"));
+                           (*w)->weight_bytes(), " weight bytes, resident ", ResidentBytes(),
+                           " bytes"));
     absl::Status s = (*w)->Serve(g_stop);
     if (!s.ok()) {
       Log(rank, s.ToString());
@@ -156,8 +255,15 @@ int main(int argc, char** argv) {
       "Serves MoE layers over gRPC (KServe v2). Launch as one MPI job:\n"
       "  mpirun -np 1+W epserve [flags]   (rank 0 front-end, W expert workers)");
   fs.Add("model", &flags.model,
-         "The model: synthetic:<preset> (tiny, qwen1.5-moe-a2.7b, mixtral-8x7b, ...)");
+         "The model: a Hugging Face checkpoint folder (config.json + *.safetensors of Mixtral, "
+         "Qwen2/Qwen3-MoE, DeepSeek-V2/V3 or OLMoE) or synthetic:<preset> (tiny, "
+         "qwen1.5-moe-a2.7b, mixtral-8x7b, ...)");
   fs.Add("seed", &flags.seed, "Seed of synthetic weights");
+  fs.Add("layers", &flags.layers,
+         "MoE layers to serve, by the model's layer index: all, 3, 1,5, 2-7 or a mix");
+  fs.Add("memory-limit", &flags.memory_limit,
+         "Memory the ranks on one host may use (bytes, K/M/G/T suffixes); empty: the "
+         "machine's. A configuration needing more is refused before loading");
   fs.Add("model-name", &flags.fe.model_name, "Name clients use for the model");
   fs.Add("grpc-address", &flags.fe.grpc_address,
          "gRPC listen address host:port (port 0 picks a free port)");
