@@ -256,7 +256,9 @@ void Batcher::ExecuteLoop() {
       float* out = t.output_type == ElementType::kFp32
                        ? reinterpret_cast<float*>(t.output + p.row * h * sizeof(float))
                        : b->output_staging.data() + p.at * h;
-      b->chunks.push_back({in, out, p.rows});
+      const int64_t k = options_.top_k;
+      b->chunks.push_back({in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
+                           t.topk_weights ? t.topk_weights + p.row * k : nullptr});
     }
     b->status = absl::OkStatus();
     b->infer_time = absl::ZeroDuration();

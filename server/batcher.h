@@ -49,6 +49,11 @@ struct InferTask {
   ElementType input_type = ElementType::kFp32;
   char* output = nullptr;  // num_tokens * H elements of output_type
   ElementType output_type = ElementType::kFp32;
+  // Optional routing outputs, num_tokens * k each, owned like `output`.
+  int32_t* topk_ids = nullptr;
+  float* topk_weights = nullptr;
+  // Holds the layer's output when the request does not ask for it (only for the routing).
+  std::string unrequested_output;
   absl::Time enqueued;
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty; called from the batcher's threads
@@ -73,6 +78,7 @@ struct BatcherOptions {
   int64_t hidden_size = 0;
   int num_layers = 1;
   uint32_t priority_levels = 1;
+  int top_k = 1;  // routed experts per token: the width of topk_ids and topk_weights
 };
 
 // Thread-safe: Enqueue and Stop from any thread.

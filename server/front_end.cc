@@ -107,6 +107,7 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(const FrontEndOptions&
   served.layers = model.moe_layers;
   served.num_workers = shape.num_workers;
   served.num_experts = shape.num_experts;
+  served.top_k = shape.top_k;
   FrontEnd* self = fe.get();
   absl::Status s = fe->Init(served, [self](int layer_pos, std::span<const worker::RowChunk> c) {
     return self->RunBatch(layer_pos, c);
@@ -151,6 +152,7 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   batcher.hidden_size = model.hidden_size;
   batcher.num_layers = static_cast<int>(model.layers.size());
   batcher.priority_levels = o.priority_levels;
+  batcher.top_k = model.top_k;
   batcher_ = std::make_unique<Batcher>(batcher, std::move(executor),
                                        [this](int64_t rows, absl::Duration in, absl::Duration infer,
                                               absl::Duration out, absl::Duration respond) {
@@ -167,6 +169,7 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   service.signature.priority_levels = o.priority_levels;
   service.signature.default_priority = o.default_priority;
   service.num_workers = model.num_workers;
+  service.top_k = model.top_k;
   service.device = o.device;
   service.max_batch_tokens = o.max_batch_tokens;
   service.max_queue_delay = o.max_queue_delay;

@@ -62,6 +62,7 @@ struct ServedModel {
   std::vector<int> layers;  // served MoE layer indices
   int num_workers = 1;
   int num_experts = 1;
+  int top_k = 1;
 };
 
 // Not thread-safe: one thread starts and shuts it down.

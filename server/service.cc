@@ -55,6 +55,14 @@ void InferenceService::BuildModelConfig() {
   out->set_data_type(inference::TYPE_FP32);
   out->add_dims(-1);
   out->add_dims(sig.hidden_size);
+  for (const auto& [name, type] :
+       {std::pair{kTopkIdsName, inference::TYPE_INT32}, {kTopkWeightsName, inference::TYPE_FP32}}) {
+    inference::ModelOutput* routing = c.add_output();
+    routing->set_name(name);
+    routing->set_data_type(type);
+    routing->add_dims(-1);
+    routing->add_dims(options_.top_k);
+  }
   inference::ModelInstanceGroup* group = c.add_instance_group();
   group->set_name("expert_workers");
   group->set_count(options_.num_workers);
@@ -150,6 +158,14 @@ grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
   }
   resp->mutable_inputs(0)->set_name(kInputName);
   resp->mutable_outputs(0)->set_name(kOutputName);
+  for (const auto& [name, datatype] :
+       {std::pair{kTopkIdsName, "INT32"}, {kTopkWeightsName, "FP32"}}) {
+    auto* t = resp->add_outputs();
+    t->set_name(name);
+    t->set_datatype(datatype);
+    t->add_shape(-1);
+    t->add_shape(options_.top_k);
+  }
   return Reply(ctx, absl::OkStatus());
 }
 
@@ -197,15 +213,37 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   resp->set_model_name(options_.signature.name);
   resp->set_model_version("1");
   resp->set_id(req.id());
-  auto* out = resp->add_outputs();
-  out->set_name(kOutputName);
-  out->set_datatype(ElementTypeName(parsed->output_type));
-  out->add_shape(parsed->num_tokens);
-  out->add_shape(h);
-  std::string* raw = resp->add_raw_output_contents();
-  raw->resize(static_cast<size_t>(parsed->num_tokens * h) * ElementBytes(parsed->output_type));
-
   auto task = std::make_shared<InferTask>();
+  // Adds output `name` of `datatype`, shape [T, width], and returns its bytes, sized.
+  auto add_output = [&](const char* name, absl::string_view datatype, int64_t width,
+                        size_t element_bytes) {
+    auto* out = resp->add_outputs();
+    out->set_name(name);
+    out->set_datatype(std::string(datatype));
+    out->add_shape(parsed->num_tokens);
+    out->add_shape(width);
+    std::string* raw = resp->add_raw_output_contents();
+    raw->resize(static_cast<size_t>(parsed->num_tokens * width) * element_bytes);
+    return raw;
+  };
+  const size_t output_bytes =
+      static_cast<size_t>(parsed->num_tokens * h) * ElementBytes(parsed->output_type);
+  std::string* raw = &task->unrequested_output;
+  if (parsed->want_output) {
+    raw = add_output(kOutputName, ElementTypeName(parsed->output_type), h,
+                     ElementBytes(parsed->output_type));
+  } else {
+    raw->resize(output_bytes);
+  }
+  const int64_t k = options_.top_k;
+  if (parsed->want_topk_ids) {
+    task->topk_ids = reinterpret_cast<int32_t*>(add_output(kTopkIdsName, "INT32", k, 4)->data());
+  }
+  if (parsed->want_topk_weights) {
+    task->topk_weights =
+        reinterpret_cast<float*>(add_output(kTopkWeightsName, "FP32", k, 4)->data());
+  }
+
   task->layer_pos = parsed->layer_pos;
   task->num_tokens = parsed->num_tokens;
   task->priority = parsed->priority;

@@ -138,13 +138,26 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     return Invalid("input '", kInputName,
                    "' has no data: set raw_input_contents or contents.fp32_contents");
   }
+  // Without requested outputs the answer is moe_output; with them, exactly those (Triton's
+  // rule).
+  if (req.outputs_size() > 0) out.want_output = false;
   for (const auto& output : req.outputs()) {
-    if (output.name() == kTopkIdsName || output.name() == kTopkWeightsName) {
-      return Invalid("output '", output.name(), "' is not supported yet");
+    const bool ids = output.name() == kTopkIdsName;
+    if (ids || output.name() == kTopkWeightsName) {
+      bool& want = ids ? out.want_topk_ids : out.want_topk_weights;
+      if (want) return Invalid("output '", output.name(), "' requested twice");
+      want = true;
+      if (output.parameters_size() > 0) {
+        return Invalid("output '", output.name(), "' takes no parameters");
+      }
+      continue;
     }
     if (output.name() != kOutputName) {
-      return Invalid("unknown requested output '", output.name(), "'; outputs: ", kOutputName);
+      return Invalid("unknown requested output '", output.name(), "'; outputs: ", kOutputName, ", ",
+                     kTopkIdsName, ", ", kTopkWeightsName);
     }
+    if (out.want_output) return Invalid("output '", kOutputName, "' requested twice");
+    out.want_output = true;
     for (const auto& [name, value] : output.parameters()) {
       if (name == kDatatypeParameter) {
         std::optional<ElementType> want =

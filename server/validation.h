@@ -46,6 +46,11 @@ struct ParsedInfer {
   ElementType output_type = ElementType::kFp32;       // the input's unless the request asks
   uint32_t priority = 1;                              // 1 is served first
   absl::Duration timeout = absl::InfiniteDuration();  // request parameter `timeout`
+  // Outputs to answer: moe_output unless the request names others; topk_ids (INT32 [T, k])
+  // and topk_weights (FP32 [T, k]) when named.
+  bool want_output = true;
+  bool want_topk_ids = false;
+  bool want_topk_weights = false;
 };
 
 // Checks, in order: model name and version (NOT_FOUND), the `layer`, `priority` and

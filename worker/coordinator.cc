@@ -149,9 +149,16 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   // Gather.
   t0 = absl::Now();
   const float* out = heap_.LocalAs<float>(layout_.output);
+  const int32_t* ids = heap_.LocalAs<int32_t>(layout_.topk_ids);
+  const float* weights = heap_.LocalAs<float>(layout_.topk_weights);
   for (const RowChunk& c : chunks) {
     std::memcpy(c.output, out, c.rows * row_bytes);
     out += c.rows * shape.hidden;
+    const size_t k = static_cast<size_t>(shape.top_k);
+    if (c.topk_ids != nullptr) std::memcpy(c.topk_ids, ids, c.rows * k * sizeof(int32_t));
+    if (c.topk_weights != nullptr) std::memcpy(c.topk_weights, weights, c.rows * k * sizeof(float));
+    ids += c.rows * k;
+    weights += c.rows * k;
   }
   trace.gather_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
   return trace;

@@ -34,6 +34,9 @@ struct RowChunk {
   const float* input;
   float* output;
   int64_t rows;
+  // Optional: where the routing of these rows goes, [rows, k] each (owned by the caller).
+  int32_t* topk_ids = nullptr;
+  float* topk_weights = nullptr;
 };
 
 // Not thread-safe: one thread runs batches, one at a time.

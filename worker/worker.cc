@@ -107,9 +107,8 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   shmem::WaitOptions idle;
   idle.max_sleep = absl::Microseconds(200);
   while (true) {
-    absl::Status wait = heap_.WaitSignal(layout_.batch_seq, seq + 1,
-                                         absl::Now() + absl::Milliseconds(250), "next batch", -1,
-                                         idle);
+    absl::Status wait = heap_.WaitSignal(
+        layout_.batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250), "next batch", -1, idle);
     if (absl::IsDeadlineExceeded(wait)) {
       if (stop.load()) {
         if (stop_seen == absl::InfiniteFuture()) stop_seen = absl::Now();
@@ -136,9 +135,9 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
         }
       }
     }
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(
-        0, layout_.reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
-        sizeof(report)));
+    EPSERVE_RETURN_IF_ERROR(
+        heap_.Put(0, layout_.reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
+                  sizeof(report)));
     EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, ExchangeLayout::Signal(layout_.done_seq, me_), seq));
     if (desc.op == BatchOp::kStop) return absl::OkStatus();
   }
@@ -165,6 +164,13 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
     EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, n, ids_, weights_));
     EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
     EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
+    // The routing goes back to rank 0 too (outputs topk_ids, topk_weights); the done signal
+    // completes these Puts.
+    const size_t routing_bytes = static_cast<size_t>(n * k) * sizeof(int32_t);
+    const size_t at = static_cast<size_t>(desc.row_start * k) * sizeof(int32_t);
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(0, layout_.topk_ids + at, ids_host_.data(), routing_bytes));
+    EPSERVE_RETURN_IF_ERROR(
+        heap_.Put(0, layout_.topk_weights + at, weights_host_.data(), routing_bytes));
   }
   report.stage_ns[kRoute] = NanosSince(t0);
 
@@ -198,8 +204,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
     EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_weight_, 0, in.weight, in.rows * k * sizeof(float)));
     EPSERVE_RETURN_IF_ERROR(
         kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, in.expert_offsets, h_, y_));
-    EPSERVE_RETURN_IF_ERROR(
-        kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows, k, hidden, out_recv_));
+    EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows,
+                                                     k, hidden, out_recv_));
     return rt_->Read(out_recv_, 0, out, in.rows * row_bytes);
   };
   ExchangeStats stats;

@@ -144,7 +144,7 @@ TEST_F(Protocol, HealthAndMetadata) {
   EXPECT_EQ(model_meta.inputs(0).datatype(), "FP32");
   EXPECT_EQ(model_meta.inputs(0).shape(0), -1);
   EXPECT_EQ(model_meta.inputs(0).shape(1), kHidden);
-  ASSERT_EQ(model_meta.outputs_size(), 1);
+  ASSERT_EQ(model_meta.outputs_size(), 3);  // moe_output, topk_ids, topk_weights
   EXPECT_EQ(model_meta.outputs(0).name(), "moe_output");
   grpc::ClientContext c6;
   mm.set_name("other");

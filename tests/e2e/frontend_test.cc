@@ -166,15 +166,55 @@ TEST_F(FrontEnd, Bf16AndFp16InAndOut) {
   }
 }
 
-TEST_F(FrontEnd, TopkOutputsAreRefusedUntilTheWorkersReturnRouting) {
-  inference::ModelInferRequest req = Request(RandomRows(2, rng_), 2);
-  req.add_outputs()->set_name("topk_ids");
-  inference::ModelInferResponse resp;
-  grpc::ClientContext ctx;
-  SetDeadline(ctx);
-  grpc::Status s = stub_->ModelInfer(&ctx, req, &resp);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(s.error_message(), "output 'topk_ids' is not supported yet");
+TEST_F(FrontEnd, TopkOutputsCarryTheRoutingOfEachToken) {
+  // More tokens than a batch, so the routing of a split request is reassembled too.
+  const int64_t tokens = 45, k = 2;  // synthetic:tiny routes each token to 2 of 8 experts
+  std::vector<float> x = RandomRows(tokens, rng_);
+  model::Routing want = ref_.Route(x, tokens);
+  for (bool with_output : {false, true}) {
+    inference::ModelInferRequest req = Request(x, tokens);
+    req.add_outputs()->set_name("topk_weights");
+    req.add_outputs()->set_name("topk_ids");
+    if (with_output) req.add_outputs()->set_name("moe_output");
+    inference::ModelInferResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(ctx);
+    grpc::Status s = stub_->ModelInfer(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.outputs_size(), with_output ? 3 : 2);
+    std::map<std::string, int> at;
+    for (int i = 0; i < resp.outputs_size(); ++i) at[resp.outputs(i).name()] = i;
+    ASSERT_TRUE(at.count("topk_ids") && at.count("topk_weights"));
+    const auto& ids_meta = resp.outputs(at["topk_ids"]);
+    EXPECT_EQ(ids_meta.datatype(), "INT32");
+    ASSERT_EQ(ids_meta.shape_size(), 2);
+    EXPECT_EQ(ids_meta.shape(0), tokens);
+    EXPECT_EQ(ids_meta.shape(1), k);
+    EXPECT_EQ(resp.outputs(at["topk_weights"]).datatype(), "FP32");
+    const std::string& ids_raw = resp.raw_output_contents(at["topk_ids"]);
+    const std::string& w_raw = resp.raw_output_contents(at["topk_weights"]);
+    ASSERT_EQ(ids_raw.size(), static_cast<size_t>(tokens * k * 4));
+    ASSERT_EQ(w_raw.size(), static_cast<size_t>(tokens * k * 4));
+    std::vector<int32_t> ids(tokens * k);
+    std::vector<float> weights(tokens * k);
+    std::memcpy(ids.data(), ids_raw.data(), ids_raw.size());
+    std::memcpy(weights.data(), w_raw.data(), w_raw.size());
+    int compared = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (want.margins[t] < 1e-5) continue;  // a near-tie may go either way
+      ++compared;
+      for (int64_t j = 0; j < k; ++j) {
+        EXPECT_EQ(ids[t * k + j], want.ids[t * k + j]) << "token " << t;
+        EXPECT_NEAR(weights[t * k + j], want.weights[t * k + j], 1e-5) << "token " << t;
+      }
+    }
+    EXPECT_GT(compared, tokens / 2);
+    if (with_output) {
+      std::vector<float> out(x.size());
+      std::memcpy(out.data(), resp.raw_output_contents(at["moe_output"]).data(), out.size() * 4);
+      EXPECT_LE(ref_.RelError(x, out.data(), tokens), 1e-4);
+    }
+  }
 }
 
 TEST_F(FrontEnd, ConfigMetadataStatisticsAndUnimplemented) {
@@ -193,8 +233,12 @@ TEST_F(FrontEnd, ConfigMetadataStatisticsAndUnimplemented) {
     ASSERT_EQ(c.input(0).dims_size(), 2);
     EXPECT_EQ(c.input(0).dims(0), -1);
     EXPECT_EQ(c.input(0).dims(1), kHidden);
-    ASSERT_EQ(c.output_size(), 1);
+    ASSERT_EQ(c.output_size(), 3);
     EXPECT_EQ(c.output(0).name(), "moe_output");
+    EXPECT_EQ(c.output(1).name(), "topk_ids");
+    EXPECT_EQ(c.output(1).data_type(), inference::TYPE_INT32);
+    EXPECT_EQ(c.output(1).dims(1), 2);  // tiny's top-k
+    EXPECT_EQ(c.output(2).name(), "topk_weights");
     ASSERT_TRUE(c.has_dynamic_batching());
     EXPECT_EQ(c.dynamic_batching().max_queue_delay_microseconds(), 0u);
     EXPECT_EQ(c.dynamic_batching().priority_levels(), 3u);

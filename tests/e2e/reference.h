@@ -64,6 +64,10 @@ class Reference {
     }
     return err / scale;
   }
+  // The reference routing of x [tokens, H] through served layer `layer_pos`.
+  model::Routing Route(const std::vector<float>& x, int64_t tokens, int layer_pos = 0) {
+    return model::ReferenceRoute(source_->config().layer, layers_[layer_pos], x.data(), tokens);
+  }
 
  private:
   std::unique_ptr<model::WeightSource> source_;

@@ -89,16 +89,26 @@ TEST(ParseInfer, Bf16AndFp16InputsAndTheOutputDatatype) {
             absl::string_view::npos);
 }
 
-TEST(ParseInfer, TopkOutputsAreRefusedAsNotSupportedYet) {
-  for (const char* name : {"topk_ids", "topk_weights"}) {
-    inference::ModelInferRequest r = Good(1);
-    r.add_outputs()->set_name(name);
-    absl::Status s = ParseInfer(r, Sig()).status();
-    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(s.message().find(std::string("output '") + name + "' is not supported yet"),
-              absl::string_view::npos)
-        << s;
-  }
+TEST(ParseInfer, RequestedOutputsPickWhatIsAnswered) {
+  absl::StatusOr<ParsedInfer> p = ParseInfer(Good(1), Sig());
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(p->want_output);
+  EXPECT_FALSE(p->want_topk_ids);
+  inference::ModelInferRequest r = Good(1);
+  r.add_outputs()->set_name("topk_ids");
+  p = ParseInfer(r, Sig());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->want_output);  // named outputs only, as Triton answers
+  EXPECT_TRUE(p->want_topk_ids);
+  EXPECT_FALSE(p->want_topk_weights);
+  r.add_outputs()->set_name("topk_weights");
+  r.add_outputs()->set_name("moe_output");
+  p = ParseInfer(r, Sig());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->want_output && p->want_topk_ids && p->want_topk_weights);
+  r.add_outputs()->set_name("topk_ids");
+  EXPECT_NE(ParseInfer(r, Sig()).status().message().find("'topk_ids' requested twice"),
+            absl::string_view::npos);
 }
 
 TEST(ParseInfer, PriorityAndTimeoutParameters) {
