@@ -255,8 +255,9 @@ int Run(int argc, char** argv) {
     const double gf_epserve = flops / t_epserve / 1e9;
     const double gf_blas = flops / t_blas / 1e9;
     if (m <= 8) {
-      // memcpy measured right after, so that it sees the same machine conditions.
-      const double memcpy_best = std::max(MemcpyBytesPerSecond(1), MemcpyBytesPerSecond(2));
+      // memcpy measured right after, so that it sees the same machine conditions; counted
+      // as bytes read plus bytes written per second (twice the bytes copied).
+      const double memcpy_best = 2.0 * std::max(MemcpyBytesPerSecond(1), MemcpyBytesPerSecond(2));
       const double bw = weight_bytes / t_epserve;
       std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %.2f | %.1f | %.1f | %.2f | %.1e |\n",
                   static_cast<long long>(m), t_epserve * 1e3, gf_epserve, t_blas * 1e3, gf_blas,
@@ -272,7 +273,8 @@ int Run(int argc, char** argv) {
   std::printf(
       "\nGFLOP/s count 6*H*F flops per routed row (gate, up, down). Weight GB/s: the %d "
       "experts' weights (%.0f MiB) read once per FFN call / its median time; memcpy "
-      "GB/s: the better of 1 and 2 threads, bytes copied per second.\n",
+      "GB/s: the better of 1 and 2 threads, bytes read + bytes written per second (2x the bytes "
+      "copied).\n",
       num_experts, weight_bytes / (1 << 20));
   if (getloadavg(load, 3) == 3) {
     std::printf("load average after the run: %.2f %.2f %.2f\n", load[0], load[1], load[2]);

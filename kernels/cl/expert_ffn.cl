@@ -21,6 +21,9 @@
 #error "FFN_ROWS must be 8 or 12"
 #endif
 #define NV FFN_PANEL_VECS
+#ifndef FFN_PREFETCH_VECS
+#define FFN_PREFETCH_VECS 128
+#endif
 
 // The register block is spelled out row by row (REPn) so that its accumulators are plain
 // variables the compiler keeps in vector registers.
@@ -83,6 +86,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
                              int ffn, int f0, __global float* restrict h) {              \
     REP##R(ACC_DECL_GATHER)                                                              \
     for (int k = 0; k < hidden; ++k) {                                                   \
+      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS);                                 \
+      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS + 1);                             \
       const float16 b0 = b[2 * k];                                                       \
       const float16 b1 = b[2 * k + 1];                                                   \
       REP##R(ACC_FMA)                                                                    \
@@ -99,6 +104,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
                            int c0, __global float* restrict y) {                         \
     REP##R(ACC_DECL_DIRECT)                                                              \
     for (int k = 0; k < ffn; ++k) {                                                      \
+      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS);                                 \
+      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS + 1);                             \
       const float16 b0 = b[2 * k];                                                       \
       const float16 b1 = b[2 * k + 1];                                                   \
       REP##R(ACC_FMA)                                                                    \

@@ -23,6 +23,10 @@ inline constexpr int kFfnPanelVecs = 2;
 inline constexpr int64_t kFfnPanelCols = 16 * kFfnPanelVecs;
 // Rows of x a work-item multiplies against one panel at a time (register block).
 inline constexpr int kFfnRows = 12;
+// How far ahead of its loads the FFN kernels prefetch a panel, in float16 vectors (128 =
+// 8 KiB = 64 k-steps). With few rows the kernels are bound by weight streaming, and the
+// hardware prefetcher alone left a core with too few misses in flight.
+inline constexpr int kFfnPrefetchVecs = 128;
 // Rows of one expert one work-item covers (a multiple of kFfnRows): its rows of x stay in
 // cache while it walks a panel, and panels are re-read once per chunk.
 inline constexpr int64_t kFfnRowChunk = 192;
@@ -44,6 +48,7 @@ inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
 // Options every program is built with.
 inline std::string ProgramBuildOptions() {
   return absl::StrCat("-cl-std=CL1.2 -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
+                      " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
                       " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts);
 }
 
