@@ -95,7 +95,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   if (!header->is_object()) return Bad(path, "bad header: not a JSON object");
 
   std::vector<const TensorEntry*> by_offset;
-  for (const auto& [name, value] : header->members()) {
+  for (const auto& member : header->members()) {
+    // Named copies: lambdas below capture them (clang 14 cannot capture a structured binding).
+    const auto& name = member.first;
+    const auto& value = member.second;
     if (name == "__metadata__") {
       if (!value.is_object()) return Bad(path, "bad header: __metadata__ is not an object");
       continue;
