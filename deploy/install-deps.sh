@@ -11,7 +11,9 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libopenblas-dev
   prometheus python3
+  clang libclang-rt-14-dev
   python3-grpcio python3-numpy python3-protobuf python3-venv openssl
+  python3-yaml iproute2
 )
 
 missing=()

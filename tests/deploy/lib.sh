@@ -1,0 +1,60 @@
+# Helpers of the deploy/ tests (sourced). Needs EPSERVE_BINARY and EPSERVE_VERIFY from ctest.
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "$root/deploy/env.sh"
+dir="$(mktemp -d /tmp/epserve-deploy.XXXXXX)"
+pids=()
+
+fail() {
+  echo "FAIL: $*" >&2
+  for f in "$dir"/*.log; do [ -e "$f" ] && { echo "== $f" >&2; tail -n 40 "$f" >&2; }; done
+  exit 1
+}
+
+# A TCP port nobody listens on now (the supervisor needs a fixed one: clients reconnect to
+# the same address after a restart).
+free_port() {
+  /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Processes below $1 (children, grandchildren, ...).
+descendants() {
+  local p
+  for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done
+}
+
+# The pid of MPI rank $2 among the descendants of $1.
+rank_pid() {
+  local p
+  for p in $(descendants "$1"); do
+    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2"; then
+      case "$(readlink "/proc/$p/exe" 2>/dev/null)" in *epserve*) echo "$p"; return ;; esac
+    fi
+  done
+}
+
+# Waits up to $2 seconds for file $1 to exist and be non-empty.
+wait_file() {
+  local i
+  for i in $(seq 1 $(($2 * 10))); do [ -s "$1" ] && return 0; sleep 0.1; done
+  return 1
+}
+
+json_field() {  # json_field FILE EXPR: a Python expression over the object `j`
+  /usr/bin/python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print($2)" "$1"
+}
+
+now() { date +%s.%N; }
+
+# Stops the background processes this test started, the supervisor first (it stops its job).
+cleanup() {
+  local p
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 1 100); do
+    local alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.2
+  done
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
