@@ -248,6 +248,14 @@ absl::Status FrontEnd::Shutdown() {
   if (shut_down_) return absl::OkStatus();
   shut_down_ = true;
   SetReady(false);  // new requests get UNAVAILABLE; health says NOT_SERVING
+  health_->Shutdown();  // ends health Watch streams
+  // gRPC's shutdown starts at once: calls not yet accepted are refused with UNAVAILABLE, and
+  // every accepted one, handler not run yet included, is waited for while the batcher
+  // answers it. Past the deadline gRPC cancels what is still open (streams a client keeps).
+  std::thread grpc_shutdown([this] {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.drain_timeout +
+                                         absl::Milliseconds(200)));
+  });
   // Give formed batches drain_timeout to finish, then abandon them; Stop answers the rest.
   std::atomic<bool> stopped{false};
   std::thread watchdog([&] {
@@ -258,9 +266,7 @@ absl::Status FrontEnd::Shutdown() {
   batcher_->Stop();
   stopped.store(true);
   watchdog.join();
-  health_->Shutdown();
-  // Every inference reactor has its answer; let gRPC flush them and end open streams.
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  grpc_shutdown.join();
   if (coordinator_ == nullptr) return absl::OkStatus();
   return coordinator_->Stop(absl::Now() + absl::Seconds(2));
 }
