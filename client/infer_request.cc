@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -12,6 +14,63 @@ namespace epserve::client {
 
 static_assert(std::endian::native == std::endian::little,
               "raw tensor contents are little-endian; big-endian hosts need a byte swap");
+
+absl::string_view DtypeName(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kFp32:
+      return "FP32";
+    case Dtype::kBf16:
+      return "BF16";
+    case Dtype::kFp16:
+      return "FP16";
+  }
+  return "FP32";
+}
+
+absl::StatusOr<Dtype> ParseDtype(absl::string_view text) {
+  const std::string upper = absl::AsciiStrToUpper(text);
+  for (Dtype d : {Dtype::kFp32, Dtype::kBf16, Dtype::kFp16}) {
+    if (upper == DtypeName(d)) return d;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype: '", text, "' is none of FP32, BF16, FP16"));
+}
+
+uint16_t FloatToBf16(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+uint16_t FloatToFp16(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs > 0x7F800000u) return sign | 0x7E00u;   // NaN
+  if (abs >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds to infinity
+  if (abs < 0x38800000u) {                        // below 2^-14: subnormal or zero
+    // In units of 2^-24, exact in float; nearbyint rounds to nearest even.
+    const float units = std::bit_cast<float>(abs) * 16777216.0f;
+    return sign | static_cast<uint16_t>(std::nearbyint(units));
+  }
+  // Rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even.
+  abs += 0xC8000FFFu + ((abs >> 13) & 1u);
+  return sign | static_cast<uint16_t>(abs >> 13);
+}
+
+float Fp16ToFloat(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1Fu;
+  const uint32_t mantissa = bits & 0x3FFu;
+  if (exponent == 0) {
+    const float v = static_cast<float>(mantissa) * 0x1p-24f;
+    return sign != 0 ? -v : v;
+  }
+  if (exponent == 31) return std::bit_cast<float>(sign | 0x7F800000u | (mantissa << 13));
+  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
 
 absl::StatusOr<TokenRange> ParseTokenRange(absl::string_view text) {
   TokenRange range;
@@ -94,37 +153,53 @@ void FastRng::FillUniformSigned(float* dst, int64_t count) {
 }
 
 void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string_view id,
-                       FastRng& rng, inference::ModelInferRequest* request) {
+                       FastRng& rng, inference::ModelInferRequest* request,
+                       std::vector<float>* values) {
   request->Clear();
   request->set_model_name(tmpl.model_name);
   request->set_id(std::string(id));
-  if (tmpl.layer.has_value()) {
-    (*request->mutable_parameters())[std::string(kLayerParameter)].set_int64_param(*tmpl.layer);
+  auto& parameters = *request->mutable_parameters();
+  if (tmpl.layer.has_value()) parameters[std::string(kLayerParameter)].set_int64_param(*tmpl.layer);
+  if (tmpl.timeout_us > 0) {
+    parameters[std::string(kTimeoutParameter)].set_int64_param(tmpl.timeout_us);
   }
   inference::ModelInferRequest::InferInputTensor* input = request->add_inputs();
   input->set_name(std::string(kInputName));
-  input->set_datatype(std::string(kDatatype));
+  input->set_datatype(std::string(DtypeName(tmpl.dtype)));
   input->add_shape(tokens);
   input->add_shape(tmpl.hidden_size);
   request->add_outputs()->set_name(std::string(kOutputName));
 
   const int64_t num_elements = tokens * tmpl.hidden_size;
+  const int64_t element_bytes = DtypeBytes(tmpl.dtype);
   std::string* raw = request->add_raw_input_contents();
-  raw->resize(static_cast<size_t>(num_elements * kBytesPerElement));
+  raw->resize(static_cast<size_t>(num_elements * element_bytes));
+  if (values != nullptr) values->resize(static_cast<size_t>(num_elements));
   // Generate into an aligned scratch block and copy: the string's buffer has no float
   // alignment guarantee.
   constexpr int64_t kChunk = 1024;
   float scratch[kChunk];
+  uint16_t narrow[kChunk];
   char* dst = raw->data();
   for (int64_t done = 0; done < num_elements; done += kChunk) {
     const int64_t n = std::min(kChunk, num_elements - done);
     rng.FillUniformSigned(scratch, n);
-    std::memcpy(dst + done * kBytesPerElement, scratch, static_cast<size_t>(n * kBytesPerElement));
+    if (tmpl.dtype == Dtype::kFp32) {
+      std::memcpy(dst + done * 4, scratch, static_cast<size_t>(n * 4));
+    } else {
+      const bool bf16 = tmpl.dtype == Dtype::kBf16;
+      for (int64_t i = 0; i < n; ++i) {
+        narrow[i] = bf16 ? FloatToBf16(scratch[i]) : FloatToFp16(scratch[i]);
+        scratch[i] = bf16 ? Bf16ToFloat(narrow[i]) : Fp16ToFloat(narrow[i]);
+      }
+      std::memcpy(dst + done * 2, narrow, static_cast<size_t>(n * 2));
+    }
+    if (values != nullptr) std::copy(scratch, scratch + n, values->data() + done);
   }
 }
 
 absl::Status CheckInferResponse(const inference::ModelInferResponse& response, int64_t tokens,
-                                int64_t hidden_size, absl::string_view id) {
+                                int64_t hidden_size, absl::string_view id, Dtype dtype) {
   if (!response.id().empty() && response.id() != id) {
     return absl::DataLossError(
         absl::StrCat("response id '", response.id(), "' for request id '", id, "'"));
@@ -141,9 +216,9 @@ absl::Status CheckInferResponse(const inference::ModelInferResponse& response, i
         absl::StrCat("no output '", kOutputName, "' among ", response.outputs_size(), " outputs"));
   }
   const auto& output = response.outputs(index);
-  if (output.datatype() != kDatatype) {
-    return absl::DataLossError(
-        absl::StrCat(kOutputName, " datatype '", output.datatype(), "', expected ", kDatatype));
+  if (output.datatype() != DtypeName(dtype)) {
+    return absl::DataLossError(absl::StrCat(kOutputName, " datatype '", output.datatype(),
+                                            "', expected ", DtypeName(dtype)));
   }
   if (output.shape_size() != 2 || output.shape(0) != tokens || output.shape(1) != hidden_size) {
     return absl::DataLossError(absl::StrCat(kOutputName, " shape [",
@@ -154,13 +229,33 @@ absl::Status CheckInferResponse(const inference::ModelInferResponse& response, i
     return absl::DataLossError(absl::StrCat(kOutputName, " has no raw_output_contents entry (",
                                             response.raw_output_contents_size(), " entries)"));
   }
-  const size_t expected_bytes = static_cast<size_t>(tokens * hidden_size * kBytesPerElement);
+  const size_t expected_bytes = static_cast<size_t>(tokens * hidden_size * DtypeBytes(dtype));
   if (response.raw_output_contents(index).size() != expected_bytes) {
     return absl::DataLossError(absl::StrCat(kOutputName, " raw contents are ",
                                             response.raw_output_contents(index).size(),
                                             " bytes, expected ", expected_bytes));
   }
   return absl::OkStatus();
+}
+
+void DecodeOutput(const inference::ModelInferResponse& response, Dtype dtype,
+                  std::vector<float>* out) {
+  int index = 0;
+  for (int i = 0; i < response.outputs_size(); ++i) {
+    if (response.outputs(i).name() == kOutputName) index = i;
+  }
+  const std::string& raw = response.raw_output_contents(index);
+  const size_t count = raw.size() / static_cast<size_t>(DtypeBytes(dtype));
+  out->resize(count);
+  if (dtype == Dtype::kFp32) {
+    std::memcpy(out->data(), raw.data(), count * sizeof(float));
+    return;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, raw.data() + 2 * i, 2);
+    (*out)[i] = dtype == Dtype::kBf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+  }
 }
 
 }  // namespace epserve::client

@@ -1,15 +1,16 @@
 // Building the ModelInfer requests that epserve-load sends and checking the responses.
 //
-// An epserve MoE model takes one input "hidden_states", FP32, shape [T, H], in
-// raw_input_contents, and answers with one output "moe_output" of the same datatype and
+// An epserve MoE model takes one input "hidden_states", FP32, BF16 or FP16, shape [T, H],
+// in raw_input_contents, and answers with one output "moe_output" of the same datatype and
 // shape in raw_output_contents. The optional int64 request parameter "layer" picks which
-// MoE layer of the model runs.
+// MoE layer of the model runs; "timeout" (microseconds) bounds its wait at the server.
 #pragma once
 
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -21,8 +22,22 @@ namespace epserve::client {
 inline constexpr absl::string_view kInputName = "hidden_states";
 inline constexpr absl::string_view kOutputName = "moe_output";
 inline constexpr absl::string_view kLayerParameter = "layer";
+inline constexpr absl::string_view kTimeoutParameter = "timeout";
+// The datatype ModelMetadata reports for hidden_states (the server also takes BF16, FP16).
 inline constexpr absl::string_view kDatatype = "FP32";
-inline constexpr int64_t kBytesPerElement = 4;
+inline constexpr int64_t kBytesPerElement = 4;  // of FP32, the widest datatype
+
+// Element type of the tensors a request carries. Conversions from float round to nearest
+// even (the server's rule); NaN stays NaN.
+enum class Dtype { kFp32, kBf16, kFp16 };
+absl::string_view DtypeName(Dtype dtype);  // "FP32", "BF16", "FP16"
+// Accepts the names above in any case. INVALID_ARGUMENT listing them otherwise.
+absl::StatusOr<Dtype> ParseDtype(absl::string_view text);
+inline int64_t DtypeBytes(Dtype dtype) { return dtype == Dtype::kFp32 ? 4 : 2; }
+uint16_t FloatToBf16(float value);
+float Bf16ToFloat(uint16_t bits);
+uint16_t FloatToFp16(float value);
+float Fp16ToFloat(uint16_t bits);
 
 // Inclusive range of token rows per request; each request draws T uniformly from it.
 struct TokenRange {
@@ -64,17 +79,28 @@ struct RequestTemplate {
   std::string model_name;
   int64_t hidden_size = 0;       // H
   std::optional<int64_t> layer;  // sent as the int64 parameter "layer" when set
+  Dtype dtype = Dtype::kFp32;    // of hidden_states, hence of moe_output
+  int64_t timeout_us = 0;        // > 0: sent as the int64 parameter "timeout"
 };
 
 // Fills `request` (cleared first) with a request for `tokens` rows of fresh values uniform
-// in [-1, 1) drawn from `rng`, identified by `id`, asking for output "moe_output".
+// in [-1, 1) drawn from `rng`, in tmpl.dtype, identified by `id`, asking for output
+// "moe_output". When `values` is not null it receives the T x H values as the server
+// reads them (after rounding to tmpl.dtype), as floats.
 void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string_view id,
-                       FastRng& rng, inference::ModelInferRequest* request);
+                       FastRng& rng, inference::ModelInferRequest* request,
+                       std::vector<float>* values = nullptr);
 
-// OK if `response` carries output "moe_output", FP32, shape [tokens, hidden_size], with
-// exactly tokens * hidden_size * 4 bytes in its raw_output_contents entry, and echoes
-// `id` when it sets one. Otherwise an error whose message says what was wrong.
+// OK if `response` carries output "moe_output" of `dtype`, shape [tokens, hidden_size],
+// with exactly tokens * hidden_size * DtypeBytes(dtype) bytes in its raw_output_contents
+// entry, and echoes `id` when it sets one. Otherwise DATA_LOSS saying what was wrong.
 absl::Status CheckInferResponse(const inference::ModelInferResponse& response, int64_t tokens,
-                                int64_t hidden_size, absl::string_view id);
+                                int64_t hidden_size, absl::string_view id,
+                                Dtype dtype = Dtype::kFp32);
+
+// The values of a response's "moe_output" (already accepted by CheckInferResponse with
+// the same `dtype`) as floats, into `out` (resized).
+void DecodeOutput(const inference::ModelInferResponse& response, Dtype dtype,
+                  std::vector<float>* out);
 
 }  // namespace epserve::client

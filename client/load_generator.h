@@ -19,11 +19,22 @@
 //    mode) and the last measured completion; requests_per_s and tokens_per_s count
 //    successful requests over it.
 //
+//  * With `stream`, requests travel over ModelStreamInfer streams instead of one
+//    ModelInfer call each; answers are matched to requests by id (the server answers in
+//    order of completion). A request's deadline is then the request parameter "timeout",
+//    which the server enforces; a stream that breaks fails its unanswered requests with
+//    the stream's status.
+//  * With a verifier, every successful answer is checked against the reference forward
+//    pass on the lane thread that received it (so the client's own throughput drops);
+//    a mismatch counts as the error "verify_mismatch".
+//
 // Threads: `num_threads` completion-queue threads each own a WorkerStats for the whole
-// step (no lock shared by requests); in open loop one more thread paces the sends.
+// step (no lock shared by requests); in open loop one more thread paces the sends. In
+// stream mode each stream has a reader thread (owning a WorkerStats) and a writer thread.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +47,7 @@
 #include "absl/time/time.h"
 #include "client/infer_request.h"
 #include "client/load_stats.h"
+#include "client/verify.h"
 #include "grpc_service.grpc.pb.h"
 
 namespace epserve::client {
@@ -48,6 +60,17 @@ enum class Arrival {
 absl::string_view ArrivalName(Arrival arrival);
 absl::StatusOr<Arrival> ParseArrival(absl::string_view text);
 
+// What a running step has done so far, for a progress line.
+struct Progress {
+  double elapsed_s = 0;  // since the step started, warmup included
+  double warmup_s = 0;
+  double window_s = 0;          // measured window (0 in request-count mode)
+  int64_t target_requests = 0;  // request-count mode: measured requests wanted
+  int64_t ok = 0;               // measured requests answered so far
+  int64_t errors = 0;           // measured requests failed so far
+  int64_t ok_tokens = 0;
+};
+
 // Settings shared by every step of a run.
 struct LoadOptions {
   RequestTemplate request;                      // hidden_size must already be known (> 0)
@@ -59,6 +82,13 @@ struct LoadOptions {
   uint64_t seed = 1;                            // seeds every thread's payload generator
   int num_threads = 2;                          // completion-queue threads, 1..1023
   int64_t max_outstanding = 4096;               // open loop: cap on requests in flight
+  std::string token;                            // bearer token sent with every call, or ""
+  bool stream = false;                          // ModelStreamInfer instead of ModelInfer
+  int num_streams = 1;                          // stream mode: streams, spread over channels
+  std::shared_ptr<const Verifier> verifier;     // checks every answer when set
+  bool server_stats = true;                     // read ModelStatistics around the window
+  // Called about once a second while a step runs, from a thread of the step's own.
+  std::function<void(const Progress&)> progress;
 };
 
 // One step of a run.
@@ -69,8 +99,20 @@ struct StepSpec {
   Arrival arrival = Arrival::kConstant;
 };
 
-// Channels to `target`, each on its own TCP connection, without message size limits
+// How to reach the server.
+struct ChannelOptions {
+  std::string target = "127.0.0.1:8001";
+  int num_connections = 1;
+  bool tls = false;             // TLS; with tls_ca_pem empty, the system's roots
+  std::string tls_ca_pem;       // PEM roots that sign the server's certificate
+  std::string tls_cert_pem;     // client certificate chain (mutual TLS), or ""
+  std::string tls_key_pem;      // its private key, or ""
+  std::string tls_server_name;  // name to check the certificate against, or "" (the host)
+};
+
+// Channels to the target, each on its own TCP connection, without message size limits
 // (a response of T x H floats easily exceeds gRPC's 4 MiB default).
+std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const ChannelOptions& options);
 std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const std::string& target,
                                                          int num_connections);
 
@@ -83,7 +125,17 @@ absl::Status WaitForChannels(const std::vector<std::shared_ptr<grpc::Channel>>& 
 // [-1, H], H > 0. The RPC's status (with the model named) if the call fails,
 // FAILED_PRECONDITION if the metadata does not have that form.
 absl::StatusOr<int64_t> QueryHiddenSize(const std::shared_ptr<grpc::Channel>& channel,
-                                        const std::string& model, absl::Duration timeout);
+                                        const std::string& model, absl::Duration timeout,
+                                        const std::string& token = "");
+
+// The cumulative ModelStatistics of `model`; the RPC's status (model named) on failure.
+absl::StatusOr<inference::ModelStatistics> QueryStatistics(
+    const std::shared_ptr<grpc::Channel>& channel, const std::string& model, absl::Duration timeout,
+    const std::string& token = "");
+
+// What happened at the server between two ModelStatistics snapshots (see ServerSplit).
+ServerSplit SplitBetween(const inference::ModelStatistics& before,
+                         const inference::ModelStatistics& after);
 
 // Runs load steps over a fixed set of channels. Not thread-safe: one step at a time.
 class LoadGenerator {
@@ -99,6 +151,7 @@ class LoadGenerator {
   StepReport RunStep(const StepSpec& step, int step_index);
 
  private:
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<inference::GRPCInferenceService::Stub>> stubs_;
   LoadOptions options_;
 };

@@ -79,6 +79,7 @@ void WorkerStats::MergeFrom(WorkerStats&& other) {
   }
   num_ok += other.num_ok;
   num_ok_tokens += other.num_ok_tokens;
+  num_verified += other.num_verified;
   for (const auto& [key, count] : other.errors) errors[key] += count;
   for (auto& [key, message] : other.error_examples)
     error_examples.try_emplace(key, std::move(message));
@@ -108,6 +109,7 @@ StepReport MakeStepReport(LoadMode mode, int concurrency, double rate_per_s, std
   for (const auto& [key, count] : stats.errors) r.num_requests += count;
   r.duration_seconds = duration_seconds;
   r.latency = SummarizeLatencies(stats.latency_ns);
+  r.num_verified = stats.num_verified;
   return r;
 }
 
@@ -141,6 +143,18 @@ std::string FormatStepTable(const StepReport& r) {
                           NsToMs(l.p999_ns), NsToMs(l.max_ns));
   } else {
     absl::StrAppendFormat(&out, "  %-14s - (no successful request)\n", "latency (ms)");
+  }
+  if (r.num_verified > 0) {
+    absl::StrAppendFormat(&out, "  %-14s %d answers match the reference\n", "verified",
+                          r.num_verified);
+  }
+  if (r.server.has_value()) {
+    const ServerSplit& s = *r.server;
+    absl::StrAppendFormat(&out, "  %-14s %9s %9s %9s %9s   %d requests, %d batches of %.1f rows\n",
+                          "server (ms)", "queue", "input", "infer", "output", s.requests, s.batches,
+                          s.mean_batch_rows);
+    absl::StrAppendFormat(&out, "  %-14s %9.3f %9.3f %9.3f %9.3f\n", "  mean", s.queue_ms,
+                          s.compute_input_ms, s.compute_infer_ms, s.compute_output_ms);
   }
   for (const auto& [key, count] : r.errors) {
     std::string example;
@@ -216,7 +230,54 @@ std::string FormatStepJson(const StepReport& r) {
                                   absl::StrAppend(o, JsonQuote(kv.first), ":",
                                                   JsonQuote(kv.second));
                                 }),
-                  "}}");
+                  "}");
+  absl::StrAppend(&out, ",\"tokens\":", r.num_ok_tokens, ",\"verified\":", r.num_verified);
+  if (r.server.has_value()) {
+    const ServerSplit& s = *r.server;
+    absl::StrAppendFormat(&out,
+                          ",\"server\":{\"requests\":%d,\"failed\":%d,\"queue_ms\":%.6f,"
+                          "\"compute_input_ms\":%.6f,\"compute_infer_ms\":%.6f,"
+                          "\"compute_output_ms\":%.6f,\"batches\":%d,\"mean_batch_rows\":%.3f}",
+                          s.requests, s.failed, s.queue_ms, s.compute_input_ms, s.compute_infer_ms,
+                          s.compute_output_ms, s.batches, s.mean_batch_rows);
+  } else {
+    out += ",\"server\":null";
+  }
+  out += "}";
+  return out;
+}
+
+std::string CsvHeader() {
+  return "mode,concurrency,rate,arrival,requests,ok,errors,duration_s,requests_per_s,"
+         "tokens_per_s,p50_ms,p90_ms,p95_ms,p99_ms,p999_ms,max_ms,server_queue_ms,"
+         "server_compute_input_ms,server_compute_infer_ms,server_compute_output_ms,"
+         "server_mean_batch_rows,error_breakdown";
+}
+
+std::string FormatStepCsv(const StepReport& r) {
+  const bool closed = r.mode == LoadMode::kClosedLoop;
+  std::string out = absl::StrCat(
+      closed ? "closed" : "open", ",", closed ? absl::StrCat(r.concurrency) : "", ",",
+      closed ? "" : absl::StrFormat("%.6g", r.rate_per_s), ",", closed ? "" : r.arrival, ",",
+      r.num_requests, ",", r.num_ok, ",", r.num_requests - r.num_ok);
+  absl::StrAppendFormat(&out, ",%.6f,%.3f,%.3f", r.duration_seconds, r.RequestsPerSecond(),
+                        r.TokensPerSecond());
+  for (int64_t LatencySummary::*field :
+       {&LatencySummary::p50_ns, &LatencySummary::p90_ns, &LatencySummary::p95_ns,
+        &LatencySummary::p99_ns, &LatencySummary::p999_ns, &LatencySummary::max_ns}) {
+    out += ",";
+    if (r.latency.has_value()) absl::StrAppendFormat(&out, "%.6f", NsToMs((*r.latency).*field));
+  }
+  if (r.server.has_value()) {
+    absl::StrAppendFormat(&out, ",%.6f,%.6f,%.6f,%.6f,%.3f", r.server->queue_ms,
+                          r.server->compute_input_ms, r.server->compute_infer_ms,
+                          r.server->compute_output_ms, r.server->mean_batch_rows);
+  } else {
+    out += ",,,,,";
+  }
+  absl::StrAppend(&out, ",", absl::StrJoin(r.errors, ";", [](std::string* o, const auto& kv) {
+    absl::StrAppend(o, kv.first, "=", kv.second);
+  }));
   return out;
 }
 

@@ -66,30 +66,91 @@ absl::Status NeedIntRange(int64_t value, absl::string_view what) {
   return absl::OkStatus();
 }
 
-// Writes [offset, offset + count) floats of `dst` by `fill(host_ptr)` through a mapping,
-// so no second host copy of the region is kept beyond what the driver needs.
-template <typename FillFn>
+// Writes elements [offset, offset + count) of `dst`, an array of T, by `fill(host_ptr)`
+// through a mapping, so no second host copy of the region is kept beyond what the driver needs.
+template <typename T, typename FillFn>
 absl::Status FillMapped(Runtime& rt, const Buffer& dst, int64_t offset, int64_t count,
                         FillFn&& fill) {
   cl_int err = CL_SUCCESS;
   void* host = nullptr;
   CL_CHECK((host = clEnqueueMapBuffer(rt.queue(), dst.mem(), CL_TRUE,
-                                      CL_MAP_WRITE_INVALIDATE_REGION, offset * sizeof(float),
-                                      count * sizeof(float), 0, nullptr, nullptr, &err),
+                                      CL_MAP_WRITE_INVALIDATE_REGION, offset * sizeof(T),
+                                      count * sizeof(T), 0, nullptr, nullptr, &err),
             err));
-  absl::Status filled = fill(static_cast<float*>(host));
+  absl::Status filled = fill(static_cast<T*>(host));
   CL_CHECK(clEnqueueUnmapMemObject(rt.queue(), dst.mem(), host, 0, nullptr, nullptr));
   return filled;
 }
+
+// The stored form of one weight value.
+inline float ToElement(float v, float*) { return v; }
+inline uint16_t ToElement(float v, uint16_t*) { return FloatToBf16(v); }
 
 struct FfnKinds {
   TensorKind gate, up, down;
 };
 
 // Uploads experts [first, first + count) of an FFN of intermediate size `ffn` into the
-// panel layout of kernels/detail/ffn_layout.h, one host tensor at a time.
+// panel layout of kernels/detail/ffn_layout.h with elements of type T (float or BF16 bits),
+// one host tensor at a time.
+template <typename T>
+absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
+                     ExpertWeights& w) {
+  const int64_t hidden = w.hidden;
+  const int64_t ffn = w.ffn;
+  const int64_t pw = kFfnPanelCols;
+  const int64_t half = pw / 2;
+  const int64_t gu_elems = detail::GateUpFloatsPerExpert(hidden, ffn);
+  const int64_t down_elems = detail::DownFloatsPerExpert(hidden, ffn);
+  std::vector<float> staging(hidden * ffn);  // one [F, H] or [H, F] tensor
+  const int64_t gu_panels = detail::GateUpPanels(ffn);
+  const int64_t down_panels = detail::DownPanels(hidden);
+  for (int i = 0; i < w.num_experts; ++i) {
+    const int expert = w.first_expert + i;
+    RETURN_IF_ERROR(FillMapped<T>(rt, w.gate_up, i * gu_elems, gu_elems, [&](T* dst) {
+      // dst[(j * H + k) * pw + c]: gate row f = j * half + c for c < half, up row f for c >= half.
+      for (int half_index = 0; half_index < 2; ++half_index) {
+        RETURN_IF_ERROR(
+            source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert, staging.data()));
+        for (int64_t j = 0; j < gu_panels; ++j) {
+          for (int64_t c = 0; c < half; ++c) {
+            const int64_t f = j * half + c;
+            T* out = dst + j * hidden * pw + half_index * half + c;
+            if (f < ffn) {
+              const float* in = staging.data() + f * hidden;
+              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = ToElement(in[k], out);
+            } else {
+              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = T{0};
+            }
+          }
+        }
+      }
+      return absl::OkStatus();
+    }));
+    RETURN_IF_ERROR(FillMapped<T>(rt, w.down, i * down_elems, down_elems, [&](T* dst) {
+      // dst[(j * F + f) * pw + c] = down[j * pw + c][f].
+      RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
+      for (int64_t j = 0; j < down_panels; ++j) {
+        for (int64_t c = 0; c < pw; ++c) {
+          const int64_t row = j * pw + c;
+          T* out = dst + j * ffn * pw + c;
+          if (row < hidden) {
+            const float* in = staging.data() + row * ffn;
+            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = ToElement(in[f], out);
+          } else {
+            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = T{0};
+          }
+        }
+      }
+      return absl::OkStatus();
+    }));
+  }
+  return rt.Finish();
+}
+
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
-                                        FfnKinds kinds, int first, int count, int64_t ffn) {
+                                        FfnKinds kinds, int first, int count, int64_t ffn,
+                                        DType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   const int64_t hidden = cfg.hidden_size;
   RETURN_IF_ERROR(NeedIntRange(hidden, "hidden_size"));
@@ -99,61 +160,20 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.num_experts = count;
   w.hidden = hidden;
   w.ffn = ffn;
-  const int64_t pw = kFfnPanelCols;
-  const int64_t half = pw / 2;
-  const int64_t gu_floats = detail::GateUpFloatsPerExpert(hidden, ffn);
-  const int64_t down_floats = detail::DownFloatsPerExpert(hidden, ffn);
-  absl::StatusOr<Buffer> gate_up = rt.Allocate(gu_floats * count * sizeof(float));
+  w.dtype = dtype;
+  const size_t elem = DTypeBytes(dtype);
+  absl::StatusOr<Buffer> gate_up =
+      rt.Allocate(detail::GateUpFloatsPerExpert(hidden, ffn) * count * elem);
   if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<Buffer> down = rt.Allocate(down_floats * count * sizeof(float));
+  absl::StatusOr<Buffer> down = rt.Allocate(detail::DownFloatsPerExpert(hidden, ffn) * count * elem);
   if (!down.ok()) return down.status();
   w.gate_up = *std::move(gate_up);
   w.down = *std::move(down);
-
-  std::vector<float> staging(hidden * ffn);  // one [F, H] or [H, F] tensor
-  const int64_t gu_panels = detail::GateUpPanels(ffn);
-  const int64_t down_panels = detail::DownPanels(hidden);
-  for (int i = 0; i < count; ++i) {
-    const int expert = first + i;
-    RETURN_IF_ERROR(FillMapped(rt, w.gate_up, i * gu_floats, gu_floats, [&](float* dst) {
-      // dst[(j * H + k) * pw + c]: gate row f = j * half + c for c < half, up row f for c >= half.
-      for (int half_index = 0; half_index < 2; ++half_index) {
-        RETURN_IF_ERROR(
-            source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert, staging.data()));
-        for (int64_t j = 0; j < gu_panels; ++j) {
-          for (int64_t c = 0; c < half; ++c) {
-            const int64_t f = j * half + c;
-            float* out = dst + j * hidden * pw + half_index * half + c;
-            if (f < ffn) {
-              const float* in = staging.data() + f * hidden;
-              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = in[k];
-            } else {
-              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = 0.0f;
-            }
-          }
-        }
-      }
-      return absl::OkStatus();
-    }));
-    RETURN_IF_ERROR(FillMapped(rt, w.down, i * down_floats, down_floats, [&](float* dst) {
-      // dst[(j * F + f) * pw + c] = down[j * pw + c][f].
-      RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
-      for (int64_t j = 0; j < down_panels; ++j) {
-        for (int64_t c = 0; c < pw; ++c) {
-          const int64_t row = j * pw + c;
-          float* out = dst + j * ffn * pw + c;
-          if (row < hidden) {
-            const float* in = staging.data() + row * ffn;
-            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = in[f];
-          } else {
-            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = 0.0f;
-          }
-        }
-      }
-      return absl::OkStatus();
-    }));
+  if (dtype == DType::kBf16) {
+    RETURN_IF_ERROR(FillFfn<uint16_t>(rt, source, layer, kinds, w));
+  } else {
+    RETURN_IF_ERROR(FillFfn<float>(rt, source, layer, kinds, w));
   }
-  RETURN_IF_ERROR(rt.Finish());
   return w;
 }
 
@@ -177,28 +197,46 @@ absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offset
   return rt.AllocateCopy(groups.data(), groups.size() * sizeof(cl_int4));
 }
 
-// gate_up then down over the rows that `groups` names.
-absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, const Buffer& row_index,
-                    bool gather, const Buffer& groups, int num_groups, Buffer& h_scratch,
-                    Buffer& y) {
+// gate_up then down over the rows that `groups` names: x FP32 rows x_stride values apart,
+// row p reading x[row_index[p]] (gather) or x[p].
+absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t x_stride,
+                    const Buffer& row_index, bool gather, const Buffer& groups, int num_groups,
+                    Buffer& h_scratch, Buffer& y) {
   if (num_groups == 0) return absl::OkStatus();
-  absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_gate_up");
+  const char* w_name = w.dtype == DType::kBf16 ? "_wbf16" : "_wf32";
+  absl::StatusOr<cl_kernel> gate_up = rt.Kernel(absl::StrCat("ffn_gate_up", w_name));
   if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_down");
+  absl::StatusOr<cl_kernel> down = rt.Kernel(absl::StrCat("ffn_down", w_name));
   if (!down.ok()) return down.status();
   const cl_int hidden = static_cast<cl_int>(w.hidden);
   const cl_int ffn = static_cast<cl_int>(w.ffn);
   const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn));
   const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
-  const cl_long x_rows = static_cast<cl_long>(x.bytes() / (w.hidden * sizeof(float)));
+  // Rows of x: the last one needs only w.hidden values, not a whole stride.
+  const int64_t x_elems = static_cast<int64_t>(x.bytes() / sizeof(float));
+  const cl_long x_rows = x_elems < w.hidden ? 0 : (x_elems - w.hidden) / x_stride + 1;
   const size_t local[2] = {1, 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, row_index, cl_int{gather ? 1 : 0}, groups, w.gate_up,
-                          hidden, ffn, gu_panels, h_scratch));
+  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, cl_long{x_stride}, row_index, cl_int{gather ? 1 : 0}, groups,
+                          w.gate_up, hidden, ffn, gu_panels, h_scratch));
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
   RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
   RETURN_IF_ERROR(SetArgs(*down, h_scratch, groups, w.down, hidden, ffn, down_panels, y));
   const size_t down_global[2] = {static_cast<size_t>(down_panels), static_cast<size_t>(num_groups)};
   return Launch(rt, *down, 2, down_global, local);
+}
+
+// out[p, :] = x[row_index[p], :] widened to FP32 for p < rows; x BF16 rows `stride` apart.
+absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_t stride,
+                            const Buffer& row_index, int64_t rows, Buffer& out) {
+  absl::StatusOr<cl_kernel> kernel = rt.Kernel("gather_bf16_rows");
+  if (!kernel.ok()) return kernel.status();
+  // Rows of x: the last one needs only `hidden` values, not a whole stride.
+  const int64_t x_elems = static_cast<int64_t>(x.bytes() / sizeof(uint16_t));
+  const cl_long x_rows = x_elems < hidden ? 0 : (x_elems - hidden) / stride + 1;
+  RETURN_IF_ERROR(SetArgs(*kernel, x, x_rows, cl_long{stride}, row_index,
+                          static_cast<cl_int>(rows), static_cast<cl_int>(hidden), out));
+  const size_t global[1] = {static_cast<size_t>(rows)};
+  return Launch(rt, *kernel, 1, global, nullptr);
 }
 
 }  // namespace
@@ -232,7 +270,8 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 }
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
-                                            int layer, int first_expert, int num_experts) {
+                                            int layer, int first_expert, int num_experts,
+                                            DType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   RETURN_IF_ERROR(cfg.Validate());
   if (first_expert < 0 || num_experts < 0 || first_expert + num_experts > cfg.num_experts) {
@@ -242,11 +281,11 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
   }
   return UploadFfn(rt, source, layer,
                    {TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown},
-                   first_expert, num_experts, cfg.expert_ffn_size);
+                   first_expert, num_experts, cfg.expert_ffn_size, dtype);
 }
 
 absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
-                                                 int layer) {
+                                                 int layer, DType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   RETURN_IF_ERROR(cfg.Validate());
   if (cfg.shared_ffn_size <= 0) {
@@ -254,7 +293,7 @@ absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::Weigh
   }
   absl::StatusOr<ExpertWeights> w = UploadFfn(
       rt, source, layer, {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown},
-      0, 1, cfg.shared_ffn_size);
+      0, 1, cfg.shared_ffn_size, dtype);
   if (!w.ok()) return w.status();
   if (cfg.shared_expert_gate) {
     std::vector<float> gate(cfg.hidden_size);
@@ -281,13 +320,19 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
                           cl_int{c.top_k}, static_cast<cl_int>(c.routing),
                           cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group}, cl_int{c.topk_group},
                           cl_float{c.routed_scaling_factor}, ids, weights));
-  const size_t global[1] = {static_cast<size_t>(n)};
-  return Launch(rt, *kernel, 1, global, nullptr);
+  const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterTokens))};
+  const size_t local[1] = {1};
+  return Launch(rt, *kernel, 1, global, local);
 }
 
 absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                        const Buffer& row_index, std::span<const int64_t> expert_offsets,
-                       Buffer& h_scratch, Buffer& y) {
+                       Buffer& h_scratch, Buffer& y, RowFormat x_format) {
+  if (x_format.row_stride == 0) x_format.row_stride = w.hidden;
+  if (x_format.row_stride < w.hidden) {
+    return absl::InvalidArgumentError(absl::StrCat("x row stride ", x_format.row_stride,
+                                                   " is shorter than a row (", w.hidden, ")"));
+  }
   if (expert_offsets.size() != static_cast<size_t>(w.num_experts) + 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("expert_offsets has ", expert_offsets.size(),
@@ -307,14 +352,21 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   const int64_t rows = expert_offsets.back();
   RETURN_IF_ERROR(NeedIntRange(rows, "expert_offsets.back()"));
   if (rows == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(NeedBytes(x, w.hidden * sizeof(float), "x"));
+  RETURN_IF_ERROR(NeedBytes(x, w.hidden * DTypeBytes(x_format.dtype), "x"));
   RETURN_IF_ERROR(NeedBytes(row_index, rows * sizeof(int32_t), "row_index"));
   RETURN_IF_ERROR(NeedBytes(h_scratch, rows * w.ffn * sizeof(float), "h_scratch"));
   RETURN_IF_ERROR(NeedBytes(y, rows * w.hidden * sizeof(float), "y"));
   int num_groups = 0;
   absl::StatusOr<Buffer> groups = UploadGroups(rt, expert_offsets, &num_groups);
   if (!groups.ok()) return groups.status();
-  return RunFfn(rt, w, x, row_index, /*gather=*/true, *groups, num_groups, h_scratch, y);
+  if (x_format.dtype == DType::kBf16) {
+    // Widened and gathered into y, which gate_up reads before down overwrites it.
+    RETURN_IF_ERROR(GatherBf16Rows(rt, x, w.hidden, x_format.row_stride, row_index, rows, y));
+    return RunFfn(rt, w, y, w.hidden, row_index, /*gather=*/false, *groups, num_groups, h_scratch,
+                  y);
+  }
+  return RunFfn(rt, w, x, x_format.row_stride, row_index, /*gather=*/true, *groups, num_groups,
+                h_scratch, y);
 }
 
 absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t n,
@@ -333,7 +385,8 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, &num_groups);
   if (!groups.ok()) return groups.status();
   const Buffer no_index;
-  RETURN_IF_ERROR(RunFfn(rt, w, x, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
+  RETURN_IF_ERROR(
+      RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
   absl::StatusOr<cl_kernel> scale = rt.Kernel("scale_rows_by_sigmoid_gate");
   if (!scale.ok()) return scale.status();

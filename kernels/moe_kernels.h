@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/dtype.h"
 #include "kernels/runtime.h"
 #include "model/moe_config.h"
 #include "model/weights.h"
@@ -26,22 +27,26 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 
 // Experts [first_expert, first_expert + num_experts) of one layer (or the shared expert,
 // num_experts = 1), in the layout the FFN kernels read. Filled straight from the source,
-// without a second host copy of the whole set.
+// without a second host copy of the whole set. With dtype kBf16 the gate, up and down
+// projections are stored as BF16, each value rounded to nearest even (FloatToBf16) once at
+// upload; the shared expert's sigmoid gate stays FP32.
 struct ExpertWeights {
   int first_expert = 0;
   int num_experts = 0;
   int64_t hidden = 0;  // H
   int64_t ffn = 0;     // F of these experts
+  DType dtype = DType::kFp32;  // of gate_up and down
   Buffer gate_up;      // layout private to kernels/
   Buffer down;         // layout private to kernels/
-  Buffer gate;         // [H] sigmoid gate of a gated shared expert, else empty
+  Buffer gate;         // [H] FP32 sigmoid gate of a gated shared expert, else empty
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
-                                            int layer, int first_expert, int num_experts);
+                                            int layer, int first_expert, int num_experts,
+                                            DType dtype = DType::kFp32);
 // The shared expert of the layer (config().layer.shared_ffn_size > 0).
 absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
-                                                 int layer);
+                                                 int layer, DType dtype = DType::kFp32);
 
 // ---- route ----
 
@@ -52,14 +57,24 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
 
 // ---- expert FFN ----
 
+// How the rows of an activation buffer are stored: element type, and the distance from one
+// row to the next in elements (0: the row length, i.e. packed rows). BF16 values are widened
+// to FP32 exactly.
+struct RowFormat {
+  DType dtype = DType::kFp32;
+  int64_t row_stride = 0;
+};
+
 // Grouped SwiGLU FFN over rows of x [*, H] picked by row_index (int32): the rows of local
 // expert e are row_index[expert_offsets[e] .. expert_offsets[e+1]) (host array of
 // w.num_experts + 1 ascending offsets, empty experts allowed). For each p in [0, P),
 // P = expert_offsets.back():  y[p, :] = down_e(silu(gate_e x) * up_e x), x = x[row_index[p]].
-// h_scratch holds at least P * w.ffn floats.
+// x is stored as x_format says; h_scratch (at least P * w.ffn floats) and y are FP32, and so
+// is every sum, whatever the weights' and x's dtypes. BF16 rows of x are first gathered and
+// widened into y (which the FFN then overwrites), so x and y must not overlap.
 absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                        const Buffer& row_index, std::span<const int64_t> expert_offsets,
-                       Buffer& h_scratch, Buffer& y);
+                       Buffer& h_scratch, Buffer& y, RowFormat x_format = {});
 
 // The shared expert on x [n, H]: y[i, :] = g_i * FFN(x[i, :]), with g_i = sigmoid(x[i] . gate)
 // when w.gate is set, else 1. h_scratch holds at least n * w.ffn floats.

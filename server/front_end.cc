@@ -266,9 +266,11 @@ absl::Status FrontEnd::Shutdown() {
   batcher_->Stop();
   stopped.store(true);
   watchdog.join();
+  // Every accepted request has its answer: the workers stop while gRPC flushes.
+  absl::Status s = coordinator_ != nullptr ? coordinator_->Stop(absl::Now() + absl::Seconds(2))
+                                           : absl::OkStatus();
   grpc_shutdown.join();
-  if (coordinator_ == nullptr) return absl::OkStatus();
-  return coordinator_->Stop(absl::Now() + absl::Seconds(2));
+  return s;
 }
 
 }  // namespace epserve::server

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -38,6 +39,7 @@ struct Flags {
   std::string layers = "all";
   std::string memory_limit;
   epserve::worker::ExchangeFlags exchange;
+  std::string weight_dtype = "fp32";
 };
 
 void Log(int rank, const std::string& line) {
@@ -93,7 +95,7 @@ absl::StatusOr<int64_t> ParseMemoryLimit(const std::string& text) {
 // than --memory-limit: each worker's weights (model::EstimateRankBytes) plus every local
 // rank's heap segment. All ranks reach the same verdict (allreduce), so all leave together.
 absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_workers,
-                         size_t heap_bytes, int64_t limit) {
+                         size_t heap_bytes, int64_t limit, bool bf16_weights) {
   MPI_Comm node;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   int node_size = 0, world_rank = 0;
@@ -113,13 +115,17 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
       status = m.status();
       break;
     }
-    need += m->fp32_bytes();
+    // With --weight-dtype=bf16 the router stays FP32: 2 more bytes per router parameter.
+    const int64_t weight_bytes =
+        bf16_weights ? m->bf16_bytes() + 2 * m->router_params : m->fp32_bytes();
+    need += weight_bytes;
     absl::StrAppend(&parts, parts.empty() ? "" : ", ", "rank ", r, " ",
-                    epserve::model::FormatBytes(m->fp32_bytes()));
+                    epserve::model::FormatBytes(weight_bytes));
   }
   if (status.ok() && need > limit) {
     status = absl::ResourceExhaustedError(absl::StrCat(
-        "the ranks on this host need ", epserve::model::FormatBytes(need), " (FP32 weights: ", parts,
+        "the ranks on this host need ", epserve::model::FormatBytes(need), " (",
+        bf16_weights ? "BF16" : "FP32", " weights: ", parts,
         "; heap ", epserve::model::FormatBytes(static_cast<int64_t>(heap_bytes)), " per rank x ",
         node_size, ") but --memory-limit is ", epserve::model::FormatBytes(limit),
         ": use more workers or hosts, fewer --layers, or a larger limit"));
@@ -168,7 +174,12 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(shape);
   absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
   if (!memory_limit.ok()) return Fail(rank, memory_limit.status());
-  if (absl::Status s = CheckMemory(config, num_workers, heap_bytes, *memory_limit); !s.ok()) {
+  absl::StatusOr<kernels::DType> weight_dtype =
+      kernels::ParseDType(flags.weight_dtype, "--weight-dtype");
+  if (!weight_dtype.ok()) return Fail(rank, weight_dtype.status());
+  if (absl::Status s = CheckMemory(config, num_workers, heap_bytes, *memory_limit,
+                                   *weight_dtype == kernels::DType::kBf16);
+      !s.ok()) {
     return Fail(rank, s);
   }
 
@@ -191,18 +202,22 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   }
 
   int code = 0;
+  // Rank 0's front-end outlives the heap: its teardown (the metrics server's threads) is
+  // slow, and the heap's collective free must not wait for it.
+  std::optional<worker::Coordinator> coordinator;
+  std::unique_ptr<server::FrontEnd> front_end;
   if (rank == 0) {
-    worker::Coordinator coordinator(**heap, *layout);
-    absl::Status s = coordinator.WaitForWorkers(absl::Now() + flags.startup_timeout);
+    coordinator.emplace(**heap, *layout);
+    absl::Status s = coordinator->WaitForWorkers(absl::Now() + flags.startup_timeout);
     if (!s.ok()) {
       Log(rank, absl::StrCat("error: ", s.ToString()));
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe =
-        server::FrontEnd::Start(flags.fe, config, coordinator, static_cast<int64_t>(heap_bytes));
+        server::FrontEnd::Start(flags.fe, config, *coordinator, static_cast<int64_t>(heap_bytes));
     if (!fe.ok()) {
       Log(rank, absl::StrCat("error: ", fe.status().ToString()));
-      coordinator.Stop(absl::Now() + absl::Seconds(5)).IgnoreError();
+      coordinator->Stop(absl::Now() + absl::Seconds(5)).IgnoreError();
       code = 1;
     } else {
       Log(rank, absl::StrCat("serving model '", flags.fe.model_name, "' on ", (*fe)->grpc_address(),
@@ -212,14 +227,15 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       const absl::Time stop_start = absl::Now();
       s = (*fe)->Shutdown();
       if (!s.ok()) Log(rank, absl::StrCat("workers did not stop cleanly: ", s.ToString()));
-      fe->reset();
       Log(rank,
           absl::StrCat("stopped serving in ", absl::FormatDuration(absl::Now() - stop_start)));
+      front_end = *std::move(fe);
     }
   } else {
     worker::WorkerOptions options;
     options.device.device = flags.device;
     options.device.local_rank = rank - 1;
+    options.weight_dtype = *weight_dtype;
     absl::StatusOr<std::unique_ptr<worker::Worker>> w =
         worker::Worker::Create(**heap, *layout, **source, options);
     if (!w.ok()) {
@@ -243,6 +259,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   }).detach();
   heap->reset();
   Log(rank, "left the heap");
+  front_end.reset();
   return code;
 }
 
@@ -323,6 +340,11 @@ int main(int argc, char** argv) {
          "'authorization: Bearer <token>'");
   fs.Add("grpc-reflection", &fe.reflection, "Serve gRPC server reflection");
   // ---- end of front-end flags ----
+  // ---- kernel flags ----
+  fs.Add("weight-dtype", &flags.weight_dtype,
+         "Expert weights (routed and shared) on the workers' devices: fp32 or bf16 (rounded to "
+         "nearest even once at load; the router stays fp32, sums are fp32 either way)");
+  // ---- end of kernel flags ----
   // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
   fs.Add("heap", &flags.exchange.heap,
          "Symmetric heap backend: shm (shared-memory window, all ranks on one host), rma (MPI "

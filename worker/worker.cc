@@ -36,12 +36,13 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
     if (!router.ok()) return router.status();
     l.router = *std::move(router);
     absl::StatusOr<kernels::ExpertWeights> experts = kernels::UploadExperts(
-        *w->rt_, source, layer, placement.first(w->me_), placement.count(w->me_));
+        *w->rt_, source, layer, placement.first(w->me_), placement.count(w->me_),
+        options.weight_dtype);
     if (!experts.ok()) return experts.status();
     l.experts = *std::move(experts);
     if (cfg.shared_ffn_size > 0) {
       absl::StatusOr<kernels::ExpertWeights> shared =
-          kernels::UploadSharedExpert(*w->rt_, source, layer);
+          kernels::UploadSharedExpert(*w->rt_, source, layer, options.weight_dtype);
       if (!shared.ok()) return shared.status();
       l.shared = *std::move(shared);
     }
@@ -78,7 +79,7 @@ absl::Status Worker::AllocateBuffers() {
       {&weights_, n * k * f},
       {&shared_h_, n * std::max<size_t>(cfg_.shared_ffn_size, 1) * f},
       {&shared_y_, n * h * f},
-      {&x_recv_, r * h * f},
+      {&x_recv_, r * std::max(h * f, config.dispatch_row_bytes())},
       {&row_index_, pairs * sizeof(int32_t)},
       {&h_, pairs * static_cast<size_t>(cfg_.expert_ffn_size) * f},
       {&y_, pairs * h * f},
@@ -93,7 +94,8 @@ absl::Status Worker::AllocateBuffers() {
   }
   ids_host_.resize(n * k);
   weights_host_.resize(n * k);
-  if (config.dispatch_dtype != PayloadType::kFp32 || config.dispatch_row_bytes() != h * f) {
+  if (config.dispatch_dtype == PayloadType::kFp8 ||
+      (config.dispatch_dtype == PayloadType::kFp32 && config.dispatch_row_bytes() != h * f)) {
     x_recv_host_.resize(r * h);
   }
   if (heap_.Direct(0, layout_.output) == nullptr) y_host_.resize(n * h);
@@ -191,19 +193,27 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   }
   const Exchange::ExpertStep experts = [&](const ReceivedRows& in, float* out) -> absl::Status {
     if (in.rows == 0) return absl::OkStatus();
-    const float* rows = in.Fp32Rows();
-    if (rows == nullptr || !x_recv_host_.empty()) {
+    // BF16 rows go to the device as they came (the FFN widens them exactly); others as fp32.
+    kernels::RowFormat x_format;
+    const void* rows = in.Fp32Rows();
+    size_t rows_bytes = in.rows * row_bytes;
+    if (in.dtype == PayloadType::kBf16) {
+      rows = in.payload;
+      rows_bytes = in.rows * in.row_bytes;
+      x_format = {kernels::DType::kBf16, static_cast<int64_t>(in.row_bytes / sizeof(uint16_t))};
+    } else if (rows == nullptr || !x_recv_host_.empty()) {
       in.Decode(0, in.rows, x_recv_host_.data());
       rows = x_recv_host_.data();
     }
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, rows, in.rows * row_bytes));
+    EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, rows, rows_bytes));
     if (in.pairs > 0) {
       EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, in.pair_row, in.pairs * sizeof(int32_t)));
     }
     EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, in.pair, in.rows * k * sizeof(int32_t)));
     EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_weight_, 0, in.weight, in.rows * k * sizeof(float)));
     EPSERVE_RETURN_IF_ERROR(
-        kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, in.expert_offsets, h_, y_));
+        kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, in.expert_offsets, h_, y_,
+                           x_format));
     EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows,
                                                      k, hidden, out_recv_));
     return rt_->Read(out_recv_, 0, out, in.rows * row_bytes);

@@ -1,8 +1,10 @@
 // Times the grouped expert FFN (gate/up + SwiGLU + down) for the qwen1.5-moe-a2.7b expert
-// shape against OpenBLAS sgemm doing the same three GEMMs per expert plus a plain C++ SwiGLU
-// loop, and, for small row counts, the weight bytes streamed per second against memcpy.
-// Every figure printed is measured in this run: medians of several repetitions after warm-up,
-// epserve and OpenBLAS timed alternately so that both see the same machine conditions.
+// shape, with FP32 and BF16 weights, against (a) OpenBLAS sgemm alone on the same GEMM shapes
+// (contiguous inputs, best thread count: the figure the targets are judged against) and (b) the
+// whole FFN through OpenBLAS (gather, three GEMMs, a C++ SwiGLU loop); for small row counts,
+// the weight bytes streamed per second against memcpy. Every figure printed is measured in
+// this run: medians of several repetitions after warm-up, all variants timed round-robin so
+// that they see the same machine conditions.
 //
 //   bench_expert_ffn [--experts=4] [--rows=1,8,32,128,512,2048] [--threads=2]
 #include <cblas.h>
@@ -14,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -68,30 +71,33 @@ double MedianSeconds(Fn&& fn, int warmup = 2, int min_reps = 5, int max_reps = 3
   return times[times.size() / 2];
 }
 
-// Median seconds of `a` and of `b`, timed alternately (a, b, a, b, ...) so that both see the
-// same machine conditions; repetitions as for MedianSeconds.
-template <typename FnA, typename FnB>
-std::pair<double, double> PairedMedianSeconds(FnA&& a, FnB&& b, int warmup = 2, int min_reps = 7,
-                                              int max_reps = 41, double min_seconds = 2.0) {
+// Median seconds of each of `fns`, timed round-robin (f0, f1, ..., f0, f1, ...) so that all
+// see the same machine conditions: `warmup` rounds, then at least min_reps rounds, more
+// while the rounds took under min_seconds in total, at most max_reps.
+std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
+                                            int warmup = 2, int min_reps = 7, int max_reps = 41,
+                                            double min_seconds = 3.0) {
   for (int i = 0; i < warmup; ++i) {
-    a();
-    b();
+    for (const auto& fn : fns) fn();
   }
-  std::vector<double> ta, tb;
+  std::vector<std::vector<double>> times(fns.size());
   double total = 0.0;
-  while (static_cast<int>(ta.size()) < min_reps ||
-         (total < min_seconds && static_cast<int>(ta.size()) < max_reps)) {
-    double t0 = NowSeconds();
-    a();
-    ta.push_back(NowSeconds() - t0);
-    t0 = NowSeconds();
-    b();
-    tb.push_back(NowSeconds() - t0);
-    total += ta.back() + tb.back();
+  int reps = 0;
+  while (reps < min_reps || (total < min_seconds && reps < max_reps)) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const double t0 = NowSeconds();
+      fns[i]();
+      times[i].push_back(NowSeconds() - t0);
+      total += times[i].back();
+    }
+    ++reps;
   }
-  std::sort(ta.begin(), ta.end());
-  std::sort(tb.begin(), tb.end());
-  return {ta[ta.size() / 2], tb[tb.size() / 2]};
+  std::vector<double> medians;
+  for (std::vector<double>& t : times) {
+    std::sort(t.begin(), t.end());
+    medians.push_back(t[t.size() / 2]);
+  }
+  return medians;
 }
 
 // Bytes copied per second by memcpy over `threads` threads, each on its own slice of a
@@ -110,6 +116,29 @@ double MemcpyBytesPerSecond(int threads) {
   });
   return static_cast<double>(bytes) / s;
 }
+
+// max |a - ref| / max |ref|.
+double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& ref) {
+  double diff = 0.0;
+  double scale = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::abs(a[i] - ref[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(ref[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+// The figures of one row count, printed in tables at the end.
+struct Result {
+  int64_t rows = 0;                    // per expert
+  double t_fp32 = 0, t_bf16 = 0, t_bf16_x = 0;  // epserve: FP32 weights, BF16 weights,
+                                                // BF16 weights and BF16 activations
+  double t_sgemm = 0;                  // (a) pure sgemm, best thread count
+  int sgemm_threads = 0;
+  double t_composite = 0;              // (b) gather + 3 sgemm + SwiGLU loop
+  double diff_fp32 = 0, diff_bf16 = 0, diff_bf16_x = 0;  // against (b)
+  double memcpy_bps = 0;               // read + write bytes/s, small row counts only
+};
 
 int Run(int argc, char** argv) {
   int num_experts = 4;
@@ -142,8 +171,8 @@ int Run(int argc, char** argv) {
     std::printf("OPENBLAS_CORETYPE is not set; OpenBLAS picks its own kernels\n");
   }
   openblas_set_num_threads(threads);
-  std::printf("OpenBLAS: %s, core %s, %d threads\n", openblas_get_config(), openblas_get_corename(),
-              threads);
+  std::printf("OpenBLAS: %s, core %s, up to %d threads\n", openblas_get_config(),
+              openblas_get_corename(), threads);
   const char* pocl_threads = std::getenv("POCL_MAX_PTHREAD_COUNT");
   std::printf("POCL_MAX_PTHREAD_COUNT=%s\n", pocl_threads != nullptr ? pocl_threads : "(unset)");
 
@@ -163,43 +192,45 @@ int Run(int argc, char** argv) {
   }
   Runtime& r = **rt;
   std::printf("device: %s\n", r.device_info().Describe().c_str());
-  absl::StatusOr<ExpertWeights> w = UploadExperts(r, source, 0, 0, num_experts);
-  if (!w.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(w.status().message()).c_str());
+  absl::StatusOr<ExpertWeights> w32 = UploadExperts(r, source, 0, 0, num_experts);
+  absl::StatusOr<ExpertWeights> w16 = UploadExperts(r, source, 0, 0, num_experts, DType::kBf16);
+  if (!w32.ok() || !w16.ok()) {
+    std::fprintf(stderr, "%s\n", std::string((w32.ok() ? w16 : w32).status().message()).c_str());
     return 1;
   }
-  // Host weights for OpenBLAS, Hugging Face layout.
-  std::vector<std::vector<float>> gate(num_experts), up(num_experts), down(num_experts);
+  // Host weights for OpenBLAS, Hugging Face layout: gate_up[e] = [gate; up] ([2F, H]), so that
+  // gate and up are one GEMM; down[e] [H, F].
+  std::vector<std::vector<float>> gate_up(num_experts), down(num_experts);
   for (int e = 0; e < num_experts; ++e) {
-    gate[e].resize(ffn * hidden);
-    up[e].resize(ffn * hidden);
+    gate_up[e].resize(2 * ffn * hidden);
     down[e].resize(hidden * ffn);
-    if (!source.Fill(0, model::TensorKind::kExpertGate, e, gate[e].data()).ok() ||
-        !source.Fill(0, model::TensorKind::kExpertUp, e, up[e].data()).ok() ||
+    if (!source.Fill(0, model::TensorKind::kExpertGate, e, gate_up[e].data()).ok() ||
+        !source.Fill(0, model::TensorKind::kExpertUp, e, gate_up[e].data() + ffn * hidden).ok() ||
         !source.Fill(0, model::TensorKind::kExpertDown, e, down[e].data()).ok()) {
       return 1;
     }
   }
-  const double weight_bytes = 3.0 * hidden * ffn * sizeof(float) * num_experts;
-  std::printf("shape: H=%lld F=%lld, %d experts, %.0f MiB of expert weights\n",
+  const double weight_bytes_fp32 = 3.0 * hidden * ffn * sizeof(float) * num_experts;
+  const double weight_bytes_bf16 = weight_bytes_fp32 / 2;
+  std::printf("shape: H=%lld F=%lld, %d experts, %.0f MiB of FP32 expert weights (%.0f MiB BF16)\n",
               static_cast<long long>(hidden), static_cast<long long>(ffn), num_experts,
-              weight_bytes / (1 << 20));
+              weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) == 3) {
-    std::printf("load average before the run: %.2f %.2f %.2f (2 cores)\n\n", load[0], load[1],
+    std::printf("load average before the run: %.2f %.2f %.2f (2 cores)\n", load[0], load[1],
                 load[2]);
   }
 
-  std::printf(
-      "| rows/expert | epserve ms | epserve GFLOP/s | OpenBLAS ms | OpenBLAS GFLOP/s | "
-      "ratio | epserve weight GB/s | memcpy GB/s | ratio | max rel diff |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::vector<Result> results;
   std::mt19937_64 rng(42);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (int64_t m : rows_per_expert) {
+    std::fprintf(stderr, "rows/expert %lld ...\n", static_cast<long long>(m));
     const int64_t pairs = m * num_experts;
     std::vector<float> x(pairs * hidden);
     for (float& v : x) v = dist(rng);
+    std::vector<uint16_t> x16(x.size());
+    for (size_t i = 0; i < x.size(); ++i) x16[i] = FloatToBf16(x[i]);
     std::vector<int32_t> row_index(pairs);  // every row gathered from a shuffled token
     std::iota(row_index.begin(), row_index.end(), 0);
     std::shuffle(row_index.begin(), row_index.end(), rng);
@@ -207,75 +238,167 @@ int Run(int argc, char** argv) {
     for (int e = 0; e <= num_experts; ++e) offsets[e] = e * m;
 
     absl::StatusOr<Buffer> xb = r.AllocateCopy(x.data(), x.size() * sizeof(float));
+    absl::StatusOr<Buffer> xb16 = r.AllocateCopy(x16.data(), x16.size() * sizeof(uint16_t));
     absl::StatusOr<Buffer> ib = r.AllocateCopy(row_index.data(), pairs * sizeof(int32_t));
     absl::StatusOr<Buffer> hb = r.Allocate(pairs * ffn * sizeof(float));
     absl::StatusOr<Buffer> yb = r.Allocate(pairs * hidden * sizeof(float));
-    if (!xb.ok() || !ib.ok() || !hb.ok() || !yb.ok()) return 1;
+    if (!xb.ok() || !xb16.ok() || !ib.ok() || !hb.ok() || !yb.ok()) return 1;
     bool failed = false;
-    auto run_epserve = [&] {
-      absl::Status s = ExpertFfn(r, *w, *xb, *ib, offsets, *hb, *yb);
+    std::vector<float> y(pairs * hidden);
+    auto run_epserve = [&](const ExpertWeights& w, const Buffer& xin, RowFormat format) {
+      absl::Status s = ExpertFfn(r, w, xin, *ib, offsets, *hb, *yb, format);
       if (s.ok()) s = r.Finish();
       if (!s.ok() && !failed) {
         std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
         failed = true;
       }
     };
-    // OpenBLAS: per expert, gather its rows, G = X Wg^T, U = X Wu^T, A = silu(G) * U,
-    // Y = A Wd^T.
-    std::vector<float> xg(pairs * hidden), g(pairs * ffn), u(pairs * ffn), yb_blas(pairs * hidden);
-    auto run_blas = [&] {
+    auto read_y = [&] {
+      if (!r.Read(*yb, 0, y.data(), y.size() * sizeof(float)).ok()) failed = true;
+      return y;
+    };
+    const RowFormat fp32_rows;
+    const RowFormat bf16_rows{DType::kBf16, 0};
+
+    // (a) OpenBLAS at its best: per expert, the gate+up GEMM [rows x 2F x H] and the down GEMM
+    // [rows x H x F] on contiguous inputs, nothing else.
+    std::vector<float> xc(pairs * hidden), gu(pairs * 2 * ffn), hc(pairs * ffn), yc(pairs * hidden);
+    for (size_t i = 0; i < xc.size(); ++i) xc[i] = dist(rng);
+    for (size_t i = 0; i < hc.size(); ++i) hc[i] = dist(rng);
+    auto run_sgemm = [&](int nthreads) {
+      openblas_set_num_threads(nthreads);
+      for (int e = 0; e < num_experts; ++e) {
+        const int64_t p0 = offsets[e];
+        const int rows = static_cast<int>(offsets[e + 1] - p0);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * ffn, hidden, 1.0f,
+                    &xc[p0 * hidden], hidden, gate_up[e].data(), hidden, 0.0f, &gu[p0 * 2 * ffn],
+                    2 * ffn);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, hidden, ffn, 1.0f,
+                    &hc[p0 * ffn], ffn, down[e].data(), ffn, 0.0f, &yc[p0 * hidden], hidden);
+      }
+    };
+    // (b) the whole FFN through OpenBLAS: gather the rows, G = X Wg^T, U = X Wu^T,
+    // A = silu(G) * U (a plain C++ loop), Y = A Wd^T, per expert.
+    std::vector<float> xg(pairs * hidden), g(pairs * ffn), u(pairs * ffn), y_blas(pairs * hidden);
+    auto run_composite = [&] {
+      openblas_set_num_threads(threads);
       for (int64_t p = 0; p < pairs; ++p) {
         std::memcpy(&xg[p * hidden], &x[row_index[p] * hidden], hidden * sizeof(float));
       }
       for (int e = 0; e < num_experts; ++e) {
         const int64_t p0 = offsets[e];
         const int rows = static_cast<int>(offsets[e + 1] - p0);
+        const float* wg = gate_up[e].data();
+        const float* wu = wg + ffn * hidden;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, ffn, hidden, 1.0f,
-                    &xg[p0 * hidden], hidden, gate[e].data(), hidden, 0.0f, &g[p0 * ffn], ffn);
+                    &xg[p0 * hidden], hidden, wg, hidden, 0.0f, &g[p0 * ffn], ffn);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, ffn, hidden, 1.0f,
-                    &xg[p0 * hidden], hidden, up[e].data(), hidden, 0.0f, &u[p0 * ffn], ffn);
+                    &xg[p0 * hidden], hidden, wu, hidden, 0.0f, &u[p0 * ffn], ffn);
         for (int64_t i = p0 * ffn; i < (p0 + rows) * ffn; ++i) {
           g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, hidden, ffn, 1.0f, &g[p0 * ffn],
-                    ffn, down[e].data(), ffn, 0.0f, &yb_blas[p0 * hidden], hidden);
+                    ffn, down[e].data(), ffn, 0.0f, &y_blas[p0 * hidden], hidden);
       }
     };
-    const auto [t_epserve, t_blas] = PairedMedianSeconds(run_epserve, run_blas);
+
+    Result res;
+    res.rows = m;
+    // Outputs of each epserve variant against (b), before timing.
+    run_composite();
+    run_epserve(*w32, *xb, fp32_rows);
+    res.diff_fp32 = MaxRelDiff(read_y(), y_blas);
+    run_epserve(*w16, *xb, fp32_rows);
+    res.diff_bf16 = MaxRelDiff(read_y(), y_blas);
+    run_epserve(*w16, *xb16, bf16_rows);
+    res.diff_bf16_x = MaxRelDiff(read_y(), y_blas);
+
+    std::vector<std::function<void()>> fns = {
+        [&] { run_epserve(*w32, *xb, fp32_rows); }, [&] { run_epserve(*w16, *xb, fp32_rows); },
+        [&] { run_epserve(*w16, *xb16, bf16_rows); }, run_composite};
+    for (int t = 1; t <= threads; ++t) fns.push_back([&, t] { run_sgemm(t); });
+    const std::vector<double> med = RoundRobinMedianSeconds(fns);
     if (failed) return 1;
-    std::vector<float> y(pairs * hidden);
-    if (!r.Read(*yb, 0, y.data(), y.size() * sizeof(float)).ok()) return 1;
-    double diff = 0.0;
-    double scale = 0.0;
-    for (size_t i = 0; i < y.size(); ++i) {
-      diff = std::max(diff, static_cast<double>(std::abs(y[i] - yb_blas[i])));
-      scale = std::max(scale, static_cast<double>(std::abs(yb_blas[i])));
+    res.t_fp32 = med[0];
+    res.t_bf16 = med[1];
+    res.t_bf16_x = med[2];
+    res.t_composite = med[3];
+    res.t_sgemm = med[4];
+    res.sgemm_threads = 1;
+    for (int t = 2; t <= threads; ++t) {
+      if (med[3 + t] < res.t_sgemm) {
+        res.t_sgemm = med[3 + t];
+        res.sgemm_threads = t;
+      }
     }
-    const double flops = 6.0 * hidden * ffn * pairs;
-    const double gf_epserve = flops / t_epserve / 1e9;
-    const double gf_blas = flops / t_blas / 1e9;
     if (m <= 8) {
       // memcpy measured right after, so that it sees the same machine conditions; counted
       // as bytes read plus bytes written per second (twice the bytes copied).
-      const double memcpy_best = 2.0 * std::max(MemcpyBytesPerSecond(1), MemcpyBytesPerSecond(2));
-      const double bw = weight_bytes / t_epserve;
-      std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %.2f | %.1f | %.1f | %.2f | %.1e |\n",
-                  static_cast<long long>(m), t_epserve * 1e3, gf_epserve, t_blas * 1e3, gf_blas,
-                  gf_epserve / gf_blas, bw / 1e9, memcpy_best / 1e9, bw / memcpy_best,
-                  diff / scale);
-    } else {
-      std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %.2f | | | | %.1e |\n",
-                  static_cast<long long>(m), t_epserve * 1e3, gf_epserve, t_blas * 1e3, gf_blas,
-                  gf_epserve / gf_blas, diff / scale);
+      res.memcpy_bps = 2.0 * std::max(MemcpyBytesPerSecond(1), MemcpyBytesPerSecond(2));
     }
-    std::fflush(stdout);
+    results.push_back(res);
+  }
+  openblas_set_num_threads(threads);
+
+  const double flops_per_row = 6.0 * hidden * ffn;
+  auto gflops = [&](const Result& res, double t) {
+    return flops_per_row * res.rows * num_experts / t / 1e9;
+  };
+  std::printf(
+      "\nFP32 weights and activations. (a) = OpenBLAS sgemm alone on contiguous inputs (gate+up "
+      "as one [rows x 2F x H] GEMM and down [rows x H x F] per expert), best thread count; "
+      "(b) = the whole FFN through OpenBLAS (row gather, gate, up, C++ SwiGLU loop, down) on "
+      "%d threads.\n\n",
+      threads);
+  std::printf(
+      "| rows/expert | epserve ms | epserve GFLOP/s | (a) sgemm ms | (a) GFLOP/s | (a) threads | "
+      "epserve / (a) | (b) composite GFLOP/s | epserve / (b) | max rel diff vs (b) |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const Result& res : results) {
+    std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %d | %.2f | %.1f | %.2f | %.1e |\n",
+                static_cast<long long>(res.rows), res.t_fp32 * 1e3, gflops(res, res.t_fp32),
+                res.t_sgemm * 1e3, gflops(res, res.t_sgemm), res.sgemm_threads,
+                res.t_sgemm / res.t_fp32, gflops(res, res.t_composite),
+                res.t_composite / res.t_fp32, res.diff_fp32);
   }
   std::printf(
-      "\nGFLOP/s count 6*H*F flops per routed row (gate, up, down). Weight GB/s: the %d "
-      "experts' weights (%.0f MiB) read once per FFN call / its median time; memcpy "
-      "GB/s: the better of 1 and 2 threads, bytes read + bytes written per second (2x the bytes "
-      "copied).\n",
-      num_experts, weight_bytes / (1 << 20));
+      "\nBF16 weights (FP32 activations; last columns also BF16 activations), FP32 sums. "
+      "Routed rows/s = rows/expert x %d experts / median time.\n\n",
+      num_experts);
+  std::printf(
+      "| rows/expert | bf16-w ms | bf16-w GFLOP/s | bf16-w / (a) | fp32 routed rows/s | bf16-w "
+      "routed rows/s | bf16-w / fp32 | max rel diff vs (b) | bf16-w+x ms | bf16-w+x GFLOP/s | "
+      "max rel diff vs (b) |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const Result& res : results) {
+    const double routed = static_cast<double>(res.rows * num_experts);
+    std::printf("| %lld | %.3f | %.1f | %.2f | %.0f | %.0f | %.2f | %.1e | %.3f | %.1f | %.1e |\n",
+                static_cast<long long>(res.rows), res.t_bf16 * 1e3, gflops(res, res.t_bf16),
+                res.t_sgemm / res.t_bf16, routed / res.t_fp32, routed / res.t_bf16,
+                res.t_fp32 / res.t_bf16, res.diff_bf16, res.t_bf16_x * 1e3,
+                gflops(res, res.t_bf16_x), res.diff_bf16_x);
+  }
+  std::printf(
+      "\nWeight streaming at few rows: the experts' weights (%.0f MiB FP32, %.0f MiB BF16) "
+      "read once per FFN call / its median time, against memcpy (the better of 1 and 2 "
+      "threads over 512 MiB, bytes read + bytes written per second = 2x the bytes copied), "
+      "measured right after each case.\n\n",
+      weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
+  std::printf(
+      "| rows/expert | memcpy GB/s | fp32 weight GB/s | fp32 / memcpy | bf16 weight GB/s | "
+      "bf16 / memcpy | (a) sgemm weight GB/s | (a) / memcpy |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const Result& res : results) {
+    if (res.memcpy_bps == 0) continue;
+    const double fp32_bw = weight_bytes_fp32 / res.t_fp32;
+    const double bf16_bw = weight_bytes_bf16 / res.t_bf16;
+    const double sgemm_bw = weight_bytes_fp32 / res.t_sgemm;
+    std::printf("| %lld | %.1f | %.1f | %.2f | %.1f | %.2f | %.1f | %.2f |\n",
+                static_cast<long long>(res.rows), res.memcpy_bps / 1e9, fp32_bw / 1e9,
+                fp32_bw / res.memcpy_bps, bf16_bw / 1e9, bf16_bw / res.memcpy_bps,
+                sgemm_bw / 1e9, sgemm_bw / res.memcpy_bps);
+  }
+  std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down).\n");
   if (getloadavg(load, 3) == 3) {
     std::printf("load average after the run: %.2f %.2f %.2f\n", load[0], load[1], load[2]);
   }

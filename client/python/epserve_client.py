@@ -5,6 +5,9 @@ health_pb2), which the build generates into <build>/proto/python; put that folde
 sys.path or PYTHONPATH. On Debian: apt-get install python3-grpcio python3-numpy
 python3-protobuf, and run it with /usr/bin/python3.
 
+    import epserve_client
+    y = epserve_client.moe_layer(x)      # one call: x [T, H] numpy -> y [T, H] numpy
+
     from epserve_client import Client
     c = Client("127.0.0.1:8001")
     y = c.infer(x)                       # x: float32 [T, H]; y: float32 [T, H]
@@ -175,3 +178,34 @@ class Client:
                 yield rid, InferError(None, resp.error_message, rid)
             else:
                 yield rid, self.output(resp.infer_response)
+
+
+_DATATYPE_OF = {np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16"}
+
+
+def moe_layer(x, address="127.0.0.1:8001", model="moe", *, layer=None, datatype=None,
+              token=None, root_certificates=None, timeout=60.0):
+    """The served MoE layer applied to the rows of `x` (a numpy array [T, H], or [H] for one
+    token); returns a numpy array of the same shape.
+
+    float16 input travels as FP16 and comes back float16; any other float input travels as
+    FP32 (or as `datatype`: "FP32", "BF16", "FP16") and comes back float32. `layer` is the
+    model's own layer index (None: the first served layer). `token`: bearer token;
+    `root_certificates`: PEM bytes of the server's CA, for TLS. Raises InferError (with the
+    gRPC code) when the server refuses the request. Opens and closes a channel per call: for
+    many calls, keep a Client."""
+    x = np.asarray(x)
+    if x.ndim not in (1, 2):
+        raise ValueError(f"x must be [T, H] or [H], got shape {x.shape}")
+    if datatype is None:
+        datatype = _DATATYPE_OF.get(x.dtype, "FP32")
+    rows = x.reshape(1, -1) if x.ndim == 1 else x
+    client = Client(address, model, token=token, root_certificates=root_certificates)
+    try:
+        y = client.infer(rows.astype(np.float32), datatype=datatype, layer=layer,
+                         timeout=timeout)
+    finally:
+        client.close()
+    if x.dtype == np.float16 and datatype == "FP16":
+        y = y.astype(np.float16)
+    return y.reshape(x.shape)

@@ -1,5 +1,6 @@
 // Expert FFN as grouped GEMMs over expert-major rows. Weight layout: kernels/detail/ffn_layout.h
-// (column panels of 32 floats per k-step).
+// (column panels of 32 values per k-step), FP32 or BF16; x, h, y and every accumulator FP32
+// (BF16 activations are widened beforehand by gather_bf16_rows).
 //
 // One work-item (= one work-group of size 1) per (panel, tile), a tile being up to
 // kFfnRowChunk rows of one expert. It walks its rows in register blocks of FFN_ROWS rows
@@ -7,6 +8,8 @@
 // from memory once per tile and then from cache, and the tile's rows of x stay in cache
 // while consecutive work-items walk the other panels. Every output element is written by
 // exactly one work-item with a fixed summation order: results are bit-identical run to run.
+//
+// Kernels, one per weight type: ffn_gate_up_w{f32,bf16}, ffn_down_w{f32,bf16}.
 
 #ifndef FFN_PANEL_VECS
 #define FFN_PANEL_VECS 2
@@ -15,7 +18,7 @@
 #define FFN_ROWS 12
 #endif
 #if FFN_PANEL_VECS != 2
-#error "expert_ffn.cl is written for FFN_PANEL_VECS == 2 (32-float panel rows)"
+#error "expert_ffn.cl is written for FFN_PANEL_VECS == 2 (32-value panel rows)"
 #endif
 #if FFN_ROWS != 12 && FFN_ROWS != 8
 #error "FFN_ROWS must be 8 or 12"
@@ -25,11 +28,25 @@
 #define FFN_PREFETCH_VECS 128
 #endif
 
+#define OVERLOAD __attribute__((overloadable))
+
+// Element loads. A BF16 value is the upper half of the FP32 with the same bits, so widening
+// is exact: shift into place and reinterpret.
+inline float16 OVERLOAD LoadW(const __global float16* restrict b, int i) { return b[i]; }
+inline float16 OVERLOAD LoadW(const __global ushort16* restrict b, int i) {
+  return as_float16(convert_uint16(b[i]) << 16);
+}
+
 // The register block is spelled out row by row (REPn) so that its accumulators are plain
 // variables the compiler keeps in vector registers.
 #define REP4(M) M(0) M(1) M(2) M(3)
 #define REP8(M) REP4(M) M(4) M(5) M(6) M(7)
 #define REP12(M) REP8(M) M(8) M(9) M(10) M(11)
+
+#define GLUE(a, b) GLUE_(a, b)
+#define GLUE_(a, b) a##b
+#define GLUE3(a, b, c) GLUE3_(a, b, c)
+#define GLUE3_(a, b, c) a##b##c
 
 // Stores v[0, 16) to dst[0, min(16, limit)).
 inline void StorePartial16(float16 v, __global float* dst, int limit) {
@@ -50,8 +67,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 
 // Row r of the block: its A pointer and two accumulators (16 outputs each).
 #define ACC_DECL_GATHER(r)                                                                \
-  const __global float* a##r =                                                            \
-      x + SourceRow(row_index, gather, min(p + (r), end - 1), x_rows) * (size_t)hidden;   \
+  const __typeof__(x) a##r =                                                              \
+      x + SourceRow(row_index, gather, min(p + (r), end - 1), x_rows) * (size_t)x_stride; \
   float16 acc##r##_0 = (float16)(0.0f);                                                   \
   float16 acc##r##_1 = (float16)(0.0f);
 #define ACC_DECL_DIRECT(r)                                                                \
@@ -76,104 +93,124 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     StorePartial16(acc##r##_0, out, hidden - c0);                                         \
     StorePartial16(acc##r##_1, out + 16, hidden - c0 - 16);                               \
   }
+// One k-step: the panel row (32 values) as two float16, prefetching ahead.
+#define PANEL_STEP(R)                                                                     \
+  __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS);                                      \
+  __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS + 1);                                  \
+  const float16 b0 = LoadW(b, 2 * k);                                                     \
+  const float16 b1 = LoadW(b, 2 * k + 1);                                                 \
+  REP##R(ACC_FMA)
 
 // Rows [p, p + R) of the expert (clamped to end - 1; only rows < end are stored):
-// h[p', f0 .. f0 + 16) = silu(x . gate) * (x . up).
-#define DEFINE_GATE_UP_BLOCK(R)                                                          \
-  inline void GateUpBlock##R(const __global float* restrict x, long x_rows,              \
-                             __global const int* restrict row_index, int gather, int p,  \
-                             int end, const __global float16* restrict b, int hidden,    \
-                             int ffn, int f0, __global float* restrict h) {              \
-    REP##R(ACC_DECL_GATHER)                                                              \
-    for (int k = 0; k < hidden; ++k) {                                                   \
-      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS);                                 \
-      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS + 1);                             \
-      const float16 b0 = b[2 * k];                                                       \
-      const float16 b1 = b[2 * k + 1];                                                   \
-      REP##R(ACC_FMA)                                                                    \
-    }                                                                                    \
-    const int valid = min((R), end - p);                                                 \
-    REP##R(GATE_UP_STORE)                                                                \
+// h[p', f0 .. f0 + 16) = silu(x . gate) * (x . up). x rows are x_stride elements apart.
+#define DEFINE_GATE_UP_BLOCK(R, S, XT, WT)                                                 \
+  inline void GLUE3(GateUpBlock, R, S)(                                                    \
+      const __global XT* restrict x, long x_rows, long x_stride,                           \
+      __global const int* restrict row_index, int gather, int p, int end,                  \
+      const __global WT* restrict b, int hidden, int ffn, int f0, __global float* restrict h) { \
+    REP##R(ACC_DECL_GATHER)                                                                \
+    for (int k = 0; k < hidden; ++k) {                                                     \
+      PANEL_STEP(R)                                                                        \
+    }                                                                                      \
+    const int valid = min((R), end - p);                                                   \
+    REP##R(GATE_UP_STORE)                                                                  \
   }
 
 // Rows [p, p + R) of h (clamped to end - 1; only rows < end are stored):
 // y[p', c0 .. c0 + 32) = h[p'] . down.
-#define DEFINE_DOWN_BLOCK(R)                                                             \
-  inline void DownBlock##R(const __global float* restrict h, int p, int end,             \
-                           const __global float16* restrict b, int hidden, int ffn,      \
-                           int c0, __global float* restrict y) {                         \
-    REP##R(ACC_DECL_DIRECT)                                                              \
-    for (int k = 0; k < ffn; ++k) {                                                      \
-      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS);                                 \
-      __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS + 1);                             \
-      const float16 b0 = b[2 * k];                                                       \
-      const float16 b1 = b[2 * k + 1];                                                   \
-      REP##R(ACC_FMA)                                                                    \
-    }                                                                                    \
-    const int valid = min((R), end - p);                                                 \
-    REP##R(DOWN_STORE)                                                                   \
+#define DEFINE_DOWN_BLOCK(R, S, WT)                                                        \
+  inline void GLUE3(DownBlock, R, S)(const __global float* restrict h, int p, int end,     \
+                                     const __global WT* restrict b, int hidden, int ffn,   \
+                                     int c0, __global float* restrict y) {                 \
+    REP##R(ACC_DECL_DIRECT)                                                                \
+    for (int k = 0; k < ffn; ++k) {                                                        \
+      PANEL_STEP(R)                                                                        \
+    }                                                                                      \
+    const int valid = min((R), end - p);                                                   \
+    REP##R(DOWN_STORE)                                                                     \
   }
 
-#define DEFINE_BLOCKS(R) \
-  DEFINE_GATE_UP_BLOCK(R) \
-  DEFINE_DOWN_BLOCK(R)
-#define DEFINE_BLOCKS_EXPANDED(R) DEFINE_BLOCKS(R)
-
-DEFINE_BLOCKS(4)
-DEFINE_BLOCKS(8)
-#if FFN_ROWS != 8
-DEFINE_BLOCKS_EXPANDED(FFN_ROWS)
-#endif
-
-#define GLUE(a, b) GLUE_(a, b)
-#define GLUE_(a, b) a##b
-#define GateUpBlockMain GLUE(GateUpBlock, FFN_ROWS)
-#define DownBlockMain GLUE(DownBlock, FFN_ROWS)
-
-// groups[g] = (local expert, first row, end row, unused) of the g-th non-empty expert.
-// x [x_rows, hidden]; rows p of the expert read x[row_index[p]] (gather != 0) or x[p].
-// w: the gate_up panels; h [*, ffn].
-__kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up(
-    __global const float* restrict x, long x_rows, __global const int* restrict row_index,
-    int gather, __global const int4* restrict groups, __global const float16* restrict w,
-    int hidden, int ffn, int num_panels, __global float* restrict h) {
-  const int panel = get_group_id(0);
-  const int4 g = groups[get_group_id(1)];
-  const __global float16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)hidden * NV;
-  const int f0 = panel * NV * 8;
-  const int end = g.z;
-  int p = g.y;
-  for (; p + FFN_ROWS <= end; p += FFN_ROWS) {
-    GateUpBlockMain(x, x_rows, row_index, gather, p, end, b, hidden, ffn, f0, h);
+// groups[g] = (local expert, first row, end row, unused) of the g-th tile.
+// x [x_rows, x_stride] of XT; rows p of the expert read x[row_index[p]] (gather != 0) or
+// x[p]. w: the gate_up panels of WT; h [*, ffn].
+#define DEFINE_GATE_UP_KERNEL(S, XT, WT)                                                   \
+  DEFINE_GATE_UP_BLOCK(4, S, XT, WT)                                                       \
+  DEFINE_GATE_UP_BLOCK(8, S, XT, WT)                                                       \
+  DEFINE_GATE_UP_BLOCK(12, S, XT, WT)                                                      \
+  __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void GLUE(ffn_gate_up, S)(       \
+      __global const XT* restrict x, long x_rows, long x_stride,                           \
+      __global const int* restrict row_index, int gather, __global const int4* restrict groups, \
+      __global const WT* restrict w, int hidden, int ffn, int num_panels,                  \
+      __global float* restrict h) {                                                        \
+    const int panel = get_group_id(0);                                                     \
+    const int4 g = groups[get_group_id(1)];                                                \
+    const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)hidden * NV;   \
+    const int f0 = panel * NV * 8;                                                         \
+    const int end = g.z;                                                                   \
+    int p = g.y;                                                                           \
+    for (; p + FFN_ROWS <= end; p += FFN_ROWS) {                                           \
+      GLUE3(GateUpBlock, FFN_ROWS, S)(x, x_rows, x_stride, row_index, gather, p, end, b,   \
+                                      hidden, ffn, f0, h);                                 \
+    }                                                                                      \
+    const int rest = end - p;                                                              \
+    if (rest > 8) {                                                                        \
+      GLUE3(GateUpBlock, FFN_ROWS, S)(x, x_rows, x_stride, row_index, gather, p, end, b,   \
+                                      hidden, ffn, f0, h);                                 \
+    } else if (rest > 4) {                                                                 \
+      GLUE3(GateUpBlock, 8, S)(x, x_rows, x_stride, row_index, gather, p, end, b, hidden,  \
+                               ffn, f0, h);                                                \
+    } else if (rest > 0) {                                                                 \
+      GLUE3(GateUpBlock, 4, S)(x, x_rows, x_stride, row_index, gather, p, end, b, hidden,  \
+                               ffn, f0, h);                                                \
+    }                                                                                      \
   }
-  const int rest = end - p;
-  if (rest > 8) {
-    GateUpBlockMain(x, x_rows, row_index, gather, p, end, b, hidden, ffn, f0, h);
-  } else if (rest > 4) {
-    GateUpBlock8(x, x_rows, row_index, gather, p, end, b, hidden, ffn, f0, h);
-  } else if (rest > 0) {
-    GateUpBlock4(x, x_rows, row_index, gather, p, end, b, hidden, ffn, f0, h);
-  }
-}
 
-// h [*, ffn] rows of each group -> y [*, hidden]; w: the down panels.
-__kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down(
-    __global const float* restrict h, __global const int4* restrict groups,
-    __global const float16* restrict w, int hidden, int ffn, int num_panels,
-    __global float* restrict y) {
-  const int panel = get_group_id(0);
-  const int4 g = groups[get_group_id(1)];
-  const __global float16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)ffn * NV;
-  const int c0 = panel * NV * 16;
-  const int end = g.z;
-  int p = g.y;
-  for (; p + FFN_ROWS <= end; p += FFN_ROWS) DownBlockMain(h, p, end, b, hidden, ffn, c0, y);
-  const int rest = end - p;
-  if (rest > 8) {
-    DownBlockMain(h, p, end, b, hidden, ffn, c0, y);
-  } else if (rest > 4) {
-    DownBlock8(h, p, end, b, hidden, ffn, c0, y);
-  } else if (rest > 0) {
-    DownBlock4(h, p, end, b, hidden, ffn, c0, y);
+// h [*, ffn] rows of each group -> y [*, hidden]; w: the down panels of WT.
+#define DEFINE_DOWN_KERNEL(S, WT)                                                          \
+  DEFINE_DOWN_BLOCK(4, S, WT)                                                              \
+  DEFINE_DOWN_BLOCK(8, S, WT)                                                              \
+  DEFINE_DOWN_BLOCK(12, S, WT)                                                             \
+  __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void GLUE(ffn_down, S)(          \
+      __global const float* restrict h, __global const int4* restrict groups,              \
+      __global const WT* restrict w, int hidden, int ffn, int num_panels,                  \
+      __global float* restrict y) {                                                        \
+    const int panel = get_group_id(0);                                                     \
+    const int4 g = groups[get_group_id(1)];                                                \
+    const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)ffn * NV;      \
+    const int c0 = panel * NV * 16;                                                        \
+    const int end = g.z;                                                                   \
+    int p = g.y;                                                                           \
+    for (; p + FFN_ROWS <= end; p += FFN_ROWS) {                                           \
+      GLUE3(DownBlock, FFN_ROWS, S)(h, p, end, b, hidden, ffn, c0, y);                     \
+    }                                                                                      \
+    const int rest = end - p;                                                              \
+    if (rest > 8) {                                                                        \
+      GLUE3(DownBlock, FFN_ROWS, S)(h, p, end, b, hidden, ffn, c0, y);                     \
+    } else if (rest > 4) {                                                                 \
+      GLUE3(DownBlock, 8, S)(h, p, end, b, hidden, ffn, c0, y);                            \
+    } else if (rest > 0) {                                                                 \
+      GLUE3(DownBlock, 4, S)(h, p, end, b, hidden, ffn, c0, y);                            \
+    }                                                                                      \
   }
+
+// FP32 panel rows are two float16, BF16 ones two ushort16 (one cache line).
+DEFINE_GATE_UP_KERNEL(_wf32, float, float16)
+DEFINE_GATE_UP_KERNEL(_wbf16, float, ushort16)
+DEFINE_DOWN_KERNEL(_wf32, float16)
+DEFINE_DOWN_KERNEL(_wbf16, ushort16)
+
+// out[p, :] = x[row_index[p], :] widened from BF16 (exact), for p < num_rows; x rows are
+// x_stride values apart, out rows hidden. One work-item per row.
+__kernel void gather_bf16_rows(__global const ushort* restrict x, long x_rows, long x_stride,
+                               __global const int* restrict row_index, int num_rows, int hidden,
+                               __global float* restrict out) {
+  const int p = get_global_id(0);
+  if (p >= num_rows) return;
+  const __global ushort* src = x + SourceRow(row_index, 1, p, x_rows) * (size_t)x_stride;
+  __global float* dst = out + (size_t)p * hidden;
+  int c = 0;
+  for (; c + 16 <= hidden; c += 16) {
+    vstore16(as_float16(convert_uint16(vload16(0, src + c)) << 16), 0, dst + c);
+  }
+  for (; c < hidden; ++c) dst[c] = as_float((uint)src[c] << 16);
 }

@@ -1,7 +1,10 @@
 // Router: logits = x . router^T, then the k experts of each token and their weights, with
-// the semantics of model::ReferenceRoute. One work-item per token; ties go to the lower
-// expert (or group) index because candidates are scanned in ascending order and only a
-// strictly greater score replaces the best so far.
+// the semantics of model::ReferenceRoute. One work-item (= one work-group of size 1) per
+// block of ROUTER_TOKENS tokens: it computes the block's logits ROUTER_EXPERTS experts at a
+// time with 16-wide vector FMAs over H (each router row read once per block, from cache),
+// then selects each token's experts. Ties go to the lower expert (or group) index because
+// candidates are scanned in ascending order and only a strictly greater score replaces the
+// best so far. Summation order is fixed: results are bit-identical run to run.
 
 #ifndef ROUTER_MAX_EXPERTS
 #define ROUTER_MAX_EXPERTS 512
@@ -11,6 +14,14 @@
 #define ROUTING_SOFTMAX_TOPK 0
 #define ROUTING_SIGMOID_GROUPED_TOPK 1
 #define ROUTING_TOPK_SOFTMAX 2
+
+#ifndef ROUTER_TOKENS
+#define ROUTER_TOKENS 4
+#endif
+#define ROUTER_EXPERTS 4
+#if ROUTER_TOKENS != 4
+#error "router.cl is written for ROUTER_TOKENS == 4"
+#endif
 
 #define MASK_WORDS ((ROUTER_MAX_EXPERTS + 31) / 32)
 
@@ -27,28 +38,62 @@ inline int ArgMax(const float* score, int count, const uint* allowed, const uint
   return best;
 }
 
-// x [n, H], router [E, H], bias [E] (kind 1 only) -> ids [n, k], weights [n, k].
-__kernel void route_tokens(__global const float* restrict x, __global const float* restrict router,
-                           __global const float* restrict bias, int n, int hidden,
-                           int num_experts, int k, int kind, int norm_topk_prob, int n_group,
-                           int topk_group, float routed_scaling_factor,
-                           __global int* restrict ids, __global float* restrict weights) {
-  const int t = get_global_id(0);
-  if (t >= n) return;
-  float logit[ROUTER_MAX_EXPERTS];
+// Lanes of v summed in a fixed tree order.
+inline float Sum16(float16 v) {
+  const float8 a = v.lo + v.hi;
+  const float4 b = a.lo + a.hi;
+  const float2 c = b.lo + b.hi;
+  return c.x + c.y;
+}
+
+#define REP4(M) M(0) M(1) M(2) M(3)
+#define REP4_2(M, a) M(a, 0) M(a, 1) M(a, 2) M(a, 3)
+#define ACC_DECL(t, e) float16 acc##t##e = (float16)(0.0f);
+#define ACC_DECL_ROW(t) REP4_2(ACC_DECL, t)
+#define ACC_FMA(t, e) acc##t##e = fma(xv##t, rv##e, acc##t##e);
+#define ACC_FMA_ROW(t) REP4_2(ACC_FMA, t)
+#define X_LOAD(t) const float16 xv##t = vload16(0, xr##t + h);
+#define R_LOAD(e) const float16 rv##e = vload16(0, rr##e + h);
+#define X_PTR(t) const __global float* xr##t = x + (size_t)min(t0 + (t), n - 1) * hidden;
+#define R_PTR(e) const __global float* rr##e = router + (size_t)min(e0 + (e), num_experts - 1) * hidden;
+// The tail of H (hidden % 16 values) goes into lane 0, after the vector part.
+#define TAIL_FMA(t, e) acc##t##e.s0 = fma(xr##t[h], rr##e[h], acc##t##e.s0);
+#define TAIL_FMA_ROW(t) REP4_2(TAIL_FMA, t)
+#define ACC_STORE(t, e) \
+  if (e0 + (e) < num_experts) logit[(t) * ROUTER_MAX_EXPERTS + e0 + (e)] = Sum16(acc##t##e);
+#define ACC_STORE_ROW(t) REP4_2(ACC_STORE, t)
+
+// logit[t * ROUTER_MAX_EXPERTS + e] = x[t0 + t] . router[e] for the block's 4 tokens (rows past
+// n repeat row n - 1).
+inline void BlockLogits(const __global float* restrict x, const __global float* restrict router,
+                        int t0, int n, int hidden, int num_experts, float* logit) {
+  REP4(X_PTR)
+  for (int e0 = 0; e0 < num_experts; e0 += ROUTER_EXPERTS) {
+    REP4(R_PTR)
+    REP4(ACC_DECL_ROW)
+    int h = 0;
+    for (; h + 16 <= hidden; h += 16) {
+      REP4(X_LOAD)
+      REP4(R_LOAD)
+      REP4(ACC_FMA_ROW)
+    }
+    for (; h < hidden; ++h) {
+      REP4(TAIL_FMA_ROW)
+    }
+    REP4(ACC_STORE_ROW)
+  }
+}
+
+// The k experts of one token from its logits [num_experts]: ids [k], weights [k].
+inline void SelectExperts(const float* logit, const __global float* restrict bias,
+                          int num_experts, int k, int kind, int norm_topk_prob, int n_group,
+                          int topk_group, float routed_scaling_factor, __global int* restrict ids,
+                          __global float* restrict weights) {
   float weight[ROUTER_MAX_EXPERTS];  // the weight an expert gets if chosen (before norm)
   float choose[ROUTER_MAX_EXPERTS];  // the score experts are chosen by
   uint allowed[MASK_WORDS];
   uint taken[MASK_WORDS];
   int chosen[ROUTER_MAX_EXPERTS];
-
-  const __global float* row = x + (size_t)t * hidden;
-  for (int e = 0; e < num_experts; ++e) {
-    const __global float* r = router + (size_t)e * hidden;
-    float s = 0.0f;
-    for (int h = 0; h < hidden; ++h) s = fma(row[h], r[h], s);
-    logit[e] = s;
-  }
   for (int w = 0; w < MASK_WORDS; ++w) {
     allowed[w] = 0xffffffffu;
     taken[w] = 0u;
@@ -126,7 +171,25 @@ __kernel void route_tokens(__global const float* restrict x, __global const floa
     norm = 1.0f / (sum + 1e-20f);
   }
   for (int j = 0; j < k; ++j) {
-    ids[(size_t)t * k + j] = chosen[j];
-    weights[(size_t)t * k + j] = weight[chosen[j]] * norm * routed_scaling_factor;
+    ids[j] = chosen[j];
+    weights[j] = weight[chosen[j]] * norm * routed_scaling_factor;
+  }
+}
+
+// x [n, H], router [E, H], bias [E] (kind 1 only) -> ids [n, k], weights [n, k].
+// Global size: ceil(n / ROUTER_TOKENS).
+__kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
+    __global const float* restrict x, __global const float* restrict router,
+    __global const float* restrict bias, int n, int hidden, int num_experts, int k, int kind,
+    int norm_topk_prob, int n_group, int topk_group, float routed_scaling_factor,
+    __global int* restrict ids, __global float* restrict weights) {
+  const int t0 = get_group_id(0) * ROUTER_TOKENS;
+  if (t0 >= n) return;
+  float logit[ROUTER_TOKENS * ROUTER_MAX_EXPERTS];
+  BlockLogits(x, router, t0, n, hidden, num_experts, logit);
+  for (int t = 0; t < ROUTER_TOKENS && t0 + t < n; ++t) {
+    SelectExperts(logit + t * ROUTER_MAX_EXPERTS, bias, num_experts, k, kind, norm_topk_prob,
+                  n_group, topk_group, routed_scaling_factor, ids + (size_t)(t0 + t) * k,
+                  weights + (size_t)(t0 + t) * k);
   }
 }

@@ -1,8 +1,9 @@
-// The device layout of expert weights and the tile sizes of the FFN kernels, shared by the
-// host launchers and (through build options) the .cl sources. Private to kernels/.
+// The device layout of expert weights and the tile sizes of the FFN and router kernels, shared
+// by the host launchers and (through build options) the .cl sources. Private to kernels/.
 //
 // A projection from K inputs to N outputs is stored as ceil(N / panel_cols) column panels;
-// panel j holds, for every k in [0, K), panel_cols consecutive floats: the weights of
+// panel j holds, for every k in [0, K), panel_cols consecutive values (FP32 or BF16, the
+// expert set's dtype; the *FloatsPerExpert counts are in values): the weights of
 // outputs [j * panel_cols, (j + 1) * panel_cols) for input k (zero beyond N). A panel is
 // thus read front to back as the kernel walks k, and every k-step is one aligned load.
 //   gate_up of expert e: panels over F of kFfnPanelCols / 2 gate columns followed by the
@@ -32,6 +33,8 @@ inline constexpr int kFfnPrefetchVecs = 128;
 inline constexpr int64_t kFfnRowChunk = 192;
 // Largest expert count the router kernel supports (its per-token scratch is private).
 inline constexpr int kRouterMaxExperts = 512;
+// Tokens one router work-item routes (it reads each router row once for all of them).
+inline constexpr int kRouterTokens = 4;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Panels of the gate_up projection (over F) and of the down projection (over H).
@@ -49,7 +52,8 @@ inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
 inline std::string ProgramBuildOptions() {
   return absl::StrCat("-cl-std=CL1.2 -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
                       " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
-                      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts);
+                      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
+                      " -DROUTER_TOKENS=", kRouterTokens);
 }
 
 }  // namespace epserve::kernels::detail

@@ -1,9 +1,18 @@
 #include <algorithm>
+#include <map>
 #include <random>
 
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_split.h"
 #include "client/infer_request.h"
+#include "client/load_generator.h"
 #include "client/load_stats.h"
+#include "client/verify.h"
 #include "gtest/gtest.h"
+#include "model/reference.h"
+#include "model/synthetic.h"
 
 namespace epserve::client {
 namespace {
@@ -70,6 +79,180 @@ TEST(CheckInferResponse, RejectsWrongShapesAndSizes) {
 }
 
 TEST(FormatStepJson, QuotesText) { EXPECT_EQ(JsonQuote("a\"b\\c\n"), "\"a\\\"b\\\\c\\n\""); }
+
+TEST(Dtype, Fp16RoundTripsEveryValueAndRoundsToNearestEven) {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const auto h = static_cast<uint16_t>(bits);
+    const float f = Fp16ToFloat(h);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(Fp16ToFloat(FloatToFp16(f))));
+      continue;
+    }
+    ASSERT_EQ(FloatToFp16(f), h) << bits;
+  }
+  EXPECT_EQ(Fp16ToFloat(FloatToFp16(1.0f + 0x1p-11f)), 1.0f);                // tie to even
+  EXPECT_EQ(Fp16ToFloat(FloatToFp16(1.0f + 3 * 0x1p-11f)), 1.0f + 0x1p-9f);  // tie to even
+  EXPECT_EQ(Fp16ToFloat(FloatToFp16(0x1p-25f)), 0.0f);                       // tie to even
+  EXPECT_EQ(Fp16ToFloat(FloatToFp16(3 * 0x1p-25f)), 0x1p-23f);
+  EXPECT_TRUE(std::isinf(Fp16ToFloat(FloatToFp16(65520.0f))));
+  EXPECT_EQ(Fp16ToFloat(FloatToFp16(65519.0f)), 65504.0f);
+}
+
+TEST(Dtype, Bf16RoundsToNearestEvenAndParses) {
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 0x1p-8f)), 1.0f);
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 3 * 0x1p-8f)), 1.0f + 0x1p-6f);
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
+  EXPECT_EQ(*ParseDtype("bf16"), Dtype::kBf16);
+  EXPECT_EQ(*ParseDtype("FP16"), Dtype::kFp16);
+  EXPECT_FALSE(ParseDtype("int8").ok());
+}
+
+TEST(BuildInferRequest, EncodesTheDatatypeAndReportsTheValuesSent) {
+  RequestTemplate tmpl;
+  tmpl.model_name = "m";
+  tmpl.hidden_size = 8;
+  tmpl.timeout_us = 500;
+  for (Dtype d : {Dtype::kFp32, Dtype::kBf16, Dtype::kFp16}) {
+    tmpl.dtype = d;
+    FastRng rng(1, 2);
+    inference::ModelInferRequest req;
+    std::vector<float> values;
+    BuildInferRequest(tmpl, 3, "id", rng, &req, &values);
+    ASSERT_EQ(values.size(), 24u);
+    EXPECT_EQ(req.inputs(0).datatype(), DtypeName(d));
+    EXPECT_EQ(req.parameters().at("timeout").int64_param(), 500);
+    const std::string& raw = req.raw_input_contents(0);
+    ASSERT_EQ(raw.size(), 24u * DtypeBytes(d));
+    for (size_t i = 0; i < values.size(); ++i) {
+      float decoded;
+      if (d == Dtype::kFp32) {
+        std::memcpy(&decoded, raw.data() + 4 * i, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, raw.data() + 2 * i, 2);
+        decoded = d == Dtype::kBf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+      }
+      EXPECT_EQ(decoded, values[i]);
+      EXPECT_GE(values[i], -1.0f);
+      EXPECT_LE(values[i], 1.0f);
+    }
+    // The same bytes as an answer decode to the same values.
+    inference::ModelInferResponse resp;
+    auto* out = resp.add_outputs();
+    out->set_name("moe_output");
+    out->set_datatype(std::string(DtypeName(d)));
+    out->add_shape(3);
+    out->add_shape(8);
+    resp.add_raw_output_contents(raw);
+    EXPECT_TRUE(CheckInferResponse(resp, 3, 8, "id", d).ok());
+    EXPECT_FALSE(
+        CheckInferResponse(resp, 3, 8, "id", d == Dtype::kFp32 ? Dtype::kBf16 : Dtype::kFp32).ok());
+    std::vector<float> decoded;
+    DecodeOutput(resp, d, &decoded);
+    EXPECT_EQ(decoded, values);
+  }
+}
+
+StepReport SampleReport() {
+  WorkerStats stats;
+  stats.RecordOk(2'000'000, 4);
+  stats.RecordOk(1'000'000, 4);
+  stats.RecordError("UNAVAILABLE", "gone, \"really\"");
+  StepReport r = MakeStepReport(LoadMode::kClosedLoop, 4, 0, "", stats, 1.0);
+  ServerSplit split;
+  split.requests = 2;
+  split.queue_ms = 0.5;
+  split.compute_infer_ms = 1.25;
+  split.batches = 1;
+  split.mean_batch_rows = 8;
+  r.server = split;
+  return r;
+}
+
+TEST(FormatStep, JsonAndCsvCarryTheCountsAndTheServerSplit) {
+  const StepReport r = SampleReport();
+  const std::string json = FormatStepJson(r);
+  EXPECT_NE(json.find("\"requests\":3,\"ok\":2,\"errors\":{\"UNAVAILABLE\":1}"), std::string::npos)
+      << json;
+  EXPECT_NE(json.find("\"tokens\":8"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"server\":{\"requests\":2,\"failed\":0,\"queue_ms\":0.500000"),
+            std::string::npos)
+      << json;
+  const std::vector<std::string> header = absl::StrSplit(CsvHeader(), ',');
+  const std::vector<std::string> row = absl::StrSplit(FormatStepCsv(r), ',');
+  ASSERT_EQ(header.size(), row.size());
+  std::map<std::string, std::string> cell;
+  for (size_t i = 0; i < header.size(); ++i) cell[header[i]] = row[i];
+  EXPECT_EQ(cell["mode"], "closed");
+  EXPECT_EQ(cell["concurrency"], "4");
+  EXPECT_EQ(cell["rate"], "");
+  EXPECT_EQ(cell["ok"], "2");
+  EXPECT_EQ(cell["errors"], "1");
+  EXPECT_EQ(cell["p50_ms"], "1.000000");
+  EXPECT_EQ(cell["server_compute_infer_ms"], "1.250000");
+  EXPECT_EQ(cell["error_breakdown"], "UNAVAILABLE=1");
+  EXPECT_NE(FormatStepTable(r).find("server (ms)"), std::string::npos);
+}
+
+TEST(PlotSvg, DrawsOnePointPerStepAndPercentile) {
+  std::vector<StepReport> reports = {SampleReport(), SampleReport(), StepReport()};
+  reports[1].concurrency = 16;
+  reports[1].duration_seconds = 0.5;
+  const std::string svg = PlotSvg(reports, "a <title>");
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("a &lt;title&gt;"), std::string::npos);
+  size_t circles = 0;
+  for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1))
+    ++circles;
+  EXPECT_EQ(circles, 8u);  // the step without successes is left out
+  EXPECT_NE(svg.find("c=16"), std::string::npos);
+}
+
+TEST(SplitBetween, TakesMeansOfTheDifferences) {
+  inference::ModelStatistics before, after;
+  before.mutable_inference_stats()->mutable_success()->set_count(10);
+  before.mutable_inference_stats()->mutable_queue()->set_count(10);
+  before.mutable_inference_stats()->mutable_queue()->set_ns(5'000'000);
+  after.mutable_inference_stats()->mutable_success()->set_count(14);
+  after.mutable_inference_stats()->mutable_queue()->set_count(14);
+  after.mutable_inference_stats()->mutable_queue()->set_ns(13'000'000);
+  after.mutable_inference_stats()->mutable_fail()->set_count(3);
+  before.set_execution_count(1);
+  after.set_execution_count(3);
+  auto* b = after.add_batch_stats();
+  b->set_batch_size(8);
+  b->mutable_compute_infer()->set_count(2);
+  const ServerSplit s = SplitBetween(before, after);
+  EXPECT_EQ(s.requests, 4);
+  EXPECT_EQ(s.failed, 3);
+  EXPECT_DOUBLE_EQ(s.queue_ms, 2.0);
+  EXPECT_EQ(s.batches, 2);
+  EXPECT_DOUBLE_EQ(s.mean_batch_rows, 8.0);
+}
+
+TEST(Verifier, AcceptsTheReferenceAndRejectsAPerturbedAnswer) {
+  absl::StatusOr<std::unique_ptr<Verifier>> v =
+      Verifier::Create("synthetic:tiny", 0, std::nullopt, Dtype::kFp32, 0);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ((*v)->hidden_size(), 64);
+  EXPECT_DOUBLE_EQ((*v)->tolerance(), 1e-4);
+  auto source = model::OpenModel("synthetic:tiny", 0);
+  ASSERT_TRUE(source.ok());
+  auto weights = model::LoadLayer(**source, 0);
+  ASSERT_TRUE(weights.ok());
+  const int64_t n = 5;
+  FastRng rng(3, 4);
+  std::vector<float> x(n * 64), y(n * 64);
+  rng.FillUniformSigned(x.data(), n * 64);
+  model::ReferenceForward((*source)->config().layer, *weights, x.data(), n, y.data());
+  EXPECT_TRUE((*v)->Check(x.data(), y.data(), n).ok());
+  y[3 * 64 + 7] += 0.01f;
+  const absl::Status s = (*v)->Check(x.data(), y.data(), n);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("row 3"), std::string::npos) << s;
+  EXPECT_FALSE(Verifier::Create("/no/such/folder", 0, std::nullopt, Dtype::kFp32, 0).ok());
+  EXPECT_FALSE(Verifier::Create("synthetic:tiny", 0, 7, Dtype::kFp32, 0).ok());
+}
 
 }  // namespace
 }  // namespace epserve::client

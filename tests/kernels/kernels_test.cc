@@ -1,6 +1,12 @@
 // Every kernel against model/'s reference, with fresh random inputs each run (the seed is
 // printed on failure) and outputs poisoned with NaN before each run so unwritten rows fail.
+//
+// BF16 weights or activations are checked twice: against the reference run on the same
+// BF16-rounded values (round to nearest even, as the upload does) at the FP32 bound 1e-5,
+// which only FP32 accumulation error passes and which a wrong rounding mode fails; and
+// against the reference on the original FP32 values at the BF16 bound 1e-2.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -9,7 +15,9 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +32,7 @@ namespace epserve::kernels {
 namespace {
 
 constexpr double kMaxRelErrorFp32 = 1e-5;
+constexpr double kMaxRelErrorBf16 = 1e-2;
 // Tokens whose routing decision is closer than this to flipping are not checked for ids.
 constexpr double kMarginWithinRounding = 1e-5;
 
@@ -87,7 +96,17 @@ class Seeded : public ::testing::Test {
   std::unique_ptr<::testing::ScopedTrace> trace_;
 };
 
+// A synthetic preset, or "tiny-odd": tiny with H = 72 and 10 experts, top-3 (shapes that are
+// not multiples of the kernels' vectors and blocks).
 model::SyntheticWeights Preset(const std::string& name, uint64_t seed) {
+  if (name == "tiny-odd") {
+    absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+    EXPECT_TRUE(cfg.ok()) << cfg.status();
+    cfg->layer.hidden_size = 72;
+    cfg->layer.num_experts = 10;
+    cfg->layer.top_k = 3;
+    return model::SyntheticWeights(*cfg, seed);
+  }
   absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset(name);
   EXPECT_TRUE(cfg.ok()) << cfg.status();
   return model::SyntheticWeights(*cfg, seed);
@@ -201,6 +220,38 @@ TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
   std::filesystem::remove_all(dir);
 }
 
+// ---- element types ----
+
+TEST(DTypeTest, Bf16RoundsToNearestEven) {
+  auto bits = [](uint32_t b) { return std::bit_cast<float>(b); };
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3F80);
+  EXPECT_EQ(FloatToBf16(bits(0x3F807FFF)), 0x3F80);  // below half: down
+  EXPECT_EQ(FloatToBf16(bits(0x3F808000)), 0x3F80);  // half, even below: down
+  EXPECT_EQ(FloatToBf16(bits(0x3F808001)), 0x3F81);  // above half: up
+  EXPECT_EQ(FloatToBf16(bits(0x3F818000)), 0x3F82);  // half, even above: up
+  EXPECT_EQ(FloatToBf16(bits(0xBF818000)), 0xBF82);  // the same for negatives
+  EXPECT_EQ(FloatToBf16(bits(0x00008000)), 0x0000);  // subnormals too
+  EXPECT_EQ(FloatToBf16(bits(0x00018000)), 0x0002);
+  EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::infinity()), 0x7F80);
+  EXPECT_EQ(FloatToBf16(-std::numeric_limits<float>::infinity()), 0xFF80);
+  EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::max()), 0x7F80);  // rounds to infinity
+  EXPECT_EQ(FloatToBf16(bits(0x7F7F7FFF)), 0x7F7F);                   // largest that does not
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(bits(0x7F800001)))));  // payload in low bits
+  EXPECT_EQ(Bf16ToFloat(0x4049), bits(0x40490000));
+  EXPECT_EQ(RoundToBf16(3.14159265f), bits(0x40490000));
+}
+
+TEST(DTypeTest, ParsesNames) {
+  EXPECT_EQ(*ParseDType("fp32", "--weight-dtype"), DType::kFp32);
+  EXPECT_EQ(*ParseDType("bf16", "--weight-dtype"), DType::kBf16);
+  absl::StatusOr<DType> bad = ParseDType("fp16", "--weight-dtype");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--weight-dtype"), std::string::npos) << bad.status();
+  EXPECT_STREQ(DTypeName(DType::kBf16), "bf16");
+}
+
 // ---- route ----
 
 class RouteTest : public Seeded, public ::testing::WithParamInterface<std::string> {};
@@ -254,7 +305,8 @@ TEST_P(RouteTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, RouteTest,
-                         ::testing::Values("tiny", "tiny-grouped", "tiny-topk-softmax"),
+                         ::testing::Values("tiny", "tiny-grouped", "tiny-topk-softmax",
+                                           "tiny-odd"),
                          PresetTestName);
 
 // ---- expert FFN ----
@@ -274,37 +326,71 @@ std::vector<int64_t> RandomOffsets(std::mt19937_64& rng, int num_experts, int64_
   return offsets;
 }
 
-struct FfnCase {
-  std::vector<float> gate, up, down;  // per local expert, concatenated
-};
-
 // Reference outputs y[p] = FFN_e(x[row_index[p]]) in double.
-std::vector<double> ReferenceFfn(const std::vector<const float*>& gate,
-                                 const std::vector<const float*>& up,
-                                 const std::vector<const float*>& down, int64_t hidden, int64_t ffn,
-                                 const std::vector<float>& x, const std::vector<int32_t>& row_index,
+std::vector<double> ReferenceFfn(const std::vector<std::vector<float>>& gate,
+                                 const std::vector<std::vector<float>>& up,
+                                 const std::vector<std::vector<float>>& down, int64_t hidden,
+                                 int64_t ffn, const std::vector<float>& x,
+                                 const std::vector<int32_t>& row_index,
                                  const std::vector<int64_t>& offsets) {
   std::vector<double> y(offsets.back() * hidden, 0.0);
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p) {
-      model::ReferenceExpert(gate[e], up[e], down[e], hidden, ffn, x.data() + row_index[p] * hidden,
-                             y.data() + p * hidden, 1.0);
+      model::ReferenceExpert(gate[e].data(), up[e].data(), down[e].data(), hidden, ffn,
+                             x.data() + row_index[p] * hidden, y.data() + p * hidden, 1.0);
     }
   }
   return y;
 }
 
+std::vector<float> RoundedToBf16(std::vector<float> v) {
+  for (float& f : v) f = RoundToBf16(f);
+  return v;
+}
+
+// Rows of `x` [rows, hidden] as FP32 rows `stride` values apart, the padding NaN.
+std::vector<float> PaddedRows(const std::vector<float>& x, int64_t hidden, int64_t stride) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / hidden;
+  std::vector<float> out(rows * stride, std::numeric_limits<float>::quiet_NaN());
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(x.begin() + r * hidden, hidden, out.begin() + r * stride);
+  }
+  return out;
+}
+
+// Rows of `x` [rows, hidden] as BF16 rows `stride` values apart, the padding NaN.
+std::vector<uint16_t> Bf16Rows(const std::vector<float>& x, int64_t hidden, int64_t stride) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / hidden;
+  std::vector<uint16_t> out(rows * stride, 0x7FC0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < hidden; ++c) out[r * stride + c] = FloatToBf16(x[r * hidden + c]);
+  }
+  return out;
+}
+
+// Element types of one FFN run, and the padding after each row of x (in values).
+struct FfnTypes {
+  DType weights = DType::kFp32;
+  DType x = DType::kFp32;
+  int64_t x_pad = 0;
+};
+
+std::string Describe(FfnTypes t) {
+  return absl::StrCat("weights ", DTypeName(t.weights), ", x ", DTypeName(t.x), " padded by ",
+                      t.x_pad);
+}
+
 class ExpertFfnTest : public Seeded {
  protected:
   // Runs ExpertFfn over experts [first, first + count) of `source` for `pairs` rows drawn
-  // from `tokens` token rows and checks it against the reference. Returns y.
+  // from `tokens` token rows and checks it against the reference (see the top of the file
+  // for BF16). Rows of x are types.x_pad NaNs apart. Returns y.
   std::vector<float> Check(const model::WeightSource& source, int first, int count, int64_t tokens,
-                           int64_t pairs) {
+                           int64_t pairs, FfnTypes types = {}) {
     const model::MoeLayerConfig& cfg = source.config().layer;
     const int64_t h = cfg.hidden_size;
     const int64_t f = cfg.expert_ffn_size;
     std::vector<std::vector<float>> gate(count), up(count), down(count);
-    std::vector<const float*> gp, up_p, dp;
     for (int e = 0; e < count; ++e) {
       gate[e].resize(f * h);
       up[e].resize(f * h);
@@ -312,31 +398,58 @@ class ExpertFfnTest : public Seeded {
       EXPECT_TRUE(source.Fill(0, model::TensorKind::kExpertGate, first + e, gate[e].data()).ok());
       EXPECT_TRUE(source.Fill(0, model::TensorKind::kExpertUp, first + e, up[e].data()).ok());
       EXPECT_TRUE(source.Fill(0, model::TensorKind::kExpertDown, first + e, down[e].data()).ok());
-      gp.push_back(gate[e].data());
-      up_p.push_back(up[e].data());
-      dp.push_back(down[e].data());
     }
-    absl::StatusOr<ExpertWeights> w = UploadExperts(Rt(), source, 0, first, count);
+    absl::StatusOr<ExpertWeights> w = UploadExperts(Rt(), source, 0, first, count, types.weights);
     EXPECT_TRUE(w.ok()) << w.status();
     if (!w.ok()) return {};
+    EXPECT_EQ(w->dtype, types.weights);
     const std::vector<float> x = Uniform(tokens * h);
     const std::vector<int64_t> offsets = RandomOffsets(rng_, count, pairs);
     std::vector<int32_t> row_index(pairs);
     std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(tokens - 1));
     for (int32_t& r : row_index) r = token(rng_);
-    Buffer xb = Upload(x);
+    const RowFormat x_format{types.x, h + types.x_pad};
+    const Buffer xb = types.x == DType::kBf16 ? Upload(Bf16Rows(x, h, x_format.row_stride))
+                                              : Upload(PaddedRows(x, h, x_format.row_stride));
     Buffer ib = Upload(row_index);
     Buffer hb = Poisoned(pairs * f);
     Buffer yb = Poisoned(pairs * h);
-    absl::Status s = ExpertFfn(Rt(), *w, xb, ib, offsets, hb, yb);
+    absl::Status s = ExpertFfn(Rt(), *w, xb, ib, offsets, hb, yb, x_format);
     EXPECT_TRUE(s.ok()) << s;
     const std::vector<float> y = Download<float>(yb, pairs * h);
-    const std::vector<double> ref = ReferenceFfn(gp, up_p, dp, h, f, x, row_index, offsets);
-    EXPECT_LE(RelError(y, ref), kMaxRelErrorFp32)
-        << "H=" << h << " F=" << f << " experts=" << count << " pairs=" << pairs;
+    const std::string what = absl::StrCat("H=", h, " F=", f, " experts=", count,
+                                          " pairs=", pairs, " ", Describe(types));
+    if (types.weights == DType::kFp32 && types.x == DType::kFp32) {
+      EXPECT_LE(RelError(y, ReferenceFfn(gate, up, down, h, f, x, row_index, offsets)),
+                kMaxRelErrorFp32)
+          << what;
+      return y;
+    }
+    // The same values the device holds: FP32 accumulation error only.
+    auto stored = [&](DType t, std::vector<float> v) {
+      return t == DType::kBf16 ? RoundedToBf16(std::move(v)) : v;
+    };
+    std::vector<std::vector<float>> gate_s(count), up_s(count), down_s(count);
+    for (int e = 0; e < count; ++e) {
+      gate_s[e] = stored(types.weights, gate[e]);
+      up_s[e] = stored(types.weights, up[e]);
+      down_s[e] = stored(types.weights, down[e]);
+    }
+    EXPECT_LE(RelError(y, ReferenceFfn(gate_s, up_s, down_s, h, f, stored(types.x, x), row_index,
+                                       offsets)),
+              kMaxRelErrorFp32)
+        << what << " against the reference on the BF16-rounded values";
+    EXPECT_LE(RelError(y, ReferenceFfn(gate, up, down, h, f, x, row_index, offsets)),
+              kMaxRelErrorBf16)
+        << what << " against the FP32 reference";
     return y;
   }
 };
+
+const FfnTypes kAllTypes[] = {{DType::kFp32, DType::kFp32, 0},
+                              {DType::kBf16, DType::kFp32, 5},
+                              {DType::kFp32, DType::kBf16, 8},
+                              {DType::kBf16, DType::kBf16, 0}};
 
 TEST_F(ExpertFfnTest, TinyPresetsAllExperts) {
   for (const char* preset : {"tiny", "tiny-grouped", "tiny-topk-softmax"}) {
@@ -346,6 +459,28 @@ TEST_F(ExpertFfnTest, TinyPresetsAllExperts) {
       Check(source, 0, source.config().layer.num_experts, /*tokens=*/pairs + 3, pairs);
     }
   }
+}
+
+TEST_F(ExpertFfnTest, Bf16WeightsAndActivations) {
+  for (const FfnTypes types : std::span(kAllTypes).subspan(1)) {
+    for (const char* preset : {"tiny", "tiny-grouped"}) {
+      const model::SyntheticWeights source = Preset(preset, seed_);
+      for (int64_t pairs : {1, 7, 33, 300}) {
+        SCOPED_TRACE(absl::StrCat(preset, " pairs=", pairs, " ", Describe(types)));
+        Check(source, 0, source.config().layer.num_experts, /*tokens=*/pairs + 3, pairs, types);
+      }
+    }
+  }
+}
+
+TEST_F(ExpertFfnTest, Bf16WeightsTakeHalfTheBytes) {
+  const model::SyntheticWeights source = Preset("tiny", seed_);
+  absl::StatusOr<ExpertWeights> fp32 = UploadExperts(Rt(), source, 0, 0, 3);
+  absl::StatusOr<ExpertWeights> bf16 = UploadExperts(Rt(), source, 0, 0, 3, DType::kBf16);
+  ASSERT_TRUE(fp32.ok() && bf16.ok());
+  EXPECT_EQ(bf16->dtype, DType::kBf16);
+  EXPECT_EQ(2 * bf16->gate_up.bytes(), fp32->gate_up.bytes());
+  EXPECT_EQ(2 * bf16->down.bytes(), fp32->down.bytes());
 }
 
 TEST_F(ExpertFfnTest, SubsetOfExperts) {
@@ -360,9 +495,11 @@ TEST_F(ExpertFfnTest, ShapeNotAMultipleOfTheTiles) {
   cfg->layer.expert_ffn_size = 40;
   cfg->layer.num_experts = 5;
   const model::SyntheticWeights source(*cfg, seed_);
-  for (int64_t pairs : {1, 7, 33, 300}) {
-    SCOPED_TRACE(absl::StrCat("pairs=", pairs));
-    Check(source, 0, 5, 50, pairs);
+  for (const FfnTypes types : kAllTypes) {
+    for (int64_t pairs : {1, 7, 33, 300}) {
+      SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(types)));
+      Check(source, 0, 5, 50, pairs, types);
+    }
   }
 }
 
@@ -373,6 +510,8 @@ TEST_F(ExpertFfnTest, QwenShapeFewRows) {
   // 3 local experts, experts 1 and 2 empty (RandomOffsets), 23 rows on expert 0:
   // one full register block and a remainder.
   Check(source, 17, 3, 9, 23);
+  Check(source, 17, 3, 9, 23, {DType::kBf16, DType::kFp32, 0});
+  Check(source, 40, 3, 1, 1, {DType::kBf16, DType::kBf16, 8});
 }
 
 TEST_F(ExpertFfnTest, BitIdenticalAcrossRuns) {
@@ -382,12 +521,15 @@ TEST_F(ExpertFfnTest, BitIdenticalAcrossRuns) {
   cfg->layer.expert_ffn_size = 88;
   const model::SyntheticWeights source(*cfg, seed_);
   const uint32_t seed = seed_;
-  rng_.seed(seed);
-  const std::vector<float> a = Check(source, 0, 8, 64, 301);
-  rng_.seed(seed);
-  const std::vector<float> b = Check(source, 0, 8, 64, 301);
-  ASSERT_EQ(a.size(), b.size());
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  for (const FfnTypes types : kAllTypes) {
+    SCOPED_TRACE(Describe(types));
+    rng_.seed(seed);
+    const std::vector<float> a = Check(source, 0, 8, 64, 301, types);
+    rng_.seed(seed);
+    const std::vector<float> b = Check(source, 0, 8, 64, 301, types);
+    ASSERT_EQ(a.size(), b.size());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  }
 }
 
 TEST_F(ExpertFfnTest, RejectsBadOffsets) {
@@ -405,18 +547,32 @@ TEST_F(ExpertFfnTest, RejectsBadOffsets) {
     absl::Status s = ExpertFfn(Rt(), *w, x, idx, *offsets, h, y);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   }
+  const std::vector<int64_t> fine = {0, 2, 4};
+  absl::Status s = ExpertFfn(Rt(), *w, x, idx, fine, h, y, {DType::kBf16, 63});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }
 
 // ---- shared expert ----
 
-class SharedExpertTest : public Seeded, public ::testing::WithParamInterface<std::string> {};
+// (preset, weight dtype).
+using PresetAndDType = std::tuple<std::string, DType>;
 
+std::string PresetAndDTypeName(const ::testing::TestParamInfo<PresetAndDType>& param_info) {
+  std::string name = std::get<0>(param_info.param);
+  std::replace(name.begin(), name.end(), '-', '_');
+  return absl::StrCat(name, "_", DTypeName(std::get<1>(param_info.param)));
+}
+
+class SharedExpertTest : public Seeded, public ::testing::WithParamInterface<PresetAndDType> {};
+
+// With BF16 weights: against the FP32 reference at the BF16 bound.
 TEST_P(SharedExpertTest, MatchesReference) {
-  const model::SyntheticWeights source = Preset(GetParam(), seed_);
+  const auto& [preset, dtype] = GetParam();
+  const model::SyntheticWeights source = Preset(preset, seed_);
   const model::MoeLayerConfig& cfg = source.config().layer;
   absl::StatusOr<model::LayerWeights> host = model::LoadLayer(source, 0);
   ASSERT_TRUE(host.ok()) << host.status();
-  absl::StatusOr<ExpertWeights> w = UploadSharedExpert(Rt(), source, 0);
+  absl::StatusOr<ExpertWeights> w = UploadSharedExpert(Rt(), source, 0, dtype);
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_EQ(w->gate.mem() != nullptr, cfg.shared_expert_gate);
   const int64_t h = cfg.hidden_size;
@@ -442,13 +598,15 @@ TEST_P(SharedExpertTest, MatchesReference) {
                              host->shared_down.data(), h, cfg.shared_ffn_size, row,
                              ref.data() + i * h, scale);
     }
-    EXPECT_LE(RelError(Download<float>(yb, n * h), ref), kMaxRelErrorFp32);
+    EXPECT_LE(RelError(Download<float>(yb, n * h), ref),
+              dtype == DType::kBf16 ? kMaxRelErrorBf16 : kMaxRelErrorFp32);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, SharedExpertTest,
-                         ::testing::Values("tiny", "tiny-grouped"),  // gated, ungated
-                         PresetTestName);
+                         ::testing::Combine(::testing::Values("tiny", "tiny-grouped"),  // gated, ungated
+                                            ::testing::Values(DType::kFp32, DType::kBf16)),
+                         PresetAndDTypeName);
 
 // ---- combine ----
 
@@ -489,20 +647,24 @@ TEST_F(Seeded, WeightedCombineMatchesReference) {
 // route -> expert-major layout on the host -> ExpertFfn -> SharedExpertFfn -> WeightedCombine
 // (the shared expert's rows are appended to y and combined with weight 1), against
 // model::ReferenceForward. Tokens within rounding of a routing tie are not compared.
-class LayerTest : public Seeded, public ::testing::WithParamInterface<std::string> {};
+// With BF16 the expert weights are BF16 and so are the routed experts' input rows (padded
+// rows, as a BF16 dispatch delivers them), checked at the BF16 bound against the FP32
+// reference: the kernel-level stand-in for a BF16 request through --weight-dtype=bf16.
+class LayerTest : public Seeded, public ::testing::WithParamInterface<PresetAndDType> {};
 
 TEST_P(LayerTest, ComposesToReferenceForward) {
-  const model::SyntheticWeights source = Preset(GetParam(), seed_);
+  const auto& [preset, dtype] = GetParam();
+  const model::SyntheticWeights source = Preset(preset, seed_);
   const model::MoeLayerConfig& cfg = source.config().layer;
   absl::StatusOr<model::LayerWeights> host = model::LoadLayer(source, 0);
   ASSERT_TRUE(host.ok()) << host.status();
   absl::StatusOr<RouterWeights> rw = UploadRouter(Rt(), source, 0);
-  absl::StatusOr<ExpertWeights> ew = UploadExperts(Rt(), source, 0, 0, cfg.num_experts);
+  absl::StatusOr<ExpertWeights> ew = UploadExperts(Rt(), source, 0, 0, cfg.num_experts, dtype);
   ASSERT_TRUE(rw.ok() && ew.ok());
   const bool shared = cfg.shared_ffn_size > 0;
   absl::StatusOr<ExpertWeights> sw;
   if (shared) {
-    sw = UploadSharedExpert(Rt(), source, 0);
+    sw = UploadSharedExpert(Rt(), source, 0, dtype);
     ASSERT_TRUE(sw.ok()) << sw.status();
   }
   const int64_t n = 33;
@@ -539,7 +701,13 @@ TEST_P(LayerTest, ComposesToReferenceForward) {
   Buffer ib = Upload(row_index);
   Buffer hb = Poisoned(n * std::max(k * cfg.expert_ffn_size, cfg.shared_ffn_size));
   Buffer yb = Poisoned(y_rows * h);
-  ASSERT_TRUE(ExpertFfn(Rt(), *ew, xb, ib, offsets, hb, yb).ok());
+  if (dtype == DType::kBf16) {
+    const RowFormat format{DType::kBf16, h + 24};
+    Buffer x16 = Upload(Bf16Rows(x, h, format.row_stride));
+    ASSERT_TRUE(ExpertFfn(Rt(), *ew, x16, ib, offsets, hb, yb, format).ok());
+  } else {
+    ASSERT_TRUE(ExpertFfn(Rt(), *ew, xb, ib, offsets, hb, yb).ok());
+  }
   if (shared) {
     absl::StatusOr<Buffer> ys = Rt().Allocate(n * h * sizeof(float));
     ASSERT_TRUE(ys.ok());
@@ -565,12 +733,15 @@ TEST_P(LayerTest, ComposesToReferenceForward) {
   }
   ASSERT_GT(got_checked.size(), static_cast<size_t>(n * h / 2));
   // The reference output is itself rounded to float, so allow that on top of FP32 error.
-  EXPECT_LE(RelError(got_checked, ref_checked), 2 * kMaxRelErrorFp32);
+  EXPECT_LE(RelError(got_checked, ref_checked),
+            dtype == DType::kBf16 ? kMaxRelErrorBf16 : 2 * kMaxRelErrorFp32);
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, LayerTest,
-                         ::testing::Values("tiny", "tiny-grouped", "tiny-topk-softmax"),
-                         PresetTestName);
+                         ::testing::Combine(::testing::Values("tiny", "tiny-grouped",
+                                                              "tiny-topk-softmax"),
+                                            ::testing::Values(DType::kFp32, DType::kBf16)),
+                         PresetAndDTypeName);
 
 }  // namespace
 }  // namespace epserve::kernels

@@ -1,0 +1,288 @@
+#!/usr/bin/python3
+"""End-to-end benchmark: epserve (1 front-end + 2 workers on this machine, driven by
+epserve-load over gRPC) against the same MoE layer (a) computed in-process by epserve's
+kernels alone and (b) in PyTorch on the CPU, Hugging Face's Qwen2-MoE way, on the same
+weights, all in one run. Prints the table and the ratios against the targets.
+
+    PYTHONPATH=build/proto/python:client/python /usr/bin/python3 bench/e2e/bench_e2e.py \\
+        --build build [--shapes qwen1.5-moe-a2.7b,olmoe-1b-7b] [--duration 8s]
+
+Each part runs alone (the cluster is stopped while the others run). Before each shape it
+waits (up to --load-wait seconds, polling every 20 s) for the 1-minute load average to drop
+below --max-load, and records the load it started at. PyTorch runs with
+OMP_WAIT_POLICY=PASSIVE and without OPENBLAS_CORETYPE, at its best thread count.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+
+TARGETS = {"service_vs_inprocess": 0.85, "one_token_fp32": 2.0, "one_token_bf16": 3.5,
+           "saturation": 1.5}
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def load1():
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def wait_for_quiet(max_load, wait_s):
+    deadline = time.time() + wait_s
+    while True:
+        load = load1()
+        if load < max_load or time.time() >= deadline:
+            return load
+        log(f"  load {load:.2f} >= {max_load}; waiting")
+        time.sleep(20)
+
+
+def json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def base_env(build):
+    env = dict(os.environ)
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_rmaps_base_oversubscribe": "1",
+                "POCL_CACHE_DIR": os.path.join(build, "pocl-cache"),
+                "EPSERVE_KERNEL_CACHE": os.path.join(build, "kernel-cache")})
+    env.pop("OPENBLAS_CORETYPE", None)
+    return env
+
+
+def run(cmd, env, timeout=3600):
+    log("  $ " + " ".join(cmd))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+class Cluster:
+    """mpirun -np 3 epserve (rank 0 front-end, 2 workers), port 0, ready file."""
+
+    def __init__(self, build, env, model, extra=()):
+        self.dir = tempfile.mkdtemp(prefix="epserve-bench-")
+        ready = os.path.join(self.dir, "ready.json")
+        cmd = ["mpirun", "-np", "3", "--oversubscribe", "--bind-to", "none",
+               os.path.join(build, "server", "epserve"), f"--model={model}", "--seed=0",
+               "--grpc-address=127.0.0.1:0", "--metrics-address=127.0.0.1:0",
+               f"--ready-file={ready}", *extra]
+        log("  $ " + " ".join(cmd))
+        env = dict(env, POCL_MAX_PTHREAD_COUNT="1")
+        self.log = open(os.path.join(self.dir, "log.txt"), "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + 600
+        while not os.path.exists(ready) or os.path.getsize(ready) == 0:
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("epserve did not start:\n" + open(self.log.name).read())
+            time.sleep(0.5)
+        time.sleep(0.2)
+        with open(ready) as f:
+            self.address = json.load(f)["grpc"]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def rel_error(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def service_part(build, env, shape, x, duration, weight_dtype):
+    """Starts the cluster, checks one answer, runs the load steps; returns the results."""
+    import epserve_client
+    extra = [f"--weight-dtype={weight_dtype}"] if weight_dtype != "fp32" else []
+    cluster = Cluster(build, env, f"synthetic:{shape}", extra)
+    try:
+        y = epserve_client.Client(cluster.address).infer(x)
+        load = os.path.join(build, "client", "epserve-load")
+        steps = []
+        for tokens in (1, 32):
+            out = run([load, f"--target={cluster.address}", f"--tokens={tokens}",
+                       "--concurrency=1,16", f"--duration={duration}", "--warmup=2s",
+                       "--json", "--progress=off"], env)
+            for step in json_lines(out):
+                step["tokens_per_request"] = tokens
+                steps.append(step)
+    finally:
+        cluster.stop()
+    return {"output": y, "steps": steps}
+
+
+def torch_part(env, weights, dtype, x_path, y_path, tokens):
+    env = dict(env, OMP_WAIT_POLICY="PASSIVE")
+    cmd = ["/usr/bin/python3", os.path.join(HERE, "moe_torch.py"), f"--weights={weights}",
+           f"--tokens={tokens}", f"--dtype={dtype}", f"--input={x_path}", f"--output={y_path}"]
+    rows = json_lines(run(cmd, env))
+    return {r["tokens"]: r for r in rows}, np.load(y_path)
+
+
+def inprocess_part(build, env, shape, dtype, tokens):
+    env = dict(env, POCL_MAX_PTHREAD_COUNT=str(os.cpu_count() or 2))
+    cmd = [os.path.join(build, "bench", "e2e", "bench_e2e_inprocess"),
+           f"--model=synthetic:{shape}", "--seed=0", f"--tokens={tokens}",
+           f"--weight-dtype={dtype}"]
+    rows = json_lines(run(cmd, env))
+    check = [r for r in rows if "check_tokens" in r][0]
+    return {r["tokens"]: r for r in rows if "tokens" in r}, check
+
+
+def server_has_weight_dtype(build, env):
+    out = subprocess.run([os.path.join(build, "server", "epserve"), "--help"], env=env,
+                         capture_output=True, text=True).stdout
+    return "--weight-dtype" in out
+
+
+def bench_shape(a, env, shape, dtypes):
+    log(f"== {shape}")
+    result = {"shape": shape, "load_before": wait_for_quiet(a.max_load, a.load_wait)}
+    log(f"  load {result['load_before']:.2f}")
+    tmp = tempfile.mkdtemp(prefix=f"epserve-bench-{shape}-")
+    try:
+        weights = os.path.join(tmp, "weights")
+        run([os.path.join(a.build, "bench", "e2e", "bench_e2e_dump_weights"),
+             f"--model=synthetic:{shape}", "--seed=0", f"--out={weights}"], env)
+        with open(os.path.join(weights, "config.json")) as f:
+            hidden = json.load(f)["hidden"]
+        x = np.random.default_rng(3).uniform(-1, 1, size=(16, hidden)).astype(np.float32)
+        x_path, y_path = os.path.join(tmp, "x.npy"), os.path.join(tmp, "y_torch.npy")
+        np.save(x_path, x)
+        for dtype in dtypes:
+            r = {}
+            r["inprocess"], r["inprocess_check"] = inprocess_part(a.build, env, shape, dtype,
+                                                                  "1,32,256,512")
+            r["torch"], y_torch = torch_part(env, weights, dtype, x_path, y_path, "1,32,512")
+            svc = service_part(a.build, env, shape, x, a.duration, dtype)
+            r["service_steps"] = svc["steps"]
+            r["service_vs_torch_rel_error"] = rel_error(svc["output"], y_torch)
+            result[dtype] = r
+        result["load_after"] = load1()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def step(steps, concurrency, tokens):
+    for s in steps:
+        if s["concurrency"] == concurrency and s["tokens_per_request"] == tokens:
+            return s
+    return None
+
+
+def summarize(results):
+    lines = []
+    ratios = []
+    for res in results:
+        shape = res["shape"]
+        lines.append(f"\n### {shape} (load average {res['load_before']:.2f} before, "
+                     f"{res.get('load_after', float('nan')):.2f} after)\n")
+        lines.append("| weights | what | tokens/request | clients | tokens/s | p50 ms | p90 ms "
+                     "| p99 ms | p99.9 ms | max ms |")
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for dtype in ("fp32", "bf16"):
+            r = res.get(dtype)
+            if r is None:
+                continue
+            for s in r["service_steps"]:
+                lat = s["latency_ms"]
+                lines.append(
+                    f"| {dtype} | epserve service | {s['tokens_per_request']} | "
+                    f"{s['concurrency']} | {s['tokens_per_s']:.1f} | {lat['p50']:.2f} | "
+                    f"{lat['p90']:.2f} | {lat['p99']:.2f} | {lat['p999']:.2f} | "
+                    f"{lat['max']:.2f} |")
+            for t, v in sorted(r["inprocess"].items()):
+                lines.append(f"| {dtype} | kernels in-process | {t} (batch) | 1 | "
+                             f"{v['tokens_per_s']:.1f} | {v['median_ms']:.2f} (median) | | | | |")
+            for t, v in sorted(r["torch"].items()):
+                lines.append(f"| {dtype} | PyTorch {v['torch']} ({v['threads']} thr) | {t} "
+                             f"(batch) | 1 | {v['tokens_per_s']:.1f} | {v['median_ms']:.2f} "
+                             f"(median) | | | | |")
+            service_best = max(s["tokens_per_s"] for s in r["service_steps"])
+            inproc_best = max(v["tokens_per_s"] for v in r["inprocess"].values())
+            torch_best = max(v["tokens_per_s"] for v in r["torch"].values())
+            one = step(r["service_steps"], 1, 1)
+            one_ratio = one["tokens_per_s"] / r["torch"][1]["tokens_per_s"]
+            key = "one_token_fp32" if dtype == "fp32" else "one_token_bf16"
+            ratios += [
+                (shape, dtype, "service saturation / kernels in-process (best batch)",
+                 service_best / inproc_best, TARGETS["service_vs_inprocess"]),
+                (shape, dtype, "service 1 token, 1 client / PyTorch 1 token", one_ratio,
+                 TARGETS[key]),
+                (shape, dtype, "service saturation / PyTorch best batch", service_best / torch_best,
+                 TARGETS["saturation"]),
+            ]
+            lines.append(f"\n{dtype}: service vs PyTorch on the same 16 rows: max rel diff "
+                         f"{r['service_vs_torch_rel_error']:.2e}; kernels in-process vs the C++ "
+                         f"reference: {r['inprocess_check']['max_rel_error']:.2e}\n")
+    lines.append("\n| shape | weights | ratio | value | target | met |")
+    lines.append("|---|---|---|---:|---:|---|")
+    for shape, dtype, name, value, target in ratios:
+        lines.append(f"| {shape} | {dtype} | {name} | {value:.2f}x | {target}x | "
+                     f"{'yes' if value >= target else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def require_torch():
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True)
+    if probe.returncode != 0:
+        sys.exit("PyTorch is missing for the comparison: run bench/install-deps.sh "
+                 "(Debian's python3-torch)")
+
+
+def main():
+    require_torch()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--shapes", default="qwen1.5-moe-a2.7b,olmoe-1b-7b")
+    p.add_argument("--duration", default="8s")
+    p.add_argument("--max-load", type=float, default=0.6)
+    p.add_argument("--load-wait", type=float, default=600)
+    p.add_argument("--json-out", help="also write every figure here")
+    a = p.parse_args()
+    a.build = os.path.abspath(a.build)
+    env = base_env(a.build)
+    dtypes = ["fp32"]
+    if server_has_weight_dtype(a.build, env):
+        dtypes.append("bf16")
+    else:
+        log("epserve has no --weight-dtype: the BF16 rows are pending")
+    results = [bench_shape(a, env, shape, dtypes) for shape in a.shapes.split(",")]
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+    text = summarize(results)
+    if "bf16" not in dtypes:
+        text += "\nBF16 weights: pending (epserve --help has no --weight-dtype).\n"
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

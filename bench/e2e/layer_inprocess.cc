@@ -1,0 +1,241 @@
+// One MoE layer computed in-process by epserve's OpenCL kernels alone: no gRPC, no MPI, no
+// symmetric heap. One Runtime (one device queue) runs route, the grouped expert FFN over
+// every expert, the combine and the shared expert for a batch of T tokens; the host does
+// what the workers' exchange does between them (grouping the (token, expert) pairs) and
+// adds the shared expert's rows, as the owner rank does. This bounds what the service can
+// reach on the same machine: the service runs the same kernels plus everything else.
+//
+//   bench_e2e_inprocess --model=synthetic:qwen1.5-moe-a2.7b --tokens=1,32,256 [--seed=0]
+//                       [--weight-dtype=fp32|bf16] [--min-seconds=2] [--check-tokens=2]
+//
+// Prints one JSON object per token count on stdout:
+//   {"tokens":T,"median_ms":X,"tokens_per_s":X,"reps":N,"weight_dtype":"fp32"}
+// and first {"check_tokens":n,"max_rel_error":X} against model::ReferenceForward.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "common/flags.h"
+#include "common/status.h"
+#include "kernels/dtype.h"
+#include "kernels/moe_kernels.h"
+#include "kernels/runtime.h"
+#include "model/reference.h"
+#include "model/synthetic.h"
+
+namespace epserve::bench {
+namespace {
+
+using kernels::Buffer;
+
+// Device buffers and host scratch for batches of up to max_tokens tokens.
+class InProcessLayer {
+ public:
+  static absl::StatusOr<std::unique_ptr<InProcessLayer>> Create(const model::WeightSource& source,
+                                                                int layer, int64_t max_tokens,
+                                                                kernels::DType dtype) {
+    auto l = std::unique_ptr<InProcessLayer>(new InProcessLayer());
+    l->cfg_ = source.config().layer;
+    EPSERVE_ASSIGN_OR_RETURN(l->rt_, kernels::Runtime::Create({}));
+    kernels::Runtime& rt = *l->rt_;
+    EPSERVE_ASSIGN_OR_RETURN(l->router_, kernels::UploadRouter(rt, source, layer));
+    EPSERVE_ASSIGN_OR_RETURN(
+        l->experts_, kernels::UploadExperts(rt, source, layer, 0, l->cfg_.num_experts, dtype));
+    if (l->cfg_.shared_ffn_size > 0) {
+      EPSERVE_ASSIGN_OR_RETURN(l->shared_, kernels::UploadSharedExpert(rt, source, layer, dtype));
+    }
+    const int64_t h = l->cfg_.hidden_size, k = l->cfg_.top_k, n = max_tokens;
+    const size_t f = sizeof(float);
+    EPSERVE_ASSIGN_OR_RETURN(l->x_, rt.Allocate(n * h * f));
+    EPSERVE_ASSIGN_OR_RETURN(l->ids_, rt.Allocate(n * k * sizeof(int32_t)));
+    EPSERVE_ASSIGN_OR_RETURN(l->weights_, rt.Allocate(n * k * f));
+    EPSERVE_ASSIGN_OR_RETURN(l->row_index_, rt.Allocate(n * k * sizeof(int32_t)));
+    EPSERVE_ASSIGN_OR_RETURN(l->pair_index_, rt.Allocate(n * k * sizeof(int32_t)));
+    EPSERVE_ASSIGN_OR_RETURN(l->pair_weight_, rt.Allocate(n * k * f));
+    const int64_t scratch = n * std::max(k * l->cfg_.expert_ffn_size, l->cfg_.shared_ffn_size);
+    EPSERVE_ASSIGN_OR_RETURN(l->h_, rt.Allocate(scratch * f));
+    EPSERVE_ASSIGN_OR_RETURN(l->y_, rt.Allocate(n * k * h * f));
+    EPSERVE_ASSIGN_OR_RETURN(l->out_, rt.Allocate(n * h * f));
+    if (l->cfg_.shared_ffn_size > 0) {
+      EPSERVE_ASSIGN_OR_RETURN(l->shared_y_, rt.Allocate(n * h * f));
+    }
+    l->ids_host_.resize(n * k);
+    l->weights_host_.resize(n * k);
+    l->row_index_host_.resize(n * k);
+    l->pair_index_host_.resize(n * k);
+    l->pair_weight_host_.resize(n * k);
+    l->shared_host_.resize(n * h);
+    return l;
+  }
+
+  // y [n, H] = the layer on x [n, H], n <= max_tokens.
+  absl::Status Forward(const float* x, int64_t n, float* y) {
+    const int64_t h = cfg_.hidden_size;
+    const int k = cfg_.top_k;
+    kernels::Runtime& rt = *rt_;
+    EPSERVE_RETURN_IF_ERROR(rt.Write(x_, 0, x, n * h * sizeof(float)));
+    EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
+    EPSERVE_RETURN_IF_ERROR(rt.Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(rt.Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
+    // Group the (token, choice) pairs expert-major, as the exchange's layout does.
+    offsets_.assign(cfg_.num_experts + 1, 0);
+    for (int64_t i = 0; i < n * k; ++i) ++offsets_[ids_host_[i] + 1];
+    std::partial_sum(offsets_.begin(), offsets_.end(), offsets_.begin());
+    cursor_.assign(offsets_.begin(), offsets_.end() - 1);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int j = 0; j < k; ++j) {
+        const int64_t p = cursor_[ids_host_[t * k + j]]++;
+        row_index_host_[p] = static_cast<int32_t>(t);
+        pair_index_host_[t * k + j] = static_cast<int32_t>(p);
+        pair_weight_host_[t * k + j] = weights_host_[t * k + j];
+      }
+    }
+    EPSERVE_RETURN_IF_ERROR(
+        rt.Write(row_index_, 0, row_index_host_.data(), n * k * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(
+        rt.Write(pair_index_, 0, pair_index_host_.data(), n * k * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(
+        rt.Write(pair_weight_, 0, pair_weight_host_.data(), n * k * sizeof(float)));
+    const bool shared = cfg_.shared_ffn_size > 0;
+    if (shared) {
+      EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, h_, shared_y_));
+      EPSERVE_RETURN_IF_ERROR(rt.Read(shared_y_, 0, shared_host_.data(), n * h * sizeof(float)));
+    }
+    EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(rt, experts_, x_, row_index_, offsets_, h_, y_));
+    EPSERVE_RETURN_IF_ERROR(
+        kernels::WeightedCombine(rt, y_, pair_index_, pair_weight_, n, k, h, out_));
+    EPSERVE_RETURN_IF_ERROR(rt.Read(out_, 0, y, n * h * sizeof(float)));
+    if (shared) {
+      for (int64_t i = 0; i < n * h; ++i) y[i] += shared_host_[i];
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  InProcessLayer() = default;
+  model::MoeLayerConfig cfg_;
+  std::unique_ptr<kernels::Runtime> rt_;
+  kernels::RouterWeights router_;
+  kernels::ExpertWeights experts_, shared_;
+  Buffer x_, ids_, weights_, row_index_, pair_index_, pair_weight_, h_, y_, out_, shared_y_;
+  std::vector<int32_t> ids_host_, row_index_host_, pair_index_host_;
+  std::vector<float> weights_host_, pair_weight_host_, shared_host_;
+  std::vector<int64_t> offsets_, cursor_;
+};
+
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int Run(int argc, char** argv) {
+  std::string model_spec = "synthetic:qwen1.5-moe-a2.7b";
+  std::string tokens_text = "1,32,256";
+  std::string weight_dtype = "fp32";
+  int64_t seed = 0;
+  double min_seconds = 2.0;
+  int64_t check_tokens = 2;
+  common::FlagSet fs("bench_e2e_inprocess",
+                     "One MoE layer through epserve's kernels in one process (no gRPC, no MPI).");
+  fs.Add("model", &model_spec, "synthetic:<preset>");
+  fs.Add("seed", &seed, "Seed of the synthetic weights");
+  fs.Add("tokens", &tokens_text, "Comma list of batch sizes (tokens) to time");
+  fs.Add("weight-dtype", &weight_dtype, "fp32 or bf16 expert weights");
+  fs.Add("min-seconds", &min_seconds, "Time each batch size at least this long (>= 5 reps)");
+  fs.Add("check-tokens", &check_tokens, "Tokens compared with the reference forward pass");
+  if (absl::Status s = fs.Parse(argc, argv); !s.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  if (fs.help_requested()) {
+    std::printf("%s", fs.Usage().c_str());
+    return 0;
+  }
+  std::vector<int64_t> token_counts;
+  for (absl::string_view t : absl::StrSplit(tokens_text, ',', absl::SkipWhitespace())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(t, &v) || v < 1) {
+      std::fprintf(stderr, "bad --tokens entry '%s'\n", std::string(t).c_str());
+      return 1;
+    }
+    token_counts.push_back(v);
+  }
+  absl::StatusOr<kernels::DType> dtype = kernels::ParseDType(weight_dtype, "--weight-dtype");
+  auto source = model::OpenModel(model_spec, static_cast<uint64_t>(seed));
+  if (!dtype.ok() || !source.ok()) {
+    std::fprintf(stderr, "%s\n",
+                 std::string((!dtype.ok() ? dtype.status() : source.status()).message()).c_str());
+    return 1;
+  }
+  const model::ModelConfig& config = (*source)->config();
+  const int layer = config.moe_layers.front();
+  const int64_t h = config.layer.hidden_size;
+  const int64_t max_tokens =
+      std::max(check_tokens, *std::max_element(token_counts.begin(), token_counts.end()));
+  auto l = InProcessLayer::Create(**source, layer, max_tokens, *dtype);
+  if (!l.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(l.status().message()).c_str());
+    return 1;
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> x(max_tokens * h), y(max_tokens * h);
+  for (float& v : x) v = uniform(rng);
+
+  if (check_tokens > 0) {
+    auto weights = model::LoadLayer(**source, layer);
+    if (!weights.ok() || !(*l)->Forward(x.data(), check_tokens, y.data()).ok()) {
+      std::fprintf(stderr, "check failed to run\n");
+      return 1;
+    }
+    std::vector<float> want(check_tokens * h);
+    model::Routing routing;
+    model::ReferenceForward(config.layer, *weights, x.data(), check_tokens, want.data(), &routing);
+    double scale = 0, diff = 0;
+    for (int64_t i = 0; i < check_tokens * h; ++i) {
+      scale = std::max(scale, std::fabs(double{want[i]}));
+      diff = std::max(diff, std::fabs(double{y[i]} - double{want[i]}));
+    }
+    std::printf("{\"check_tokens\":%lld,\"max_rel_error\":%.3g}\n",
+                static_cast<long long>(check_tokens), diff / scale);
+    std::fflush(stdout);
+  }
+
+  for (int64_t n : token_counts) {
+    for (int i = 0; i < 2; ++i) {
+      if (absl::Status s = (*l)->Forward(x.data(), n, y.data()); !s.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+    }
+    std::vector<double> times;
+    double total = 0;
+    while (times.size() < 5 || total < min_seconds) {
+      const double t0 = NowSeconds();
+      (void)(*l)->Forward(x.data(), n, y.data());
+      times.push_back(NowSeconds() - t0);
+      total += times.back();
+    }
+    std::sort(times.begin(), times.end());
+    const double median = times[times.size() / 2];
+    std::printf(
+        "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%zu,"
+        "\"weight_dtype\":\"%s\"}\n",
+        static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, times.size(),
+        kernels::DTypeName(*dtype));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace epserve::bench
+
+int main(int argc, char** argv) { return epserve::bench::Run(argc, argv); }

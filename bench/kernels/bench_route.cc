@@ -1,0 +1,156 @@
+// Times the router (kernels::Route: logits, top-k selection and weights) for the
+// qwen1.5-moe-a2.7b router (60 experts, H=2048, softmax top-4) at 1..512 tokens, against
+// OpenBLAS sgemm computing the logits alone ([n x E x H], contiguous, best thread count),
+// measured in the same run, timed round-robin.
+//
+//   bench_route [--tokens=1,8,32,128,512] [--threads=2]
+#include <cblas.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/moe_kernels.h"
+#include "kernels/runtime.h"
+#include "model/synthetic.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace epserve::kernels {
+namespace {
+
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Median seconds of each of `fns`, timed round-robin after warm-up.
+std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns) {
+  for (int i = 0; i < 3; ++i) {
+    for (const auto& fn : fns) fn();
+  }
+  std::vector<std::vector<double>> times(fns.size());
+  double total = 0.0;
+  int reps = 0;
+  while (reps < 21 || (total < 1.0 && reps < 401)) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const double t0 = NowSeconds();
+      fns[i]();
+      times[i].push_back(NowSeconds() - t0);
+      total += times[i].back();
+    }
+    ++reps;
+  }
+  std::vector<double> medians;
+  for (std::vector<double>& t : times) {
+    std::sort(t.begin(), t.end());
+    medians.push_back(t[t.size() / 2]);
+  }
+  return medians;
+}
+
+int Run(int argc, char** argv) {
+  std::vector<int64_t> tokens = {1, 8, 32, 128, 512};
+  int threads = 2;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--threads=", 0) == 0) {
+      if (!absl::SimpleAtoi(arg.substr(10), &threads) || threads < 1) return 2;
+    } else if (arg.rfind("--tokens=", 0) == 0) {
+      tokens.clear();
+      for (absl::string_view t : absl::StrSplit(arg.substr(9), ',')) {
+        int64_t v = 0;
+        if (!absl::SimpleAtoi(t, &v) || v < 1) return 2;
+        tokens.push_back(v);
+      }
+    } else {
+      std::fprintf(stderr, "usage: %s [--tokens=a,b,...] [--threads=T]\n", argv[0]);
+      return 2;
+    }
+  }
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("qwen1.5-moe-a2.7b");
+  if (!cfg.ok()) return 1;
+  const model::SyntheticWeights source(*cfg, 1234);
+  const model::MoeLayerConfig& c = cfg->layer;
+  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(RuntimeOptions{});
+  if (!rt.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(rt.status().message()).c_str());
+    return 1;
+  }
+  Runtime& r = **rt;
+  absl::StatusOr<RouterWeights> w = UploadRouter(r, source, 0);
+  if (!w.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(w.status().message()).c_str());
+    return 1;
+  }
+  std::vector<float> router(static_cast<size_t>(c.num_experts) * c.hidden_size);
+  if (!source.Fill(0, model::TensorKind::kRouter, 0, router.data()).ok()) return 1;
+  std::printf("device: %s\n", r.device_info().Describe().c_str());
+  std::printf("router: E=%d H=%lld top-%d; POCL_MAX_PTHREAD_COUNT=%s\n", c.num_experts,
+              static_cast<long long>(c.hidden_size), c.top_k,
+              std::getenv("POCL_MAX_PTHREAD_COUNT") ? std::getenv("POCL_MAX_PTHREAD_COUNT")
+                                                    : "(unset)");
+  double load[3] = {0, 0, 0};
+  if (getloadavg(load, 3) == 3) {
+    std::printf("load average before the run: %.2f %.2f %.2f (2 cores)\n\n", load[0], load[1],
+                load[2]);
+  }
+  std::printf(
+      "| tokens | Route ms (logits + top-k) | Route logits GFLOP/s | OpenBLAS sgemm logits ms | "
+      "sgemm threads | Route / sgemm time |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|\n");
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int64_t n : tokens) {
+    std::vector<float> x(n * c.hidden_size);
+    for (float& v : x) v = dist(rng);
+    absl::StatusOr<Buffer> xb = r.AllocateCopy(x.data(), x.size() * sizeof(float));
+    absl::StatusOr<Buffer> ids = r.Allocate(n * c.top_k * sizeof(int32_t));
+    absl::StatusOr<Buffer> wts = r.Allocate(n * c.top_k * sizeof(float));
+    if (!xb.ok() || !ids.ok() || !wts.ok()) return 1;
+    bool failed = false;
+    std::vector<float> logits(n * c.num_experts);
+    std::vector<std::function<void()>> fns = {[&] {
+      absl::Status s = Route(r, *w, *xb, n, *ids, *wts);
+      if (s.ok()) s = r.Finish();
+      if (!s.ok()) failed = true;
+    }};
+    for (int t = 1; t <= threads; ++t) {
+      fns.push_back([&, t] {
+        openblas_set_num_threads(t);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n), c.num_experts,
+                    static_cast<int>(c.hidden_size), 1.0f, x.data(), c.hidden_size, router.data(),
+                    c.hidden_size, 0.0f, logits.data(), c.num_experts);
+      });
+    }
+    const std::vector<double> med = RoundRobinMedianSeconds(fns);
+    if (failed) return 1;
+    int best = 1;
+    for (int t = 2; t <= threads; ++t) {
+      if (med[t] < med[best]) best = t;
+    }
+    const double flops = 2.0 * n * c.num_experts * c.hidden_size;
+    std::printf("| %lld | %.3f | %.1f | %.3f | %d | %.2f |\n", static_cast<long long>(n),
+                med[0] * 1e3, flops / med[0] / 1e9, med[best] * 1e3, best, med[0] / med[best]);
+    std::fflush(stdout);
+  }
+  if (getloadavg(load, 3) == 3) {
+    std::printf("\nload average after the run: %.2f %.2f %.2f\n", load[0], load[1], load[2]);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace epserve::kernels
+
+int main(int argc, char** argv) {
+  // OpenBLAS reads OPENBLAS_CORETYPE when it loads; the ctest entry unsets it.
+  return epserve::kernels::Run(argc, argv);
+}

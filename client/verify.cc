@@ -1,0 +1,88 @@
+#include "client/verify.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "model/reference.h"
+#include "model/synthetic.h"
+
+namespace epserve::client {
+
+double DefaultTolerance(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kFp32:
+      return 1e-4;
+    case Dtype::kBf16:
+      return 1e-2;
+    case Dtype::kFp16:
+      return 2e-3;
+  }
+  return 1e-4;
+}
+
+absl::StatusOr<std::unique_ptr<Verifier>> Verifier::Create(absl::string_view spec, uint64_t seed,
+                                                           std::optional<int64_t> layer,
+                                                           Dtype dtype, double tolerance) {
+  if (!absl::StartsWith(spec, "synthetic:")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("verify-model: '", spec, "' is not synthetic:<preset>; presets: ",
+                     absl::StrJoin(model::SyntheticPresetNames(), ", ")));
+  }
+  absl::StatusOr<std::unique_ptr<model::WeightSource>> source = model::OpenModel(spec, seed);
+  if (!source.ok()) return source.status();
+  const model::ModelConfig& config = (*source)->config();
+  const int chosen = layer.has_value() ? static_cast<int>(*layer) : config.moe_layers.front();
+  if (std::find(config.moe_layers.begin(), config.moe_layers.end(), chosen) ==
+      config.moe_layers.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", chosen, " is not an MoE layer of ",
+                                                   spec, " (",
+                                                   absl::StrJoin(config.moe_layers, ","), ")"));
+  }
+  absl::StatusOr<model::LayerWeights> weights = model::LoadLayer(**source, chosen);
+  if (!weights.ok()) return weights.status();
+  auto v = std::unique_ptr<Verifier>(new Verifier());
+  v->config_ = config.layer;
+  v->weights_ = *std::move(weights);
+  v->layer_ = chosen;
+  v->tolerance_ = tolerance > 0 ? tolerance : DefaultTolerance(dtype);
+  return v;
+}
+
+absl::Status Verifier::Check(const float* x, const float* y, int64_t tokens) const {
+  const int64_t h = config_.hidden_size;
+  std::vector<float> want(static_cast<size_t>(tokens * h));
+  model::Routing routing;
+  model::ReferenceForward(config_, weights_, x, tokens, want.data(), &routing);
+  double scale = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (routing.margins[t] < kRoutingTieMargin) continue;
+    for (int64_t i = 0; i < h; ++i) scale = std::max(scale, std::fabs(double{want[t * h + i]}));
+  }
+  if (scale == 0) return absl::OkStatus();  // every row skipped (or an all-zero answer)
+  double worst = 0;
+  int64_t worst_row = -1;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (routing.margins[t] < kRoutingTieMargin) continue;
+    double row = 0;
+    for (int64_t i = 0; i < h; ++i) {
+      const double d = std::fabs(double{y[t * h + i]} - double{want[t * h + i]});
+      row = std::isnan(d) ? INFINITY : std::max(row, d);
+    }
+    if (row / scale > worst) {
+      worst = row / scale;
+      worst_row = t;
+    }
+  }
+  if (worst <= tolerance_) return absl::OkStatus();
+  return absl::DataLossError(absl::StrFormat(
+      "row %d of %d differs from the reference forward pass by %.3g (relative to max|ref|), "
+      "tolerance %.3g",
+      worst_row, tokens, worst, tolerance_));
+}
+
+}  // namespace epserve::client
