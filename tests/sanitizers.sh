@@ -12,12 +12,13 @@ source "$root/deploy/env.sh"
 if [ "$which" = address ] || [ "$which" = all ]; then
   echo "== ASan + UBSan: build"
   BUILD_DIR="$root/build-asan" "$root/deploy/build.sh" -DEPSERVE_SANITIZE=address \
-    -DEPSERVE_BUILD_BENCH=OFF -DEPSERVE_WERROR=ON
+    -DEPSERVE_BUILD_BENCH=OFF -DEPSERVE_WERROR=OFF  # GCC 12 warns falsely under -fsanitize
   echo "== ASan + UBSan: unit and end-to-end tests"
   # Leaks are not checked: Open MPI and the OpenCL runtime keep allocations until exit.
+  # The deploy tests are left out: they bound memory, which ASan's quarantine inflates.
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir "$root/build-asan" -LE "bench|long|fuzz|python" --output-on-failure \
+    ctest --test-dir "$root/build-asan" -LE "bench|long|fuzz|python|deploy" --output-on-failure \
       --timeout 1200
 fi
 

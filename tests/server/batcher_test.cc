@@ -20,7 +20,8 @@ constexpr int64_t kHidden = 4;
 struct FakeRequest {
   std::vector<float> in, out;
   std::shared_ptr<InferTask> task;
-  int calls = 0;
+  // Written by the batcher's thread: status first, then calls (release); read after calls.
+  std::atomic<int> calls{0};
   absl::Status status;
 };
 
@@ -37,8 +38,8 @@ std::unique_ptr<FakeRequest> MakeRequest(int64_t tokens, float offset, int layer
   r->task->enqueued = absl::Now();
   FakeRequest* raw = r.get();
   r->task->done = [raw](absl::Status s, const TaskTimes&) {
-    raw->calls++;
     raw->status = std::move(s);
+    raw->calls.fetch_add(1, std::memory_order_release);
   };
   return r;
 }
@@ -77,7 +78,7 @@ BatcherOptions Options(int64_t max_batch, absl::Duration delay = absl::Milliseco
 void WaitDone(const std::vector<std::unique_ptr<FakeRequest>>& reqs) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   for (const auto& r : reqs) {
-    while (r->calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+    while (r->calls.load(std::memory_order_acquire) == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   }
 }
 
