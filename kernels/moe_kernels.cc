@@ -73,10 +73,10 @@ absl::Status FillMapped(Runtime& rt, const Buffer& dst, int64_t offset, int64_t 
                         FillFn&& fill) {
   cl_int err = CL_SUCCESS;
   void* host = nullptr;
-  CL_CHECK((host = clEnqueueMapBuffer(rt.queue(), dst.mem(), CL_TRUE,
-                                      CL_MAP_WRITE_INVALIDATE_REGION, offset * sizeof(T),
-                                      count * sizeof(T), 0, nullptr, nullptr, &err),
-            err));
+  CL_CHECK(
+      (host = clEnqueueMapBuffer(rt.queue(), dst.mem(), CL_TRUE, CL_MAP_WRITE_INVALIDATE_REGION,
+                                 offset * sizeof(T), count * sizeof(T), 0, nullptr, nullptr, &err),
+       err));
   absl::Status filled = fill(static_cast<T*>(host));
   CL_CHECK(clEnqueueUnmapMemObject(rt.queue(), dst.mem(), host, 0, nullptr, nullptr));
   return filled;
@@ -165,7 +165,8 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   absl::StatusOr<Buffer> gate_up =
       rt.Allocate(detail::GateUpFloatsPerExpert(hidden, ffn) * count * elem);
   if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<Buffer> down = rt.Allocate(detail::DownFloatsPerExpert(hidden, ffn) * count * elem);
+  absl::StatusOr<Buffer> down =
+      rt.Allocate(detail::DownFloatsPerExpert(hidden, ffn) * count * elem);
   if (!down.ok()) return down.status();
   w.gate_up = *std::move(gate_up);
   w.down = *std::move(down);
@@ -216,8 +217,8 @@ absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_
   const int64_t x_elems = static_cast<int64_t>(x.bytes() / sizeof(float));
   const cl_long x_rows = x_elems < w.hidden ? 0 : (x_elems - w.hidden) / x_stride + 1;
   const size_t local[2] = {1, 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, cl_long{x_stride}, row_index, cl_int{gather ? 1 : 0}, groups,
-                          w.gate_up, hidden, ffn, gu_panels, h_scratch));
+  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, cl_long{x_stride}, row_index, cl_int{gather ? 1 : 0},
+                          groups, w.gate_up, hidden, ffn, gu_panels, h_scratch));
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
   RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
   RETURN_IF_ERROR(SetArgs(*down, h_scratch, groups, w.down, hidden, ffn, down_panels, y));
@@ -233,8 +234,8 @@ absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_
   // Rows of x: the last one needs only `hidden` values, not a whole stride.
   const int64_t x_elems = static_cast<int64_t>(x.bytes() / sizeof(uint16_t));
   const cl_long x_rows = x_elems < hidden ? 0 : (x_elems - hidden) / stride + 1;
-  RETURN_IF_ERROR(SetArgs(*kernel, x, x_rows, cl_long{stride}, row_index,
-                          static_cast<cl_int>(rows), static_cast<cl_int>(hidden), out));
+  RETURN_IF_ERROR(SetArgs(*kernel, x, x_rows, cl_long{stride}, row_index, static_cast<cl_int>(rows),
+                          static_cast<cl_int>(hidden), out));
   const size_t global[1] = {static_cast<size_t>(rows)};
   return Launch(rt, *kernel, 1, global, nullptr);
 }

@@ -33,12 +33,12 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 struct ExpertWeights {
   int first_expert = 0;
   int num_experts = 0;
-  int64_t hidden = 0;  // H
-  int64_t ffn = 0;     // F of these experts
+  int64_t hidden = 0;          // H
+  int64_t ffn = 0;             // F of these experts
   DType dtype = DType::kFp32;  // of gate_up and down
-  Buffer gate_up;      // layout private to kernels/
-  Buffer down;         // layout private to kernels/
-  Buffer gate;         // [H] FP32 sigmoid gate of a gated shared expert, else empty
+  Buffer gate_up;              // layout private to kernels/
+  Buffer down;                 // layout private to kernels/
+  Buffer gate;                 // [H] FP32 sigmoid gate of a gated shared expert, else empty
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,

@@ -247,14 +247,14 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
 absl::Status FrontEnd::Shutdown() {
   if (shut_down_) return absl::OkStatus();
   shut_down_ = true;
-  SetReady(false);  // new requests get UNAVAILABLE; health says NOT_SERVING
+  SetReady(false);      // new requests get UNAVAILABLE; health says NOT_SERVING
   health_->Shutdown();  // ends health Watch streams
   // gRPC's shutdown starts at once: calls not yet accepted are refused with UNAVAILABLE, and
   // every accepted one, handler not run yet included, is waited for while the batcher
   // answers it. Past the deadline gRPC cancels what is still open (streams a client keeps).
   std::thread grpc_shutdown([this] {
-    server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.drain_timeout +
-                                         absl::Milliseconds(200)));
+    server_->Shutdown(
+        absl::ToChronoTime(absl::Now() + options_.drain_timeout + absl::Milliseconds(200)));
   });
   // Give formed batches drain_timeout to finish, then abandon them; Stop answers the rest.
   std::atomic<bool> stopped{false};

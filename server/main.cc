@@ -12,10 +12,10 @@
 #include <optional>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/flags.h"
-#include "absl/strings/numbers.h"
 #include "model/layers.h"
 #include "model/memory.h"
 #include "model/synthetic.h"
@@ -71,22 +71,36 @@ absl::StatusOr<int64_t> ParseMemoryLimit(const std::string& text) {
       if (key == "MemTotal:") return kib * 1024;
       meminfo.ignore(1 << 10, '\n');
     }
-    return absl::FailedPreconditionError("cannot read MemTotal from /proc/meminfo; set --memory-limit");
+    return absl::FailedPreconditionError(
+        "cannot read MemTotal from /proc/meminfo; set --memory-limit");
   }
   int64_t scale = 1;
   std::string digits = text;
   switch (text.back()) {
-    case 'K': case 'k': scale = int64_t{1} << 10; break;
-    case 'M': case 'm': scale = int64_t{1} << 20; break;
-    case 'G': case 'g': scale = int64_t{1} << 30; break;
-    case 'T': case 't': scale = int64_t{1} << 40; break;
-    default: break;
+    case 'K':
+    case 'k':
+      scale = int64_t{1} << 10;
+      break;
+    case 'M':
+    case 'm':
+      scale = int64_t{1} << 20;
+      break;
+    case 'G':
+    case 'g':
+      scale = int64_t{1} << 30;
+      break;
+    case 'T':
+    case 't':
+      scale = int64_t{1} << 40;
+      break;
+    default:
+      break;
   }
   if (scale != 1) digits.pop_back();
   double value = 0;
   if (!absl::SimpleAtod(digits, &value) || value <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--memory-limit must be bytes with an optional K/M/G/T suffix, got '", text, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--memory-limit must be bytes with an optional K/M/G/T suffix, got '", text, "'"));
   }
   return static_cast<int64_t>(value * static_cast<double>(scale));
 }
@@ -123,12 +137,12 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
                     epserve::model::FormatBytes(weight_bytes));
   }
   if (status.ok() && need > limit) {
-    status = absl::ResourceExhaustedError(absl::StrCat(
-        "the ranks on this host need ", epserve::model::FormatBytes(need), " (",
-        bf16_weights ? "BF16" : "FP32", " weights: ", parts,
-        "; heap ", epserve::model::FormatBytes(static_cast<int64_t>(heap_bytes)), " per rank x ",
-        node_size, ") but --memory-limit is ", epserve::model::FormatBytes(limit),
-        ": use more workers or hosts, fewer --layers, or a larger limit"));
+    status = absl::ResourceExhaustedError(
+        absl::StrCat("the ranks on this host need ", epserve::model::FormatBytes(need), " (",
+                     bf16_weights ? "BF16" : "FP32", " weights: ", parts, "; heap ",
+                     epserve::model::FormatBytes(static_cast<int64_t>(heap_bytes)), " per rank x ",
+                     node_size, ") but --memory-limit is ", epserve::model::FormatBytes(limit),
+                     ": use more workers or hosts, fewer --layers, or a larger limit"));
   }
   int bad = status.ok() ? 0 : 1, any_bad = 0;
   MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
@@ -242,9 +256,9 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       Log(rank, absl::StrCat("error: ", w.status().ToString()));
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    Log(rank, absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
-                           (*w)->weight_bytes(), " weight bytes, resident ", ResidentBytes(),
-                           " bytes"));
+    Log(rank,
+        absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
+                     (*w)->weight_bytes(), " weight bytes, resident ", ResidentBytes(), " bytes"));
     absl::Status s = (*w)->Serve(g_stop);
     if (!s.ok()) {
       Log(rank, s.ToString());

@@ -20,7 +20,7 @@ namespace epserve::server {
 struct ServiceOptions {
   ModelSignature signature;
   int num_workers = 1;
-  int top_k = 1;  // width of the topk_ids and topk_weights outputs
+  int top_k = 1;               // width of the topk_ids and topk_weights outputs
   std::string device = "cpu";  // the workers' OpenCL device choice, reported in ModelConfig
   int64_t max_batch_tokens = 256;
   absl::Duration max_queue_delay = absl::Microseconds(500);

@@ -62,9 +62,9 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> SymmetricHeap::Create(MPI_Comm co
   if (backend == HeapBackend::kAuto) backend = all_local ? HeapBackend::kShm : HeapBackend::kRma;
   if (backend == HeapBackend::kShm && !all_local) {
     MPI_Comm_free(&dup);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--heap=shm needs all ", num_ranks, " ranks on one host, but only ", node_size,
-        " share this one; use --heap=rma or --heap=auto"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("--heap=shm needs all ", num_ranks, " ranks on one host, but only ", node_size,
+                     " share this one; use --heap=rma or --heap=auto"));
   }
   // Page-align each segment so device buffers can wrap heap memory directly.
   bytes_per_rank = std::max<size_t>((bytes_per_rank + 4095) / 4096 * 4096, 4096);
@@ -113,15 +113,14 @@ absl::Status WaitLoop(Load load, uint64_t target, absl::Time deadline, absl::str
     const uint64_t seen = load();
     if (seen >= target) return absl::OkStatus();
     if (wait.cancel != nullptr && wait.cancel->load(std::memory_order_relaxed)) {
-      return absl::CancelledError(
-          absl::StrCat("cancelled while waiting for ", what, index >= 0 ? " " : "",
-                       index >= 0 ? absl::StrCat(index) : ""));
+      return absl::CancelledError(absl::StrCat("cancelled while waiting for ", what,
+                                               index >= 0 ? " " : "",
+                                               index >= 0 ? absl::StrCat(index) : ""));
     }
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("timed out waiting for ", what, index >= 0 ? " " : "",
-                       index >= 0 ? absl::StrCat(index) : "", ": saw ", seen, ", waiting for ",
-                       target));
+      return absl::DeadlineExceededError(absl::StrCat(
+          "timed out waiting for ", what, index >= 0 ? " " : "",
+          index >= 0 ? absl::StrCat(index) : "", ": saw ", seen, ", waiting for ", target));
     }
     if (yields < 200) {
       ++yields;
@@ -136,10 +135,9 @@ absl::Status WaitLoop(Load load, uint64_t target, absl::Time deadline, absl::str
 }  // namespace
 
 absl::Status SymmetricHeap::WaitSignal(size_t offset, uint64_t target, absl::Time deadline,
-                                       absl::string_view what, int index,
-                                       const WaitOptions& wait) {
-  absl::Status s = WaitLoop([&] { return SignalLoad(offset); }, target, deadline, what, index,
-                            wait);
+                                       absl::string_view what, int index, const WaitOptions& wait) {
+  absl::Status s =
+      WaitLoop([&] { return SignalLoad(offset); }, target, deadline, what, index, wait);
   absl::Status load = TakeLoadError();
   return load.ok() ? s : load;
 }

@@ -32,18 +32,17 @@ const char* OverflowPolicyName(OverflowPolicy policy) {
 
 absl::Status ExchangeConfig::Validate() const {
   if (num_workers < 1 || num_workers > num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("the exchange needs 1 <= workers (",
-                                                   num_workers, ") <= experts (", num_experts,
-                                                   ")"));
+    return absl::InvalidArgumentError(absl::StrCat("the exchange needs 1 <= workers (", num_workers,
+                                                   ") <= experts (", num_experts, ")"));
   }
   if (top_k < 1 || top_k > num_experts) {
     return absl::InvalidArgumentError(
         absl::StrCat("top_k ", top_k, " outside [1, ", num_experts, "]"));
   }
   if (hidden < 1 || max_send_tokens < 1 || max_recv_tokens < 0 || first_rank < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bad exchange shape: hidden ", hidden, ", max_send_tokens ", max_send_tokens,
-        ", max_recv_tokens ", max_recv_tokens, ", first_rank ", first_rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad exchange shape: hidden ", hidden, ", max_send_tokens ", max_send_tokens,
+                     ", max_recv_tokens ", max_recv_tokens, ", first_rank ", first_rank));
   }
   if (overflow == OverflowPolicy::kSplit && recv_capacity() < num_workers) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -63,7 +62,7 @@ int64_t ExchangeConfig::max_combine_rows() const {
 }
 
 absl::StatusOr<ExchangeRegions> ExchangeRegions::Plan(const ExchangeConfig& c,
-                                                     const Allocator& alloc) {
+                                                      const Allocator& alloc) {
   EPSERVE_RETURN_IF_ERROR(c.Validate());
   ExchangeRegions r{};
   const size_t w = static_cast<size_t>(c.num_workers);
@@ -107,13 +106,13 @@ size_t ExchangeRegions::BytesNeeded(const ExchangeConfig& config) {
 
 std::string ExchangeRegions::Describe(const ExchangeConfig& c) {
   const int64_t cap = c.recv_capacity();
-  return absl::StrCat(
-      "exchange: receive ", cap, " rows x ", c.dispatch_row_bytes(), " B (",
-      PayloadTypeName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(), " B, combine ",
-      c.max_combine_rows(), " rows x ", c.combine_row_bytes(), " B (",
-      PayloadTypeName(c.combine_dtype), ") = ", c.max_combine_rows() * c.combine_row_bytes(),
-      " B, metadata ", cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
-      OverflowPolicyName(c.overflow), "; ", BytesNeeded(c), " B per rank in all");
+  return absl::StrCat("exchange: receive ", cap, " rows x ", c.dispatch_row_bytes(), " B (",
+                      PayloadTypeName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(),
+                      " B, combine ", c.max_combine_rows(), " rows x ", c.combine_row_bytes(),
+                      " B (", PayloadTypeName(c.combine_dtype),
+                      ") = ", c.max_combine_rows() * c.combine_row_bytes(), " B, metadata ",
+                      cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
+                      OverflowPolicyName(c.overflow), "; ", BytesNeeded(c), " B per rank in all");
 }
 
 // ---- ReceivedRows ----
@@ -123,7 +122,8 @@ void ReceivedRows::Decode(int64_t first_row, int64_t num_rows, float* dst) const
     std::memcpy(dst, Row(first_row), static_cast<size_t>(num_rows) * row_bytes);
     return;
   }
-  for (int64_t r = 0; r < num_rows; ++r) DecodeRow(dtype, Row(first_row + r), hidden, dst + r * hidden);
+  for (int64_t r = 0; r < num_rows; ++r)
+    DecodeRow(dtype, Row(first_row + r), hidden, dst + r * hidden);
 }
 
 int ReceivedRows::Source(int64_t r) const {
@@ -142,21 +142,18 @@ absl::StatusOr<ExchangeRegions> Exchange::Allocate(shmem::SymmetricHeap& heap,
 
 absl::StatusOr<std::unique_ptr<Exchange>> Exchange::Create(shmem::SymmetricHeap& heap,
                                                            const ExchangeConfig& config,
-                                                           const ExchangeRegions& regions,
-                                                           int me) {
+                                                           const ExchangeRegions& regions, int me) {
   EPSERVE_RETURN_IF_ERROR(config.Validate());
   if (me < 0 || me >= config.num_workers ||
       config.first_rank + config.num_workers > heap.num_ranks()) {
-    return absl::InvalidArgumentError(absl::StrCat("worker ", me, " of ", config.num_workers,
-                                                   " from heap rank ", config.first_rank,
-                                                   " does not fit a heap of ", heap.num_ranks(),
-                                                   " ranks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", me, " of ", config.num_workers, " from heap rank ",
+                     config.first_rank, " does not fit a heap of ", heap.num_ranks(), " ranks"));
   }
   absl::StatusOr<ExpertPlacement> placement =
       ExpertPlacement::Contiguous(config.num_experts, config.num_workers);
   if (!placement.ok()) return placement.status();
-  return std::unique_ptr<Exchange>(
-      new Exchange(heap, config, regions, *std::move(placement), me));
+  return std::unique_ptr<Exchange>(new Exchange(heap, config, regions, *std::move(placement), me));
 }
 
 Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config,
@@ -200,7 +197,8 @@ absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Ti
   // place) so that peers are not left waiting, and Run reports it afterwards.
   for (int64_t i = 0; i < n * k; ++i) {
     if (ids[i] >= 0 && ids[i] < config_.num_experts) continue;
-    if (bad_id_.ok()) bad_id_ = absl::InternalError(absl::StrCat("router produced expert id ", ids[i]));
+    if (bad_id_.ok())
+      bad_id_ = absl::InternalError(absl::StrCat("router produced expert id ", ids[i]));
     ids_copy_.assign(ids, ids + n * k);
     for (int32_t& e : ids_copy_) {
       if (e < 0 || e >= config_.num_experts) e = 0;
@@ -229,8 +227,7 @@ absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Ti
   const size_t my_block = regions_.counts + (parity * num_workers + me_) * block;
   for (int d = 0; d < num_workers; ++d) {
     EPSERVE_RETURN_IF_ERROR(heap_.Put(rank_of(d), my_block, my_counts_.data(), block));
-    EPSERVE_RETURN_IF_ERROR(
-        heap_.SignalSet(rank_of(d), signal(regions_.count_flag, me_), epoch_));
+    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(rank_of(d), signal(regions_.count_flag, me_), epoch_));
   }
   for (int s = 0; s < num_workers; ++s) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.count_flag, s), epoch_, deadline,
@@ -261,7 +258,8 @@ absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Ti
     }
   }
   source_begin_[0] = 0;
-  for (int s = 0; s < num_workers; ++s) source_begin_[s + 1] = source_begin_[s] + count_row(s, me_)[0];
+  for (int s = 0; s < num_workers; ++s)
+    source_begin_[s + 1] = source_begin_[s] + count_row(s, me_)[0];
   expert_offsets_[0] = 0;
   for (int e = 0; e < placement_.count(me_); ++e) {
     int64_t all = 0;
@@ -269,7 +267,8 @@ absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Ti
     expert_offsets_[e + 1] = expert_offsets_[e] + all;
   }
   combine_base_[0] = 0;
-  for (int d = 0; d < num_workers; ++d) combine_base_[d + 1] = combine_base_[d] + count_row(me_, d)[0];
+  for (int d = 0; d < num_workers; ++d)
+    combine_base_[d + 1] = combine_base_[d] + count_row(me_, d)[0];
   return max_recv;
 }
 
@@ -278,8 +277,7 @@ absl::Status Exchange::Dispatch(const float* x, const float* weights, absl::Time
 }
 
 absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, bool accumulate,
-                               const ExpertStep& expert, absl::Time deadline,
-                               ExchangeStats* stats,
+                               const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
                                const std::function<absl::Status()>* overlap) {
   const int64_t n = n_;
   const int32_t* ids = ids_;
@@ -325,7 +323,8 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
             pair[j] = -1;
             continue;
           }
-          const int64_t p = pair_base_[d * num_local_max_ + e - first_expert] + pair_local_[t * k + j];
+          const int64_t p =
+              pair_base_[d * num_local_max_ + e - first_expert] + pair_local_[t * k + j];
           pair[j] = static_cast<int32_t>(p);
           pair_row[p] = static_cast<int32_t>(row);
         }
@@ -349,7 +348,8 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
     }
     for (int64_t t = 0; t < n; ++t) {
       const int64_t* slot = &slot_[t * num_workers];
-      if (dtype != PayloadType::kFp32) EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
+      if (dtype != PayloadType::kFp32)
+        EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
       for (int d = 0; d < num_workers; ++d) {
         if (slot[d] < 0) continue;
         const int64_t pos = combine_base_[d] + slot[d];
@@ -486,7 +486,8 @@ absl::Status Exchange::Combine(const float* out) {
     }
   }
   for (int s = 0; s < num_workers; ++s) {
-    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(rank_of(s), signal(regions_.combine_flag, me_), epoch_));
+    EPSERVE_RETURN_IF_ERROR(
+        heap_.SignalSet(rank_of(s), signal(regions_.combine_flag, me_), epoch_));
   }
   return absl::OkStatus();
 }
@@ -533,8 +534,7 @@ absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const 
   token_base_ = 0;
   if (*max_recv <= capacity) {
     if (stats != nullptr) stats->rounds += 1;
-    EPSERVE_RETURN_IF_ERROR(
-        RunPass(x, weights, y, accumulate, expert, deadline, stats, &overlap));
+    EPSERVE_RETURN_IF_ERROR(RunPass(x, weights, y, accumulate, expert, deadline, stats, &overlap));
     return TakeBadIdError();
   }
   if (config_.overflow == OverflowPolicy::kFail) {
@@ -546,7 +546,8 @@ absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const 
   // Split: rounds of at most capacity / W tokens per sender always fit.
   const int64_t per_round = capacity / config_.num_workers;
   int64_t most_tokens = 0;
-  for (int s = 0; s < config_.num_workers; ++s) most_tokens = std::max(most_tokens, count_row(s, 0)[1]);
+  for (int s = 0; s < config_.num_workers; ++s)
+    most_tokens = std::max(most_tokens, count_row(s, 0)[1]);
   const int64_t rounds = (most_tokens + per_round - 1) / per_round;
   for (int64_t r = 0; r < rounds; ++r) {
     const int64_t begin = std::min(n, r * per_round);

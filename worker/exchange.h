@@ -103,11 +103,11 @@ struct ReceivedRows {
   size_t row_bytes = 0;
   int64_t hidden = 0;
   int top_k = 0;
-  const void* payload = nullptr;     // [rows][row_bytes]
-  const int32_t* token = nullptr;    // [rows]: the token's index in its owner's batch
-  const int32_t* pair = nullptr;     // [rows][top_k]
-  const float* weight = nullptr;     // [rows][top_k]
-  const int32_t* pair_row = nullptr;  // [pairs], expert-major
+  const void* payload = nullptr;            // [rows][row_bytes]
+  const int32_t* token = nullptr;           // [rows]: the token's index in its owner's batch
+  const int32_t* pair = nullptr;            // [rows][top_k]
+  const float* weight = nullptr;            // [rows][top_k]
+  const int32_t* pair_row = nullptr;        // [pairs], expert-major
   std::span<const int64_t> expert_offsets;  // [local experts + 1]
   std::span<const int64_t> source_begin;    // [W + 1]: rows of worker s are [b[s], b[s+1])
 
@@ -154,7 +154,8 @@ class Exchange {
   // exchange is then unusable).
   absl::Status Run(const float* x, int64_t n, const int32_t* ids, const float* weights, float* y,
                    bool accumulate, const ExpertStep& expert, absl::Time deadline,
-                   ExchangeStats* stats = nullptr, const std::function<absl::Status()>& overlap = {});
+                   ExchangeStats* stats = nullptr,
+                   const std::function<absl::Status()>& overlap = {});
 
   // ---- the stages of one pass, for tests and benchmarks (Run calls them) ----
   // Counts and exchanges the layout of tokens [0, n). Returns the most rows any worker
@@ -204,16 +205,16 @@ class Exchange {
   int64_t n_ = 0;
   int64_t token_base_ = 0;  // batch index of the pass's first token (split rounds)
   const int32_t* ids_ = nullptr;
-  std::vector<int32_t> ids_copy_;      // ids with out-of-range entries replaced
+  std::vector<int32_t> ids_copy_;  // ids with out-of-range entries replaced
   absl::Status bad_id_;
-  std::vector<int64_t> counts_;        // [W][W][2 + L] copy of the matrix
-  std::vector<int64_t> my_counts_;     // [W][2 + L] what I send to each destination
-  std::vector<int64_t> slot_;          // [n][W]: my stream position to d, or -1
-  std::vector<int32_t> pair_local_;    // [n][k]: index among my pairs to (owner, local e)
-  std::vector<int64_t> row_base_;      // [W]: where my rows start in d's receive buffer
-  std::vector<int64_t> pair_base_;     // [W][L]: where my pairs of (d, e) start in d's table
-  std::vector<int64_t> combine_base_;  // [W]: where d's parts start in my combine buffer
-  std::vector<int64_t> source_begin_;  // [W + 1]
+  std::vector<int64_t> counts_;          // [W][W][2 + L] copy of the matrix
+  std::vector<int64_t> my_counts_;       // [W][2 + L] what I send to each destination
+  std::vector<int64_t> slot_;            // [n][W]: my stream position to d, or -1
+  std::vector<int32_t> pair_local_;      // [n][k]: index among my pairs to (owner, local e)
+  std::vector<int64_t> row_base_;        // [W]: where my rows start in d's receive buffer
+  std::vector<int64_t> pair_base_;       // [W][L]: where my pairs of (d, e) start in d's table
+  std::vector<int64_t> combine_base_;    // [W]: where d's parts start in my combine buffer
+  std::vector<int64_t> source_begin_;    // [W + 1]
   std::vector<int64_t> expert_offsets_;  // [L_me + 1]
   ReceivedRows received_;
   // Staging for backends without load/store access to peers.

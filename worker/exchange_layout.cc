@@ -30,16 +30,17 @@ ExchangeConfig ExchangeShape::exchange() const {
 }
 
 absl::Status ExchangeFlags::Apply(ExchangeShape& shape) const {
-  EPSERVE_ASSIGN_OR_RETURN(shape.dispatch_dtype, ParsePayloadType(dispatch_dtype, "dispatch-dtype"));
+  EPSERVE_ASSIGN_OR_RETURN(shape.dispatch_dtype,
+                           ParsePayloadType(dispatch_dtype, "dispatch-dtype"));
   EPSERVE_ASSIGN_OR_RETURN(shape.combine_dtype, ParsePayloadType(combine_dtype, "combine-dtype"));
   if (shape.combine_dtype == PayloadType::kFp8) {
     return absl::InvalidArgumentError("--combine-dtype must be fp32 or bf16, got 'fp8'");
   }
   EPSERVE_ASSIGN_OR_RETURN(shape.overflow, ParseOverflowPolicy(recv_overflow));
   if (max_recv_tokens_per_rank < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max-recv-tokens-per-rank must be >= 0 (0: --max-batch-tokens), got ",
-        max_recv_tokens_per_rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-recv-tokens-per-rank must be >= 0 (0: --max-batch-tokens), got ",
+                     max_recv_tokens_per_rank));
   }
   shape.max_recv_tokens_per_rank = max_recv_tokens_per_rank;
   if (exchange_timeout_ms < 1) {

@@ -86,8 +86,8 @@ struct ExchangeLayout {
   size_t reports;        // WorkerReport[W]
   size_t expert_tokens;  // int64[E]: pairs per expert in the last batch
   // data
-  size_t input;   // float[max_rows_per_worker][H] (worker segments), written by rank 0
-  size_t output;  // float[max_batch_tokens][H] (rank 0's segment), written by owners
+  size_t input;         // float[max_rows_per_worker][H] (worker segments), written by rank 0
+  size_t output;        // float[max_batch_tokens][H] (rank 0's segment), written by owners
   size_t topk_ids;      // int32[max_batch_tokens][k] (rank 0's segment): the routing, by owners
   size_t topk_weights;  // float[max_batch_tokens][k] (rank 0's segment)
   // worker <-> worker

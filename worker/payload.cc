@@ -73,7 +73,7 @@ uint8_t FloatToFp8E4m3(float x) {
   const uint32_t b = std::bit_cast<uint32_t>(x);
   const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80);
   const uint32_t a = b & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
+  if (a > 0x7F800000u) return sign | 0x7F;   // NaN
   if (a >= 0x43E00000u) return sign | 0x7E;  // >= 448 (and inf): saturate
   if (a < 0x3C800000u) {
     // Below 2^-6: subnormal, in units of 2^-9, rounded to nearest even (8 = 2^-6 is the
@@ -105,11 +105,11 @@ size_t PayloadRowBytes(PayloadType type, int64_t hidden) {
 
 void EncodeRow(PayloadType type, const float* src, int64_t hidden, void* dst) {
   // Padding is zeroed, so that an encoded row is a function of its values only.
-  const size_t used = type == PayloadType::kFp32   ? static_cast<size_t>(hidden) * sizeof(float)
-                      : type == PayloadType::kBf16 ? static_cast<size_t>(hidden) * sizeof(uint16_t)
-                                                   : static_cast<size_t>(NumBlocks(hidden)) *
-                                                             sizeof(float) +
-                                                         static_cast<size_t>(hidden);
+  const size_t used =
+      type == PayloadType::kFp32 ? static_cast<size_t>(hidden) * sizeof(float)
+      : type == PayloadType::kBf16
+          ? static_cast<size_t>(hidden) * sizeof(uint16_t)
+          : static_cast<size_t>(NumBlocks(hidden)) * sizeof(float) + static_cast<size_t>(hidden);
   std::memset(static_cast<char*>(dst) + used, 0, PayloadRowBytes(type, hidden) - used);
   switch (type) {
     case PayloadType::kFp32:

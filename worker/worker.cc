@@ -35,9 +35,9 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
     absl::StatusOr<kernels::RouterWeights> router = kernels::UploadRouter(*w->rt_, source, layer);
     if (!router.ok()) return router.status();
     l.router = *std::move(router);
-    absl::StatusOr<kernels::ExpertWeights> experts = kernels::UploadExperts(
-        *w->rt_, source, layer, placement.first(w->me_), placement.count(w->me_),
-        options.weight_dtype);
+    absl::StatusOr<kernels::ExpertWeights> experts =
+        kernels::UploadExperts(*w->rt_, source, layer, placement.first(w->me_),
+                               placement.count(w->me_), options.weight_dtype);
     if (!experts.ok()) return experts.status();
     l.experts = *std::move(experts);
     if (cfg.shared_ffn_size > 0) {
@@ -211,9 +211,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
     }
     EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, in.pair, in.rows * k * sizeof(int32_t)));
     EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_weight_, 0, in.weight, in.rows * k * sizeof(float)));
-    EPSERVE_RETURN_IF_ERROR(
-        kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, in.expert_offsets, h_, y_,
-                           x_format));
+    EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_,
+                                               in.expert_offsets, h_, y_, x_format));
     EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows,
                                                      k, hidden, out_recv_));
     return rt_->Read(out_recv_, 0, out, in.rows * row_bytes);

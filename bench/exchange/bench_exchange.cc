@@ -69,7 +69,7 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
   c.max_send_tokens = tokens;
   c.dispatch_dtype = args.dtype;
   c.combine_dtype = args.dtype == worker::PayloadType::kFp32 ? worker::PayloadType::kFp32
-                                                               : worker::PayloadType::kBf16;
+                                                             : worker::PayloadType::kBf16;
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap = shmem::SymmetricHeap::Create(
       MPI_COMM_WORLD, worker::ExchangeRegions::BytesNeeded(c), args.backend);
   if (!heap.ok()) Fatal(heap.status());
@@ -137,7 +137,8 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<bool> hit(ranks, false);
     for (int j = 0; j < top_k; ++j) hit[(*ex)->placement().owner(ids[t * top_k + j])] = true;
-    for (int d = 0; d < ranks; ++d) send_counts[d] += hit[d] ? static_cast<int>(hidden * sizeof(float)) : 0;
+    for (int d = 0; d < ranks; ++d)
+      send_counts[d] += hit[d] ? static_cast<int>(hidden * sizeof(float)) : 0;
   }
   MPI_Alltoall(send_counts.data(), 1, MPI_INT, recv_counts.data(), 1, MPI_INT, MPI_COMM_WORLD);
   for (int d = 1; d < ranks; ++d) {
@@ -188,14 +189,16 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     const char* mech = std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism");
     std::printf(
-        "# exchange: %d ranks, heap %s, dispatch %s; alltoallv: btl_vader_single_copy_mechanism=%s\n"
+        "# exchange: %d ranks, heap %s, dispatch %s; alltoallv: "
+        "btl_vader_single_copy_mechanism=%s\n"
         "# bytes = rows dispatched + rows returned by the busiest rank (fp32 rows); "
         "GB/s = bytes / time; ratios from this run\n",
         ranks, shmem::HeapBackendName(args.backend), worker::PayloadTypeName(args.dtype),
         mech != nullptr ? mech : "default");
-    std::printf("| ranks | tokens/rank | hidden | top-k | MB/rank | dispatch+combine us | GB/s | "
-                "memcpy us | GB/s | vs memcpy | alltoallv us | GB/s | vs alltoallv |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::printf(
+        "| ranks | tokens/rank | hidden | top-k | MB/rank | dispatch+combine us | GB/s | "
+        "memcpy us | GB/s | vs memcpy | alltoallv us | GB/s | vs alltoallv |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   }
   const std::vector<int64_t> token_counts =
       args.quick ? std::vector<int64_t>{1, 128} : std::vector<int64_t>{1, 128, 4096};
@@ -205,12 +208,13 @@ int main(int argc, char** argv) {
         const Result r = RunOne(args, ranks, rank, tokens, hidden, k);
         if (rank == 0) {
           const double gb = r.bytes / 1e9;
-          std::printf("| %d | %lld | %lld | %d | %.2f | %.1f | %.1f | %.1f | %.1f | %.2fx | %.1f | "
-                      "%.1f | %.1fx |\n",
-                      ranks, static_cast<long long>(tokens), static_cast<long long>(hidden), k,
-                      r.bytes / 1e6, r.exchange_s * 1e6, gb / r.exchange_s, r.memcpy_s * 1e6,
-                      gb / r.memcpy_s, r.memcpy_s / r.exchange_s, r.alltoallv_s * 1e6,
-                      gb / r.alltoallv_s, r.alltoallv_s / r.exchange_s);
+          std::printf(
+              "| %d | %lld | %lld | %d | %.2f | %.1f | %.1f | %.1f | %.1f | %.2fx | %.1f | "
+              "%.1f | %.1fx |\n",
+              ranks, static_cast<long long>(tokens), static_cast<long long>(hidden), k,
+              r.bytes / 1e6, r.exchange_s * 1e6, gb / r.exchange_s, r.memcpy_s * 1e6,
+              gb / r.memcpy_s, r.memcpy_s / r.exchange_s, r.alltoallv_s * 1e6, gb / r.alltoallv_s,
+              r.alltoallv_s / r.exchange_s);
           std::fflush(stdout);
         }
       }

@@ -130,14 +130,14 @@ double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& ref) {
 
 // The figures of one row count, printed in tables at the end.
 struct Result {
-  int64_t rows = 0;                    // per expert
+  int64_t rows = 0;                             // per expert
   double t_fp32 = 0, t_bf16 = 0, t_bf16_x = 0;  // epserve: FP32 weights, BF16 weights,
                                                 // BF16 weights and BF16 activations
-  double t_sgemm = 0;                  // (a) pure sgemm, best thread count
+  double t_sgemm = 0;                           // (a) pure sgemm, best thread count
   int sgemm_threads = 0;
-  double t_composite = 0;              // (b) gather + 3 sgemm + SwiGLU loop
+  double t_composite = 0;                                // (b) gather + 3 sgemm + SwiGLU loop
   double diff_fp32 = 0, diff_bf16 = 0, diff_bf16_x = 0;  // against (b)
-  double memcpy_bps = 0;               // read + write bytes/s, small row counts only
+  double memcpy_bps = 0;  // read + write bytes/s, small row counts only
 };
 
 int Run(int argc, char** argv) {
@@ -273,8 +273,8 @@ int Run(int argc, char** argv) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, 2 * ffn, hidden, 1.0f,
                     &xc[p0 * hidden], hidden, gate_up[e].data(), hidden, 0.0f, &gu[p0 * 2 * ffn],
                     2 * ffn);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, hidden, ffn, 1.0f,
-                    &hc[p0 * ffn], ffn, down[e].data(), ffn, 0.0f, &yc[p0 * hidden], hidden);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, hidden, ffn, 1.0f, &hc[p0 * ffn],
+                    ffn, down[e].data(), ffn, 0.0f, &yc[p0 * hidden], hidden);
       }
     };
     // (b) the whole FFN through OpenBLAS: gather the rows, G = X Wg^T, U = X Wu^T,
@@ -395,8 +395,8 @@ int Run(int argc, char** argv) {
     const double sgemm_bw = weight_bytes_fp32 / res.t_sgemm;
     std::printf("| %lld | %.1f | %.1f | %.2f | %.1f | %.2f | %.1f | %.2f |\n",
                 static_cast<long long>(res.rows), res.memcpy_bps / 1e9, fp32_bw / 1e9,
-                fp32_bw / res.memcpy_bps, bf16_bw / 1e9, bf16_bw / res.memcpy_bps,
-                sgemm_bw / 1e9, sgemm_bw / res.memcpy_bps);
+                fp32_bw / res.memcpy_bps, bf16_bw / 1e9, bf16_bw / res.memcpy_bps, sgemm_bw / 1e9,
+                sgemm_bw / res.memcpy_bps);
   }
   std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down).\n");
   if (getloadavg(load, 3) == 3) {

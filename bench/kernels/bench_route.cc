@@ -93,10 +93,10 @@ int Run(int argc, char** argv) {
   std::vector<float> router(static_cast<size_t>(c.num_experts) * c.hidden_size);
   if (!source.Fill(0, model::TensorKind::kRouter, 0, router.data()).ok()) return 1;
   std::printf("device: %s\n", r.device_info().Describe().c_str());
-  std::printf("router: E=%d H=%lld top-%d; POCL_MAX_PTHREAD_COUNT=%s\n", c.num_experts,
-              static_cast<long long>(c.hidden_size), c.top_k,
-              std::getenv("POCL_MAX_PTHREAD_COUNT") ? std::getenv("POCL_MAX_PTHREAD_COUNT")
-                                                    : "(unset)");
+  std::printf(
+      "router: E=%d H=%lld top-%d; POCL_MAX_PTHREAD_COUNT=%s\n", c.num_experts,
+      static_cast<long long>(c.hidden_size), c.top_k,
+      std::getenv("POCL_MAX_PTHREAD_COUNT") ? std::getenv("POCL_MAX_PTHREAD_COUNT") : "(unset)");
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) == 3) {
     std::printf("load average before the run: %.2f %.2f %.2f (2 cores)\n\n", load[0], load[1],

@@ -45,8 +45,10 @@ int main() {
   trace.expert_tokens.assign(60, 3);
   std::atomic<int64_t> counter{0};
   std::printf("%-44s %12s %12s\n", "operation (ns per call, wall clock)", "1 thread", "4 threads");
-  const double atomic1 = NanosPerOp(1, [&](int) { counter.fetch_add(1, std::memory_order_relaxed); });
-  const double atomic4 = NanosPerOp(4, [&](int) { counter.fetch_add(1, std::memory_order_relaxed); });
+  const double atomic1 =
+      NanosPerOp(1, [&](int) { counter.fetch_add(1, std::memory_order_relaxed); });
+  const double atomic4 =
+      NanosPerOp(4, [&](int) { counter.fetch_add(1, std::memory_order_relaxed); });
   auto request = [&](int i) {
     m.RequestStarted();
     m.ObserveRequest(absl::StatusCode::kOk, absl::Microseconds(100 + i % 1000),

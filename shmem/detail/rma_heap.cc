@@ -65,9 +65,8 @@ class RmaHeap final : public SymmetricHeap {
   absl::Status SignalSet(int rank, size_t offset, uint64_t value) override {
     if (rank == rank_) EPSERVE_MPI_CHECK(MPI_Win_sync(win_));  // local stores before it
     EPSERVE_MPI_CHECK(MPI_Win_flush(rank, win_));
-    EPSERVE_MPI_CHECK(MPI_Accumulate(&value, 1, MPI_UINT64_T, rank,
-                                     static_cast<MPI_Aint>(offset), 1, MPI_UINT64_T,
-                                     MPI_REPLACE, win_));
+    EPSERVE_MPI_CHECK(MPI_Accumulate(&value, 1, MPI_UINT64_T, rank, static_cast<MPI_Aint>(offset),
+                                     1, MPI_UINT64_T, MPI_REPLACE, win_));
     EPSERVE_MPI_CHECK(MPI_Win_flush(rank, win_));
     return absl::OkStatus();
   }
@@ -111,8 +110,7 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> RmaHeap::Create(MPI_Comm comm, si
   MPI_Info_set(info, "same_size", "true");
   MPI_Info_set(info, "same_disp_unit", "true");
   void* local = nullptr;
-  const int rc =
-      MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, info, comm, &local, &heap->win_);
+  const int rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), 1, info, comm, &local, &heap->win_);
   MPI_Info_free(&info);
   EPSERVE_MPI_CHECK(rc);
   EPSERVE_MPI_CHECK(MPI_Win_set_errhandler(heap->win_, MPI_ERRORS_RETURN));

@@ -53,8 +53,8 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> ShmHeap::Create(MPI_Comm comm, si
   EPSERVE_MPI_CHECK(MPI_Info_create(&info));
   MPI_Info_set(info, "alloc_shared_noncontig", "true");
   void* local = nullptr;
-  const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, comm, &local,
-                                         &heap->win_);
+  const int rc =
+      MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, comm, &local, &heap->win_);
   MPI_Info_free(&info);
   EPSERVE_MPI_CHECK(rc);
   heap->bytes_per_rank_ = bytes;

@@ -12,6 +12,7 @@
 // a correct answer), 1 otherwise, 2 for bad flags or an unreachable server.
 #include <grpcpp/grpcpp.h>
 
+#include <sys/stat.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -22,7 +23,6 @@
 #include <mutex>
 #include <random>
 #include <string>
-#include <sys/stat.h>
 #include <thread>
 #include <vector>
 
@@ -147,7 +147,7 @@ class HealthWatcher {
         stub_ = grpc::health::v1::Health::NewStub(NewChannel(target_));
       } else {
         state = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? "SERVING"
-                                                                                 : "NOT_SERVING";
+                                                                                : "NOT_SERVING";
       }
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -323,9 +323,9 @@ double Percentile(std::vector<double> v, double p) {
 
 int Run(const Options& o) {
   auto channel = NewChannel(o.target);
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() +
-                                 std::chrono::microseconds(
-                                     absl::ToInt64Microseconds(o.connect_timeout)))) {
+  if (!channel->WaitForConnected(
+          std::chrono::system_clock::now() +
+          std::chrono::microseconds(absl::ToInt64Microseconds(o.connect_timeout)))) {
     std::fprintf(stderr, "epserve-verify: cannot connect to %s\n", o.target.c_str());
     return 2;
   }
@@ -339,8 +339,8 @@ int Run(const Options& o) {
   const bool load = o.abuse == 0 || o.requests > 0;
   for (int i = 0; load && i < o.concurrency; ++i) {
     // Separate channels: one stuck connection does not hold every client.
-    threads.emplace_back(RequestLoop, std::cref(o), NewChannel(o.target), i, std::ref(issued),
-                         end, std::ref(tally));
+    threads.emplace_back(RequestLoop, std::cref(o), NewChannel(o.target), i, std::ref(issued), end,
+                         std::ref(tally));
   }
   for (auto& t : threads) t.join();
   health.Stop();

@@ -44,9 +44,11 @@ absl::StatusOr<std::vector<float>> Infer(inference::GRPCInferenceService::Stub& 
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   grpc::Status s = stub.ModelInfer(&ctx, req, &resp);
-  if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  if (!s.ok())
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
   std::vector<float> out(x.size());
-  if (resp.raw_output_contents_size() != 1 || resp.raw_output_contents(0).size() != out.size() * 4) {
+  if (resp.raw_output_contents_size() != 1 ||
+      resp.raw_output_contents(0).size() != out.size() * 4) {
     return absl::InternalError("malformed response");
   }
   std::memcpy(out.data(), resp.raw_output_contents(0).data(), out.size() * 4);
@@ -101,7 +103,8 @@ TEST_P(ServeCheckpoint, EveryLayerMatchesTheReferenceFromTheSameFiles) {
     spec.routed_scaling_factor = 2.5;
   }
   const std::string folder = TempFolder();
-  absl::StatusOr<model::testing::WrittenCheckpoint> written = model::testing::WriteCheckpoint(spec, folder);
+  absl::StatusOr<model::testing::WrittenCheckpoint> written =
+      model::testing::WriteCheckpoint(spec, folder);
   ASSERT_TRUE(written.ok()) << written.status();
   absl::StatusOr<std::unique_ptr<model::WeightSource>> source = model::OpenModel(folder, 0);
   ASSERT_TRUE(source.ok()) << source.status();
@@ -177,7 +180,8 @@ TEST(ServeCheckpointErrors, BadCheckpointAndTooLittleMemoryStopTheStart) {
 std::vector<double> WorkerResidentBytes(const std::string& log) {
   std::vector<double> rss;
   const std::regex re("resident ([0-9]+) bytes");
-  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator(); ++it) {
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator();
+       ++it) {
     rss.push_back(std::stod((*it)[1]));
   }
   return rss;
@@ -212,8 +216,9 @@ TEST(ServeCheckpointMemory, EachWorkerHoldsItsOwnExpertsOnly) {
   for (double r : three) mean3 += r / three.size();
   // One worker holds 12 experts, each of three holds 4: at least 8 experts' worth (counted
   // once; the device copy may double it) more for the single worker.
-  std::cerr << "resident: 1 worker " << one[0] / (1 << 20) << " MiB; 3 workers " << mean3 / (1 << 20)
-            << " MiB each (an expert is " << expert_bytes / (1 << 20) << " MiB)\n";
+  std::cerr << "resident: 1 worker " << one[0] / (1 << 20) << " MiB; 3 workers "
+            << mean3 / (1 << 20) << " MiB each (an expert is " << expert_bytes / (1 << 20)
+            << " MiB)\n";
   EXPECT_GT(one[0] - mean3, 0.8 * 8 * expert_bytes);
   // ... and never more than twice the whole set (a checkpoint copy per rank would show).
   EXPECT_LT(one[0] - mean3, 2.5 * 8 * expert_bytes);

@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
     }
     for (const auto& path : files) {
       std::ifstream f(path, std::ios::binary);
-      const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      const std::string bytes((std::istreambuf_iterator<char>(f)),
+                              std::istreambuf_iterator<char>());
       LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
       ++inputs;
     }

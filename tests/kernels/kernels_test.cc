@@ -305,8 +305,7 @@ TEST_P(RouteTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, RouteTest,
-                         ::testing::Values("tiny", "tiny-grouped", "tiny-topk-softmax",
-                                           "tiny-odd"),
+                         ::testing::Values("tiny", "tiny-grouped", "tiny-topk-softmax", "tiny-odd"),
                          PresetTestName);
 
 // ---- expert FFN ----
@@ -417,8 +416,8 @@ class ExpertFfnTest : public Seeded {
     absl::Status s = ExpertFfn(Rt(), *w, xb, ib, offsets, hb, yb, x_format);
     EXPECT_TRUE(s.ok()) << s;
     const std::vector<float> y = Download<float>(yb, pairs * h);
-    const std::string what = absl::StrCat("H=", h, " F=", f, " experts=", count,
-                                          " pairs=", pairs, " ", Describe(types));
+    const std::string what =
+        absl::StrCat("H=", h, " F=", f, " experts=", count, " pairs=", pairs, " ", Describe(types));
     if (types.weights == DType::kFp32 && types.x == DType::kFp32) {
       EXPECT_LE(RelError(y, ReferenceFfn(gate, up, down, h, f, x, row_index, offsets)),
                 kMaxRelErrorFp32)
@@ -604,7 +603,8 @@ TEST_P(SharedExpertTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, SharedExpertTest,
-                         ::testing::Combine(::testing::Values("tiny", "tiny-grouped"),  // gated, ungated
+                         ::testing::Combine(::testing::Values("tiny",
+                                                              "tiny-grouped"),  // gated, ungated
                                             ::testing::Values(DType::kFp32, DType::kBf16)),
                          PresetAndDTypeName);
 

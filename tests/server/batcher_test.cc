@@ -78,7 +78,8 @@ BatcherOptions Options(int64_t max_batch, absl::Duration delay = absl::Milliseco
 void WaitDone(const std::vector<std::unique_ptr<FakeRequest>>& reqs) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   for (const auto& r : reqs) {
-    while (r->calls.load(std::memory_order_acquire) == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+    while (r->calls.load(std::memory_order_acquire) == 0 && absl::Now() < deadline)
+      absl::SleepFor(absl::Milliseconds(1));
   }
 }
 

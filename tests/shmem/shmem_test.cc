@@ -71,7 +71,8 @@ TEST_P(HeapTest, PutsArriveWithTheirSignalRoundAfterRound) {
         rows[i] = (int64_t{round} << 48) | (int64_t{me} << 32) | (peer << 16) | i;
       }
       ASSERT_TRUE(h.Put(peer, data + sizeof(int64_t) * kPerPeer * me, rows.data(),
-                        rows.size() * sizeof(int64_t)).ok());
+                        rows.size() * sizeof(int64_t))
+                      .ok());
       ASSERT_TRUE(h.SignalSet(peer, flags + 64 * me, round).ok());
     }
     for (int src = 0; src < n; ++src) {

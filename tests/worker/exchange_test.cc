@@ -82,7 +82,8 @@ void ExpertPart(const ExchangeConfig& c, const float* x, const int32_t* ids, con
   std::fill(out, out + c.hidden, 0.0f);
   for (int j = 0; j < c.top_k; ++j) {
     if (!mine(j)) continue;
-    for (int64_t i = 0; i < c.hidden; ++i) out[i] += weights[j] * (x[i] + static_cast<float>(ids[j] + 1));
+    for (int64_t i = 0; i < c.hidden; ++i)
+      out[i] += weights[j] * (x[i] + static_cast<float>(ids[j] + 1));
   }
 }
 
@@ -150,14 +151,14 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
           continue;
         }
         EncodeRow(c.dispatch_dtype, batches[src].x(t), c.hidden, expect_row.data());
-        const size_t compare = c.dispatch_dtype == PayloadType::kFp32
-                                   ? c.hidden * sizeof(float)
-                                   : row_bytes;
+        const size_t compare =
+            c.dispatch_dtype == PayloadType::kFp32 ? c.hidden * sizeof(float) : row_bytes;
         wrong_rows += std::memcmp(in.Row(r), expect_row.data(), compare) != 0;
         for (int j = 0; j < c.top_k; ++j) {
           const int e = batches[src].ids(t)[j];
           const int32_t p = in.pair[r * c.top_k + j];
-          wrong_meta += std::memcmp(&in.weight[r * c.top_k + j], batches[src].weights(t) + j, 4) != 0;
+          wrong_meta +=
+              std::memcmp(&in.weight[r * c.top_k + j], batches[src].weights(t) + j, 4) != 0;
           if (placement.owner(e) != rank_) {
             wrong_meta += p != -1;
             continue;
@@ -174,8 +175,9 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
         if (r > in.source_begin[src] && in.token[r - 1] >= t) ++wrong_meta;
         in.Decode(r, 1, decoded.data());
         const int32_t* ids = batches[src].ids(t);
-        ExpertPart(c, decoded.data(), ids, batches[src].weights(t),
-                   [&](int j) { return placement.owner(ids[j]) == rank_; }, out + r * c.hidden);
+        ExpertPart(
+            c, decoded.data(), ids, batches[src].weights(t),
+            [&](int j) { return placement.owner(ids[j]) == rank_; }, out + r * c.hidden);
       }
       for (int h : pair_hits) wrong_meta += h != 1;
       return absl::OkStatus();
@@ -219,8 +221,9 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
         bool any = false;
         for (int j = 0; j < c.top_k; ++j) any |= placement.owner(mine.ids(t)[j]) == d;
         if (!any) continue;
-        ExpertPart(c, x_rt.data(), mine.ids(t), mine.weights(t),
-                   [&](int j) { return placement.owner(mine.ids(t)[j]) == d; }, part.data());
+        ExpertPart(
+            c, x_rt.data(), mine.ids(t), mine.weights(t),
+            [&](int j) { return placement.owner(mine.ids(t)[j]) == d; }, part.data());
         EncodeRow(c.combine_dtype, part.data(), c.hidden, enc.data());
         if (first) {
           DecodeRow(c.combine_dtype, enc.data(), c.hidden, ref.data());
@@ -340,7 +343,8 @@ TEST_P(StallTest, OthersFailByTheDeadline) {
   };
   // One good batch first.
   ASSERT_TRUE(ex->Run(x.data(), 8, ids.data(), w.data(), y.data(), false, copy,
-                      absl::Now() + absl::Seconds(30)).ok());
+                      absl::Now() + absl::Seconds(30))
+                  .ok());
   EXPECT_EQ(y[5 * 64], 1.0f);
   MPI_Barrier(MPI_COMM_WORLD);
   const absl::Duration timeout = absl::Milliseconds(500);

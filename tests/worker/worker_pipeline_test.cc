@@ -66,8 +66,7 @@ void RunCluster(const ClusterOptions& o, const std::function<void(Cluster&, Coor
     ASSERT_TRUE(w.ok()) << w.status();
     if (c.rank == o.stalled_rank) {
       // Ready as far as rank 0 knows, then stuck for a while.
-      ASSERT_TRUE(
-          c.heap->SignalSet(0, ExchangeLayout::Signal(c.layout.ready, c.rank - 1), 1).ok());
+      ASSERT_TRUE(c.heap->SignalSet(0, ExchangeLayout::Signal(c.layout.ready, c.rank - 1), 1).ok());
       absl::SleepFor(o.stall_for);
     }
     std::atomic<bool> stop{false};
@@ -177,8 +176,7 @@ TEST_P(PipelineVariants, MatchTheReference) {
       std::vector<float> x(tokens * h), out(tokens * h, NAN);
       for (float& val : x) val = u(rng);
       RowChunk chunk{x.data(), out.data(), tokens};
-      absl::StatusOr<BatchTrace> trace =
-          coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
+      absl::StatusOr<BatchTrace> trace = coord.Run(0, {&chunk, 1}, absl::Now() + absl::Seconds(60));
       ASSERT_TRUE(trace.ok()) << trace.status();
       ExpectMatchesReference(*c.source, c.source->config().moe_layers[0], x, out, tokens,
                              v.tolerance);

@@ -170,7 +170,8 @@ TEST(Payload, RowsRoundTripWithinTheirTolerance) {
       AccumulateRow(type, row.data(), hidden, acc.data());
       for (int64_t b = 0; b < hidden; b += kFp8BlockSize) {
         float amax = 0;
-        for (int64_t i = b; i < std::min(hidden, b + kFp8BlockSize); ++i) amax = std::max(amax, std::fabs(x[i]));
+        for (int64_t i = b; i < std::min(hidden, b + kFp8BlockSize); ++i)
+          amax = std::max(amax, std::fabs(x[i]));
         for (int64_t i = b; i < std::min(hidden, b + kFp8BlockSize); ++i) {
           const float err = std::fabs(y[i] - x[i]);
           switch (type) {
@@ -183,7 +184,8 @@ TEST(Payload, RowsRoundTripWithinTheirTolerance) {
             case PayloadType::kFp8:
               // Half a step of 3 mantissa bits relative to the value, or of the subnormal
               // step relative to the block's scale.
-              ASSERT_LE(err, std::max(std::fabs(x[i]) / 16, amax / 448 * std::ldexp(1.0f, -10)) * 1.0001f)
+              ASSERT_LE(
+                  err, std::max(std::fabs(x[i]) / 16, amax / 448 * std::ldexp(1.0f, -10)) * 1.0001f)
                   << "hidden " << hidden << " i " << i;
               break;
           }
