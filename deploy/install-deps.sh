@@ -13,7 +13,7 @@ PACKAGES=(
   prometheus python3
   clang libclang-rt-14-dev
   python3-grpcio python3-numpy python3-protobuf python3-venv openssl
-  python3-yaml iproute2
+  python3-yaml iproute2 bc procps
 )
 
 missing=()
