@@ -17,15 +17,6 @@ absl::string_view RoutingKindName(RoutingKind kind) {
   return "unknown";
 }
 
-double MoeLayerConfig::FlopsPerToken() const {
-  const double h = static_cast<double>(hidden_size);
-  double flops = 2.0 * h * num_experts;                                   // router
-  flops += top_k * 3.0 * 2.0 * h * static_cast<double>(expert_ffn_size);  // routed experts
-  flops += 3.0 * 2.0 * h * static_cast<double>(shared_ffn_size);          // shared expert
-  if (shared_expert_gate) flops += 2.0 * h;
-  return flops;
-}
-
 absl::Status MoeLayerConfig::Validate() const {
   auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (hidden_size < 1) return bad("hidden_size must be >= 1, got ", hidden_size);

@@ -42,8 +42,6 @@ struct MoeLayerConfig {
   // The shared output is multiplied by sigmoid(x . shared_gate) (Qwen2-MoE).
   bool shared_expert_gate = false;
 
-  // FLOPs of one token through the layer (router, k experts, shared expert).
-  double FlopsPerToken() const;
   absl::Status Validate() const;
 };
 

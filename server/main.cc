@@ -12,6 +12,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -74,27 +75,12 @@ absl::StatusOr<int64_t> ParseMemoryLimit(const std::string& text) {
     return absl::FailedPreconditionError(
         "cannot read MemTotal from /proc/meminfo; set --memory-limit");
   }
+  // A binary suffix K, M, G or T (either case) scales by 2^10, 2^20, 2^30 or 2^40.
   int64_t scale = 1;
   std::string digits = text;
-  switch (text.back()) {
-    case 'K':
-    case 'k':
-      scale = int64_t{1} << 10;
-      break;
-    case 'M':
-    case 'm':
-      scale = int64_t{1} << 20;
-      break;
-    case 'G':
-    case 'g':
-      scale = int64_t{1} << 30;
-      break;
-    case 'T':
-    case 't':
-      scale = int64_t{1} << 40;
-      break;
-    default:
-      break;
+  if (const size_t unit = absl::string_view("KMGT").find(absl::ascii_toupper(text.back()));
+      unit != absl::string_view::npos) {
+    scale = int64_t{1} << (10 * (unit + 1));
   }
   if (scale != 1) digits.pop_back();
   double value = 0;

@@ -25,6 +25,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/kernels/bench_timing.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "model/synthetic.h"
@@ -36,20 +37,11 @@ extern "C" void openblas_set_num_threads(int);
 namespace epserve::kernels {
 namespace {
 
-constexpr char kUnsetMarker[] = "EPSERVE_BENCH_UNSET_OPENBLAS_CORETYPE";
+using bench::NowSeconds;
 
-// OpenBLAS reads OPENBLAS_CORETYPE when the library loads, so drop it and start again.
-void ReexecWithoutCoretype(char** argv) {
-  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
-  if (coretype == nullptr) return;
-  setenv(kUnsetMarker, coretype, 1);
-  unsetenv("OPENBLAS_CORETYPE");
-  execv("/proc/self/exe", argv);
-  std::perror("execv /proc/self/exe");  // carry on with it set; the table says so
-}
-
-double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+// Timing of the variants of one case, with this benchmark's repetition counts.
+std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns) {
+  return bench::RoundRobinMedianSeconds(fns, 2, 7, 41, 3.0);
 }
 
 // Median seconds of `fn` over repetitions after `warmup` calls: at least min_reps, more
@@ -71,37 +63,6 @@ double MedianSeconds(Fn&& fn, int warmup = 2, int min_reps = 5, int max_reps = 3
   return times[times.size() / 2];
 }
 
-// Median seconds of each of `fns`, timed round-robin (f0, f1, ..., f0, f1, ...) so that all
-// see the same machine conditions: `warmup` rounds, then at least min_reps rounds, more
-// while the rounds took under min_seconds in total, at most max_reps.
-std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
-                                            int warmup = 2, int min_reps = 7, int max_reps = 41,
-                                            double min_seconds = 3.0) {
-  for (int i = 0; i < warmup; ++i) {
-    for (const auto& fn : fns) fn();
-  }
-  std::vector<std::vector<double>> times(fns.size());
-  double total = 0.0;
-  int reps = 0;
-  while (reps < min_reps || (total < min_seconds && reps < max_reps)) {
-    for (size_t i = 0; i < fns.size(); ++i) {
-      const double t0 = NowSeconds();
-      fns[i]();
-      times[i].push_back(NowSeconds() - t0);
-      total += times[i].back();
-    }
-    ++reps;
-  }
-  std::vector<double> medians;
-  for (std::vector<double>& t : times) {
-    std::sort(t.begin(), t.end());
-    medians.push_back(t[t.size() / 2]);
-  }
-  return medians;
-}
-
-// Bytes copied per second by memcpy over `threads` threads, each on its own slice of a
-// 512 MiB buffer (far beyond the caches).
 double MemcpyBytesPerSecond(int threads) {
   const size_t bytes = size_t{512} << 20;
   std::vector<char> src(bytes, 1), dst(bytes, 0);
@@ -162,14 +123,7 @@ int Run(int argc, char** argv) {
       return 2;
     }
   }
-  if (const char* was = std::getenv(kUnsetMarker)) {
-    std::printf("OPENBLAS_CORETYPE=%s was unset (re-executed) so OpenBLAS picks its own kernels\n",
-                was);
-  } else if (const char* still = std::getenv("OPENBLAS_CORETYPE")) {
-    std::printf("WARNING: OPENBLAS_CORETYPE=%s is still set\n", still);
-  } else {
-    std::printf("OPENBLAS_CORETYPE is not set; OpenBLAS picks its own kernels\n");
-  }
+  bench::PrintCoretype();
   openblas_set_num_threads(threads);
   std::printf("OpenBLAS: %s, core %s, up to %d threads\n", openblas_get_config(),
               openblas_get_corename(), threads);
@@ -409,6 +363,6 @@ int Run(int argc, char** argv) {
 }  // namespace epserve::kernels
 
 int main(int argc, char** argv) {
-  epserve::kernels::ReexecWithoutCoretype(argv);
+  epserve::kernels::bench::ReexecWithoutCoretype(argv);
   return epserve::kernels::Run(argc, argv);
 }

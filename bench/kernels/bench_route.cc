@@ -18,6 +18,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/kernels/bench_timing.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "model/synthetic.h"
@@ -27,33 +28,9 @@ extern "C" void openblas_set_num_threads(int);
 namespace epserve::kernels {
 namespace {
 
-double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 // Median seconds of each of `fns`, timed round-robin after warm-up.
 std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns) {
-  for (int i = 0; i < 3; ++i) {
-    for (const auto& fn : fns) fn();
-  }
-  std::vector<std::vector<double>> times(fns.size());
-  double total = 0.0;
-  int reps = 0;
-  while (reps < 21 || (total < 1.0 && reps < 401)) {
-    for (size_t i = 0; i < fns.size(); ++i) {
-      const double t0 = NowSeconds();
-      fns[i]();
-      times[i].push_back(NowSeconds() - t0);
-      total += times[i].back();
-    }
-    ++reps;
-  }
-  std::vector<double> medians;
-  for (std::vector<double>& t : times) {
-    std::sort(t.begin(), t.end());
-    medians.push_back(t[t.size() / 2]);
-  }
-  return medians;
+  return bench::RoundRobinMedianSeconds(fns, 3, 21, 401, 1.0);
 }
 
 int Run(int argc, char** argv) {
@@ -75,6 +52,7 @@ int Run(int argc, char** argv) {
       return 2;
     }
   }
+  bench::PrintCoretype();
   absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("qwen1.5-moe-a2.7b");
   if (!cfg.ok()) return 1;
   const model::SyntheticWeights source(*cfg, 1234);
@@ -151,6 +129,6 @@ int Run(int argc, char** argv) {
 }  // namespace epserve::kernels
 
 int main(int argc, char** argv) {
-  // OpenBLAS reads OPENBLAS_CORETYPE when it loads; the ctest entry unsets it.
+  epserve::kernels::bench::ReexecWithoutCoretype(argv);
   return epserve::kernels::Run(argc, argv);
 }

@@ -31,6 +31,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/load_stats.h"
 #include "common/flags.h"
 #include "grpc_service.grpc.pb.h"
 #include "health.grpc.pb.h"
@@ -75,25 +76,7 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& target) {
 }
 
 std::string CodeName(grpc::StatusCode code) {
-  static const char* kNames[] = {"OK",
-                                 "CANCELLED",
-                                 "UNKNOWN",
-                                 "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED",
-                                 "NOT_FOUND",
-                                 "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED",
-                                 "RESOURCE_EXHAUSTED",
-                                 "FAILED_PRECONDITION",
-                                 "ABORTED",
-                                 "OUT_OF_RANGE",
-                                 "UNIMPLEMENTED",
-                                 "INTERNAL",
-                                 "UNAVAILABLE",
-                                 "DATA_LOSS",
-                                 "UNAUTHENTICATED"};
-  const int i = static_cast<int>(code);
-  return i >= 0 && i < 17 ? kNames[i] : absl::StrCat("CODE_", i);
+  return ::epserve::client::StatusCodeName(static_cast<int>(code));
 }
 
 // What the request threads saw. Guarded by mu.
@@ -299,20 +282,7 @@ int64_t Abuse(const Options& o, std::shared_ptr<grpc::Channel> channel, int64_t 
   return calls;
 }
 
-std::string Quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += ' ';
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
+std::string Quote(const std::string& s) { return ::epserve::client::JsonQuote(s); }
 
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;

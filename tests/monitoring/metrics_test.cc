@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "tests/e2e/reference.h"
 #include "tests/e2e/server_process.h"
 
 namespace epserve::testing {
@@ -70,21 +71,6 @@ double Sum(const std::map<std::string, double>& m, const std::string& name,
   return total;
 }
 
-inference::ModelInferRequest Request(int64_t tokens, std::mt19937_64& rng) {
-  std::uniform_real_distribution<float> u(-1, 1);
-  std::vector<float> x(tokens * 64);
-  for (float& v : x) v = u(rng);
-  inference::ModelInferRequest req;
-  req.set_model_name("moe");
-  auto* in = req.add_inputs();
-  in->set_name("hidden_states");
-  in->set_datatype("FP32");
-  in->add_shape(tokens);
-  in->add_shape(64);
-  req.add_raw_input_contents(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
-  return req;
-}
-
 TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
   constexpr int kRanks = 3, kGood = 20, kBad = 3, kTokens = 6, kTopK = 2;  // synthetic:tiny
   absl::StatusOr<std::unique_ptr<ServerProcess>> server =
@@ -93,7 +79,7 @@ TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
   auto stub = (*server)->NewStub();
   std::mt19937_64 rng(std::random_device{}());
   for (int i = 0; i < kGood + kBad; ++i) {
-    inference::ModelInferRequest req = Request(kTokens, rng);
+    inference::ModelInferRequest req = Request(RandomRows(kTokens, rng), kTokens);
     if (i >= kGood) req.mutable_inputs(0)->set_datatype("INT8");
     // A quarter of the good requests go to the tiny model's second MoE layer.
     if (i < kGood / 4) (*req.mutable_parameters())["layer"].set_int64_param(1);
