@@ -148,6 +148,56 @@ absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, 
   return rt.Finish();
 }
 
+// Uploads experts [first, first + count) in the tensor-core layout of
+// kernels/detail/ffn_layout.h (BF16, row-major [N, K], zero padding), one host tensor at a
+// time.
+absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
+                        ExpertWeights& w) {
+  const int64_t hidden = w.hidden;
+  const int64_t ffn = w.ffn;
+  const int64_t k_pad = detail::MmaKPad(hidden);
+  const int64_t f_pad = detail::MmaFfnPad(ffn);
+  const int64_t down_rows = detail::MmaDownRows(hidden);
+  const int64_t gu_elems = detail::MmaGateUpValuesPerExpert(hidden, ffn);
+  const int64_t down_elems = detail::MmaDownValuesPerExpert(hidden, ffn);
+  std::vector<float> staging(hidden * ffn);
+  for (int i = 0; i < w.num_experts; ++i) {
+    const int expert = w.first_expert + i;
+    RETURN_IF_ERROR(FillMapped<uint16_t>(rt, w.gate_up, i * gu_elems, gu_elems, [&](uint16_t* dst) {
+      // Row (f / 8) * 16 + half * 8 + f % 8 holds gate (half 0) or up (half 1) row f.
+      for (int half = 0; half < 2; ++half) {
+        RETURN_IF_ERROR(
+            source.Fill(layer, half == 0 ? kinds.gate : kinds.up, expert, staging.data()));
+        for (int64_t f = 0; f < f_pad; ++f) {
+          uint16_t* out = dst + ((f / 8) * 16 + half * 8 + f % 8) * k_pad;
+          int64_t k = 0;
+          if (f < ffn) {
+            const float* in = staging.data() + f * hidden;
+            for (; k < hidden; ++k) out[k] = FloatToBf16(in[k]);
+          }
+          for (; k < k_pad; ++k) out[k] = 0;
+        }
+      }
+      return absl::OkStatus();
+    }));
+    RETURN_IF_ERROR(
+        FillMapped<uint16_t>(rt, w.down, i * down_elems, down_elems, [&](uint16_t* dst) {
+          RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
+          for (int64_t c = 0; c < down_rows; ++c) {
+            uint16_t* out = dst + c * f_pad;
+            int64_t f = 0;
+            if (c < hidden) {
+              const float* in = staging.data() + c * ffn;
+              for (; f < ffn; ++f) out[f] = FloatToBf16(in[f]);
+            }
+            for (; f < f_pad; ++f) out[f] = 0;
+          }
+          return absl::OkStatus();
+        }));
+  }
+  return rt.Finish();
+}
+
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
                                         FfnKinds kinds, int first, int count, int64_t ffn,
                                         DType dtype) {
@@ -162,6 +212,21 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.ffn = ffn;
   w.dtype = dtype;
   const size_t elem = DTypeBytes(dtype);
+  if (dtype == DType::kBf16 && rt.tensor_cores() && detail::MmaFitsCallerBuffers(hidden, ffn) &&
+      detail::MmaGateUpValuesPerExpert(hidden, ffn) <= INT_MAX &&
+      detail::MmaDownValuesPerExpert(hidden, ffn) <= INT_MAX) {
+    w.tensor_cores = true;
+    absl::StatusOr<Buffer> gate_up =
+        rt.Allocate(detail::MmaGateUpValuesPerExpert(hidden, ffn) * count * elem);
+    if (!gate_up.ok()) return gate_up.status();
+    absl::StatusOr<Buffer> down =
+        rt.Allocate(detail::MmaDownValuesPerExpert(hidden, ffn) * count * elem);
+    if (!down.ok()) return down.status();
+    w.gate_up = *std::move(gate_up);
+    w.down = *std::move(down);
+    RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
+    return w;
+  }
   absl::StatusOr<Buffer> gate_up =
       rt.Allocate(detail::GateUpFloatsPerExpert(hidden, ffn) * count * elem);
   if (!gate_up.ok()) return gate_up.status();
@@ -179,10 +244,9 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
 }
 
 // Work tiles on the device: groups[g] = (local expert, first row, end row, 0), covering the
-// rows of every non-empty expert in chunks of at most kFfnRowChunk rows.
-absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offsets,
+// rows of every non-empty expert in chunks of at most `chunk` rows.
+absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offsets, int64_t chunk,
                                     int* num_groups) {
-  const int64_t chunk = detail::kFfnRowChunk;
   std::vector<cl_int4> groups;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     for (int64_t begin = offsets[e]; begin < offsets[e + 1]; begin += chunk) {
@@ -238,6 +302,52 @@ absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_
                           static_cast<cl_int>(hidden), out));
   const size_t global[1] = {static_cast<size_t>(rows)};
   return Launch(rt, *kernel, 1, global, nullptr);
+}
+
+// The tensor-core FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows x_stride
+// apart, gathered through row_index when `gather`) -> BF16 activations in y -> BF16 h in
+// h_scratch -> FP32 y. Tiles of kMmaBm rows of one expert.
+absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
+                       const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
+                       Buffer& h_scratch, Buffer& y) {
+  const int64_t rows = offsets.back();
+  const int64_t k_pad = detail::MmaKPad(w.hidden);
+  const int64_t f_pad = detail::MmaFfnPad(w.ffn);
+  const int64_t down_rows = detail::MmaDownRows(w.hidden);
+  RETURN_IF_ERROR(NeedBytes(y, rows * k_pad * sizeof(uint16_t), "y (BF16 activations)"));
+  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * f_pad * sizeof(uint16_t), "h_scratch (BF16 h)"));
+  int num_groups = 0;
+  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kMmaBm, &num_groups);
+  if (!groups.ok()) return groups.status();
+  if (num_groups == 0) return absl::OkStatus();
+  absl::StatusOr<cl_kernel> gather_kernel = rt.Kernel("gather_rows_to_bf16");
+  if (!gather_kernel.ok()) return gather_kernel.status();
+  absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_mma_gate_up");
+  if (!gate_up.ok()) return gate_up.status();
+  absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_mma_down");
+  if (!down.ok()) return down.status();
+  // Rows of x: the last one needs only w.hidden values, not a whole stride.
+  const int64_t x_elems = static_cast<int64_t>(x.bytes() / DTypeBytes(x_format.dtype));
+  const cl_long x_rows = x_elems < w.hidden ? 0 : (x_elems - w.hidden) / x_format.row_stride + 1;
+  RETURN_IF_ERROR(SetArgs(*gather_kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
+                          cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
+                          static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
+                          static_cast<cl_int>(k_pad), y));
+  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 2), static_cast<size_t>(rows)};
+  RETURN_IF_ERROR(Launch(rt, *gather_kernel, 2, gather_global, nullptr));
+  const size_t local[2] = {static_cast<size_t>(detail::kMmaThreads), 1};
+  RETURN_IF_ERROR(SetArgs(*gate_up, y, *groups, w.gate_up, static_cast<cl_int>(k_pad),
+                          static_cast<cl_int>(f_pad), h_scratch));
+  const size_t gu_global[2] = {
+      static_cast<size_t>(2 * f_pad / detail::kMmaBn * detail::kMmaThreads),
+      static_cast<size_t>(num_groups)};
+  RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
+  RETURN_IF_ERROR(SetArgs(*down, h_scratch, *groups, w.down, static_cast<cl_int>(f_pad),
+                          static_cast<cl_int>(down_rows), static_cast<cl_int>(w.hidden), y));
+  const size_t down_global[2] = {
+      static_cast<size_t>(down_rows / detail::kMmaBn * detail::kMmaThreads),
+      static_cast<size_t>(num_groups)};
+  return Launch(rt, *down, 2, down_global, local);
 }
 
 }  // namespace
@@ -314,13 +424,21 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
   RETURN_IF_ERROR(NeedBytes(x, n * c.hidden_size * sizeof(float), "x"));
   RETURN_IF_ERROR(NeedBytes(ids, n * c.top_k * sizeof(int32_t), "ids"));
   RETURN_IF_ERROR(NeedBytes(weights, n * c.top_k * sizeof(float), "weights"));
-  absl::StatusOr<cl_kernel> kernel = rt.Kernel("route_tokens");
+  // CPUs: one work-item per block of tokens; other devices: a work-group per block.
+  const bool cpu = rt.device_info().is_cpu;
+  absl::StatusOr<cl_kernel> kernel = rt.Kernel(cpu ? "route_tokens" : "route_tokens_wg");
   if (!kernel.ok()) return kernel.status();
   RETURN_IF_ERROR(SetArgs(*kernel, x, w.router, w.bias, static_cast<cl_int>(n),
                           static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts},
                           cl_int{c.top_k}, static_cast<cl_int>(c.routing),
                           cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group}, cl_int{c.topk_group},
                           cl_float{c.routed_scaling_factor}, ids, weights));
+  if (!cpu) {
+    const size_t local[1] = {static_cast<size_t>(detail::kRouterGroupSize)};
+    const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterGroupTokens)) *
+                              local[0]};
+    return Launch(rt, *kernel, 1, global, local);
+  }
   const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterTokens))};
   const size_t local[1] = {1};
   return Launch(rt, *kernel, 1, global, local);
@@ -357,8 +475,12 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   RETURN_IF_ERROR(NeedBytes(row_index, rows * sizeof(int32_t), "row_index"));
   RETURN_IF_ERROR(NeedBytes(h_scratch, rows * w.ffn * sizeof(float), "h_scratch"));
   RETURN_IF_ERROR(NeedBytes(y, rows * w.hidden * sizeof(float), "y"));
+  if (w.tensor_cores) {
+    return RunFfnMma(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
+  }
   int num_groups = 0;
-  absl::StatusOr<Buffer> groups = UploadGroups(rt, expert_offsets, &num_groups);
+  absl::StatusOr<Buffer> groups =
+      UploadGroups(rt, expert_offsets, detail::kFfnRowChunk, &num_groups);
   if (!groups.ok()) return groups.status();
   if (x_format.dtype == DType::kBf16) {
     // Widened and gathered into y, which gate_up reads before down overwrites it.
@@ -382,12 +504,17 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   RETURN_IF_ERROR(NeedBytes(h_scratch, n * w.ffn * sizeof(float), "h_scratch"));
   RETURN_IF_ERROR(NeedBytes(y, n * w.hidden * sizeof(float), "y"));
   const int64_t offsets[2] = {0, n};
-  int num_groups = 0;
-  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, &num_groups);
-  if (!groups.ok()) return groups.status();
   const Buffer no_index;
-  RETURN_IF_ERROR(
-      RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
+  if (w.tensor_cores) {
+    RETURN_IF_ERROR(RunFfnMma(rt, w, x, {DType::kFp32, w.hidden}, no_index, /*gather=*/false,
+                              offsets, h_scratch, y));
+  } else {
+    int num_groups = 0;
+    absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kFfnRowChunk, &num_groups);
+    if (!groups.ok()) return groups.status();
+    RETURN_IF_ERROR(
+        RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
+  }
   if (w.gate.mem() == nullptr) return absl::OkStatus();
   absl::StatusOr<cl_kernel> scale = rt.Kernel("scale_rows_by_sigmoid_gate");
   if (!scale.ok()) return scale.status();
@@ -416,6 +543,18 @@ absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_in
                           cl_int{k}, cl_long{hidden}, out));
   const size_t global[2] = {static_cast<size_t>(hidden), static_cast<size_t>(n)};
   return Launch(rt, *kernel, 2, global, nullptr);
+}
+
+absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst) {
+  if (count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", count));
+  if (count == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(NeedBytes(src, count * sizeof(float), "src"));
+  RETURN_IF_ERROR(NeedBytes(dst, count * sizeof(float), "dst"));
+  absl::StatusOr<cl_kernel> kernel = rt.Kernel("add_into");
+  if (!kernel.ok()) return kernel.status();
+  RETURN_IF_ERROR(SetArgs(*kernel, src, cl_long{count}, dst));
+  const size_t global[1] = {static_cast<size_t>(count)};
+  return Launch(rt, *kernel, 1, global, nullptr);
 }
 
 }  // namespace epserve::kernels

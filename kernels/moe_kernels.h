@@ -29,13 +29,18 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 // num_experts = 1), in the layout the FFN kernels read. Filled straight from the source,
 // without a second host copy of the whole set. With dtype kBf16 the gate, up and down
 // projections are stored as BF16, each value rounded to nearest even (FloatToBf16) once at
-// upload; the shared expert's sigmoid gate stays FP32.
+// upload; the shared expert's sigmoid gate stays FP32. BF16 weights on a runtime with
+// tensor_cores() take the tensor-core layout (when H and F are not tiny, see
+// detail::MmaFitsCallerBuffers): the FFN then also rounds its activations x and the
+// intermediate h = silu(gate x) * up x to BF16 (nearest even) before each GEMM, as BF16 GEMM
+// libraries do; sums stay FP32.
 struct ExpertWeights {
   int first_expert = 0;
   int num_experts = 0;
   int64_t hidden = 0;          // H
   int64_t ffn = 0;             // F of these experts
   DType dtype = DType::kFp32;  // of gate_up and down
+  bool tensor_cores = false;   // the tensor-core layout and kernels (BF16 x and h)
   Buffer gate_up;              // layout private to kernels/
   Buffer down;                 // layout private to kernels/
   Buffer gate;                 // [H] FP32 sigmoid gate of a gated shared expert, else empty
@@ -89,5 +94,8 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
 absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_index,
                              const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
                              Buffer& out);
+
+// dst[0, count) += src[0, count), FP32.
+absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst);
 
 }  // namespace epserve::kernels

@@ -18,6 +18,7 @@ namespace epserve::embedded {
 extern const std::string_view kernels_cl_router;
 extern const std::string_view kernels_cl_expert_ffn;
 extern const std::string_view kernels_cl_combine;
+extern const std::string_view kernels_cl_expert_ffn_mma;
 }  // namespace epserve::embedded
 
 namespace epserve::kernels {
@@ -41,6 +42,23 @@ absl::StatusOr<std::string> DeviceString(cl_device_id device, cl_device_info wha
   CL_CHECK(clGetDeviceInfo(device, what, size, s.data(), nullptr));
   while (!s.empty() && s.back() == '\0') s.pop_back();
   return s;
+}
+
+// major * 10 + minor through cl_nv_device_attribute_query, or 0 where the device lacks it.
+int NvComputeCapability(cl_device_id device) {
+  absl::StatusOr<std::string> extensions = DeviceString(device, CL_DEVICE_EXTENSIONS);
+  if (!extensions.ok() || extensions->find("cl_nv_device_attribute_query") == std::string::npos) {
+    return 0;
+  }
+  constexpr cl_device_info kMajor = 0x4000;  // CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV
+  constexpr cl_device_info kMinor = 0x4001;  // CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV
+  cl_uint major = 0;
+  cl_uint minor = 0;
+  if (clGetDeviceInfo(device, kMajor, sizeof(major), &major, nullptr) != CL_SUCCESS ||
+      clGetDeviceInfo(device, kMinor, sizeof(minor), &minor, nullptr) != CL_SUCCESS) {
+    return 0;
+  }
+  return static_cast<int>(major * 10 + minor);
 }
 
 // Every device with its info, in platform then device order.
@@ -82,6 +100,7 @@ absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> EnumerateDevice
       CL_CHECK(clGetDeviceInfo(devices[d], CL_DEVICE_TYPE, sizeof(type), &type, nullptr));
       info.is_gpu = (type & CL_DEVICE_TYPE_GPU) != 0;
       info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
+      info.nv_compute_capability = NvComputeCapability(devices[d]);
       out.emplace_back(devices[d], std::move(info));
     }
   }
@@ -146,9 +165,12 @@ std::string DefaultCacheDir(const RuntimeOptions& options) {
 }  // namespace
 
 std::string DeviceInfo::Describe() const {
-  return absl::StrCat(platform_index, ":", device_index, " ", platform_name, " / ", device_name,
-                      " (", is_gpu ? "gpu" : (is_cpu ? "cpu" : "other"), ", ", device_version,
-                      ", driver ", driver_version, ")");
+  return absl::StrCat(
+      platform_index, ":", device_index, " ", platform_name, " / ", device_name, " (",
+      is_gpu ? "gpu" : (is_cpu ? "cpu" : "other"), ", ", device_version, ", driver ",
+      driver_version,
+      nv_compute_capability > 0 ? absl::StrCat(", sm_", nv_compute_capability) : std::string(),
+      ")");
 }
 
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
@@ -180,6 +202,7 @@ struct Runtime::Programs {
   struct Program {
     std::string_view name;
     std::string_view source;
+    std::string extra_options;  // device-specific, dropped if the driver refuses them
     cl_program program = nullptr;
   };
   std::vector<Program> programs;
@@ -206,9 +229,19 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->info_ = chosen->second;
   rt->cache_dir_ = DefaultCacheDir(options);
   rt->programs_ = std::make_unique<Programs>();
-  rt->programs_->programs = {{"router", embedded::kernels_cl_router},
-                             {"expert_ffn", embedded::kernels_cl_expert_ffn},
-                             {"combine", embedded::kernels_cl_combine}};
+  // mma.sync with BF16 operands needs sm_80; the program is built only where it runs.
+  rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
+  rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
+                             {"expert_ffn", embedded::kernels_cl_expert_ffn, ""},
+                             {"combine", embedded::kernels_cl_combine, ""}};
+  if (rt->tensor_cores_) {
+    // At most 128 registers a work-item (NVIDIA's cl_nv_compiler_options): two 256-wide
+    // work-groups then fit one multiprocessor, which hides the tiles' load latency; left to
+    // itself the compiler takes ~160 and runs one. (The kernels declare no required
+    // work-group size, which would let the assembler ignore the cap.)
+    rt->programs_->programs.push_back({"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma,
+                                       "-cl-nv-maxrregcount=128|-cl-nv-maxrregcount 128"});
+  }
   cl_int err = CL_SUCCESS;
   CL_CHECK((rt->context_ = clCreateContext(nullptr, 1, &rt->device_, nullptr, nullptr, &err), err));
   CL_CHECK((rt->queue_ = clCreateCommandQueue(rt->context_, rt->device_, 0, &err), err));
@@ -271,8 +304,23 @@ absl::Status Runtime::Finish() {
 
 const ProgramCacheStats& Runtime::cache_stats() const { return programs_->stats; }
 
-absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::string_view source) {
-  const std::string options = detail::ProgramBuildOptions();
+absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::string_view source,
+                                                 std::string_view extra_options) {
+  // Alternatives are separated by '|' (drivers spell some options differently); the first
+  // that builds wins.
+  for (absl::string_view extra : absl::StrSplit(Sv(extra_options), '|', absl::SkipEmpty())) {
+    absl::StatusOr<cl_program> program = BuildProgramWithOptions(
+        name, source, absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu), " ", extra));
+    if (program.ok()) return program;
+    programs_->stats.last_error = absl::StrCat("program '", Sv(name), "' did not build with '",
+                                               extra, "': ", program.status().message());
+  }
+  return BuildProgramWithOptions(name, source, detail::ProgramBuildOptions(info_.is_cpu));
+}
+
+absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view name,
+                                                            std::string_view source,
+                                                            const std::string& options) {
   ProgramCacheStats& stats = programs_->stats;
   std::string cache_path;
   if (!cache_dir_.empty()) {
@@ -344,7 +392,7 @@ absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::str
 }
 
 absl::Status Runtime::BuildProgramForTest(std::string_view source) {
-  absl::StatusOr<cl_program> program = BuildProgram("test", source);
+  absl::StatusOr<cl_program> program = BuildProgram("test", source, {});
   if (!program.ok()) return program.status();
   clReleaseProgram(*program);
   return absl::OkStatus();
@@ -355,7 +403,7 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   for (Programs::Program& p : programs_->programs) {
     if (p.program != nullptr) continue;
-    absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source);
+    absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source, p.extra_options);
     if (!program.ok()) return program.status();
     p.program = *program;
     cl_uint num_kernels = 0;

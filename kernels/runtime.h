@@ -25,6 +25,9 @@ struct DeviceInfo {
   std::string driver_version;
   bool is_gpu = false;
   bool is_cpu = false;
+  // NVIDIA's compute capability as major * 10 + minor (cl_nv_device_attribute_query), e.g. 90
+  // for Hopper; 0 on other devices.
+  int nv_compute_capability = 0;
   std::string Describe() const;  // "0:0 Portable Computing Language / pthread-... (driver 3.1)"
 };
 
@@ -35,6 +38,9 @@ struct RuntimeOptions {
   // "cpu", "gpu" or "<platform>:<device>". With "gpu" and several GPUs, local_rank picks one.
   std::string device = "cpu";
   int local_rank = 0;
+  // Use the tensor-core expert FFN for BF16 weights where the device has one (NVIDIA, compute
+  // capability 8.0 or more). false keeps the portable kernels everywhere.
+  bool tensor_cores = true;
   // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
   std::string cache_dir;
 };
@@ -75,6 +81,8 @@ class Runtime {
   cl_context context() const { return context_; }
   cl_command_queue queue() const { return queue_; }
   cl_device_id device() const { return device_; }
+  // Whether BF16 expert weights uploaded through this runtime use the tensor-core kernels.
+  bool tensor_cores() const { return tensor_cores_; }
 
   // A read-write buffer of `bytes` (contents undefined); bytes == 0 gives an empty Buffer
   // whose mem() is nullptr.
@@ -99,15 +107,20 @@ class Runtime {
 
  private:
   Runtime() = default;
-  // Creates and builds program `name` from `source`, through the binary cache. The caller
+  // Creates and builds program `name` from `source`, through the binary cache, with the
+  // common options plus `extra_options` (without them if the driver refuses them). The caller
   // owns the returned program.
-  absl::StatusOr<cl_program> BuildProgram(std::string_view name, std::string_view source);
+  absl::StatusOr<cl_program> BuildProgram(std::string_view name, std::string_view source,
+                                          std::string_view extra_options);
+  absl::StatusOr<cl_program> BuildProgramWithOptions(std::string_view name, std::string_view source,
+                                                     const std::string& options);
   struct Programs;
   DeviceInfo info_;
   cl_device_id device_ = nullptr;
   cl_context context_ = nullptr;
   cl_command_queue queue_ = nullptr;
   std::string cache_dir_;
+  bool tensor_cores_ = false;
   std::unique_ptr<Programs> programs_;
 };
 

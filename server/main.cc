@@ -41,7 +41,22 @@ struct Flags {
   std::string memory_limit;
   epserve::worker::ExchangeFlags exchange;
   std::string weight_dtype = "fp32";
+  bool tensor_cores = true;
 };
+
+// This worker's index among the workers on its host (0 for the first), which picks its GPU
+// with --device=gpu. Collective over MPI_COMM_WORLD: every rank calls it.
+int NodeLocalWorkerIndex(int rank) {
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm workers = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  MPI_Comm_split(node, rank > 0 ? 1 : 0, rank, &workers);
+  int index = 0;
+  MPI_Comm_rank(workers, &index);
+  MPI_Comm_free(&workers);
+  MPI_Comm_free(&node);
+  return index;
+}
 
 void Log(int rank, const std::string& line) {
   std::fprintf(stderr, "[epserve rank %d] %s\n", rank, line.c_str());
@@ -183,6 +198,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     return Fail(rank, s);
   }
 
+  const int local_worker = NodeLocalWorkerIndex(rank);
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
       shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, *backend);
   if (!heap.ok()) return Fail(rank, heap.status());
@@ -234,7 +250,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   } else {
     worker::WorkerOptions options;
     options.device.device = flags.device;
-    options.device.local_rank = rank - 1;
+    options.device.local_rank = local_worker;
+    options.device.tensor_cores = flags.tensor_cores;
     options.weight_dtype = *weight_dtype;
     absl::StatusOr<std::unique_ptr<worker::Worker>> w =
         worker::Worker::Create(**heap, *layout, **source, options);
@@ -304,7 +321,9 @@ int main(int argc, char** argv) {
          "On SIGTERM, how long a running batch may take before its requests get UNAVAILABLE");
   fs.Add("startup-timeout", &flags.startup_timeout,
          "How long rank 0 waits for the workers to load their weights");
-  fs.Add("device", &flags.device, "OpenCL device of each worker: cpu, gpu, or <platform>:<device>");
+  fs.Add("device", &flags.device,
+         "OpenCL device of each worker: cpu, gpu (with several GPUs on a host, its workers take "
+         "them in turn by their order on the host), or <platform>:<device>");
   // ---- front-end flags (server/: protocol, security, limits) ----
   epserve::server::FrontEndOptions& fe = flags.fe;
   fs.Add("max-request-tokens", &fe.max_request_tokens,
@@ -344,6 +363,10 @@ int main(int argc, char** argv) {
   fs.Add("weight-dtype", &flags.weight_dtype,
          "Expert weights (routed and shared) on the workers' devices: fp32 or bf16 (rounded to "
          "nearest even once at load; the router stays fp32, sums are fp32 either way)");
+  fs.Add("tensor-cores", &flags.tensor_cores,
+         "With --weight-dtype=bf16 on NVIDIA GPUs of compute capability 8.0 or more, run the "
+         "expert FFN on the tensor cores (activations and the intermediate also rounded to "
+         "bf16); --no-tensor-cores keeps the portable kernels");
   // ---- end of kernel flags ----
   // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
   fs.Add("heap", &flags.exchange.heap,

@@ -7,10 +7,15 @@
 //
 //   bench_e2e_inprocess --model=synthetic:qwen1.5-moe-a2.7b --tokens=1,32,256 [--seed=0]
 //                       [--weight-dtype=fp32|bf16] [--min-seconds=2] [--check-tokens=2]
+//                       [--device=cpu|gpu|<platform>:<device>] [--no-tensor-cores]
 //
 // Prints one JSON object per token count on stdout:
-//   {"tokens":T,"median_ms":X,"tokens_per_s":X,"reps":N,"weight_dtype":"fp32"}
-// and first {"check_tokens":n,"max_rel_error":X} against model::ReferenceForward.
+//   {"tokens":T,"median_ms":X,"tokens_per_s":X,"reps":N,"weight_dtype":"fp32",
+//    "resident_median_ms":X}
+// (resident: x already on the device and the output left there, as for a caller on the
+// same device; median_ms includes copying x in and the output out)
+// and first {"device":"...","tensor_cores":b,"check_tokens":n,"max_rel_error":X} against
+// model::ReferenceForward.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -39,12 +44,12 @@ using kernels::Buffer;
 // Device buffers and host scratch for batches of up to max_tokens tokens.
 class InProcessLayer {
  public:
-  static absl::StatusOr<std::unique_ptr<InProcessLayer>> Create(const model::WeightSource& source,
-                                                                int layer, int64_t max_tokens,
-                                                                kernels::DType dtype) {
+  static absl::StatusOr<std::unique_ptr<InProcessLayer>> Create(
+      const model::WeightSource& source, int layer, int64_t max_tokens, kernels::DType dtype,
+      const kernels::RuntimeOptions& rto) {
     auto l = std::unique_ptr<InProcessLayer>(new InProcessLayer());
     l->cfg_ = source.config().layer;
-    EPSERVE_ASSIGN_OR_RETURN(l->rt_, kernels::Runtime::Create({}));
+    EPSERVE_ASSIGN_OR_RETURN(l->rt_, kernels::Runtime::Create(rto));
     kernels::Runtime& rt = *l->rt_;
     EPSERVE_ASSIGN_OR_RETURN(l->router_, kernels::UploadRouter(rt, source, layer));
     EPSERVE_ASSIGN_OR_RETURN(
@@ -72,16 +77,21 @@ class InProcessLayer {
     l->row_index_host_.resize(n * k);
     l->pair_index_host_.resize(n * k);
     l->pair_weight_host_.resize(n * k);
-    l->shared_host_.resize(n * h);
     return l;
   }
 
   // y [n, H] = the layer on x [n, H], n <= max_tokens.
-  absl::Status Forward(const float* x, int64_t n, float* y) {
+  const kernels::Runtime& runtime() const { return *rt_; }
+  bool tensor_cores() const { return experts_.tensor_cores; }
+
+  // y [n, H] = the layer on x [n, H]. With resident, x is already on the device (an earlier
+  // call uploaded it) and the output stays there (y is not written): the layer as a caller
+  // whose activations live on the same device sees it.
+  absl::Status Forward(const float* x, int64_t n, float* y, bool resident = false) {
     const int64_t h = cfg_.hidden_size;
     const int k = cfg_.top_k;
     kernels::Runtime& rt = *rt_;
-    EPSERVE_RETURN_IF_ERROR(rt.Write(x_, 0, x, n * h * sizeof(float)));
+    if (!resident) EPSERVE_RETURN_IF_ERROR(rt.Write(x_, 0, x, n * h * sizeof(float)));
     EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
     EPSERVE_RETURN_IF_ERROR(rt.Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
     EPSERVE_RETURN_IF_ERROR(rt.Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
@@ -107,16 +117,13 @@ class InProcessLayer {
     const bool shared = cfg_.shared_ffn_size > 0;
     if (shared) {
       EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, h_, shared_y_));
-      EPSERVE_RETURN_IF_ERROR(rt.Read(shared_y_, 0, shared_host_.data(), n * h * sizeof(float)));
     }
     EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(rt, experts_, x_, row_index_, offsets_, h_, y_));
     EPSERVE_RETURN_IF_ERROR(
         kernels::WeightedCombine(rt, y_, pair_index_, pair_weight_, n, k, h, out_));
-    EPSERVE_RETURN_IF_ERROR(rt.Read(out_, 0, y, n * h * sizeof(float)));
-    if (shared) {
-      for (int64_t i = 0; i < n * h; ++i) y[i] += shared_host_[i];
-    }
-    return absl::OkStatus();
+    if (shared) EPSERVE_RETURN_IF_ERROR(kernels::AddInto(rt, shared_y_, n * h, out_));
+    if (resident) return rt.Finish();
+    return rt.Read(out_, 0, y, n * h * sizeof(float));
   }
 
  private:
@@ -127,7 +134,7 @@ class InProcessLayer {
   kernels::ExpertWeights experts_, shared_;
   Buffer x_, ids_, weights_, row_index_, pair_index_, pair_weight_, h_, y_, out_, shared_y_;
   std::vector<int32_t> ids_host_, row_index_host_, pair_index_host_;
-  std::vector<float> weights_host_, pair_weight_host_, shared_host_;
+  std::vector<float> weights_host_, pair_weight_host_;
   std::vector<int64_t> offsets_, cursor_;
 };
 
@@ -142,6 +149,7 @@ int Run(int argc, char** argv) {
   int64_t seed = 0;
   double min_seconds = 2.0;
   int64_t check_tokens = 2;
+  kernels::RuntimeOptions rto;
   common::FlagSet fs("bench_e2e_inprocess",
                      "One MoE layer through epserve's kernels in one process (no gRPC, no MPI).");
   fs.Add("model", &model_spec, "synthetic:<preset>");
@@ -150,6 +158,8 @@ int Run(int argc, char** argv) {
   fs.Add("weight-dtype", &weight_dtype, "fp32 or bf16 expert weights");
   fs.Add("min-seconds", &min_seconds, "Time each batch size at least this long (>= 5 reps)");
   fs.Add("check-tokens", &check_tokens, "Tokens compared with the reference forward pass");
+  fs.Add("device", &rto.device, "OpenCL device: cpu, gpu or <platform>:<device>");
+  fs.Add("tensor-cores", &rto.tensor_cores, "Tensor-core FFN for bf16 weights where available");
   if (absl::Status s = fs.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 1;
@@ -179,7 +189,7 @@ int Run(int argc, char** argv) {
   const int64_t h = config.layer.hidden_size;
   const int64_t max_tokens =
       std::max(check_tokens, *std::max_element(token_counts.begin(), token_counts.end()));
-  auto l = InProcessLayer::Create(**source, layer, max_tokens, *dtype);
+  auto l = InProcessLayer::Create(**source, layer, max_tokens, *dtype, rto);
   if (!l.ok()) {
     std::fprintf(stderr, "%s\n", std::string(l.status().message()).c_str());
     return 1;
@@ -203,8 +213,11 @@ int Run(int argc, char** argv) {
       scale = std::max(scale, std::fabs(double{want[i]}));
       diff = std::max(diff, std::fabs(double{y[i]} - double{want[i]}));
     }
-    std::printf("{\"check_tokens\":%lld,\"max_rel_error\":%.3g}\n",
-                static_cast<long long>(check_tokens), diff / scale);
+    std::printf(
+        "{\"device\":\"%s\",\"tensor_cores\":%s,\"check_tokens\":%lld,"
+        "\"max_rel_error\":%.3g}\n",
+        (*l)->runtime().device_info().device_name.c_str(), (*l)->tensor_cores() ? "true" : "false",
+        static_cast<long long>(check_tokens), diff / scale);
     std::fflush(stdout);
   }
 
@@ -225,11 +238,22 @@ int Run(int argc, char** argv) {
     }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
+    // The same with x already on the device and the output left there.
+    (void)(*l)->Forward(x.data(), n, y.data());
+    std::vector<double> resident;
+    total = 0;
+    while (resident.size() < 5 || total < min_seconds / 2) {
+      const double t0 = NowSeconds();
+      (void)(*l)->Forward(x.data(), n, y.data(), /*resident=*/true);
+      resident.push_back(NowSeconds() - t0);
+      total += resident.back();
+    }
+    std::sort(resident.begin(), resident.end());
     std::printf(
         "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%zu,"
-        "\"weight_dtype\":\"%s\"}\n",
+        "\"weight_dtype\":\"%s\",\"resident_median_ms\":%.4f}\n",
         static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, times.size(),
-        kernels::DTypeName(*dtype));
+        kernels::DTypeName(*dtype), resident[resident.size() / 2] * 1e3);
     std::fflush(stdout);
   }
   return 0;

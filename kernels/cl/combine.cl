@@ -30,3 +30,11 @@ __kernel void scale_rows_by_sigmoid_gate(__global const float* restrict x,
   __global float* out = y + (size_t)i * hidden;
   for (long h = 0; h < hidden; ++h) out[h] *= g;
 }
+
+// dst[i] += src[i] for i < count: adds the shared expert's rows to the combined ones on the
+// device. One work-item per value.
+__kernel void add_into(__global const float* restrict src, long count,
+                       __global float* restrict dst) {
+  const size_t i = get_global_id(0);
+  if (i < (size_t)count) dst[i] += src[i];
+}

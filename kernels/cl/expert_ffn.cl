@@ -30,6 +30,13 @@
 
 #define OVERLOAD __attribute__((overloadable))
 
+// Software prefetch of weight panels, on CPU devices only (-DFFN_PREFETCH=1).
+#if FFN_PREFETCH
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p)
+#endif
+
 // Element loads. A BF16 value is the upper half of the FP32 with the same bits, so widening
 // is exact: shift into place and reinterpret.
 inline float16 OVERLOAD LoadW(const __global float16* restrict b, int i) { return b[i]; }
@@ -95,8 +102,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
   }
 // One k-step: the panel row (32 values) as two float16, prefetching ahead.
 #define PANEL_STEP(R)                                                                     \
-  __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS);                                      \
-  __builtin_prefetch(b + 2 * k + FFN_PREFETCH_VECS + 1);                                  \
+  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS);                                                \
+  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS + 1);                                            \
   const float16 b0 = LoadW(b, 2 * k);                                                     \
   const float16 b1 = LoadW(b, 2 * k + 1);                                                 \
   REP##R(ACC_FMA)

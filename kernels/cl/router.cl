@@ -193,3 +193,50 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
                   weights + (size_t)(t0 + t) * k);
   }
 }
+
+// The same routing for GPUs: one work-group of ROUTER_WG work-items per ROUTER_WG_TOKENS
+// tokens. Work-item e computes the logits of experts e, e + ROUTER_WG, ... for all the
+// group's tokens at once (each router row read once per group, the tokens' x rows read by
+// every work-item at the same addresses), into local memory; then one work-item per token
+// selects its experts. Each logit is summed by one work-item in a fixed order.
+#define ROUTER_WG 64
+#define ROUTER_WG_TOKENS 8
+#define REP8(M) REP4(M) M(4) M(5) M(6) M(7)
+#define WG_X_PTR(t) const __global float* xr##t = x + (size_t)min(t0 + (t), n - 1) * hidden;
+#define WG_ACC_DECL(t) float4 acc##t = (float4)(0.0f); float tail##t = 0.0f;
+#define WG_ACC_FMA(t) acc##t = fma(vload4(0, xr##t + h), rv, acc##t);
+#define WG_TAIL_FMA(t) tail##t = fma(xr##t[h], rr[h], tail##t);
+#define WG_STORE(t) \
+  lg[(t) * ROUTER_MAX_EXPERTS + e] = ((acc##t.x + acc##t.y) + (acc##t.z + acc##t.w)) + tail##t;
+
+__kernel __attribute__((reqd_work_group_size(ROUTER_WG, 1, 1))) void route_tokens_wg(
+    __global const float* restrict x, __global const float* restrict router,
+    __global const float* restrict bias, int n, int hidden, int num_experts, int k, int kind,
+    int norm_topk_prob, int n_group, int topk_group, float routed_scaling_factor,
+    __global int* restrict ids, __global float* restrict weights) {
+  __local float lg[ROUTER_WG_TOKENS * ROUTER_MAX_EXPERTS];
+  const int lid = get_local_id(0);
+  const int t0 = get_group_id(0) * ROUTER_WG_TOKENS;
+  REP8(WG_X_PTR)
+  for (int e = lid; e < num_experts; e += ROUTER_WG) {
+    const __global float* rr = router + (size_t)e * hidden;
+    REP8(WG_ACC_DECL)
+    int h = 0;
+    for (; h + 4 <= hidden; h += 4) {
+      const float4 rv = vload4(0, rr + h);
+      REP8(WG_ACC_FMA)
+    }
+    for (; h < hidden; ++h) {
+      REP8(WG_TAIL_FMA)
+    }
+    REP8(WG_STORE)
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  const int t = t0 + lid;
+  if (lid < ROUTER_WG_TOKENS && t < n) {
+    float logit[ROUTER_MAX_EXPERTS];
+    for (int e = 0; e < num_experts; ++e) logit[e] = lg[lid * ROUTER_MAX_EXPERTS + e];
+    SelectExperts(logit, bias, num_experts, k, kind, norm_topk_prob, n_group, topk_group,
+                  routed_scaling_factor, ids + (size_t)t * k, weights + (size_t)t * k);
+  }
+}

@@ -10,6 +10,15 @@
 //     same kFfnPanelCols / 2 columns of up (so one pass yields silu(gate) * up), K = H.
 //   down of expert e: panels over H of kFfnPanelCols columns, K = F.
 // Experts are stored one after the other.
+//
+// The tensor-core layout (BF16 weights on NVIDIA devices of compute capability 8.0 or more,
+// kernels/cl/expert_ffn_mma.cl) instead stores each projection row-major as [N, K] BF16, K
+// padded with zeros to a multiple of kMmaBk:
+//   gate_up of expert e: N = 2 * MmaFfnPad(F) rows in blocks of 16: the gate rows of 8
+//     outputs f then the up rows of the same 8 (zero rows for f >= F), K = MmaKPad(H).
+//   down of expert e: N = MmaDownRows(H) rows (zero rows beyond H), K = MmaFfnPad(F).
+// Activations go through the GEMMs as BF16 rows of MmaKPad(H) values, h as BF16 rows of
+// MmaFfnPad(F) values; every sum is FP32.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +44,33 @@ inline constexpr int64_t kFfnRowChunk = 192;
 inline constexpr int kRouterMaxExperts = 512;
 // Tokens one router work-item routes (it reads each router row once for all of them).
 inline constexpr int kRouterTokens = 4;
+// The work-group router (route_tokens_wg, GPUs): work-items per group and tokens per group,
+// as router.cl's ROUTER_WG and ROUTER_WG_TOKENS.
+inline constexpr int kRouterGroupSize = 64;
+inline constexpr int kRouterGroupTokens = 8;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+// Tile of the tensor-core kernels: rows x weight rows x K per step (expert_ffn_mma.cl).
+inline constexpr int64_t kMmaBm = 128;
+inline constexpr int64_t kMmaBn = 128;
+inline constexpr int64_t kMmaBk = 32;
+inline constexpr int kMmaThreads = 256;
+inline int64_t MmaKPad(int64_t hidden) { return RoundUp(hidden, kMmaBk); }
+inline int64_t MmaFfnPad(int64_t ffn) { return RoundUp(ffn, kMmaBn / 2); }
+inline int64_t MmaDownRows(int64_t hidden) { return RoundUp(hidden, kMmaBn); }
+inline int64_t MmaGateUpValuesPerExpert(int64_t hidden, int64_t ffn) {
+  return 2 * MmaFfnPad(ffn) * MmaKPad(hidden);
+}
+inline int64_t MmaDownValuesPerExpert(int64_t hidden, int64_t ffn) {
+  return MmaDownRows(hidden) * MmaFfnPad(ffn);
+}
+// Whether the BF16 activations [rows, MmaKPad(H)] and h [rows, MmaFfnPad(F)] fit the FP32
+// y [rows, H] and h [rows, F] buffers ExpertFfn's callers provide (true unless H or F is tiny).
+inline bool MmaFitsCallerBuffers(int64_t hidden, int64_t ffn) {
+  return hidden > 0 && ffn > 0 && MmaKPad(hidden) <= 2 * hidden && MmaFfnPad(ffn) <= 2 * ffn;
+}
 // Panels of the gate_up projection (over F) and of the down projection (over H).
 inline int64_t GateUpPanels(int64_t ffn) { return CeilDiv(ffn, kFfnPanelCols / 2); }
 inline int64_t DownPanels(int64_t hidden) { return CeilDiv(hidden, kFfnPanelCols); }
@@ -48,12 +82,13 @@ inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
   return DownPanels(hidden) * ffn * kFfnPanelCols;
 }
 
-// Options every program is built with.
-inline std::string ProgramBuildOptions() {
-  return absl::StrCat("-cl-std=CL1.2 -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
-                      " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
-                      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
-                      " -DROUTER_TOKENS=", kRouterTokens);
+// Options every program is built with. On CPU devices the FFN kernels prefetch weight panels
+// ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin.
+inline std::string ProgramBuildOptions(bool cpu) {
+  return absl::StrCat(
+      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "", " -DFFN_PANEL_VECS=", kFfnPanelVecs,
+      " -DFFN_ROWS=", kFfnRows, " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
+      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts, " -DROUTER_TOKENS=", kRouterTokens);
 }
 
 }  // namespace epserve::kernels::detail

@@ -4,13 +4,20 @@
 // BF16 weights or activations are checked twice: against the reference run on the same
 // BF16-rounded values (round to nearest even, as the upload does) at the FP32 bound 1e-5,
 // which only FP32 accumulation error passes and which a wrong rounding mode fails; and
-// against the reference on the original FP32 values at the BF16 bound 1e-2.
+// against the reference on the original FP32 values at the BF16 bound 1e-2. The tensor-core
+// FFN (BF16 weights on NVIDIA GPUs) also rounds x and h to BF16: its first check runs a
+// reference that rounds them the same way, at kMaxRelErrorMma.
+//
+// The tests run on the device EPSERVE_TEST_DEVICE names ("cpu" when unset; "gpu" or
+// "<platform>:<device>"), so that the same checks hold on every OpenCL device.
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -22,6 +29,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/detail/ffn_layout.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "model/reference.h"
@@ -33,6 +41,12 @@ namespace {
 
 constexpr double kMaxRelErrorFp32 = 1e-5;
 constexpr double kMaxRelErrorBf16 = 1e-2;
+// Tensor-core FFN against a reference that rounds x and h to BF16 as it does: the kernel's
+// FP32 h can still round to the neighbouring BF16 value where the double one sits within
+// FP32 error of a rounding midpoint, one BF16 ulp (2^-8 relative) on a few h values.
+// Each flip moves y by about 2^-8 / sqrt(F) of its scale; 4e-3 allows several in one row
+// while a wrong layout or operand order is off by O(1).
+constexpr double kMaxRelErrorMma = 4e-3;
 // Tokens whose routing decision is closer than this to flipping are not checked for ids.
 constexpr double kMarginWithinRounding = 1e-5;
 
@@ -46,6 +60,15 @@ double RelError(const std::vector<float>& a, const std::vector<double>& ref) {
     scale = std::max(scale, std::abs(ref[i]));
   }
   return diff / std::max(scale, 1e-30);
+}
+
+// The options of the device the tests run on (EPSERVE_TEST_DEVICE, default "cpu").
+RuntimeOptions TestRuntimeOptions() {
+  RuntimeOptions options;
+  if (const char* d = std::getenv("EPSERVE_TEST_DEVICE"); d != nullptr && *d != '\0') {
+    options.device = d;
+  }
+  return options;
 }
 
 // One random seed per test, printed with every failure.
@@ -65,8 +88,9 @@ class Seeded : public ::testing::Test {
   }
   static Runtime& Rt() {
     static std::unique_ptr<Runtime> rt = [] {
-      absl::StatusOr<std::unique_ptr<Runtime>> r = Runtime::Create(RuntimeOptions{});
+      absl::StatusOr<std::unique_ptr<Runtime>> r = Runtime::Create(TestRuntimeOptions());
       EXPECT_TRUE(r.ok()) << r.status();
+      if (r.ok()) std::cout << "[ device ] " << (*r)->device_info().Describe() << "\n";
       return r.ok() ? *std::move(r) : nullptr;
     }();
     return *rt;
@@ -161,7 +185,7 @@ TEST(RuntimeTest, UnmatchedDeviceListsDevicesFound) {
 }
 
 TEST(RuntimeTest, BrokenKernelSurfacesBuildLog) {
-  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(RuntimeOptions{});
+  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(TestRuntimeOptions());
   ASSERT_TRUE(rt.ok()) << rt.status();
   absl::Status s = (*rt)->BuildProgramForTest(
       "__kernel void broken(__global float* x) { x[0] = undeclared_symbol_q7; }\n");
@@ -177,7 +201,7 @@ TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
       std::filesystem::temp_directory_path() /
       absl::StrCat("epserve-kernel-cache-test-", std::random_device{}());
   std::filesystem::remove_all(dir);
-  RuntimeOptions options;
+  RuntimeOptions options = TestRuntimeOptions();
   options.cache_dir = dir.string();
   {
     absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
@@ -342,6 +366,37 @@ std::vector<double> ReferenceFfn(const std::vector<std::vector<float>>& gate,
   return y;
 }
 
+// The tensor-core FFN's arithmetic in double: x (already BF16 values) and weights as given,
+// h rounded to BF16 before the down projection.
+std::vector<double> ReferenceFfnBf16H(const std::vector<std::vector<float>>& gate,
+                                      const std::vector<std::vector<float>>& up,
+                                      const std::vector<std::vector<float>>& down, int64_t hidden,
+                                      int64_t ffn, const std::vector<float>& x,
+                                      const std::vector<int32_t>& row_index,
+                                      const std::vector<int64_t>& offsets) {
+  std::vector<double> y(offsets.back() * hidden, 0.0);
+  std::vector<double> hv(ffn);
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p) {
+      const float* xr = x.data() + row_index[p] * hidden;
+      for (int64_t j = 0; j < ffn; ++j) {
+        double g = 0.0, u = 0.0;
+        for (int64_t c = 0; c < hidden; ++c) {
+          g += static_cast<double>(gate[e][j * hidden + c]) * xr[c];
+          u += static_cast<double>(up[e][j * hidden + c]) * xr[c];
+        }
+        hv[j] = RoundToBf16(static_cast<float>(g / (1.0 + std::exp(-g)) * u));
+      }
+      for (int64_t c = 0; c < hidden; ++c) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < ffn; ++j) acc += static_cast<double>(down[e][c * ffn + j]) * hv[j];
+        y[p * hidden + c] = acc;
+      }
+    }
+  }
+  return y;
+}
+
 std::vector<float> RoundedToBf16(std::vector<float> v) {
   for (float& f : v) f = RoundToBf16(f);
   return v;
@@ -402,6 +457,9 @@ class ExpertFfnTest : public Seeded {
     EXPECT_TRUE(w.ok()) << w.status();
     if (!w.ok()) return {};
     EXPECT_EQ(w->dtype, types.weights);
+    // BF16 weights take the tensor-core kernels wherever the runtime has them.
+    EXPECT_EQ(w->tensor_cores, types.weights == DType::kBf16 && Rt().tensor_cores() &&
+                                   detail::MmaFitsCallerBuffers(h, f));
     const std::vector<float> x = Uniform(tokens * h);
     const std::vector<int64_t> offsets = RandomOffsets(rng_, count, pairs);
     std::vector<int32_t> row_index(pairs);
@@ -434,10 +492,17 @@ class ExpertFfnTest : public Seeded {
       up_s[e] = stored(types.weights, up[e]);
       down_s[e] = stored(types.weights, down[e]);
     }
-    EXPECT_LE(RelError(y, ReferenceFfn(gate_s, up_s, down_s, h, f, stored(types.x, x), row_index,
-                                       offsets)),
-              kMaxRelErrorFp32)
-        << what << " against the reference on the BF16-rounded values";
+    if (w->tensor_cores) {
+      EXPECT_LE(RelError(y, ReferenceFfnBf16H(gate_s, up_s, down_s, h, f, RoundedToBf16(x),
+                                              row_index, offsets)),
+                kMaxRelErrorMma)
+          << what << " (tensor cores) against the reference on BF16 x, weights and h";
+    } else {
+      EXPECT_LE(RelError(y, ReferenceFfn(gate_s, up_s, down_s, h, f, stored(types.x, x), row_index,
+                                         offsets)),
+                kMaxRelErrorFp32)
+          << what << " against the reference on the BF16-rounded values";
+    }
     EXPECT_LE(RelError(y, ReferenceFfn(gate, up, down, h, f, x, row_index, offsets)),
               kMaxRelErrorBf16)
         << what << " against the FP32 reference";
@@ -478,8 +543,33 @@ TEST_F(ExpertFfnTest, Bf16WeightsTakeHalfTheBytes) {
   absl::StatusOr<ExpertWeights> bf16 = UploadExperts(Rt(), source, 0, 0, 3, DType::kBf16);
   ASSERT_TRUE(fp32.ok() && bf16.ok());
   EXPECT_EQ(bf16->dtype, DType::kBf16);
-  EXPECT_EQ(2 * bf16->gate_up.bytes(), fp32->gate_up.bytes());
-  EXPECT_EQ(2 * bf16->down.bytes(), fp32->down.bytes());
+  if (bf16->tensor_cores) {
+    // Row-major BF16 with K padded to the tile (H = 64, F = 32 here).
+    const int64_t h = 64, f = 32;
+    EXPECT_EQ(bf16->gate_up.bytes(), 3 * 2 * detail::MmaGateUpValuesPerExpert(h, f));
+    EXPECT_EQ(bf16->down.bytes(), 3 * 2 * detail::MmaDownValuesPerExpert(h, f));
+  } else {
+    EXPECT_EQ(2 * bf16->gate_up.bytes(), fp32->gate_up.bytes());
+    EXPECT_EQ(2 * bf16->down.bytes(), fp32->down.bytes());
+  }
+}
+
+// Shapes that pad every dimension of the tensor-core tiles, rows that span several tiles of
+// one expert. Runs on every device (the portable kernels where there are no tensor cores).
+TEST_F(ExpertFfnTest, TensorCoreTilesAndPadding) {
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+  ASSERT_TRUE(cfg.ok());
+  cfg->layer.hidden_size = 200;      // K pads to 224, down rows to 256
+  cfg->layer.expert_ffn_size = 136;  // pads to 192
+  cfg->layer.num_experts = 5;
+  const model::SyntheticWeights source(*cfg, seed_);
+  for (const FfnTypes types :
+       {FfnTypes{DType::kBf16, DType::kFp32, 3}, FfnTypes{DType::kBf16, DType::kBf16, 6}}) {
+    for (int64_t pairs : {1, 129, 700}) {
+      SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(types)));
+      Check(source, 0, 5, 300, pairs, types);
+    }
+  }
 }
 
 TEST_F(ExpertFfnTest, SubsetOfExperts) {

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Copies what bench/gpu/run_gpu_bench.py runs out of a build folder into a bundle of the same
+# layout, with lib/ holding the shared libraries a machine without gRPC, abseil, protobuf or
+# prometheus-cpp lacks (OpenCL, MPI and the C/C++ runtimes stay the host's own). For GPU hosts
+# that have Open MPI and an OpenCL loader but not the rest of epserve's dependencies.
+#
+#   bench/gpu/make_bundle.sh build gpu-bundle
+set -euo pipefail
+build=${1:?usage: make_bundle.sh BUILD OUT}
+out=${2:?usage: make_bundle.sh BUILD OUT}
+binaries=(tests/kernels/kernels_test bench/gpu/bench_ffn_gpu bench/e2e/bench_e2e_inprocess
+          server/epserve client/epserve-load)
+rm -rf "$out"
+mkdir -p "$out/lib"
+for b in "${binaries[@]}"; do
+  mkdir -p "$out/$(dirname "$b")"
+  strip -o "$out/$b" "$build/$b"
+done
+# Libraries the host provides: the C and C++ runtimes, OpenCL's loader, Open MPI and its
+# own dependencies.
+# (libmpi_cxx, the C++ bindings, travels: not every Open MPI install has it.)
+keep='^(libc\.|libm\.|libdl\.|libpthread\.|librt\.|ld-linux|libgcc_s|libstdc\+\+|libOpenCL|libmpi\.|libopen-|libhwloc|libevent|libpmix|libudev|libz\.|libcap)'
+for b in "${binaries[@]}"; do
+  ldd "$build/$b" | awk '/=> \// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  if ! [[ $name =~ $keep ]]; then
+    strip -o "$out/lib/$name" "$path" 2>/dev/null || cp -L "$path" "$out/lib/$name"
+  fi
+done
+du -sh "$out"

@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""epserve on NVIDIA GPUs in one call: the kernel tests on the GPU, the expert-FFN, router and
+combine timings beside torch.matmul in BF16, the whole MoE layer beside a PyTorch
+Hugging-Face-style block, and (with two or more GPUs) an end-to-end run of 1 front-end and 2
+GPU workers with every answer checked against the reference. Writes the table into
+BENCHMARKS.md (between the gpu-bench markers) and prints it.
+
+    python3 bench/gpu/run_gpu_bench.py --build build [--markdown BENCHMARKS.md]
+        [--json results.json] [--quick]
+
+--build is a build folder, or a bundle of the same layout made by bench/gpu/make_bundle.sh
+(binaries plus a lib/ folder of the shared libraries a machine without gRPC lacks). Needs
+PyTorch with CUDA and NVIDIA's OpenCL driver; the ICD entry
+/etc/OpenCL/vendors/nvidia.icd is written when missing. Exits 77 when there is no GPU.
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {  # name: (H, F, experts, top_k, shared F, shared gate)
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4, 5632, True),
+    "mixtral-8x7b": (4096, 14336, 8, 2, 0, False),
+}
+TARGET_MATMUL_RATIO = 0.5   # tensor-core FFN TFLOP/s vs torch.matmul, from 2048 rows up
+TARGET_LAYER_SPEEDUP = 2.0  # whole layer vs the PyTorch Hugging-Face-style block
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def setup_icd():
+    """NVIDIA's OpenCL driver registers through an ICD file naming libnvidia-opencl.so.1."""
+    icd = "/etc/OpenCL/vendors/nvidia.icd"
+    if os.path.exists(icd):
+        return
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    if "libnvidia-opencl.so.1" not in found and not glob.glob("/usr/**/libnvidia-opencl.so.1",
+                                                              recursive=True):
+        log("libnvidia-opencl.so.1 not found; the GPU may not be visible to OpenCL")
+    try:
+        os.makedirs(os.path.dirname(icd), exist_ok=True)
+        with open(icd, "w") as f:
+            f.write("libnvidia-opencl.so.1\n")
+    except OSError as e:
+        log(f"could not write {icd}: {e}")
+
+
+def make_env(build):
+    env = dict(os.environ)
+    lib = os.path.join(build, "lib")
+    if os.path.isdir(lib):
+        env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"]
+                                        if env.get("LD_LIBRARY_PATH") else "")
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_rmaps_base_oversubscribe": "1",
+                "EPSERVE_KERNEL_CACHE": os.path.join(tempfile.gettempdir(), "epserve-kcache"),
+                "POCL_MAX_PTHREAD_COUNT": "4",
+                # multicast stays off on shared multi-GPU hosts
+                "NCCL_NVLS_ENABLE": "0"})
+    return env
+
+
+def run(cmd, env, timeout=1800, check=True):
+    log("  $ " + " ".join(cmd))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({r.returncode}):\n{r.stdout[-4000:]}\n"
+                           f"{r.stderr[-4000:]}")
+    return r
+
+
+def json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+# ---- 1. kernel tests on the GPU ----
+
+def kernel_tests(build, env):
+    binary = os.path.join(build, "tests", "kernels", "kernels_test")
+    r = run([binary, "--gtest_brief=1"], dict(env, EPSERVE_TEST_DEVICE="gpu"), check=False)
+    out = r.stdout + r.stderr
+    passed = re.search(r"\[  PASSED  \] (\d+) test", out)
+    failed = re.findall(r"\[  FAILED  \] (\S+)", out)
+    device = re.search(r"\[ device \] (.*)", out)
+    if r.returncode != 0:
+        log(out[-6000:])
+    return {"ok": r.returncode == 0, "passed": int(passed.group(1)) if passed else 0,
+            "failed": sorted(set(failed)), "device": device.group(1) if device else "?"}
+
+
+# ---- 2. FFN against torch.matmul ----
+
+def cuda_median_ms(fn, min_seconds=0.5):
+    import torch
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    total = 0.0
+    while len(times) < 5 or (total < min_seconds and len(times) < 200):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        total += times[-1] / 1e3
+    return statistics.median(times)
+
+
+def torch_matmul_tflops(h, f, experts, rows):
+    """The FFN's two GEMMs per expert ([rows, H] x [H, 2F], [rows, F] x [F, H]) in BF16."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    hm = torch.randn(rows, f, device="cuda", dtype=torch.bfloat16, generator=g)
+    w1 = [torch.randn(h, 2 * f, device="cuda", dtype=torch.bfloat16, generator=g)
+          for _ in range(experts)]
+    w2 = [torch.randn(f, h, device="cuda", dtype=torch.bfloat16, generator=g)
+          for _ in range(experts)]
+
+    def fn():
+        for e in range(experts):
+            torch.matmul(a, w1[e])
+            torch.matmul(hm, w2[e])
+    ms = cuda_median_ms(fn)
+    return ms, experts * rows * 6.0 * h * f / (ms / 1e3) / 1e12
+
+
+def ffn_part(build, env, rows, shapes):
+    out = run([os.path.join(build, "bench", "gpu", "bench_ffn_gpu"), "--device=gpu",
+               f"--shapes={','.join(shapes)}", f"--rows={','.join(map(str, rows))}"], env,
+              timeout=1800)
+    for line in out.stderr.splitlines():
+        if line.startswith("program cache"):
+            log("  " + line)
+    rows_out = json_lines(out.stdout)
+    for r in rows_out:
+        if "tflops" in r and r["path"] == "tensor_cores":
+            h, f = SHAPES[r["shape"]][:2]
+            ms, tflops = torch_matmul_tflops(h, f, r["experts"], r["rows_per_expert"])
+            r["torch_ms"], r["torch_tflops"] = ms, tflops
+            r["ratio"] = r["tflops"] / tflops
+            log(f"  {r['shape']} rows {r['rows_per_expert']}: {r['tflops']:.1f} TFLOP/s vs "
+                f"torch.matmul {tflops:.1f} ({r['ratio']:.2f}x)")
+    return rows_out
+
+
+# ---- 3. the whole layer against a Hugging-Face-style PyTorch block ----
+
+def torch_layer_ms(shape, tokens):
+    """transformers' sparse MoE block (Qwen2MoeSparseMoeBlock / MixtralSparseMoeBlock): router
+    linear, softmax, top-k (Qwen1.5-MoE does not renormalise, Mixtral does), a loop over the
+    experts that were hit with index_select and index_add_, the shared expert with its sigmoid
+    gate; BF16 weights and activations on the GPU, random weights of the model's shapes."""
+    import torch
+    import torch.nn.functional as F
+    h, f, e_count, k, shared_f, shared_gate = SHAPES[shape]
+    norm = shape.startswith("mixtral")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dt = torch.bfloat16
+
+    def lin(o, i):
+        return torch.randn(o, i, device="cuda", dtype=dt, generator=g) * (i ** -0.5)
+    router = lin(e_count, h)
+    experts = [(lin(f, h), lin(f, h), lin(h, f)) for _ in range(e_count)]
+    shared = (lin(shared_f, h), lin(shared_f, h), lin(h, shared_f)) if shared_f else None
+    sgate = lin(1, h) if shared_gate else None
+    x = torch.randn(tokens, h, device="cuda", dtype=dt, generator=g)
+
+    def block():
+        logits = F.linear(x, router)
+        weights = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, selected = torch.topk(weights, k, dim=-1)
+        if norm:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(dt)
+        final = torch.zeros_like(x)
+        mask = F.one_hot(selected, num_classes=e_count).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = int(e)
+            idx, top_x = torch.where(mask[e])
+            cur = x[None, top_x].reshape(-1, h)
+            gw, uw, dw = experts[e]
+            y = F.linear(F.silu(F.linear(cur, gw)) * F.linear(cur, uw), dw)
+            final.index_add_(0, top_x, (y * weights[top_x, idx, None]).to(dt))
+        if shared is not None:
+            gw, uw, dw = shared
+            s = F.linear(F.silu(F.linear(x, gw)) * F.linear(x, uw), dw)
+            if sgate is not None:
+                s = torch.sigmoid(F.linear(x, sgate)) * s
+            final = final + s
+        return final
+    with torch.no_grad():
+        return cuda_median_ms(block, 1.0)
+
+
+def layer_part(build, env, shapes, tokens):
+    results = []
+    for shape in shapes:
+        out = run([os.path.join(build, "bench", "e2e", "bench_e2e_inprocess"),
+                   f"--model=synthetic:{shape}", "--device=gpu", "--weight-dtype=bf16",
+                   f"--tokens={','.join(map(str, tokens))}", "--min-seconds=1",
+                   "--check-tokens=4"], env, timeout=1800).stdout
+        lines = json_lines(out)
+        check = [r for r in lines if "check_tokens" in r][0]
+        for r in lines:
+            if "median_ms" not in r:
+                continue
+            torch_ms = torch_layer_ms(shape, r["tokens"])
+            results.append({"shape": shape, "tokens": r["tokens"], "epserve_ms": r["median_ms"],
+                            "resident_ms": r["resident_median_ms"],
+                            "torch_ms": torch_ms, "speedup": torch_ms / r["resident_median_ms"],
+                            "speedup_with_copies": torch_ms / r["median_ms"],
+                            "tensor_cores": check["tensor_cores"],
+                            "max_rel_error": check["max_rel_error"]})
+            log(f"  layer {shape} tokens {r['tokens']}: epserve {r['resident_median_ms']:.3f} ms "
+                f"({r['median_ms']:.3f} with host copies), torch {torch_ms:.3f} ms")
+    return results
+
+
+# ---- 4. end to end on two GPUs ----
+
+def e2e_part(build, env, gpus):
+    if gpus < 2:
+        return {"skipped": f"{gpus} GPU(s); the end-to-end run needs 2"}
+    model = "synthetic:qwen1.5-moe-a2.7b"
+    work = tempfile.mkdtemp(prefix="epserve-gpu-e2e-")
+    ready = os.path.join(work, "ready.json")
+    cmd = ["mpirun", "-np", "3", "--bind-to", "none", "-x", "LD_LIBRARY_PATH",
+           "-x", "EPSERVE_KERNEL_CACHE", "-x", "NCCL_NVLS_ENABLE",
+           os.path.join(build, "server", "epserve"), f"--model={model}", "--device=gpu",
+           "--weight-dtype=bf16", "--grpc-address=127.0.0.1:0", "--metrics-address=127.0.0.1:0",
+           "--max-batch-tokens=4096", f"--ready-file={ready}"]
+    log("  $ " + " ".join(cmd))
+    logf = open(os.path.join(work, "log.txt"), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    result = {}
+    try:
+        deadline = time.time() + 600
+        while not os.path.exists(ready) or os.path.getsize(ready) == 0:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("epserve did not start:\n" + open(logf.name).read()[-4000:])
+            time.sleep(0.5)
+        time.sleep(0.2)
+        address = json.load(open(ready))["grpc"]
+        load = os.path.join(build, "client", "epserve-load")
+        verify = run([load, f"--target={address}", f"--verify-model={model}",
+                      "--verify-tolerance=1e-2", "--tokens=16", "--concurrency=4",
+                      "--requests=48", "--json", "--progress=off", "--fail-on-error"], env,
+                     timeout=900, check=False)
+        steps = json_lines(verify.stdout)
+        result["verify"] = {"exit": verify.returncode, "steps": steps,
+                            "stderr": verify.stderr[-2000:]}
+        tput = run([load, f"--target={address}", "--tokens=256", "--concurrency=1,8",
+                    "--duration=10s", "--warmup=3s", "--json", "--progress=off"], env,
+                   timeout=600, check=False)
+        result["throughput"] = json_lines(tput.stdout)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        logf.close()
+        text = open(logf.name).read()
+        result["workers"] = re.findall(r"worker \d+ on [^:]*:[^:]*?\)", text) or \
+            re.findall(r"worker \d+ on .*", text)
+        result["log_tail"] = text[-3000:]
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+# ---- table ----
+
+def markdown(res):
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {res['gpu']} "
+             f"({res['gpus']} GPU(s) on the host), with "
+             "`python3 bench/gpu/run_gpu_bench.py --build <build or bundle>`; PyTorch "
+             f"{res['torch']} in the same run.", ""]
+    kt = res["kernel_tests"]
+    lines.append(f"Kernel tests on the GPU (`EPSERVE_TEST_DEVICE=gpu kernels_test`, device "
+                 f"{kt['device']}): {'passed' if kt['ok'] else 'FAILED'}, {kt['passed']} passed"
+                 + (f", failed: {', '.join(kt['failed'])}" if kt["failed"] else "") + ".")
+    lines += ["", "Expert FFN, BF16 weights (gate/up, SwiGLU, down; 6·H·F FLOPs per row), "
+              "experts × rows per expert, against torch.matmul on the same two GEMMs per "
+              "expert (target: ≥ 0.5× from 2048 rows up):", "",
+              "| shape | experts × rows | path | ms | TFLOP/s | torch.matmul TFLOP/s | ratio |"
+              " router ms | combine ms |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    aux = {(r["shape"], r["tokens"]): r for r in res["ffn"] if "route_ms" in r}
+    for r in res["ffn"]:
+        if "tflops" not in r:
+            continue
+        tokens = max(1, r["experts"] * r["rows_per_expert"] // SHAPES[r["shape"]][3])
+        a = aux.get((r["shape"], tokens)) if r["path"] == "tensor_cores" else None
+        lines.append(
+            f"| {r['shape']} | {r['experts']} × {r['rows_per_expert']} | {r['path']} | "
+            f"{r['ms']:.3f} | {r['tflops']:.1f} | "
+            + (f"{r['torch_tflops']:.1f} | {r['ratio']:.2f}× | " if "ratio" in r else "– | – | ")
+            + (f"{a['route_ms']:.3f} ({a['tokens']} tok) | {a['combine_ms']:.3f} |" if a
+               else "– | – |"))
+    lines += ["", "Whole MoE layer on one GPU (bench_e2e_inprocess: route, the token grouping "
+              "on the host, expert FFN, combine, shared expert) against the PyTorch "
+              "Hugging-Face-style block in BF16 (random weights of the same shapes). Like the "
+              "PyTorch block, the first epserve column starts with x on the GPU and leaves the "
+              "output there (target: ≥ 2× faster); the second adds copying x in and the "
+              "output out, as a worker does with the host-memory heap:", "",
+              "| shape | tokens | epserve ms | with host copies ms | PyTorch block ms | "
+              "speedup | speedup with copies | max rel. error (4 tokens vs reference) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in res["layer"]:
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['resident_ms']:.3f} | "
+                     f"{r['epserve_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}× | "
+                     f"{r['speedup_with_copies']:.2f}× | {r['max_rel_error']:.2e} |")
+    e2e = res["e2e"]
+    lines.append("")
+    if "skipped" in e2e:
+        lines.append(f"End to end: not run ({e2e['skipped']}).")
+    else:
+        v = e2e.get("verify", {})
+        st = v.get("steps", [{}])
+        s0 = st[0] if st else {}
+        lines.append("End to end, 1 front-end + 2 GPU workers (`mpirun -np 3 epserve "
+                     "--device=gpu --weight-dtype=bf16`, qwen1.5-moe-a2.7b): "
+                     + "; ".join(e2e.get("workers", [])) + ".")
+        lines.append(f"Every answer checked against the reference (epserve-load --verify, "
+                     f"tolerance 1e-2): exit {v.get('exit')}, {s0.get('requests', '?')} "
+                     f"requests, {s0.get('ok', '?')} ok, {s0.get('verified', '?')} verified, "
+                     f"errors {json.dumps(s0.get('errors', {}))}.")
+        for t in e2e.get("throughput", []):
+            lat = t.get("latency_ms") or {}
+            lines.append(f"- 256 tokens per request, concurrency {t.get('concurrency')}: "
+                         f"{t.get('tokens_per_s', 0):.0f} tokens/s, p50 "
+                         f"{lat.get('p50') or 0:.1f} ms, p99 {lat.get('p99') or 0:.1f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path, table):
+    begin, end = "<!-- gpu-bench:begin -->", "<!-- gpu-bench:end -->"
+    text = open(path).read() if os.path.exists(path) else ""
+    block = f"{begin}\n{table}{end}"
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n## On NVIDIA GPUs\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--markdown", default=os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "BENCHMARKS.md"))
+    ap.add_argument("--json", default="")
+    ap.add_argument("--rows", default="128,512,2048,4096,8192")
+    ap.add_argument("--layer-tokens", default="128,1024,4096")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--parts", default="tests,ffn,layer,e2e")
+    a = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        log("PyTorch is needed for the baselines")
+        return 77
+    if not torch.cuda.is_available():
+        log("no CUDA GPU: nothing to measure")
+        return 77
+    setup_icd()
+    build = os.path.abspath(a.build)
+    env = make_env(build)
+    shapes = [s for s in a.shapes.split(",") if s]
+    parts = a.parts.split(",")
+    res = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+           "torch": torch.__version__, "kernel_tests": {"ok": False, "passed": 0, "failed": [],
+                                                        "device": "not run"},
+           "ffn": [], "layer": [], "e2e": {"skipped": "not asked for"}}
+
+    def save():
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    if "tests" in parts:
+        res["kernel_tests"] = kernel_tests(build, env)
+        save()
+    if "ffn" in parts:
+        res["ffn"] = ffn_part(build, env, [int(r) for r in a.rows.split(",")], shapes)
+        save()
+    if "layer" in parts:
+        res["layer"] = layer_part(build, env, shapes, [int(t) for t in a.layer_tokens.split(",")])
+        save()
+    if "e2e" in parts:
+        res["e2e"] = e2e_part(build, env, res["gpus"])
+        save()
+    table = markdown(res)
+    print(table)
+    write_markdown(a.markdown, table)
+    ok = res["kernel_tests"]["ok"] or "tests" not in parts
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
