@@ -3,6 +3,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 
 namespace epserve::common {
@@ -24,6 +26,20 @@ void FlagSet::Add(std::string name, std::string* value, std::string help) {
 void FlagSet::Add(std::string name, int64_t* value, std::string help) {
   AddFlag(std::move(name), std::move(help), absl::StrCat(*value), false,
           [value](absl::string_view v) { return absl::SimpleAtoi(v, value); });
+}
+
+void FlagSet::Add(std::string name, std::vector<int64_t>* value, std::string help) {
+  AddFlag(std::move(name), std::move(help), absl::StrCat("\"", absl::StrJoin(*value, ","), "\""),
+          false, [value](absl::string_view v) {
+            std::vector<int64_t> list;
+            for (absl::string_view item : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+              int64_t x = 0;
+              if (!absl::SimpleAtoi(item, &x)) return false;
+              list.push_back(x);
+            }
+            *value = std::move(list);
+            return true;
+          });
 }
 
 void FlagSet::Add(std::string name, int* value, std::string help) {

@@ -26,6 +26,8 @@ class FlagSet {
   void Add(std::string name, double* value, std::string help);
   void Add(std::string name, bool* value, std::string help);  // --x, --x=true|false, --no-x
   void Add(std::string name, absl::Duration* value, std::string help);  // "500ms", "30s"
+  // A comma list of integers ("1,8,32"); an empty value gives an empty list.
+  void Add(std::string name, std::vector<int64_t>* value, std::string help);
 
   // Parses argv. Unknown flags, missing or malformed values and positional arguments are
   // INVALID_ARGUMENT naming the flag. `--help` sets help_requested() and stops parsing.

@@ -211,31 +211,23 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.hidden = hidden;
   w.ffn = ffn;
   w.dtype = dtype;
+  // The layout, hence the element counts, follows from the dtype and the device.
+  w.tensor_cores =
+      dtype == DType::kBf16 && rt.tensor_cores() && detail::MmaFitsCallerBuffers(hidden, ffn);
+  const int64_t gate_up_values = w.tensor_cores ? detail::MmaGateUpValuesPerExpert(hidden, ffn)
+                                                : detail::GateUpFloatsPerExpert(hidden, ffn);
+  const int64_t down_values = w.tensor_cores ? detail::MmaDownValuesPerExpert(hidden, ffn)
+                                             : detail::DownFloatsPerExpert(hidden, ffn);
   const size_t elem = DTypeBytes(dtype);
-  if (dtype == DType::kBf16 && rt.tensor_cores() && detail::MmaFitsCallerBuffers(hidden, ffn) &&
-      detail::MmaGateUpValuesPerExpert(hidden, ffn) <= INT_MAX &&
-      detail::MmaDownValuesPerExpert(hidden, ffn) <= INT_MAX) {
-    w.tensor_cores = true;
-    absl::StatusOr<Buffer> gate_up =
-        rt.Allocate(detail::MmaGateUpValuesPerExpert(hidden, ffn) * count * elem);
-    if (!gate_up.ok()) return gate_up.status();
-    absl::StatusOr<Buffer> down =
-        rt.Allocate(detail::MmaDownValuesPerExpert(hidden, ffn) * count * elem);
-    if (!down.ok()) return down.status();
-    w.gate_up = *std::move(gate_up);
-    w.down = *std::move(down);
-    RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
-    return w;
-  }
-  absl::StatusOr<Buffer> gate_up =
-      rt.Allocate(detail::GateUpFloatsPerExpert(hidden, ffn) * count * elem);
+  absl::StatusOr<Buffer> gate_up = rt.Allocate(gate_up_values * count * elem);
   if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<Buffer> down =
-      rt.Allocate(detail::DownFloatsPerExpert(hidden, ffn) * count * elem);
+  absl::StatusOr<Buffer> down = rt.Allocate(down_values * count * elem);
   if (!down.ok()) return down.status();
   w.gate_up = *std::move(gate_up);
   w.down = *std::move(down);
-  if (dtype == DType::kBf16) {
+  if (w.tensor_cores) {
+    RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
+  } else if (dtype == DType::kBf16) {
     RETURN_IF_ERROR(FillFfn<uint16_t>(rt, source, layer, kinds, w));
   } else {
     RETURN_IF_ERROR(FillFfn<float>(rt, source, layer, kinds, w));

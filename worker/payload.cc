@@ -142,14 +142,20 @@ void EncodeRow(PayloadType type, const float* src, int64_t hidden, void* dst) {
   }
 }
 
-void DecodeRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
+namespace {
+
+// Calls store(i, value) for each of the row's `hidden` decoded values.
+template <typename Store>
+void ForEachDecoded(PayloadType type, const void* src, int64_t hidden, Store&& store) {
   switch (type) {
-    case PayloadType::kFp32:
-      std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
+    case PayloadType::kFp32: {
+      const float* in = static_cast<const float*>(src);
+      for (int64_t i = 0; i < hidden; ++i) store(i, in[i]);
       return;
+    }
     case PayloadType::kBf16: {
       const uint16_t* in = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < hidden; ++i) dst[i] = Bf16ToFloat(in[i]);
+      for (int64_t i = 0; i < hidden; ++i) store(i, Bf16ToFloat(in[i]));
       return;
     }
     case PayloadType::kFp8: {
@@ -157,33 +163,24 @@ void DecodeRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
       const float* scales = static_cast<const float*>(src);
       const uint8_t* in = static_cast<const uint8_t*>(src) + blocks * sizeof(float);
       const std::array<float, 256>& table = Fp8Table();
-      for (int64_t i = 0; i < hidden; ++i) dst[i] = table[in[i]] * scales[i / kFp8BlockSize];
+      for (int64_t i = 0; i < hidden; ++i) store(i, table[in[i]] * scales[i / kFp8BlockSize]);
       return;
     }
   }
 }
 
-void AccumulateRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
-  switch (type) {
-    case PayloadType::kFp32: {
-      const float* in = static_cast<const float*>(src);
-      for (int64_t i = 0; i < hidden; ++i) dst[i] += in[i];
-      return;
-    }
-    case PayloadType::kBf16: {
-      const uint16_t* in = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < hidden; ++i) dst[i] += Bf16ToFloat(in[i]);
-      return;
-    }
-    case PayloadType::kFp8: {
-      const int64_t blocks = NumBlocks(hidden);
-      const float* scales = static_cast<const float*>(src);
-      const uint8_t* in = static_cast<const uint8_t*>(src) + blocks * sizeof(float);
-      const std::array<float, 256>& table = Fp8Table();
-      for (int64_t i = 0; i < hidden; ++i) dst[i] += table[in[i]] * scales[i / kFp8BlockSize];
-      return;
-    }
+}  // namespace
+
+void DecodeRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
+  if (type == PayloadType::kFp32) {
+    std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
+    return;
   }
+  ForEachDecoded(type, src, hidden, [dst](int64_t i, float v) { dst[i] = v; });
+}
+
+void AccumulateRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
+  ForEachDecoded(type, src, hidden, [dst](int64_t i, float v) { dst[i] += v; });
 }
 
 void SumRows(PayloadType type, const void* const* parts, int num_parts, int64_t hidden, float* dst,

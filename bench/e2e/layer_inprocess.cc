@@ -17,7 +17,7 @@
 // and first {"device":"...","tensor_cores":b,"check_tokens":n,"max_rel_error":X} against
 // model::ReferenceForward.
 #include <algorithm>
-#include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -26,8 +26,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/bench_support.h"
 #include "common/flags.h"
 #include "common/status.h"
 #include "kernels/dtype.h"
@@ -138,13 +137,9 @@ class InProcessLayer {
   std::vector<int64_t> offsets_, cursor_;
 };
 
-double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 int Run(int argc, char** argv) {
   std::string model_spec = "synthetic:qwen1.5-moe-a2.7b";
-  std::string tokens_text = "1,32,256";
+  std::vector<int64_t> token_counts = {1, 32, 256};
   std::string weight_dtype = "fp32";
   int64_t seed = 0;
   double min_seconds = 2.0;
@@ -154,29 +149,16 @@ int Run(int argc, char** argv) {
                      "One MoE layer through epserve's kernels in one process (no gRPC, no MPI).");
   fs.Add("model", &model_spec, "synthetic:<preset>");
   fs.Add("seed", &seed, "Seed of the synthetic weights");
-  fs.Add("tokens", &tokens_text, "Comma list of batch sizes (tokens) to time");
+  fs.Add("tokens", &token_counts, "Comma list of batch sizes (tokens) to time");
   fs.Add("weight-dtype", &weight_dtype, "fp32 or bf16 expert weights");
   fs.Add("min-seconds", &min_seconds, "Time each batch size at least this long (>= 5 reps)");
   fs.Add("check-tokens", &check_tokens, "Tokens compared with the reference forward pass");
   fs.Add("device", &rto.device, "OpenCL device: cpu, gpu or <platform>:<device>");
   fs.Add("tensor-cores", &rto.tensor_cores, "Tensor-core FFN for bf16 weights where available");
-  if (absl::Status s = fs.Parse(argc, argv); !s.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-    return 1;
-  }
-  if (fs.help_requested()) {
-    std::printf("%s", fs.Usage().c_str());
-    return 0;
-  }
-  std::vector<int64_t> token_counts;
-  for (absl::string_view t : absl::StrSplit(tokens_text, ',', absl::SkipWhitespace())) {
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(t, &v) || v < 1) {
-      std::fprintf(stderr, "bad --tokens entry '%s'\n", std::string(t).c_str());
-      return 1;
-    }
-    token_counts.push_back(v);
-  }
+  const int code = ParseFlags(
+      fs, argc, argv, [&] { return AllPositive(token_counts); },
+      "every --tokens entry must be >= 1");
+  if (code >= 0) return code;
   absl::StatusOr<kernels::DType> dtype = kernels::ParseDType(weight_dtype, "--weight-dtype");
   auto source = model::OpenModel(model_spec, static_cast<uint64_t>(seed));
   if (!dtype.ok() || !source.ok()) {
@@ -228,32 +210,19 @@ int Run(int argc, char** argv) {
         return 1;
       }
     }
-    std::vector<double> times;
-    double total = 0;
-    while (times.size() < 5 || total < min_seconds) {
-      const double t0 = NowSeconds();
-      (void)(*l)->Forward(x.data(), n, y.data());
-      times.push_back(NowSeconds() - t0);
-      total += times.back();
-    }
-    std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2];
-    // The same with x already on the device and the output left there.
-    (void)(*l)->Forward(x.data(), n, y.data());
-    std::vector<double> resident;
-    total = 0;
-    while (resident.size() < 5 || total < min_seconds / 2) {
-      const double t0 = NowSeconds();
-      (void)(*l)->Forward(x.data(), n, y.data(), /*resident=*/true);
-      resident.push_back(NowSeconds() - t0);
-      total += resident.back();
-    }
-    std::sort(resident.begin(), resident.end());
+    int reps = 0;
+    const double median = MedianSeconds([&] { (void)(*l)->Forward(x.data(), n, y.data()); },
+                                        /*warmup=*/0, /*min_reps=*/5, INT_MAX, min_seconds, &reps);
+    // The same with x already on the device (the runs above left it there) and the output
+    // left there.
+    const double resident =
+        MedianSeconds([&] { (void)(*l)->Forward(x.data(), n, y.data(), /*resident=*/true); },
+                      /*warmup=*/1, /*min_reps=*/5, INT_MAX, min_seconds / 2);
     std::printf(
-        "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%zu,"
+        "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%d,"
         "\"weight_dtype\":\"%s\",\"resident_median_ms\":%.4f}\n",
-        static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, times.size(),
-        kernels::DTypeName(*dtype), resident[resident.size() / 2] * 1e3);
+        static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, reps,
+        kernels::DTypeName(*dtype), resident * 1e3);
     std::fflush(stdout);
   }
   return 0;

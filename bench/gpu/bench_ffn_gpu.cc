@@ -15,14 +15,13 @@
 // Each case runs after warm-up; the figure is the median of at least 5 timed runs, each
 // ended by clFinish.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_support.h"
 #include "common/flags.h"
 #include "common/status.h"
 #include "kernels/moe_kernels.h"
@@ -35,36 +34,19 @@ namespace {
 using kernels::Buffer;
 using kernels::DType;
 
-double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Median seconds of fn() (which ends with a device finish) after two warm-up calls.
+// Median seconds of fn() (which ends with a device finish, returning its status) after two
+// warm-up calls: at least 5 timed runs, more while under min_seconds, at most 200.
 template <typename Fn>
-absl::StatusOr<std::pair<double, int>> MedianSeconds(Fn&& fn, double min_seconds) {
-  for (int i = 0; i < 2; ++i) EPSERVE_RETURN_IF_ERROR(fn());
-  std::vector<double> times;
-  double total = 0;
-  while (times.size() < 5 || (total < min_seconds && times.size() < 200)) {
-    const double t0 = NowSeconds();
-    EPSERVE_RETURN_IF_ERROR(fn());
-    times.push_back(NowSeconds() - t0);
-    total += times.back();
-  }
-  std::sort(times.begin(), times.end());
-  return std::make_pair(times[times.size() / 2], static_cast<int>(times.size()));
-}
-
-absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& text, const char* flag) {
-  std::vector<int64_t> out;
-  for (absl::string_view t : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(t, &v) || v < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(flag, ": bad entry '", t, "'"));
-    }
-    out.push_back(v);
-  }
-  return out;
+absl::StatusOr<std::pair<double, int>> DeviceMedianSeconds(Fn&& fn, double min_seconds) {
+  absl::Status failed;
+  int reps = 0;
+  const double median = MedianSeconds(
+      [&] {
+        if (absl::Status s = fn(); !s.ok() && failed.ok()) failed = s;
+      },
+      /*warmup=*/2, /*min_reps=*/5, /*max_reps=*/200, min_seconds, &reps);
+  if (!failed.ok()) return failed;
+  return std::make_pair(median, reps);
 }
 
 absl::Status BenchShape(const std::string& shape, const std::vector<int64_t>& rows_list,
@@ -108,7 +90,7 @@ absl::Status BenchShape(const std::string& shape, const std::vector<int64_t>& ro
       EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(r, ew, xb, ib, offsets, hb, yb));
       return r.Finish();
     };
-    EPSERVE_ASSIGN_OR_RETURN(auto timing, MedianSeconds(fn, min_seconds));
+    EPSERVE_ASSIGN_OR_RETURN(auto timing, DeviceMedianSeconds(fn, min_seconds));
     const double flops = static_cast<double>(experts) * rows * 6.0 * h * f;
     std::printf(
         "{\"shape\":\"%s\",\"path\":\"%s\",\"experts\":%d,\"rows_per_expert\":%lld,"
@@ -136,14 +118,14 @@ absl::Status BenchShape(const std::string& shape, const std::vector<int64_t>& ro
         Buffer pib, rt.AllocateCopy(pair_index.data(), pair_index.size() * sizeof(int32_t)));
     EPSERVE_ASSIGN_OR_RETURN(
         Buffer pwb, rt.AllocateCopy(pair_weight.data(), pair_weight.size() * sizeof(float)));
-    EPSERVE_ASSIGN_OR_RETURN(auto route, MedianSeconds(
+    EPSERVE_ASSIGN_OR_RETURN(auto route, DeviceMedianSeconds(
                                              [&]() -> absl::Status {
                                                EPSERVE_RETURN_IF_ERROR(kernels::Route(
                                                    rt, router, x, tokens, ids, weights));
                                                return rt.Finish();
                                              },
                                              min_seconds / 4));
-    EPSERVE_ASSIGN_OR_RETURN(auto combine, MedianSeconds(
+    EPSERVE_ASSIGN_OR_RETURN(auto combine, DeviceMedianSeconds(
                                                [&]() -> absl::Status {
                                                  EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(
                                                      rt, y, pib, pwb, tokens, k, h, out));
@@ -178,8 +160,8 @@ absl::Status BenchShape(const std::string& shape, const std::vector<int64_t>& ro
 
 int Run(int argc, char** argv) {
   std::string shapes = "qwen1.5-moe-a2.7b,mixtral-8x7b";
-  std::string rows_text = "128,512,2048,8192";
-  std::string portable_text = "128";
+  std::vector<int64_t> rows = {128, 512, 2048, 8192};
+  std::vector<int64_t> portable = {128};
   std::string portable_shapes = "qwen1.5-moe-a2.7b";
   int64_t max_experts = 4;
   double min_seconds = 1.0;
@@ -188,27 +170,19 @@ int Run(int argc, char** argv) {
   common::FlagSet fs("bench_ffn_gpu", "Expert FFN, router and combine timings on one device.");
   fs.Add("device", &rto.device, "OpenCL device: gpu, cpu or <platform>:<device>");
   fs.Add("shapes", &shapes, "Comma list of synthetic presets");
-  fs.Add("rows", &rows_text, "Comma list of rows per expert");
-  fs.Add("portable-rows", &portable_text,
+  fs.Add("rows", &rows, "Comma list of rows per expert");
+  fs.Add("portable-rows", &portable,
          "Rows per expert also timed on the portable kernels (where tensor cores run the rest)");
   fs.Add("portable-shapes", &portable_shapes, "Shapes the portable comparison runs for");
   fs.Add("experts", &max_experts, "Experts per case (at most the model's)");
   fs.Add("min-seconds", &min_seconds, "Time each case at least this long");
-  if (absl::Status s = fs.Parse(argc, argv); !s.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-    return 1;
-  }
-  if (fs.help_requested()) {
-    std::printf("%s", fs.Usage().c_str());
-    return 0;
-  }
-  absl::StatusOr<std::vector<int64_t>> rows = ParseList(rows_text, "--rows");
-  absl::StatusOr<std::vector<int64_t>> portable =
-      portable_text.empty() ? std::vector<int64_t>{} : ParseList(portable_text, "--portable-rows");
-  if (!rows.ok() || !portable.ok() || max_experts < 1) {
-    std::fprintf(stderr, "bad --rows, --portable-rows or --experts\n");
-    return 1;
-  }
+  const int code = ParseFlags(
+      fs, argc, argv,
+      [&] {
+        return max_experts >= 1 && AllPositive(rows) && AllPositive(portable, /*empty_ok=*/true);
+      },
+      "--experts and every --rows and --portable-rows entry must be >= 1");
+  if (code >= 0) return code;
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(rto);
   kernels::RuntimeOptions portable_options = rto;
   portable_options.tensor_cores = false;
@@ -221,12 +195,12 @@ int Run(int argc, char** argv) {
   std::printf("{\"device\":\"%s\",\"tensor_cores\":%s}\n", (*rt)->device_info().Describe().c_str(),
               (*rt)->tensor_cores() ? "true" : "false");
   std::fflush(stdout);
+  const std::vector<absl::string_view> pshapes =
+      absl::StrSplit(portable_shapes, ',', absl::SkipWhitespace());
   for (absl::string_view shape : absl::StrSplit(shapes, ',', absl::SkipWhitespace())) {
-    const std::vector<absl::string_view> pshapes =
-        absl::StrSplit(portable_shapes, ',', absl::SkipWhitespace());
     const bool with_portable = std::find(pshapes.begin(), pshapes.end(), shape) != pshapes.end();
     absl::Status s =
-        BenchShape(std::string(shape), *rows, with_portable ? *portable : std::vector<int64_t>{},
+        BenchShape(std::string(shape), rows, with_portable ? portable : std::vector<int64_t>{},
                    static_cast<int>(max_experts), min_seconds, **rt, **prt);
     if (!s.ok()) {
       std::fprintf(stderr, "%s: %s\n", std::string(shape).c_str(), s.ToString().c_str());

@@ -15,7 +15,6 @@ PyTorch with CUDA and NVIDIA's OpenCL driver; the ICD entry
 """
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -45,9 +44,8 @@ def setup_icd():
     if os.path.exists(icd):
         return
     found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    if "libnvidia-opencl.so.1" not in found and not glob.glob("/usr/**/libnvidia-opencl.so.1",
-                                                              recursive=True):
-        log("libnvidia-opencl.so.1 not found; the GPU may not be visible to OpenCL")
+    if "libnvidia-opencl.so.1" not in found:
+        log("ldconfig knows no libnvidia-opencl.so.1; the GPU may not be visible to OpenCL")
     try:
         os.makedirs(os.path.dirname(icd), exist_ok=True)
         with open(icd, "w") as f:
@@ -280,8 +278,8 @@ def e2e_part(build, env, gpus):
                 proc.wait()
         logf.close()
         text = open(logf.name).read()
-        result["workers"] = re.findall(r"worker \d+ on [^:]*:[^:]*?\)", text) or \
-            re.findall(r"worker \d+ on .*", text)
+        # "worker 0 on 1:0 NVIDIA CUDA / NVIDIA H200 (gpu, ...): N weight bytes, ..."
+        result["workers"] = re.findall(r"worker \d+ on .*?\)(?=:)", text)
         result["log_tail"] = text[-3000:]
         shutil.rmtree(work, ignore_errors=True)
     return result

@@ -25,7 +25,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "bench/kernels/bench_timing.h"
+#include "bench/bench_support.h"
+#include "common/flags.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "model/synthetic.h"
@@ -44,37 +45,20 @@ std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void
   return bench::RoundRobinMedianSeconds(fns, 2, 7, 41, 3.0);
 }
 
-// Median seconds of `fn` over repetitions after `warmup` calls: at least min_reps, more
-// while under min_seconds in total, at most max_reps.
-template <typename Fn>
-double MedianSeconds(Fn&& fn, int warmup = 2, int min_reps = 5, int max_reps = 30,
-                     double min_seconds = 1.0) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> times;
-  double total = 0.0;
-  while (static_cast<int>(times.size()) < min_reps ||
-         (total < min_seconds && static_cast<int>(times.size()) < max_reps)) {
-    const double t0 = NowSeconds();
-    fn();
-    times.push_back(NowSeconds() - t0);
-    total += times.back();
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
 double MemcpyBytesPerSecond(int threads) {
   const size_t bytes = size_t{512} << 20;
   std::vector<char> src(bytes, 1), dst(bytes, 0);
-  const double s = MedianSeconds([&] {
-    std::vector<std::thread> pool;
-    const size_t slice = bytes / threads;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back(
-          [&, t] { std::memcpy(dst.data() + t * slice, src.data() + t * slice, slice); });
-    }
-    for (std::thread& th : pool) th.join();
-  });
+  const double s = bench::MedianSeconds(
+      [&] {
+        std::vector<std::thread> pool;
+        const size_t slice = bytes / threads;
+        for (int t = 0; t < threads; ++t) {
+          pool.emplace_back(
+              [&, t] { std::memcpy(dst.data() + t * slice, src.data() + t * slice, slice); });
+        }
+        for (std::thread& th : pool) th.join();
+      },
+      /*warmup=*/2, /*min_reps=*/5, /*max_reps=*/30, /*min_seconds=*/1.0);
   return static_cast<double>(bytes) / s;
 }
 
@@ -105,24 +89,16 @@ int Run(int argc, char** argv) {
   int num_experts = 4;
   int threads = 2;
   std::vector<int64_t> rows_per_expert = {1, 8, 32, 128, 512, 2048};
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--experts=", 0) == 0) {
-      if (!absl::SimpleAtoi(arg.substr(10), &num_experts) || num_experts < 1) return 2;
-    } else if (arg.rfind("--threads=", 0) == 0) {
-      if (!absl::SimpleAtoi(arg.substr(10), &threads) || threads < 1) return 2;
-    } else if (arg.rfind("--rows=", 0) == 0) {
-      rows_per_expert.clear();
-      for (absl::string_view r : absl::StrSplit(arg.substr(7), ',')) {
-        int64_t v = 0;
-        if (!absl::SimpleAtoi(r, &v) || v < 1) return 2;
-        rows_per_expert.push_back(v);
-      }
-    } else {
-      std::fprintf(stderr, "usage: %s [--experts=N] [--rows=a,b,...] [--threads=T]\n", argv[0]);
-      return 2;
-    }
-  }
+  common::FlagSet fs("bench_expert_ffn",
+                     "The grouped expert FFN against OpenBLAS sgemm and memcpy, same run.");
+  fs.Add("experts", &num_experts, "Experts of the qwen1.5-moe-a2.7b shape per case");
+  fs.Add("rows", &rows_per_expert, "Comma list of rows per expert");
+  fs.Add("threads", &threads, "OpenBLAS and memcpy threads at most");
+  const int code = bench::ParseFlags(
+      fs, argc, argv,
+      [&] { return num_experts >= 1 && threads >= 1 && bench::AllPositive(rows_per_expert); },
+      "--experts, --threads and every --rows entry must be >= 1");
+  if (code >= 0) return code;
   bench::PrintCoretype();
   openblas_set_num_threads(threads);
   std::printf("OpenBLAS: %s, core %s, up to %d threads\n", openblas_get_config(),
@@ -363,6 +339,6 @@ int Run(int argc, char** argv) {
 }  // namespace epserve::kernels
 
 int main(int argc, char** argv) {
-  epserve::kernels::bench::ReexecWithoutCoretype(argv);
+  epserve::bench::ReexecWithoutCoretype(argv);
   return epserve::kernels::Run(argc, argv);
 }

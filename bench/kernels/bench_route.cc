@@ -18,7 +18,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "bench/kernels/bench_timing.h"
+#include "bench/bench_support.h"
+#include "common/flags.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "model/synthetic.h"
@@ -36,22 +37,13 @@ std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void
 int Run(int argc, char** argv) {
   std::vector<int64_t> tokens = {1, 8, 32, 128, 512};
   int threads = 2;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--threads=", 0) == 0) {
-      if (!absl::SimpleAtoi(arg.substr(10), &threads) || threads < 1) return 2;
-    } else if (arg.rfind("--tokens=", 0) == 0) {
-      tokens.clear();
-      for (absl::string_view t : absl::StrSplit(arg.substr(9), ',')) {
-        int64_t v = 0;
-        if (!absl::SimpleAtoi(t, &v) || v < 1) return 2;
-        tokens.push_back(v);
-      }
-    } else {
-      std::fprintf(stderr, "usage: %s [--tokens=a,b,...] [--threads=T]\n", argv[0]);
-      return 2;
-    }
-  }
+  common::FlagSet fs("bench_route", "The router kernel against OpenBLAS sgemm, same run.");
+  fs.Add("tokens", &tokens, "Comma list of token counts");
+  fs.Add("threads", &threads, "OpenBLAS threads at most");
+  const int code = bench::ParseFlags(
+      fs, argc, argv, [&] { return threads >= 1 && bench::AllPositive(tokens); },
+      "--threads and every --tokens entry must be >= 1");
+  if (code >= 0) return code;
   bench::PrintCoretype();
   absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("qwen1.5-moe-a2.7b");
   if (!cfg.ok()) return 1;
@@ -129,6 +121,6 @@ int Run(int argc, char** argv) {
 }  // namespace epserve::kernels
 
 int main(int argc, char** argv) {
-  epserve::kernels::bench::ReexecWithoutCoretype(argv);
+  epserve::bench::ReexecWithoutCoretype(argv);
   return epserve::kernels::Run(argc, argv);
 }

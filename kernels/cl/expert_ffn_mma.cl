@@ -16,10 +16,17 @@
 // global memory into registers while the tensor cores work on the current one. Every output
 // is summed by one work-item in a fixed order: results are bit-identical run to run.
 
+// Tile sizes come from the build options (kernels/detail/ffn_layout.h); the code below is
+// written for these values.
+#ifndef MMA_BM
 #define MMA_BM 128
 #define MMA_BN 128
 #define MMA_BK 32
 #define MMA_THREADS 256
+#endif
+#if MMA_BM != 128 || MMA_BN != 128 || MMA_BK != 32 || MMA_THREADS != 256
+#error "expert_ffn_mma.cl is written for 128 x 128 x 32 tiles of 256 work-items"
+#endif
 // Local-memory row stride in 32-bit words: 16 words of data + 4 of padding, so that the
 // eight rows a fragment load touches fall in distinct banks.
 #define LDS_WORDS 20

@@ -199,8 +199,15 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
 // group's tokens at once (each router row read once per group, the tokens' x rows read by
 // every work-item at the same addresses), into local memory; then one work-item per token
 // selects its experts. Each logit is summed by one work-item in a fixed order.
+#ifndef ROUTER_WG
 #define ROUTER_WG 64
+#endif
+#ifndef ROUTER_WG_TOKENS
 #define ROUTER_WG_TOKENS 8
+#endif
+#if ROUTER_WG_TOKENS != 8
+#error "route_tokens_wg is written for ROUTER_WG_TOKENS == 8"
+#endif
 #define REP8(M) REP4(M) M(4) M(5) M(6) M(7)
 #define WG_X_PTR(t) const __global float* xr##t = x + (size_t)min(t0 + (t), n - 1) * hidden;
 #define WG_ACC_DECL(t) float4 acc##t = (float4)(0.0f); float tail##t = 0.0f;

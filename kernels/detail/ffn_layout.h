@@ -44,8 +44,7 @@ inline constexpr int64_t kFfnRowChunk = 192;
 inline constexpr int kRouterMaxExperts = 512;
 // Tokens one router work-item routes (it reads each router row once for all of them).
 inline constexpr int kRouterTokens = 4;
-// The work-group router (route_tokens_wg, GPUs): work-items per group and tokens per group,
-// as router.cl's ROUTER_WG and ROUTER_WG_TOKENS.
+// The work-group router (route_tokens_wg, GPUs): work-items per group and tokens per group.
 inline constexpr int kRouterGroupSize = 64;
 inline constexpr int kRouterGroupTokens = 8;
 
@@ -85,10 +84,13 @@ inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
 // Options every program is built with. On CPU devices the FFN kernels prefetch weight panels
 // ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin.
 inline std::string ProgramBuildOptions(bool cpu) {
-  return absl::StrCat(
-      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "", " -DFFN_PANEL_VECS=", kFfnPanelVecs,
-      " -DFFN_ROWS=", kFfnRows, " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
-      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts, " -DROUTER_TOKENS=", kRouterTokens);
+  return absl::StrCat("-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "",
+                      " -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
+                      " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
+                      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
+                      " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
+                      " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm,
+                      " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads);
 }
 
 }  // namespace epserve::kernels::detail

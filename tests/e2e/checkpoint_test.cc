@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "model/reference.h"
 #include "model/synthetic.h"
+#include "tests/e2e/reference.h"
 #include "tests/e2e/server_process.h"
 #include "tests/model/checkpoint_writer.h"
 
@@ -31,14 +32,7 @@ std::string TempFolder() {
 absl::StatusOr<std::vector<float>> Infer(inference::GRPCInferenceService::Stub& stub,
                                          const std::vector<float>& x, int64_t tokens,
                                          int64_t hidden, int layer) {
-  inference::ModelInferRequest req;
-  req.set_model_name("moe");
-  auto* in = req.add_inputs();
-  in->set_name("hidden_states");
-  in->set_datatype("FP32");
-  in->add_shape(tokens);
-  in->add_shape(hidden);
-  req.add_raw_input_contents(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
+  inference::ModelInferRequest req = Request(x, tokens, /*id=*/"", hidden);
   (*req.mutable_parameters())["layer"].set_int64_param(layer);
   inference::ModelInferResponse resp;
   grpc::ClientContext ctx;

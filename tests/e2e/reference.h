@@ -24,8 +24,9 @@ inline std::vector<float> RandomRows(int64_t tokens, std::mt19937_64& rng) {
   return x;
 }
 
+// A ModelInfer request for model "moe" with x [tokens, hidden] as FP32 hidden_states.
 inline inference::ModelInferRequest Request(const std::vector<float>& x, int64_t tokens,
-                                            std::string id = "") {
+                                            std::string id = "", int64_t hidden = kHidden) {
   inference::ModelInferRequest req;
   req.set_model_name("moe");
   req.set_id(std::move(id));
@@ -33,7 +34,7 @@ inline inference::ModelInferRequest Request(const std::vector<float>& x, int64_t
   in->set_name("hidden_states");
   in->set_datatype("FP32");
   in->add_shape(tokens);
-  in->add_shape(kHidden);
+  in->add_shape(hidden);
   req.add_raw_input_contents(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
   return req;
 }

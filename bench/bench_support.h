@@ -1,4 +1,5 @@
-// What the kernel benchmarks share: OpenBLAS at its best, and round-robin median timing.
+// What the benchmarks share: their flag checks, OpenBLAS at its best, and median timing
+// (round-robin over variants, so that all see the same machine conditions).
 #pragma once
 
 #include <unistd.h>
@@ -8,9 +9,34 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
-namespace epserve::kernels::bench {
+#include "common/flags.h"
+
+namespace epserve::bench {
+
+// Parses a benchmark's flags: -1 to go on, else the exit code: 0 after --help, 2 after a bad
+// flag or when valid() is false afterwards (the message and the usage on stderr; `bounds`
+// says what valid() asks).
+inline int ParseFlags(common::FlagSet& fs, int argc, char** argv,
+                      const std::function<bool()>& valid, const char* bounds) {
+  const absl::Status s = fs.Parse(argc, argv);
+  if (s.ok() && fs.help_requested()) {
+    std::printf("%s", fs.Usage().c_str());
+    return 0;
+  }
+  if (s.ok() && valid()) return -1;
+  std::fprintf(stderr, "%s\n%s", s.ok() ? bounds : std::string(s.message()).c_str(),
+               fs.Usage().c_str());
+  return 2;
+}
+
+// Whether every entry is at least 1 (and there is one, unless empty_ok).
+inline bool AllPositive(const std::vector<int64_t>& v, bool empty_ok = false) {
+  return (empty_ok || !v.empty()) &&
+         std::all_of(v.begin(), v.end(), [](int64_t x) { return x >= 1; });
+}
 
 inline constexpr char kUnsetMarker[] = "EPSERVE_BENCH_UNSET_OPENBLAS_CORETYPE";
 
@@ -43,10 +69,11 @@ inline double NowSeconds() {
 
 // Median seconds of each of `fns`, timed round-robin (f0, f1, ..., f0, f1, ...) so that all
 // see the same machine conditions: `warmup` rounds, then at least min_reps rounds, more
-// while the rounds took under min_seconds in total, at most max_reps.
+// while the rounds took under min_seconds in total, at most max_reps. *reps (when given)
+// receives the number of timed rounds.
 inline std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
                                                    int warmup, int min_reps, int max_reps,
-                                                   double min_seconds) {
+                                                   double min_seconds, int* reps_out = nullptr) {
   for (int i = 0; i < warmup; ++i) {
     for (const auto& fn : fns) fn();
   }
@@ -62,6 +89,7 @@ inline std::vector<double> RoundRobinMedianSeconds(const std::vector<std::functi
     }
     ++reps;
   }
+  if (reps_out != nullptr) *reps_out = reps;
   std::vector<double> medians;
   for (std::vector<double>& t : times) {
     std::sort(t.begin(), t.end());
@@ -70,4 +98,11 @@ inline std::vector<double> RoundRobinMedianSeconds(const std::vector<std::functi
   return medians;
 }
 
-}  // namespace epserve::kernels::bench
+// Median seconds of one function, timed as RoundRobinMedianSeconds times each variant.
+inline double MedianSeconds(std::function<void()> fn, int warmup, int min_reps, int max_reps,
+                            double min_seconds, int* reps_out = nullptr) {
+  return RoundRobinMedianSeconds({std::move(fn)}, warmup, min_reps, max_reps, min_seconds,
+                                 reps_out)[0];
+}
+
+}  // namespace epserve::bench
