@@ -149,7 +149,7 @@ absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, 
 }
 
 // Uploads experts [first, first + count) in the tensor-core layout of
-// kernels/detail/ffn_layout.h (BF16, row-major [N, K], zero padding), one host tensor at a
+// kernels/detail/ffn_layout.h (BF16 [N, K] in tiles, zero padding), one host tensor at a
 // time.
 absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
                         ExpertWeights& w) {
@@ -169,13 +169,13 @@ absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int laye
         RETURN_IF_ERROR(
             source.Fill(layer, half == 0 ? kinds.gate : kinds.up, expert, staging.data()));
         for (int64_t f = 0; f < f_pad; ++f) {
-          uint16_t* out = dst + ((f / 8) * 16 + half * 8 + f % 8) * k_pad;
-          int64_t k = 0;
-          if (f < ffn) {
-            const float* in = staging.data() + f * hidden;
-            for (; k < hidden; ++k) out[k] = FloatToBf16(in[k]);
+          const int64_t n = (f / 8) * 16 + half * 8 + f % 8;
+          for (int64_t k0 = 0; k0 < k_pad; k0 += 8) {  // 8 values share a 16-byte chunk
+            uint16_t* out = dst + detail::MmaTiledOffset(n, k0, k_pad);
+            for (int64_t k = k0; k < k0 + 8; ++k) {
+              out[k - k0] = f < ffn && k < hidden ? FloatToBf16(staging[f * hidden + k]) : 0;
+            }
           }
-          for (; k < k_pad; ++k) out[k] = 0;
         }
       }
       return absl::OkStatus();
@@ -184,13 +184,12 @@ absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int laye
         FillMapped<uint16_t>(rt, w.down, i * down_elems, down_elems, [&](uint16_t* dst) {
           RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
           for (int64_t c = 0; c < down_rows; ++c) {
-            uint16_t* out = dst + c * f_pad;
-            int64_t f = 0;
-            if (c < hidden) {
-              const float* in = staging.data() + c * ffn;
-              for (; f < ffn; ++f) out[f] = FloatToBf16(in[f]);
+            for (int64_t f0 = 0; f0 < f_pad; f0 += 8) {
+              uint16_t* out = dst + detail::MmaTiledOffset(c, f0, f_pad);
+              for (int64_t f = f0; f < f0 + 8; ++f) {
+                out[f - f0] = c < hidden && f < ffn ? FloatToBf16(staging[c * ffn + f]) : 0;
+              }
             }
-            for (; f < f_pad; ++f) out[f] = 0;
           }
           return absl::OkStatus();
         }));
@@ -325,7 +324,7 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
                           cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
                           static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
                           static_cast<cl_int>(k_pad), y));
-  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 2), static_cast<size_t>(rows)};
+  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
   RETURN_IF_ERROR(Launch(rt, *gather_kernel, 2, gather_global, nullptr));
   const size_t local[2] = {static_cast<size_t>(detail::kMmaThreads), 1};
   RETURN_IF_ERROR(SetArgs(*gate_up, y, *groups, w.gate_up, static_cast<cl_int>(k_pad),

@@ -1,6 +1,8 @@
 #include "kernels/runtime.h"
 
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string_view>
 #include <unordered_map>
 #include <utility>
@@ -162,6 +164,12 @@ std::string DefaultCacheDir(const RuntimeOptions& options) {
   return "";
 }
 
+std::string SourceDir(const RuntimeOptions& options) {
+  if (!options.source_dir.empty()) return options.source_dir;
+  const char* env = std::getenv("EPSERVE_KERNEL_SOURCES");
+  return env != nullptr ? env : "";
+}
+
 }  // namespace
 
 std::string DeviceInfo::Describe() const {
@@ -201,11 +209,13 @@ Buffer::~Buffer() {
 struct Runtime::Programs {
   struct Program {
     std::string_view name;
-    std::string_view source;
-    std::string extra_options;  // device-specific, dropped if the driver refuses them
+    std::string_view source;           // embedded at build time, or source_override
+    std::string extra_options;         // device-specific, dropped if the driver refuses them
+    std::string source_override = {};  // read from RuntimeOptions::source_dir
     cl_program program = nullptr;
   };
   std::vector<Program> programs;
+  std::string source_dir;
   std::unordered_map<std::string, cl_kernel> kernels;
   ProgramCacheStats stats;
 
@@ -229,18 +239,20 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->info_ = chosen->second;
   rt->cache_dir_ = DefaultCacheDir(options);
   rt->programs_ = std::make_unique<Programs>();
+  rt->programs_->source_dir = SourceDir(options);
   // mma.sync with BF16 operands needs sm_80; the program is built only where it runs.
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
                              {"expert_ffn", embedded::kernels_cl_expert_ffn, ""},
                              {"combine", embedded::kernels_cl_combine, ""}};
   if (rt->tensor_cores_) {
-    // At most 128 registers a work-item (NVIDIA's cl_nv_compiler_options): two 256-wide
-    // work-groups then fit one multiprocessor, which hides the tiles' load latency; left to
-    // itself the compiler takes ~160 and runs one. (The kernels declare no required
-    // work-group size, which would let the assembler ignore the cap.)
-    rt->programs_->programs.push_back({"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma,
-                                       "-cl-nv-maxrregcount=128|-cl-nv-maxrregcount 128"});
+    // A register cap (NVIDIA's cl_nv_compiler_options) sized for two work-groups per
+    // multiprocessor (detail::kMmaMaxRegisters). The kernels declare no required work-group
+    // size, which would let the assembler ignore the cap.
+    rt->programs_->programs.push_back(
+        {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma,
+         absl::StrCat("-cl-nv-maxrregcount=", detail::kMmaMaxRegisters, "|-cl-nv-maxrregcount ",
+                      detail::kMmaMaxRegisters)});
   }
   cl_int err = CL_SUCCESS;
   CL_CHECK((rt->context_ = clCreateContext(nullptr, 1, &rt->device_, nullptr, nullptr, &err), err));
@@ -403,6 +415,18 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   for (Programs::Program& p : programs_->programs) {
     if (p.program != nullptr) continue;
+    if (!programs_->source_dir.empty()) {
+      const std::string path = absl::StrCat(programs_->source_dir, "/", Sv(p.name), ".cl");
+      std::ifstream in(path, std::ios::binary);
+      if (!in.is_open()) {
+        return absl::NotFoundError(absl::StrCat(
+            "kernel source '", path, "' cannot be read (EPSERVE_KERNEL_SOURCES names the folder)"));
+      }
+      std::stringstream text;
+      text << in.rdbuf();
+      p.source_override = text.str();
+      p.source = p.source_override;
+    }
     absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source, p.extra_options);
     if (!program.ok()) return program.status();
     p.program = *program;

@@ -43,6 +43,10 @@ struct RuntimeOptions {
   bool tensor_cores = true;
   // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
   std::string cache_dir;
+  // A folder to read the kernel sources from (<name>.cl, e.g. kernels/cl) instead of the copies
+  // embedded at build time, so that a kernel can be changed and timed without rebuilding;
+  // "" means $EPSERVE_KERNEL_SOURCES, else the embedded sources.
+  std::string source_dir;
 };
 
 // A device buffer. Move-only; releases the cl_mem when destroyed.

@@ -3,33 +3,62 @@
 // 8.0 or more (kernels/runtime.cc); elsewhere expert_ffn.cl runs. Layouts: see
 // kernels/detail/ffn_layout.h (the "tensor-core layout"):
 //   a   BF16 activations [rows, lda], lda = K rounded up to MMA_BK, zero beyond K;
-//   w   per expert, BF16 [N, K] row-major (the "col" operand of mma: K contiguous);
+//   w   per expert, BF16 [N, K] (the "col" operand of mma) in tiles of MMA_BN rows x MMA_BK
+//       columns, each tile's 16-byte chunks in local-memory order (Swz), so that one K slice
+//       of a tile is one contiguous 8 KiB copy;
 //   gate_up: N = 2 * f_pad rows, in blocks of 16: 8 gate rows then the 8 up rows of the
 //            same 8 outputs f, so that one thread holds gate and up of its f and applies
 //            silu(gate) * up before anything leaves registers; h is written as BF16.
 //   down:    N = hidden rounded up to MMA_BN; y is written as FP32, columns < hidden.
 //
-// One work-group of 256 work-items (8 warps as 2 x 4) computes a 128 x 128 tile of one
-// expert's rows (a group of ffn_layout's kFfnMmaRowChunk rows) times 128 weight rows. Each
-// warp owns 64 x 32 outputs: 4 x 4 mma tiles of 16 x 8, 64 FP32 accumulators a work-item.
-// K advances 32 at a time through two local-memory buffers: the next slice is loaded from
-// global memory into registers while the tensor cores work on the current one. Every output
-// is summed by one work-item in a fixed order: results are bit-identical run to run.
+// One work-group of 128 work-items (4 warps as 2 x 2) computes a 128 x 128 tile of one
+// expert's rows (a group of at most MMA_BM rows) times 128 weight rows. Each warp owns 64 x 64
+// outputs: 4 x 8 mma tiles of 16 x 8, 128 FP32 accumulators a work-item (about 240 registers,
+// so two work-groups share a multiprocessor). K advances 32 at a time through MMA_STAGES
+// local-memory stages that cp.async fills straight from global memory, so the next slices are
+// in flight while the tensor cores work; fragments reach registers through ldmatrix from a
+// swizzled, unpadded layout, each warp fetching its next k16 fragments before it multiplies
+// the current ones. The copies go through L1 (cp.async.ca, not .cg): the two work-groups on
+// a multiprocessor often read the same activation or weight rows, and on an H200 that alone
+// was worth +27% (210 -> 273 TFLOP/s at 4 x 2048 rows of qwen1.5-moe-a2.7b), the tiled
+// weight layout (contiguous copies) a further +8%.
+// Every output is summed by one work-item in a fixed order: results are bit-identical run to
+// run.
 
-// Tile sizes come from the build options (kernels/detail/ffn_layout.h); the code below is
-// written for these values.
+// Tile sizes come from the build options (kernels/detail/ffn_layout.h). 256 work-items (warps
+// of 64 x 32) and 256 weight rows also compile; on an H200 both were slower.
 #ifndef MMA_BM
 #define MMA_BM 128
 #define MMA_BN 128
 #define MMA_BK 32
-#define MMA_THREADS 256
+#define MMA_THREADS 128
+#define MMA_STAGES 3
 #endif
-#if MMA_BM != 128 || MMA_BN != 128 || MMA_BK != 32 || MMA_THREADS != 256
-#error "expert_ffn_mma.cl is written for 128 x 128 x 32 tiles of 256 work-items"
+#if MMA_BM != 128 || (MMA_BN != 128 && MMA_BN != 256) || MMA_BK != 32
+#error "expert_ffn_mma.cl is written for tiles of 128 rows, 128 or 256 weight rows, K 32"
 #endif
-// Local-memory row stride in 32-bit words: 16 words of data + 4 of padding, so that the
-// eight rows a fragment load touches fall in distinct banks.
-#define LDS_WORDS 20
+#if MMA_STAGES < 2
+#error "MMA_STAGES must be at least 2"
+#endif
+// Warps: 2 along the rows (64 rows each) times WARPS_N along the weight rows.
+#define WARPS_N (MMA_THREADS / 64)
+#define WARP_COLS (MMA_BN / WARPS_N)  // 32 or 64
+#define NJ (WARP_COLS / 8)            // mma tiles of 8 columns per warp
+#if WARPS_N < 1 || WARP_COLS % 16 != 0
+#error "MMA_THREADS does not divide the tile into warps of 64 rows and 16k columns"
+#endif
+// A row of one stage holds MMA_BK BF16 values: CPR 16-byte chunks. Stages are stored
+// swizzled (Swz) so that the eight rows one ldmatrix phase reads fall in distinct banks
+// without padding.
+#define CPR (MMA_BK / 8)
+#define STAGE_A (MMA_BM * CPR)  // chunks of one A stage
+#define STAGE_B (MMA_BN * CPR)  // chunks of one weight stage
+// Chunks a work-item copies per stage: rows ROW_STEP apart, chunk tid % CPR.
+#define A_LOADS (STAGE_A / MMA_THREADS)
+#define B_LOADS (STAGE_B / MMA_THREADS)
+#define ROW_STEP (MMA_THREADS / CPR)
+// The same order as detail::MmaSwizzle, which lays out the weight tiles.
+inline int Swz(int r, int c) { return r * 4 + (c ^ ((r >> 1) & 3)); }
 
 // Rounds to the nearest even BF16 (finite values; kernels never see NaN here).
 inline uint Bf16Bits(float v) {
@@ -37,96 +66,166 @@ inline uint Bf16Bits(float v) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
-inline __attribute__((always_inline)) void Mma(float* c, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+inline __attribute__((always_inline)) void Mma(float* c, const uint* a, const uint* b) {
   __asm__ __volatile__(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// acc[(i * 4 + j) * 4 + r] += A[128 rows from a_rows] . W[128 rows from w]^T over k < k_pad.
-// a_row[s] is the global row of A that tile row (tid >> 2) + 64 * s reads (s = 0, 1).
-inline __attribute__((always_inline)) void MmaTile(const __global uint4* restrict a0_src, const __global uint4* restrict a1_src,
-                    const __global uint4* restrict b0_src, const __global uint4* restrict b1_src,
-                    int k_pad, __local uint4* restrict lds_a, __local uint4* restrict lds_b,
-                    float* acc) {
-  const int tid = get_local_id(0);
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int wm = warp >> 2;  // 0..1: rows wm * 64
-  const int wn = warp & 3;   // 0..3: columns wn * 32
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  // This work-item's two 16-byte pieces of each 128 x 32 slice: rows (tid >> 2) and
-  // (tid >> 2) + 64, piece (tid & 3); in local memory at row * LDS_WORDS / 4 + piece.
-  const int st0 = (tid >> 2) * (LDS_WORDS / 4) + (tid & 3);
-  const int st1 = st0 + 64 * (LDS_WORDS / 4);
-  const int slice_words = MMA_BM * LDS_WORDS / 4;  // uint4 per buffer
-  const int steps = k_pad / MMA_BK;
+// The shared-memory address PTX expects of a local-memory pointer (NVIDIA's OpenCL keeps
+// __local pointers in the shared state space, so the value is the offset itself).
+inline uint SharedAddress(const __local void* p) { return (uint)(size_t)p; }
 
-  uint4 ra0 = a0_src[0], ra1 = a1_src[0], rb0 = b0_src[0], rb1 = b1_src[0];
-  lds_a[st0] = ra0;
-  lds_a[st1] = ra1;
-  lds_b[st0] = rb0;
-  lds_b[st1] = rb1;
-  barrier(CLK_LOCAL_MEM_FENCE);
-  for (int s = 0; s < steps; ++s) {
-    const int cur = (s & 1) * slice_words;
-    if (s + 1 < steps) {
-      const int next = (s + 1) * (MMA_BK / 8);  // uint4 per row per slice: 4
-      ra0 = a0_src[next];
-      ra1 = a1_src[next];
-      rb0 = b0_src[next];
-      rb1 = b1_src[next];
-    }
-    const __local uint* wa = (const __local uint*)(lds_a + cur);
-    const __local uint* wb = (const __local uint*)(lds_b + cur);
+// 16 bytes global -> local without passing through registers (cp.async, sm_80), cached in L1.
+inline __attribute__((always_inline)) void CopyAsync16(__local uint4* dst,
+                                                       const __global uint4* src) {
+  __asm__ __volatile__("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(dst)),
+                       "l"(src)
+                       : "memory");
+}
+inline __attribute__((always_inline)) void CopyAsyncCommit(void) {
+  __asm__ __volatile__("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most MMA_STAGES - 2 committed groups are still in flight.
+inline __attribute__((always_inline)) void CopyAsyncWaitAllButNewest(void) {
+  __asm__ __volatile__("cp.async.wait_group %0;" ::"n"(MMA_STAGES - 2) : "memory");
+}
+
+// Four 8 x 8 BF16 matrices from local memory, one row address per lane (ldmatrix, sm_75).
+inline __attribute__((always_inline)) void LoadMatrix4(const __local uint4* row, uint* r) {
+  __asm__ __volatile__("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                       : "r"(SharedAddress(row))
+                       : "memory");
+}
+
+// This work-item's share of one stage: A_LOADS chunks of A and B_LOADS of the weights, each
+// a 16-byte chunk of one row, and where each lands in a stage.
+typedef struct {
+  const __global uint4* a[A_LOADS];
+  const __global uint4* w[B_LOADS];
+  int a_dst[A_LOADS];
+  int w_dst[B_LOADS];
+} StageCopies;
+
+// Copies K slice `step` (MMA_BK values) of this work-item's rows into local-memory stage `st`.
+inline __attribute__((always_inline)) void LoadStage(const StageCopies* c, int step, int st,
+                                                     __local uint4* lds_a,
+                                                     __local uint4* lds_b) {
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      uint af[4][4];
-      uint bf[4][2];
+  for (int l = 0; l < A_LOADS; ++l) {
+    CopyAsync16(lds_a + st * STAGE_A + c->a_dst[l], c->a[l] + step * CPR);
+  }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = wm * 64 + i * 16 + g;
-        af[i][0] = wa[row * LDS_WORDS + kk * 8 + t];
-        af[i][1] = wa[(row + 8) * LDS_WORDS + kk * 8 + t];
-        af[i][2] = wa[row * LDS_WORDS + kk * 8 + 4 + t];
-        af[i][3] = wa[(row + 8) * LDS_WORDS + kk * 8 + 4 + t];
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = wn * 32 + j * 8 + g;
-        bf[j][0] = wb[col * LDS_WORDS + kk * 8 + t];
-        bf[j][1] = wb[col * LDS_WORDS + kk * 8 + 4 + t];
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          Mma(acc + (i * 4 + j) * 4, af[i][0], af[i][1], af[i][2], af[i][3], bf[j][0], bf[j][1]);
-        }
-      }
-    }
-    if (s + 1 < steps) {
-      const int nxt = ((s + 1) & 1) * slice_words;
-      lds_a[nxt + st0] = ra0;
-      lds_a[nxt + st1] = ra1;
-      lds_b[nxt + st0] = rb0;
-      lds_b[nxt + st1] = rb1;
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
+  for (int l = 0; l < B_LOADS; ++l) {
+    CopyAsync16(lds_b + st * STAGE_B + c->w_dst[l], c->w[l] + step * STAGE_B);
   }
 }
 
-// The A rows a work-item loads: tile rows (tid >> 2) and + 64 of [p0, end), clamped to
-// end - 1 (their results are not stored).
-#define A_SOURCES(a, lda, p0, end)                                                        \
-  const int tid = get_local_id(0);                                                         \
-  const int r0 = min((p0) + (tid >> 2), (end) - 1);                                        \
-  const int r1 = min((p0) + (tid >> 2) + 64, (end) - 1);                                   \
-  const __global uint4* a0_src = (const __global uint4*)((a) + (size_t)r0 * (lda)) + (tid & 3); \
-  const __global uint4* a1_src = (const __global uint4*)((a) + (size_t)r1 * (lda)) + (tid & 3);
+// The A and weight fragments of one k16 slice of a warp's 64 x WARP_COLS tile (ldmatrix: A,
+// m16 x k16 per mma: lanes 0-15 rows 0-15 at k 0-7, lanes 16-31 the same rows at k 8-15 ->
+// a0..a3; weights, two n8 x k16 per x4: lanes 0-7 rows 0-7 at k 0-7, 8-15 rows 0-7 at
+// k 8-15, 16-23 rows 8-15 at k 0-7, 24-31 rows 8-15 at k 8-15 -> b0, b1 of column tiles j
+// and j + 1).
+inline __attribute__((always_inline)) void LoadFragments(const __local uint4* sa,
+                                                         const __local uint4* sb, int a_row,
+                                                         int b_row, int kk, uint af[4][4],
+                                                         uint bf[NJ / 2][4]) {
+  const int lane = get_local_id(0) & 31;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) LoadMatrix4(sa + Swz(a_row + i * 16, kk * 2 + (lane >> 4)), af[i]);
+#pragma unroll
+  for (int j = 0; j < NJ / 2; ++j) {
+    LoadMatrix4(sb + Swz(b_row + j * 16, kk * 2 + ((lane >> 3) & 1)), bf[j]);
+  }
+}
+
+// acc[(i * NJ + j) * 4 + r] += A[128 rows] . W[128 rows]^T over k < 8 * ld, through
+// MMA_STAGES local-memory stages filled by cp.async. Software-pipelined in two ways: the
+// copies of slice s + MMA_STAGES - 1 are issued while slice s is multiplied, and each warp
+// loads the fragments of its next k16 (from the next stage, across the barrier) before it
+// multiplies the current ones, so the tensor cores do not wait for ldmatrix or the barrier.
+inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, int ld,
+                                                   __local uint4* restrict lds_a,
+                                                   __local uint4* restrict lds_b, float* acc) {
+  const int tid = get_local_id(0);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int a_row = (warp / WARPS_N) * 64 + (lane & 15);
+  const int b_row = (warp % WARPS_N) * WARP_COLS + (lane & 7) + ((lane >> 4) << 3);
+  const int steps = ld / CPR;
+
+#pragma unroll
+  for (int s = 0; s < MMA_STAGES - 1; ++s) {
+    if (s < steps) LoadStage(copies, s, s, lds_a, lds_b);
+    CopyAsyncCommit();
+  }
+  CopyAsyncWaitAllButNewest();
+  barrier(CLK_LOCAL_MEM_FENCE);
+  uint af[2][4][4];
+  uint bf[2][NJ / 2][4];
+  LoadFragments(lds_a, lds_b, a_row, b_row, 0, af[0], bf[0]);
+  int read = 0;                   // stage being multiplied
+  int write = MMA_STAGES - 1;     // stage the next copies fill
+  for (int s = 0; s < steps; ++s) {
+#pragma unroll
+    for (int kk = 0; kk < MMA_BK / 16; ++kk) {
+      if (kk == 0) {
+        // Every warp finished reading `write` (slice s - 1) before the last barrier.
+        if (s + MMA_STAGES - 1 < steps) LoadStage(copies, s + MMA_STAGES - 1, write, lds_a, lds_b);
+        CopyAsyncCommit();
+        write = write + 1 == MMA_STAGES ? 0 : write + 1;
+      }
+      if (kk == MMA_BK / 16 - 1) {
+        // Slice s + 1 has landed for every work-item: fetch its first fragments now.
+        CopyAsyncWaitAllButNewest();
+        barrier(CLK_LOCAL_MEM_FENCE);
+        read = read + 1 == MMA_STAGES ? 0 : read + 1;
+        if (s + 1 < steps) {
+          LoadFragments(lds_a + read * STAGE_A, lds_b + read * STAGE_B, a_row, b_row, 0,
+                        af[(kk + 1) & 1], bf[(kk + 1) & 1]);
+        }
+      } else {
+        LoadFragments(lds_a + read * STAGE_A, lds_b + read * STAGE_B, a_row, b_row, kk + 1,
+                      af[(kk + 1) & 1], bf[(kk + 1) & 1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          Mma(acc + (i * NJ + j) * 4, af[kk & 1][i], bf[kk & 1][j >> 1] + (j & 1) * 2);
+        }
+      }
+    }
+  }
+  // No copy may still target local memory when the work-group leaves.
+  __asm__ __volatile__("cp.async.wait_all;" ::: "memory");
+}
+
+// This work-item's copies for a tile whose A rows are [p0, end) of `a` (rows of ld 16-byte
+// chunks; rows clamped to end - 1, whose results are not stored) and whose weights start at
+// w (tiles of MMA_BN rows x MMA_BK columns, each in local-memory order, K slices one after
+// the other).
+inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint4* a, int p0,
+                                                             int end,
+                                                             const __global uint4* w, int ld) {
+  const int tid = get_local_id(0);
+  StageCopies c;
+#pragma unroll
+  for (int l = 0; l < A_LOADS; ++l) {
+    const int r = tid / CPR + l * ROW_STEP;
+    c.a[l] = a + (size_t)min(p0 + r, end - 1) * ld + tid % CPR;
+    c.a_dst[l] = Swz(r, tid % CPR);
+  }
+#pragma unroll
+  for (int l = 0; l < B_LOADS; ++l) {
+    c.w[l] = w + tid + l * MMA_THREADS;
+    c.w_dst[l] = tid + l * MMA_THREADS;
+  }
+  return c;
+}
 
 // Both GEMM kernels run in work-groups of MMA_THREADS work-items. They do not declare it
 // (reqd_work_group_size): with it NVIDIA's assembler ignores the register cap the runtime
@@ -134,26 +233,26 @@ inline __attribute__((always_inline)) void MmaTile(const __global uint4* restric
 //
 // groups[g] = (local expert, first row, end row, 0), at most MMA_BM rows each.
 // a [rows, k_pad] BF16; w [experts][2 * f_pad, k_pad] BF16; h [rows, f_pad] BF16.
-__kernel void ffn_mma_gate_up(
-    __global const ushort* restrict a, __global const int4* restrict groups,
-    __global const ushort* restrict w, int k_pad, int f_pad, __global ushort* restrict h) {
-  __local uint4 lds_a[2 * MMA_BM * LDS_WORDS / 4];
-  __local uint4 lds_b[2 * MMA_BN * LDS_WORDS / 4];
+__kernel void ffn_mma_gate_up(__global const ushort* restrict a,
+                              __global const int4* restrict groups,
+                              __global const ushort* restrict w, int k_pad, int f_pad,
+                              __global ushort* restrict h) {
+  __local uint4 lds_a[MMA_STAGES * STAGE_A];
+  __local uint4 lds_b[MMA_STAGES * STAGE_B];
   const int4 grp = groups[get_group_id(1)];
   const int n0 = get_group_id(0) * MMA_BN;  // first weight row of the tile
-  A_SOURCES(a, k_pad, grp.y, grp.z)
   const __global ushort* wt = w + ((size_t)grp.x * 2 * f_pad + n0) * (size_t)k_pad;
-  const __global uint4* b0_src = (const __global uint4*)(wt + (size_t)(tid >> 2) * k_pad) + (tid & 3);
-  const __global uint4* b1_src =
-      (const __global uint4*)(wt + (size_t)((tid >> 2) + 64) * k_pad) + (tid & 3);
-  float acc[64];
+  const StageCopies copies = TileCopies((const __global uint4*)a, grp.y, grp.z,
+                                        (const __global uint4*)wt, k_pad / 8);
+  float acc[4 * NJ * 4];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  MmaTile(a0_src, a1_src, b0_src, b1_src, k_pad, lds_a, lds_b, acc);
+  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
+  MmaTile(&copies, k_pad / 8, lds_a, lds_b, acc);
 
-  // Tile columns j = 0, 2 of a warp are gate, j = 1, 3 up, of outputs
-  // f = n0 / 2 + wn * 16 + (j / 2) * 8 + 2t + {0, 1}.
-  const int lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
+  // Tile columns j = 0, 2, ... of a warp are gate, j = 1, 3, ... up, of outputs
+  // f = n0 / 2 + wn * WARP_COLS / 2 + (j / 2) * 8 + 2t + {0, 1}.
+  const int tid = get_local_id(0);
+  const int lane = tid & 31, warp = tid >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -162,12 +261,12 @@ __kernel void ffn_mma_gate_up(
       const int p = grp.y + wm * 64 + i * 16 + g + hi * 8;
       if (p >= grp.z) continue;
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const float* gate = acc + (i * 4 + 2 * jj) * 4 + hi * 2;
-        const float* up = acc + (i * 4 + 2 * jj + 1) * 4 + hi * 2;
+      for (int jj = 0; jj < NJ / 2; ++jj) {
+        const float* gate = acc + (i * NJ + 2 * jj) * 4 + hi * 2;
+        const float* up = acc + (i * NJ + 2 * jj + 1) * 4 + hi * 2;
         const float v0 = gate[0] / (1.0f + exp(-gate[0])) * up[0];
         const float v1 = gate[1] / (1.0f + exp(-gate[1])) * up[1];
-        const int f = n0 / 2 + wn * 16 + jj * 8 + 2 * t;
+        const int f = n0 / 2 + wn * (WARP_COLS / 2) + jj * 8 + 2 * t;
         ((__global uint*)(h + (size_t)p * f_pad + f))[0] = Bf16Bits(v0) | (Bf16Bits(v1) << 16);
       }
     }
@@ -176,25 +275,23 @@ __kernel void ffn_mma_gate_up(
 
 // h [rows, f_pad] BF16; w [experts][n_pad, f_pad] BF16 (n_pad = hidden rounded up to
 // MMA_BN); y [rows, hidden] FP32.
-__kernel void ffn_mma_down(
-    __global const ushort* restrict h, __global const int4* restrict groups,
-    __global const ushort* restrict w, int f_pad, int n_pad, int hidden,
-    __global float* restrict y) {
-  __local uint4 lds_a[2 * MMA_BM * LDS_WORDS / 4];
-  __local uint4 lds_b[2 * MMA_BN * LDS_WORDS / 4];
+__kernel void ffn_mma_down(__global const ushort* restrict h, __global const int4* restrict groups,
+                           __global const ushort* restrict w, int f_pad, int n_pad, int hidden,
+                           __global float* restrict y) {
+  __local uint4 lds_a[MMA_STAGES * STAGE_A];
+  __local uint4 lds_b[MMA_STAGES * STAGE_B];
   const int4 grp = groups[get_group_id(1)];
   const int n0 = get_group_id(0) * MMA_BN;
-  A_SOURCES(h, f_pad, grp.y, grp.z)
   const __global ushort* wt = w + ((size_t)grp.x * n_pad + n0) * (size_t)f_pad;
-  const __global uint4* b0_src = (const __global uint4*)(wt + (size_t)(tid >> 2) * f_pad) + (tid & 3);
-  const __global uint4* b1_src =
-      (const __global uint4*)(wt + (size_t)((tid >> 2) + 64) * f_pad) + (tid & 3);
-  float acc[64];
+  const StageCopies copies = TileCopies((const __global uint4*)h, grp.y, grp.z,
+                                        (const __global uint4*)wt, f_pad / 8);
+  float acc[4 * NJ * 4];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  MmaTile(a0_src, a1_src, b0_src, b1_src, f_pad, lds_a, lds_b, acc);
+  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
+  MmaTile(&copies, f_pad / 8, lds_a, lds_b, acc);
 
-  const int lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
+  const int tid = get_local_id(0);
+  const int lane = tid & 31, warp = tid >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -204,9 +301,9 @@ __kernel void ffn_mma_down(
       if (p >= grp.z) continue;
       __global float* out = y + (size_t)p * hidden;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int c = n0 + wn * 32 + j * 8 + 2 * t;
-        const float* v = acc + (i * 4 + j) * 4 + hi * 2;
+      for (int j = 0; j < NJ; ++j) {
+        const int c = n0 + wn * WARP_COLS + j * 8 + 2 * t;
+        const float* v = acc + (i * NJ + j) * 4 + hi * 2;
         if (c < hidden) out[c] = v[0];
         if (c + 1 < hidden) out[c + 1] = v[1];
       }
@@ -216,18 +313,19 @@ __kernel void ffn_mma_down(
 
 // out[p, 0 .. k_pad) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond
 // hidden, for p < num_rows. x is FP32 (x_bf16 == 0) or BF16, rows x_stride values apart.
-// One work-item per pair of output values.
+// One work-item per 8 output values (one 16-byte store; k_pad is a multiple of 8).
 __kernel void gather_rows_to_bf16(__global const void* restrict x, int x_bf16, long x_rows,
-                                  long x_stride, __global const int* restrict row_index,
-                                  int gather, int num_rows, int hidden, int k_pad,
-                                  __global uint* restrict out) {
-  const int c = 2 * get_global_id(0);
+                                  long x_stride, __global const int* restrict row_index, int gather,
+                                  int num_rows, int hidden, int k_pad,
+                                  __global uint4* restrict out) {
+  const int c = 8 * get_global_id(0);
   const int p = get_global_id(1);
   if (c >= k_pad || p >= num_rows) return;
   long row = gather ? (long)row_index[p] : (long)p;
   row = row < 0 ? 0 : (row >= x_rows ? x_rows - 1 : row);
-  uint v[2];
-  for (int l = 0; l < 2; ++l) {
+  uint v[8];
+#pragma unroll
+  for (int l = 0; l < 8; ++l) {
     const int col = c + l;
     if (col >= hidden) {
       v[l] = 0;
@@ -237,5 +335,6 @@ __kernel void gather_rows_to_bf16(__global const void* restrict x, int x_bf16, l
       v[l] = Bf16Bits(((const __global float*)x)[row * x_stride + col]);
     }
   }
-  out[((size_t)p * k_pad + c) / 2] = v[0] | (v[1] << 16);
+  out[((size_t)p * k_pad + c) / 8] =
+      (uint4)(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
 }

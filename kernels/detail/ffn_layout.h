@@ -12,8 +12,8 @@
 // Experts are stored one after the other.
 //
 // The tensor-core layout (BF16 weights on NVIDIA devices of compute capability 8.0 or more,
-// kernels/cl/expert_ffn_mma.cl) instead stores each projection row-major as [N, K] BF16, K
-// padded with zeros to a multiple of kMmaBk:
+// kernels/cl/expert_ffn_mma.cl) instead stores each projection as an [N, K] BF16 matrix, K
+// padded with zeros to a multiple of kMmaBk, in tiles of kMmaBn x kMmaBk (MmaTiledOffset):
 //   gate_up of expert e: N = 2 * MmaFfnPad(F) rows in blocks of 16: the gate rows of 8
 //     outputs f then the up rows of the same 8 (zero rows for f >= F), K = MmaKPad(H).
 //   down of expert e: N = MmaDownRows(H) rows (zero rows beyond H), K = MmaFfnPad(F).
@@ -55,7 +55,23 @@ inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 inline constexpr int64_t kMmaBm = 128;
 inline constexpr int64_t kMmaBn = 128;
 inline constexpr int64_t kMmaBk = 32;
-inline constexpr int kMmaThreads = 256;
+inline constexpr int kMmaThreads = 128;
+// Register cap of the tensor-core program (the kernels declare no work-group size, so the
+// compiler is told): two work-groups per multiprocessor of 64 Ki registers, at most 255.
+inline constexpr int kMmaMaxRegisters = 65536 / (2 * kMmaThreads) > 255 ? 255
+                                                                        : 65536 / (2 * kMmaThreads);
+// Local-memory stages of the tensor-core kernels' K loop: 16 KiB each (a 128 x 32 slice of
+// both operands), so three fill the 48 KiB a work-group may declare.
+inline constexpr int kMmaStages = 3;
+// Element offset of (n, k) in a tensor-core weight matrix of k_pad columns, stored as tiles of
+// kMmaBn rows x kMmaBk columns (row tile major, then k slice), each tile the 16-byte chunks of
+// its rows in the order the kernels keep them in local memory (MmaSwizzle), so that one
+// K slice of a tile is one contiguous copy.
+inline int64_t MmaSwizzle(int64_t r, int64_t c) { return r * 4 + (c ^ ((r >> 1) & 3)); }
+inline int64_t MmaTiledOffset(int64_t n, int64_t k, int64_t k_pad) {
+  const int64_t tile = (n / kMmaBn) * (k_pad / kMmaBk) + k / kMmaBk;
+  return (tile * kMmaBn * (kMmaBk / 8) + MmaSwizzle(n % kMmaBn, (k % kMmaBk) / 8)) * 8 + k % 8;
+}
 inline int64_t MmaKPad(int64_t hidden) { return RoundUp(hidden, kMmaBk); }
 inline int64_t MmaFfnPad(int64_t ffn) { return RoundUp(ffn, kMmaBn / 2); }
 inline int64_t MmaDownRows(int64_t hidden) { return RoundUp(hidden, kMmaBn); }
@@ -84,13 +100,13 @@ inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
 // Options every program is built with. On CPU devices the FFN kernels prefetch weight panels
 // ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin.
 inline std::string ProgramBuildOptions(bool cpu) {
-  return absl::StrCat("-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "",
-                      " -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
-                      " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
-                      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
-                      " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
-                      " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm,
-                      " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads);
+  return absl::StrCat(
+      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "", " -DFFN_PANEL_VECS=", kFfnPanelVecs,
+      " -DFFN_ROWS=", kFfnRows, " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
+      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts, " -DROUTER_TOKENS=", kRouterTokens,
+      " -DROUTER_WG=", kRouterGroupSize, " -DROUTER_WG_TOKENS=", kRouterGroupTokens,
+      " -DMMA_BM=", kMmaBm, " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk,
+      " -DMMA_THREADS=", kMmaThreads, " -DMMA_STAGES=", kMmaStages);
 }
 
 }  // namespace epserve::kernels::detail

@@ -262,7 +262,7 @@ TEST(Shutdown, SigtermAnswersEveryRequestInFlightAndStopsEveryRank) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> server =
       ServerProcess::Start(3, {"--max-batch-tokens=16", "--max-queue-delay-us=1000"});
   ASSERT_TRUE(server.ok()) << server.status();
-  std::atomic<int> ok{0}, unavailable{0}, other{0};
+  std::atomic<int> ok{0}, unavailable{0}, refused_by_grpc{0}, other{0};
   std::atomic<bool> signalled{false};
   std::vector<std::thread> clients;
   for (int c = 0; c < 6; ++c) {
@@ -282,6 +282,13 @@ TEST(Shutdown, SigtermAnswersEveryRequestInFlightAndStopsEveryRank) {
         } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
           ++unavailable;
           if (signalled) return;  // the server is gone or going
+        } else if (signalled && s.error_code() == grpc::StatusCode::CANCELLED &&
+                   s.error_message() == "CANCELLED") {
+          // gRPC itself cancels a call that reached the server but was never handed to a
+          // handler when shutdown began (grpc/grpc#41785): epserve never accepted it.
+          // epserve's own cancellations say why; those still fail below.
+          ++refused_by_grpc;
+          return;
         } else {
           ++other;
           ADD_FAILURE() << "code " << s.error_code() << ": " << s.error_message();
@@ -296,9 +303,13 @@ TEST(Shutdown, SigtermAnswersEveryRequestInFlightAndStopsEveryRank) {
   ASSERT_TRUE(exit.ok()) << exit.status() << "\n" << (*server)->Log();
   EXPECT_LT(exit->elapsed, absl::Seconds(5));
   EXPECT_GT(ok.load(), 0);
-  EXPECT_GT(unavailable.load(), 0);  // every client ends on UNAVAILABLE, none hangs
+  // Every client ends on UNAVAILABLE (or, for a call gRPC never handed over, its own
+  // CANCELLED); none hangs.
+  EXPECT_EQ(unavailable.load() + refused_by_grpc.load(), 6);
+  EXPECT_GT(unavailable.load(), 0);
   EXPECT_EQ(other.load(), 0);
-  std::cerr << "answered OK " << ok << ", UNAVAILABLE " << unavailable << "; stopped in "
+  std::cerr << "answered OK " << ok << ", UNAVAILABLE " << unavailable
+            << ", cancelled by gRPC before acceptance " << refused_by_grpc << "; stopped in "
             << absl::FormatDuration(exit->elapsed) << "\n";
 }
 

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/moe_kernels.h"
@@ -241,6 +243,59 @@ TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
     ASSERT_TRUE(r.Read(*out, 0, got.data(), 3 * sizeof(float)).ok());
     EXPECT_EQ(got, (std::vector<float>{2 * 4 + 0.5f * 1, 2 * 5 + 0.5f * 2, 2 * 6 + 0.5f * 3}));
   }
+  std::filesystem::remove_all(dir);
+}
+
+using RuntimeSourceTest = Seeded;
+
+TEST_F(RuntimeSourceTest, FolderReplacesEmbeddedSources) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() /
+      absl::StrCat("epserve-kernel-sources-test-", std::random_device{}());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  RuntimeOptions options = TestRuntimeOptions();
+  options.source_dir = dir.string();
+  options.cache_dir = (dir / "cache").string();
+  {
+    // A folder without the sources: the error names the file it wanted.
+    absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    absl::StatusOr<cl_kernel> kernel = (*rt)->Kernel("weighted_combine");
+    ASSERT_FALSE(kernel.ok());
+    EXPECT_EQ(kernel.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_NE(kernel.status().message().find((dir / "router.cl").string()), std::string::npos)
+        << kernel.status();
+  }
+  // Sources of the same kernel names that compute something else: the folder's copy runs.
+  const float marker = Uniform(1, 1.0f, 2.0f)[0];
+  for (const char* name : {"router", "expert_ffn", "expert_ffn_mma"}) {
+    std::ofstream(dir / absl::StrCat(name, ".cl"))
+        << "__kernel void unused_" << name << "(__global int* p) { p[0] = 0; }\n";
+  }
+  std::ofstream(dir / "combine.cl")
+      << "__kernel void weighted_combine(__global const float* y, long y_rows,\n"
+         "    __global const int* pair_index, __global const float* pair_weight, int n, int k,\n"
+         "    long hidden, __global float* out) {\n"
+         "  const size_t c = get_global_id(0);\n"
+         "  const int i = get_global_id(1);\n"
+         "  if (c < (size_t)hidden && i < n) out[i * hidden + c] = "
+      << absl::StrFormat("%.9gf", marker) << ";\n}\n";
+  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  Runtime& r = **rt;
+  const std::vector<float> y = Uniform(6);
+  const std::vector<int32_t> index = {1, 0};
+  const std::vector<float> weight = {2.0f, 0.5f};
+  absl::StatusOr<Buffer> yb = r.AllocateCopy(y.data(), y.size() * sizeof(float));
+  absl::StatusOr<Buffer> ib = r.AllocateCopy(index.data(), index.size() * sizeof(int32_t));
+  absl::StatusOr<Buffer> wb = r.AllocateCopy(weight.data(), weight.size() * sizeof(float));
+  std::vector<float> got(3, std::numeric_limits<float>::quiet_NaN());
+  absl::StatusOr<Buffer> out = r.AllocateCopy(got.data(), got.size() * sizeof(float));
+  ASSERT_TRUE(yb.ok() && ib.ok() && wb.ok() && out.ok());
+  ASSERT_TRUE(WeightedCombine(r, *yb, *ib, *wb, 1, 2, 3, *out).ok());
+  ASSERT_TRUE(r.Read(*out, 0, got.data(), got.size() * sizeof(float)).ok());
+  EXPECT_EQ(got, std::vector<float>(3, marker));
   std::filesystem::remove_all(dir);
 }
 
@@ -544,13 +599,35 @@ TEST_F(ExpertFfnTest, Bf16WeightsTakeHalfTheBytes) {
   ASSERT_TRUE(fp32.ok() && bf16.ok());
   EXPECT_EQ(bf16->dtype, DType::kBf16);
   if (bf16->tensor_cores) {
-    // Row-major BF16 with K padded to the tile (H = 64, F = 32 here).
+    // Tiled BF16 with K padded to the tile (H = 64, F = 32 here).
     const int64_t h = 64, f = 32;
     EXPECT_EQ(bf16->gate_up.bytes(), 3 * 2 * detail::MmaGateUpValuesPerExpert(h, f));
     EXPECT_EQ(bf16->down.bytes(), 3 * 2 * detail::MmaDownValuesPerExpert(h, f));
   } else {
     EXPECT_EQ(2 * bf16->gate_up.bytes(), fp32->gate_up.bytes());
     EXPECT_EQ(2 * bf16->down.bytes(), fp32->down.bytes());
+  }
+}
+
+// The tiled tensor-core weight layout places every (n, k) of a padded matrix exactly once, a
+// whole K slice of a tile in one contiguous run, and each 8 values of a row in one chunk.
+TEST(MmaLayoutTest, TiledOffsetIsABijectionWithContiguousSlices) {
+  for (const auto& [n_pad, k_pad] : {std::pair<int64_t, int64_t>{detail::kMmaBn, detail::kMmaBk},
+                                     {2 * detail::kMmaBn, 3 * detail::kMmaBk}}) {
+    std::vector<int> seen(n_pad * k_pad, 0);
+    const int64_t slice = detail::kMmaBn * detail::kMmaBk;
+    for (int64_t n = 0; n < n_pad; ++n) {
+      for (int64_t k = 0; k < k_pad; ++k) {
+        const int64_t at = detail::MmaTiledOffset(n, k, k_pad);
+        ASSERT_GE(at, 0);
+        ASSERT_LT(at, n_pad * k_pad);
+        ++seen[at];
+        const int64_t tile = (n / detail::kMmaBn) * (k_pad / detail::kMmaBk) + k / detail::kMmaBk;
+        EXPECT_EQ(at / slice, tile) << n << "," << k;
+        EXPECT_EQ(at % 8, k % 8) << n << "," << k;
+      }
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), n_pad * k_pad);
   }
 }
 
