@@ -195,12 +195,15 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
 }
 
 // The same routing for GPUs: one work-group of ROUTER_WG work-items per ROUTER_WG_TOKENS
-// tokens. Work-item e computes the logits of experts e, e + ROUTER_WG, ... for all the
-// group's tokens at once (each router row read once per group, the tokens' x rows read by
-// every work-item at the same addresses), into local memory; then one work-item per token
-// selects its experts. Each logit is summed by one work-item in a fixed order.
+// tokens. The work-items take the experts in passes of `chunk` (the expert count rounded up
+// to a power of two, at most ROUTER_WG) and split each router row's K among the
+// ROUTER_WG / chunk work-items left over, so that few experts or few tokens still keep every
+// work-item busy: work-item (expert el, slice s) sums k = 4 s + 4 * split * j (+ 0..3) for
+// all the group's tokens at once (each router row read once per group, the tokens' x rows at
+// the same addresses by all), the slices are added in a fixed order into local memory, then
+// one work-item per token selects its experts. Results are the same run to run.
 #ifndef ROUTER_WG
-#define ROUTER_WG 64
+#define ROUTER_WG 256
 #endif
 #ifndef ROUTER_WG_TOKENS
 #define ROUTER_WG_TOKENS 8
@@ -210,11 +213,14 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
 #endif
 #define REP8(M) REP4(M) M(4) M(5) M(6) M(7)
 #define WG_X_PTR(t) const __global float* xr##t = x + (size_t)min(t0 + (t), n - 1) * hidden;
-#define WG_ACC_DECL(t) float4 acc##t = (float4)(0.0f); float tail##t = 0.0f;
+#define WG_ACC_DECL(t) \
+  float4 acc##t = (float4)(0.0f); \
+  float tail##t = 0.0f;
 #define WG_ACC_FMA(t) acc##t = fma(vload4(0, xr##t + h), rv, acc##t);
 #define WG_TAIL_FMA(t) tail##t = fma(xr##t[h], rr[h], tail##t);
-#define WG_STORE(t) \
-  lg[(t) * ROUTER_MAX_EXPERTS + e] = ((acc##t.x + acc##t.y) + (acc##t.z + acc##t.w)) + tail##t;
+#define WG_PART(t)                                      \
+  part[(s * ROUTER_WG_TOKENS + (t)) * chunk + el] = \
+      ((acc##t.x + acc##t.y) + (acc##t.z + acc##t.w)) + tail##t;
 
 __kernel __attribute__((reqd_work_group_size(ROUTER_WG, 1, 1))) void route_tokens_wg(
     __global const float* restrict x, __global const float* restrict router,
@@ -222,23 +228,38 @@ __kernel __attribute__((reqd_work_group_size(ROUTER_WG, 1, 1))) void route_token
     int norm_topk_prob, int n_group, int topk_group, float routed_scaling_factor,
     __global int* restrict ids, __global float* restrict weights) {
   __local float lg[ROUTER_WG_TOKENS * ROUTER_MAX_EXPERTS];
+  __local float part[ROUTER_WG * ROUTER_WG_TOKENS];  // [slice][token][expert of the pass]
   const int lid = get_local_id(0);
   const int t0 = get_group_id(0) * ROUTER_WG_TOKENS;
+  int chunk = 1;
+  while (chunk < num_experts && chunk < ROUTER_WG) chunk *= 2;
+  const int split = ROUTER_WG / chunk;
+  const int el = lid / split;
+  const int s = lid % split;
+  const int hidden4 = hidden & ~3;
   REP8(WG_X_PTR)
-  for (int e = lid; e < num_experts; e += ROUTER_WG) {
+  for (int e0 = 0; e0 < num_experts; e0 += chunk) {
+    const int e = min(e0 + el, num_experts - 1);  // past the last expert: computed, not kept
     const __global float* rr = router + (size_t)e * hidden;
     REP8(WG_ACC_DECL)
-    int h = 0;
-    for (; h + 4 <= hidden; h += 4) {
+    for (int h = 4 * s; h < hidden4; h += 4 * split) {
       const float4 rv = vload4(0, rr + h);
       REP8(WG_ACC_FMA)
     }
-    for (; h < hidden; ++h) {
+    for (int h = hidden4 + s; h < hidden; h += split) {
       REP8(WG_TAIL_FMA)
     }
-    REP8(WG_STORE)
+    REP8(WG_PART)
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int i = lid; i < ROUTER_WG_TOKENS * chunk; i += ROUTER_WG) {
+      const int t = i / chunk, ei = i % chunk;
+      if (e0 + ei >= num_experts) continue;
+      float sum = 0.0f;
+      for (int q = 0; q < split; ++q) sum += part[(q * ROUTER_WG_TOKENS + t) * chunk + ei];
+      lg[t * ROUTER_MAX_EXPERTS + e0 + ei] = sum;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
   }
-  barrier(CLK_LOCAL_MEM_FENCE);
   const int t = t0 + lid;
   if (lid < ROUTER_WG_TOKENS && t < n) {
     float logit[ROUTER_MAX_EXPERTS];

@@ -45,7 +45,7 @@ inline constexpr int kRouterMaxExperts = 512;
 // Tokens one router work-item routes (it reads each router row once for all of them).
 inline constexpr int kRouterTokens = 4;
 // The work-group router (route_tokens_wg, GPUs): work-items per group and tokens per group.
-inline constexpr int kRouterGroupSize = 64;
+inline constexpr int kRouterGroupSize = 256;
 inline constexpr int kRouterGroupTokens = 8;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
