@@ -105,4 +105,14 @@ inline double MedianSeconds(std::function<void()> fn, int warmup, int min_reps, 
                                  reps_out)[0];
 }
 
+// Prints the 1/5/15-minute load averages and the online core count, "before" or "after" the
+// run: figures from a busy machine are worth less.
+inline void PrintLoadAverage(const char* when) {
+  double load[3] = {0, 0, 0};
+  if (getloadavg(load, 3) == 3) {
+    std::printf("load average %s the run: %.2f %.2f %.2f (%ld cores)\n", when, load[0], load[1],
+                load[2], sysconf(_SC_NPROCESSORS_ONLN));
+  }
+}
+
 }  // namespace epserve::bench

@@ -13,7 +13,6 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -31,6 +30,7 @@
 #include "client/load_generator.h"
 #include "client/load_stats.h"
 #include "client/verify.h"
+#include "common/files.h"
 #include "common/flags.h"
 
 namespace epserve::client {
@@ -223,11 +223,9 @@ absl::StatusOr<std::vector<StepSpec>> StepsFromFlags(const Flags& f) {
 }
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, absl::string_view flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  absl::StatusOr<std::string> text = common::ReadWholeFile(path);
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  return text;
 }
 
 std::string DescribeRun(const Flags& f, const LoadOptions& o) {

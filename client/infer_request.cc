@@ -36,42 +36,6 @@ absl::StatusOr<Dtype> ParseDtype(absl::string_view text) {
       absl::StrCat("dtype: '", text, "' is none of FP32, BF16, FP16"));
 }
 
-uint16_t FloatToBf16(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
-
-uint16_t FloatToFp16(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return sign | 0x7E00u;   // NaN
-  if (abs >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds to infinity
-  if (abs < 0x38800000u) {                        // below 2^-14: subnormal or zero
-    // In units of 2^-24, exact in float; nearbyint rounds to nearest even.
-    const float units = std::bit_cast<float>(abs) * 16777216.0f;
-    return sign | static_cast<uint16_t>(std::nearbyint(units));
-  }
-  // Rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even.
-  abs += 0xC8000FFFu + ((abs >> 13) & 1u);
-  return sign | static_cast<uint16_t>(abs >> 13);
-}
-
-float Fp16ToFloat(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
-  const uint32_t exponent = (bits >> 10) & 0x1Fu;
-  const uint32_t mantissa = bits & 0x3FFu;
-  if (exponent == 0) {
-    const float v = static_cast<float>(mantissa) * 0x1p-24f;
-    return sign != 0 ? -v : v;
-  }
-  if (exponent == 31) return std::bit_cast<float>(sign | 0x7F800000u | (mantissa << 13));
-  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
-}
-
 absl::StatusOr<TokenRange> ParseTokenRange(absl::string_view text) {
   TokenRange range;
   const size_t dash = text.find('-');

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/half.h"
 #include "grpc_service.pb.h"
 
 namespace epserve::client {
@@ -25,7 +26,6 @@ inline constexpr absl::string_view kLayerParameter = "layer";
 inline constexpr absl::string_view kTimeoutParameter = "timeout";
 // The datatype ModelMetadata reports for hidden_states (the server also takes BF16, FP16).
 inline constexpr absl::string_view kDatatype = "FP32";
-inline constexpr int64_t kBytesPerElement = 4;  // of FP32, the widest datatype
 
 // Element type of the tensors a request carries. Conversions from float round to nearest
 // even (the server's rule); NaN stays NaN.
@@ -34,10 +34,10 @@ absl::string_view DtypeName(Dtype dtype);  // "FP32", "BF16", "FP16"
 // Accepts the names above in any case. INVALID_ARGUMENT listing them otherwise.
 absl::StatusOr<Dtype> ParseDtype(absl::string_view text);
 inline int64_t DtypeBytes(Dtype dtype) { return dtype == Dtype::kFp32 ? 4 : 2; }
-uint16_t FloatToBf16(float value);
-float Bf16ToFloat(uint16_t bits);
-uint16_t FloatToFp16(float value);
-float Fp16ToFloat(uint16_t bits);
+using common::Bf16ToFloat;  // common/half.h
+using common::FloatToBf16;
+using common::FloatToFp16;
+using common::Fp16ToFloat;
 
 // Inclusive range of token rows per request; each request draws T uniformly from it.
 struct TokenRange {

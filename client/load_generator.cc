@@ -66,14 +66,6 @@ std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const ChannelOptions& o
   return channels;
 }
 
-std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const std::string& target,
-                                                         int num_connections) {
-  ChannelOptions options;
-  options.target = target;
-  options.num_connections = num_connections;
-  return MakeChannels(options);
-}
-
 namespace {
 
 absl::string_view ChannelStateName(grpc_connectivity_state state) {
@@ -442,8 +434,8 @@ class StepRun {
     }
   }
 
-  // Builds the next request of `sender` into its scratch; returns its token count.
-  int64_t BuildNext(Sender& sender, Call& call) {
+  // Builds the next request of `sender` into its scratch.
+  void BuildNext(Sender& sender, Call& call) {
     const int64_t tokens =
         options_.tokens.min_tokens +
         static_cast<int64_t>(sender.rng() % static_cast<uint64_t>(options_.tokens.max_tokens -
@@ -452,7 +444,6 @@ class StepRun {
     call.tokens = tokens;
     BuildInferRequest(options_.request, tokens, call.id, sender.rng, &sender.scratch,
                       options_.verifier != nullptr ? &call.input : nullptr);
-    return tokens;
   }
 
   // Unary: hands `call` (request already built in sender.scratch) to gRPC on `cq`.

@@ -113,8 +113,6 @@ struct ChannelOptions {
 // Channels to the target, each on its own TCP connection, without message size limits
 // (a response of T x H floats easily exceeds gRPC's 4 MiB default).
 std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const ChannelOptions& options);
-std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const std::string& target,
-                                                         int num_connections);
 
 // OK once every channel is READY. UNAVAILABLE naming `target` and the channel state when
 // one is not READY within `timeout`.

@@ -228,7 +228,6 @@ class Job:
     EXIT_CODE = re.compile(r"^\s*Exit code:\s*(\d+)")
     LEFT = re.compile(r"^\[epserve rank (\d+)\] left the heap")
     STOPPED = re.compile(r"^\[epserve rank 0\] stopped serving in")
-    SERVING = re.compile(r"^\[epserve rank 0\] serving model")
 
     def __init__(self, settings, number, ready_file):
         self.settings = settings
@@ -236,7 +235,6 @@ class Job:
         self.ready_file = ready_file
         self.left = set()
         self.stopped_serving = False
-        self.serving_line = False
         self.death = None        # "rank 1 (node vm) was killed by signal 9"
         self.nonzero_rank = None
         self.nonzero_code = None
@@ -261,8 +259,6 @@ class Job:
                     self.left.add(int(m.group(1)))
                 elif self.STOPPED.match(line):
                     self.stopped_serving = True
-                elif self.SERVING.match(line):
-                    self.serving_line = True
                 elif m := self.DIED.search(line):
                     self.death = (f"rank {m.group(1)} (node {m.group(2)}) was killed by "
                                   f"signal {m.group(3)}")

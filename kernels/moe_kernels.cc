@@ -50,6 +50,13 @@ absl::Status Launch(Runtime& rt, cl_kernel kernel, cl_uint dims, const size_t* g
   return absl::OkStatus();
 }
 
+// Rows of `hidden` values, `stride` values apart, that a buffer of `value_bytes`-byte values
+// holds: the last one needs only `hidden` values, not a whole stride.
+cl_long RowsInBuffer(const Buffer& b, size_t value_bytes, int64_t hidden, int64_t stride) {
+  const int64_t values = static_cast<int64_t>(b.bytes() / value_bytes);
+  return values < hidden ? 0 : (values - hidden) / stride + 1;
+}
+
 absl::Status NeedBytes(const Buffer& b, size_t bytes, absl::string_view what) {
   if (b.bytes() < bytes) {
     return absl::InvalidArgumentError(
@@ -268,9 +275,7 @@ absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_
   const cl_int ffn = static_cast<cl_int>(w.ffn);
   const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn));
   const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
-  // Rows of x: the last one needs only w.hidden values, not a whole stride.
-  const int64_t x_elems = static_cast<int64_t>(x.bytes() / sizeof(float));
-  const cl_long x_rows = x_elems < w.hidden ? 0 : (x_elems - w.hidden) / x_stride + 1;
+  const cl_long x_rows = RowsInBuffer(x, sizeof(float), w.hidden, x_stride);
   const size_t local[2] = {1, 1};
   RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, cl_long{x_stride}, row_index, cl_int{gather ? 1 : 0},
                           groups, w.gate_up, hidden, ffn, gu_panels, h_scratch));
@@ -286,9 +291,7 @@ absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_
                             const Buffer& row_index, int64_t rows, Buffer& out) {
   absl::StatusOr<cl_kernel> kernel = rt.Kernel("gather_bf16_rows");
   if (!kernel.ok()) return kernel.status();
-  // Rows of x: the last one needs only `hidden` values, not a whole stride.
-  const int64_t x_elems = static_cast<int64_t>(x.bytes() / sizeof(uint16_t));
-  const cl_long x_rows = x_elems < hidden ? 0 : (x_elems - hidden) / stride + 1;
+  const cl_long x_rows = RowsInBuffer(x, sizeof(uint16_t), hidden, stride);
   RETURN_IF_ERROR(SetArgs(*kernel, x, x_rows, cl_long{stride}, row_index, static_cast<cl_int>(rows),
                           static_cast<cl_int>(hidden), out));
   const size_t global[1] = {static_cast<size_t>(rows)};
@@ -317,9 +320,7 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   if (!gate_up.ok()) return gate_up.status();
   absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_mma_down");
   if (!down.ok()) return down.status();
-  // Rows of x: the last one needs only w.hidden values, not a whole stride.
-  const int64_t x_elems = static_cast<int64_t>(x.bytes() / DTypeBytes(x_format.dtype));
-  const cl_long x_rows = x_elems < w.hidden ? 0 : (x_elems - w.hidden) / x_format.row_stride + 1;
+  const cl_long x_rows = RowsInBuffer(x, DTypeBytes(x_format.dtype), w.hidden, x_format.row_stride);
   RETURN_IF_ERROR(SetArgs(*gather_kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
                           cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
                           static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),

@@ -1,8 +1,6 @@
 #include "kernels/runtime.h"
 
 #include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string_view>
 #include <unordered_map>
 #include <utility>
@@ -11,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/files.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/detail/program_cache.h"
@@ -338,7 +337,7 @@ absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view nam
   if (!cache_dir_.empty()) {
     cache_path =
         detail::ProgramCachePath(cache_dir_, name, detail::ProgramCacheKey(source, options, info_));
-    absl::StatusOr<std::string> binary = detail::ReadWholeFile(cache_path);
+    absl::StatusOr<std::string> binary = common::ReadWholeFile(cache_path);
     if (binary.ok() && !binary->empty()) {
       const size_t size = binary->size();
       const auto* bytes = reinterpret_cast<const unsigned char*>(binary->data());
@@ -417,14 +416,12 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
     if (p.program != nullptr) continue;
     if (!programs_->source_dir.empty()) {
       const std::string path = absl::StrCat(programs_->source_dir, "/", Sv(p.name), ".cl");
-      std::ifstream in(path, std::ios::binary);
-      if (!in.is_open()) {
+      absl::StatusOr<std::string> text = common::ReadWholeFile(path);
+      if (!text.ok()) {
         return absl::NotFoundError(absl::StrCat(
             "kernel source '", path, "' cannot be read (EPSERVE_KERNEL_SOURCES names the folder)"));
       }
-      std::stringstream text;
-      text << in.rdbuf();
-      p.source_override = text.str();
+      p.source_override = *std::move(text);
       p.source = p.source_override;
     }
     absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source, p.extra_options);

@@ -1,11 +1,9 @@
 #include "server/auth.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/files.h"
 
 namespace epserve::server {
 namespace {
@@ -67,11 +65,11 @@ class AuthInterceptorFactory final : public grpc::experimental::ServerIntercepto
 absl::StatusOr<std::shared_ptr<const Authenticator>> Authenticator::FromFile(
     const std::string& path) {
   if (path.empty()) return std::make_shared<const Authenticator>("");
-  std::ifstream f(path);
-  if (!f) return absl::InvalidArgumentError(absl::StrCat("cannot read --auth-token-file ", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string token(absl::StripAsciiWhitespace(ss.str()));
+  absl::StatusOr<std::string> text = common::ReadWholeFile(path);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot read --auth-token-file ", path));
+  }
+  const std::string token(absl::StripAsciiWhitespace(*text));
   if (token.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--auth-token-file ", path, " is empty"));
   }

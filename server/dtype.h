@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "absl/strings/string_view.h"
+#include "common/half.h"
 
 namespace epserve::server {
 
@@ -22,10 +23,5 @@ inline size_t ElementBytes(ElementType type) { return type == ElementType::kFp32
 void ToFp32(ElementType type, const char* src, float* dst, size_t count);
 // `count` FP32 values at `src` to `type` at `dst` (maybe unaligned).
 void FromFp32(ElementType type, const float* src, char* dst, size_t count);
-
-uint16_t Fp32ToBf16(float value);
-float Bf16ToFp32(uint16_t bits);
-uint16_t Fp32ToFp16(float value);
-float Fp16ToFp32(uint16_t bits);
 
 }  // namespace epserve::server

@@ -7,22 +7,19 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/files.h"
 
 namespace epserve::server {
 namespace {
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
-  std::ifstream f(path);
-  if (!f) return absl::InvalidArgumentError(absl::StrCat("cannot read ", flag, "=", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  if (ss.str().empty())
-    return absl::InvalidArgumentError(absl::StrCat(flag, "=", path, " is empty"));
-  return ss.str();
+  absl::StatusOr<std::string> pem = common::ReadWholeFile(path);
+  if (!pem.ok()) return absl::InvalidArgumentError(absl::StrCat("cannot read ", flag, "=", path));
+  if (pem->empty()) return absl::InvalidArgumentError(absl::StrCat(flag, "=", path, " is empty"));
+  return pem;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const FrontEndOptions& o) {

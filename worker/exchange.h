@@ -171,8 +171,6 @@ class Exchange {
 
   const ExchangeConfig& config() const { return config_; }
   const ExpertPlacement& placement() const { return placement_; }
-  int me() const { return me_; }
-  uint64_t epoch() const { return epoch_; }
   // Rows this worker sends in the current pass (all destinations).
   int64_t rows_sent() const;
 

@@ -61,14 +61,6 @@ const std::array<float, 256>& Fp8Table() {
 
 }  // namespace
 
-uint16_t FloatToBf16(float x) {
-  const uint32_t b = std::bit_cast<uint32_t>(x);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40);  // NaN
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
-float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
-
 uint8_t FloatToFp8E4m3(float x) {
   const uint32_t b = std::bit_cast<uint32_t>(x);
   const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80);

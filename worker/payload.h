@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/half.h"
 
 namespace epserve::worker {
 
@@ -40,9 +41,9 @@ void AccumulateRow(PayloadType type, const void* src, int64_t hidden, float* dst
 void SumRows(PayloadType type, const void* const* parts, int num_parts, int64_t hidden, float* dst,
              bool accumulate);
 
-// Scalar conversions, exposed for tests.
-uint16_t FloatToBf16(float x);
-float Bf16ToFloat(uint16_t bits);
+// Scalar conversions, exposed for tests (BF16: common/half.h).
+using common::Bf16ToFloat;
+using common::FloatToBf16;
 uint8_t FloatToFp8E4m3(float x);  // saturating, round to nearest even
 float Fp8E4m3ToFloat(uint8_t bits);
 

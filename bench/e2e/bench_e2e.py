@@ -154,12 +154,6 @@ def inprocess_part(build, env, shape, dtype, tokens):
     return {r["tokens"]: r for r in rows if "tokens" in r}, check
 
 
-def server_has_weight_dtype(build, env):
-    out = subprocess.run([os.path.join(build, "server", "epserve"), "--help"], env=env,
-                         capture_output=True, text=True).stdout
-    return "--weight-dtype" in out
-
-
 def bench_shape(a, env, shape, dtypes):
     log(f"== {shape}")
     result = {"shape": shape, "load_before": wait_for_quiet(a.max_load, a.load_wait)}
@@ -268,19 +262,12 @@ def main():
     a = p.parse_args()
     a.build = os.path.abspath(a.build)
     env = base_env(a.build)
-    dtypes = ["fp32"]
-    if server_has_weight_dtype(a.build, env):
-        dtypes.append("bf16")
-    else:
-        log("epserve has no --weight-dtype: the BF16 rows are pending")
+    dtypes = ["fp32", "bf16"]
     results = [bench_shape(a, env, shape, dtypes) for shape in a.shapes.split(",")]
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(results, f, indent=1)
-    text = summarize(results)
-    if "bf16" not in dtypes:
-        text += "\nBF16 weights: pending (epserve --help has no --weight-dtype).\n"
-    print(text)
+    print(summarize(results))
     return 0
 
 

@@ -63,7 +63,6 @@ class InProcessLayer {
     EPSERVE_ASSIGN_OR_RETURN(l->weights_, rt.Allocate(n * k * f));
     EPSERVE_ASSIGN_OR_RETURN(l->row_index_, rt.Allocate(n * k * sizeof(int32_t)));
     EPSERVE_ASSIGN_OR_RETURN(l->pair_index_, rt.Allocate(n * k * sizeof(int32_t)));
-    EPSERVE_ASSIGN_OR_RETURN(l->pair_weight_, rt.Allocate(n * k * f));
     const int64_t scratch = n * std::max(k * l->cfg_.expert_ffn_size, l->cfg_.shared_ffn_size);
     EPSERVE_ASSIGN_OR_RETURN(l->h_, rt.Allocate(scratch * f));
     EPSERVE_ASSIGN_OR_RETURN(l->y_, rt.Allocate(n * k * h * f));
@@ -72,10 +71,8 @@ class InProcessLayer {
       EPSERVE_ASSIGN_OR_RETURN(l->shared_y_, rt.Allocate(n * h * f));
     }
     l->ids_host_.resize(n * k);
-    l->weights_host_.resize(n * k);
     l->row_index_host_.resize(n * k);
     l->pair_index_host_.resize(n * k);
-    l->pair_weight_host_.resize(n * k);
     return l;
   }
 
@@ -93,8 +90,8 @@ class InProcessLayer {
     if (!resident) EPSERVE_RETURN_IF_ERROR(rt.Write(x_, 0, x, n * h * sizeof(float)));
     EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
     EPSERVE_RETURN_IF_ERROR(rt.Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(rt.Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
-    // Group the (token, choice) pairs expert-major, as the exchange's layout does.
+    // Group the (token, choice) pairs expert-major, as the exchange's layout does; the combine
+    // weighs pair (t, j) by the router's weights_[t * k + j] where they are.
     offsets_.assign(cfg_.num_experts + 1, 0);
     for (int64_t i = 0; i < n * k; ++i) ++offsets_[ids_host_[i] + 1];
     std::partial_sum(offsets_.begin(), offsets_.end(), offsets_.begin());
@@ -104,22 +101,18 @@ class InProcessLayer {
         const int64_t p = cursor_[ids_host_[t * k + j]]++;
         row_index_host_[p] = static_cast<int32_t>(t);
         pair_index_host_[t * k + j] = static_cast<int32_t>(p);
-        pair_weight_host_[t * k + j] = weights_host_[t * k + j];
       }
     }
     EPSERVE_RETURN_IF_ERROR(
         rt.Write(row_index_, 0, row_index_host_.data(), n * k * sizeof(int32_t)));
     EPSERVE_RETURN_IF_ERROR(
         rt.Write(pair_index_, 0, pair_index_host_.data(), n * k * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(
-        rt.Write(pair_weight_, 0, pair_weight_host_.data(), n * k * sizeof(float)));
     const bool shared = cfg_.shared_ffn_size > 0;
     if (shared) {
       EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, h_, shared_y_));
     }
     EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(rt, experts_, x_, row_index_, offsets_, h_, y_));
-    EPSERVE_RETURN_IF_ERROR(
-        kernels::WeightedCombine(rt, y_, pair_index_, pair_weight_, n, k, h, out_));
+    EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(rt, y_, pair_index_, weights_, n, k, h, out_));
     if (shared) EPSERVE_RETURN_IF_ERROR(kernels::AddInto(rt, shared_y_, n * h, out_));
     if (resident) return rt.Finish();
     return rt.Read(out_, 0, y, n * h * sizeof(float));
@@ -131,9 +124,8 @@ class InProcessLayer {
   std::unique_ptr<kernels::Runtime> rt_;
   kernels::RouterWeights router_;
   kernels::ExpertWeights experts_, shared_;
-  Buffer x_, ids_, weights_, row_index_, pair_index_, pair_weight_, h_, y_, out_, shared_y_;
+  Buffer x_, ids_, weights_, row_index_, pair_index_, h_, y_, out_, shared_y_;
   std::vector<int32_t> ids_host_, row_index_host_, pair_index_host_;
-  std::vector<float> weights_host_, pair_weight_host_;
   std::vector<int64_t> offsets_, cursor_;
 };
 

@@ -145,11 +145,7 @@ int Run(int argc, char** argv) {
   std::printf("shape: H=%lld F=%lld, %d experts, %.0f MiB of FP32 expert weights (%.0f MiB BF16)\n",
               static_cast<long long>(hidden), static_cast<long long>(ffn), num_experts,
               weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
-  double load[3] = {0, 0, 0};
-  if (getloadavg(load, 3) == 3) {
-    std::printf("load average before the run: %.2f %.2f %.2f (2 cores)\n", load[0], load[1],
-                load[2]);
-  }
+  bench::PrintLoadAverage("before");
 
   std::vector<Result> results;
   std::mt19937_64 rng(42);
@@ -329,9 +325,7 @@ int Run(int argc, char** argv) {
                 sgemm_bw / res.memcpy_bps);
   }
   std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down).\n");
-  if (getloadavg(load, 3) == 3) {
-    std::printf("load average after the run: %.2f %.2f %.2f\n", load[0], load[1], load[2]);
-  }
+  bench::PrintLoadAverage("after");
   return 0;
 }
 

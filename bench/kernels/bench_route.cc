@@ -67,11 +67,8 @@ int Run(int argc, char** argv) {
       "router: E=%d H=%lld top-%d; POCL_MAX_PTHREAD_COUNT=%s\n", c.num_experts,
       static_cast<long long>(c.hidden_size), c.top_k,
       std::getenv("POCL_MAX_PTHREAD_COUNT") ? std::getenv("POCL_MAX_PTHREAD_COUNT") : "(unset)");
-  double load[3] = {0, 0, 0};
-  if (getloadavg(load, 3) == 3) {
-    std::printf("load average before the run: %.2f %.2f %.2f (2 cores)\n\n", load[0], load[1],
-                load[2]);
-  }
+  bench::PrintLoadAverage("before");
+  std::printf("\n");
   std::printf(
       "| tokens | Route ms (logits + top-k) | Route logits GFLOP/s | OpenBLAS sgemm logits ms | "
       "sgemm threads | Route / sgemm time |\n");
@@ -111,9 +108,8 @@ int Run(int argc, char** argv) {
                 med[0] * 1e3, flops / med[0] / 1e9, med[best] * 1e3, best, med[0] / med[best]);
     std::fflush(stdout);
   }
-  if (getloadavg(load, 3) == 3) {
-    std::printf("\nload average after the run: %.2f %.2f %.2f\n", load[0], load[1], load[2]);
-  }
+  std::printf("\n");
+  bench::PrintLoadAverage("after");
   return 0;
 }
 

@@ -227,6 +227,34 @@ inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint
   return c;
 }
 
+// The product tile of this work-group: rows group.y .. group.z of a (BF16, rows of k_pad
+// values) times weight rows n0 .. n0 + MMA_BN of expert group.x, whose matrix in w has n_rows
+// rows of k_pad values (tiled). Returns the group; acc as MmaTile leaves it.
+inline __attribute__((always_inline)) int4 TileProduct(
+    const __global ushort* restrict a, const __global int4* restrict groups,
+    const __global ushort* restrict w, int n_rows, int k_pad, int n0, __local uint4* lds_a,
+    __local uint4* lds_b, float* acc) {
+  const int4 grp = groups[get_group_id(1)];
+  const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
+  const StageCopies copies = TileCopies((const __global uint4*)a, grp.y, grp.z,
+                                        (const __global uint4*)wt, k_pad / 8);
+#pragma unroll
+  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
+  MmaTile(&copies, k_pad / 8, lds_a, lds_b, acc);
+  return grp;
+}
+
+// Where this work-item's accumulators lie in the tile: acc[(i * NJ + j) * 4 + hi * 2 + {0, 1}]
+// is row wm * 64 + i * 16 + g + hi * 8, columns wn * WARP_COLS + j * 8 + 2t + {0, 1}.
+typedef struct {
+  int wm, wn, g, t;
+} AccPlace;
+inline AccPlace ThisAccPlace(void) {
+  const int lane = get_local_id(0) & 31, warp = get_local_id(0) >> 5;
+  AccPlace q = {warp / WARPS_N, warp % WARPS_N, lane >> 2, lane & 3};
+  return q;
+}
+
 // Both GEMM kernels run in work-groups of MMA_THREADS work-items. They do not declare it
 // (reqd_work_group_size): with it NVIDIA's assembler ignores the register cap the runtime
 // passes (kernels/runtime.cc).
@@ -239,26 +267,18 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
                               __global ushort* restrict h) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
-  const int4 grp = groups[get_group_id(1)];
   const int n0 = get_group_id(0) * MMA_BN;  // first weight row of the tile
-  const __global ushort* wt = w + ((size_t)grp.x * 2 * f_pad + n0) * (size_t)k_pad;
-  const StageCopies copies = TileCopies((const __global uint4*)a, grp.y, grp.z,
-                                        (const __global uint4*)wt, k_pad / 8);
   float acc[4 * NJ * 4];
-#pragma unroll
-  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
-  MmaTile(&copies, k_pad / 8, lds_a, lds_b, acc);
+  const int4 grp = TileProduct(a, groups, w, 2 * f_pad, k_pad, n0, lds_a, lds_b, acc);
 
   // Tile columns j = 0, 2, ... of a warp are gate, j = 1, 3, ... up, of outputs
   // f = n0 / 2 + wn * WARP_COLS / 2 + (j / 2) * 8 + 2t + {0, 1}.
-  const int tid = get_local_id(0);
-  const int lane = tid & 31, warp = tid >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
-  const int g = lane >> 2, t = lane & 3;
+  const AccPlace q = ThisAccPlace();
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
-      const int p = grp.y + wm * 64 + i * 16 + g + hi * 8;
+      const int p = grp.y + q.wm * 64 + i * 16 + q.g + hi * 8;
       if (p >= grp.z) continue;
 #pragma unroll
       for (int jj = 0; jj < NJ / 2; ++jj) {
@@ -266,7 +286,7 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
         const float* up = acc + (i * NJ + 2 * jj + 1) * 4 + hi * 2;
         const float v0 = gate[0] / (1.0f + exp(-gate[0])) * up[0];
         const float v1 = gate[1] / (1.0f + exp(-gate[1])) * up[1];
-        const int f = n0 / 2 + wn * (WARP_COLS / 2) + jj * 8 + 2 * t;
+        const int f = n0 / 2 + q.wn * (WARP_COLS / 2) + jj * 8 + 2 * q.t;
         ((__global uint*)(h + (size_t)p * f_pad + f))[0] = Bf16Bits(v0) | (Bf16Bits(v1) << 16);
       }
     }
@@ -280,29 +300,21 @@ __kernel void ffn_mma_down(__global const ushort* restrict h, __global const int
                            __global float* restrict y) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
-  const int4 grp = groups[get_group_id(1)];
   const int n0 = get_group_id(0) * MMA_BN;
-  const __global ushort* wt = w + ((size_t)grp.x * n_pad + n0) * (size_t)f_pad;
-  const StageCopies copies = TileCopies((const __global uint4*)h, grp.y, grp.z,
-                                        (const __global uint4*)wt, f_pad / 8);
   float acc[4 * NJ * 4];
-#pragma unroll
-  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
-  MmaTile(&copies, f_pad / 8, lds_a, lds_b, acc);
+  const int4 grp = TileProduct(h, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
 
-  const int tid = get_local_id(0);
-  const int lane = tid & 31, warp = tid >> 5, wm = warp / WARPS_N, wn = warp % WARPS_N;
-  const int g = lane >> 2, t = lane & 3;
+  const AccPlace q = ThisAccPlace();
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
-      const int p = grp.y + wm * 64 + i * 16 + g + hi * 8;
+      const int p = grp.y + q.wm * 64 + i * 16 + q.g + hi * 8;
       if (p >= grp.z) continue;
       __global float* out = y + (size_t)p * hidden;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        const int c = n0 + wn * WARP_COLS + j * 8 + 2 * t;
+        const int c = n0 + q.wn * WARP_COLS + j * 8 + 2 * q.t;
         const float* v = acc + (i * NJ + j) * 4 + hi * 2;
         if (c < hidden) out[c] = v[0];
         if (c + 1 < hidden) out[c + 1] = v[1];

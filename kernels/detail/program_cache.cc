@@ -58,15 +58,6 @@ std::string ProgramCachePath(std::string_view dir, std::string_view name, std::s
                       absl::string_view(key.data(), key.size()), ".bin");
 }
 
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
-  return std::move(bytes).str();
-}
-
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
   std::error_code ec;
   const std::filesystem::path target(path);

@@ -19,9 +19,6 @@ std::string ProgramCacheKey(std::string_view source, std::string_view options,
 // "<dir>/<name>-<key>.bin".
 std::string ProgramCachePath(std::string_view dir, std::string_view name, std::string_view key);
 
-// The whole file; NOT_FOUND when it does not exist.
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
-
 // Writes `bytes` to a temporary file beside `path` and renames it over `path`, so readers
 // see either no file or a complete one. Creates the folder when missing.
 absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);

@@ -188,7 +188,7 @@ absl::Status SafetensorsFile::ReadAsFloat(const TensorEntry& e, float* dst) cons
       const bool bf16 = e.dtype == Dtype::kBF16;
       for (int64_t i = 0; i < n; ++i) {
         const uint16_t bits = static_cast<uint16_t>(src[2 * i] | (src[2 * i + 1] << 8));
-        dst[i] = bf16 ? Bf16ToFloat(bits) : F16ToFloat(bits);
+        dst[i] = bf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
       }
       return absl::OkStatus();
     }
@@ -197,71 +197,6 @@ absl::Status SafetensorsFile::ReadAsFloat(const TensorEntry& e, float* dst) cons
   }
   return BadTensor(path_, e.name,
                    absl::StrCat("dtype ", e.dtype_name, " is not supported (F32, F16, BF16)"));
-}
-
-float Bf16ToFloat(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-float F16ToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F;
-  uint32_t mant = h & 0x3FF;
-  uint32_t u;
-  if (exp == 0x1F) {
-    u = sign | 0x7F800000 | (mant << 13);  // inf or NaN
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (mant << 13);  // normal: rebias 15 -> 127
-  } else if (mant == 0) {
-    u = sign;  // signed zero
-  } else {
-    // Subnormal: shift the leading one into the implicit bit.
-    int e = -1;
-    do {
-      ++e;
-      mant <<= 1;
-    } while ((mant & 0x400) == 0);
-    u = sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-uint16_t FloatToBf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  if ((u & 0x7F800000) == 0x7F800000 && (u & 0x7FFFFF) != 0)
-    return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-uint16_t FloatToF16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000);
-  const uint32_t abs = u & 0x7FFFFFFF;
-  if (abs >= 0x7F800000) return sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0);  // inf / NaN
-  if (abs >= 0x477FF000) return sign | 0x7C00;  // rounds past 65504: inf
-  if (abs < 0x38800000) {
-    // Subnormal or zero in half: value = m * 2^-24 with m rounded to nearest even.
-    if (abs < 0x33000000) return sign;  // below half the smallest subnormal
-    const uint32_t exp = abs >> 23;
-    const uint32_t mant = (abs & 0x7FFFFF) | 0x800000;
-    const uint32_t shift = 126 - exp;  // 14 - (exp - 127) + 10 - 23 ... bits to drop
-    uint32_t m = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1);
-    const uint32_t half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (m & 1))) ++m;
-    return sign | static_cast<uint16_t>(m);
-  }
-  uint32_t r = abs + 0xFFF + ((abs >> 13) & 1);  // round the 13 dropped bits to nearest even
-  r -= 0x38000000;                               // rebias 127 -> 15
-  return sign | static_cast<uint16_t>(r >> 13);
 }
 
 }  // namespace epserve::model::detail

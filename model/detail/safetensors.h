@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/half.h"
 
 namespace epserve::model::detail {
 
@@ -66,11 +67,10 @@ class SafetensorsFile {
   std::map<std::string, TensorEntry, std::less<>> tensors_;
 };
 
-// Half-precision conversions, exact for every finite value, inf and NaN.
-float Bf16ToFloat(uint16_t bits);
-float F16ToFloat(uint16_t bits);
-// Round-to-nearest-even conversions (used by writers and tests).
-uint16_t FloatToBf16(float v);
-uint16_t FloatToF16(float v);
+// Half-precision conversions (common/half.h).
+using common::Bf16ToFloat;
+using common::FloatToBf16;
+using common::FloatToFp16;
+using common::Fp16ToFloat;
 
 }  // namespace epserve::model::detail

@@ -85,7 +85,7 @@ absl::string_view FamilyName(Family family) {
 
 float RoundTrip(float v, absl::string_view dtype) {
   if (dtype == "BF16") return detail::Bf16ToFloat(detail::FloatToBf16(v));
-  if (dtype == "F16") return detail::F16ToFloat(detail::FloatToF16(v));
+  if (dtype == "F16") return detail::Fp16ToFloat(detail::FloatToFp16(v));
   return v;
 }
 
@@ -102,7 +102,7 @@ std::string EncodeValues(const std::vector<float>& values, absl::string_view dty
     out.resize(values.size() * 2);
     for (size_t i = 0; i < values.size(); ++i) {
       const uint16_t u =
-          dtype == "BF16" ? detail::FloatToBf16(values[i]) : detail::FloatToF16(values[i]);
+          dtype == "BF16" ? detail::FloatToBf16(values[i]) : detail::FloatToFp16(values[i]);
       out[2 * i] = static_cast<char>(u & 0xFF);
       out[2 * i + 1] = static_cast<char>(u >> 8);
     }

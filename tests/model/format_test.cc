@@ -46,12 +46,12 @@ TEST(Json, IsStrict) {
 TEST(HalfPrecision, EveryBitPatternRoundTrips) {
   for (uint32_t b = 0; b < 65536; ++b) {
     const uint16_t bits = static_cast<uint16_t>(b);
-    const float f16 = F16ToFloat(bits);
+    const float f16 = Fp16ToFloat(bits);
     const float bf16 = Bf16ToFloat(bits);
     if (std::isnan(f16)) {
-      EXPECT_TRUE(std::isnan(F16ToFloat(FloatToF16(f16)))) << b;
+      EXPECT_TRUE(std::isnan(Fp16ToFloat(FloatToFp16(f16)))) << b;
     } else {
-      ASSERT_EQ(FloatToF16(f16), bits) << b;
+      ASSERT_EQ(FloatToFp16(f16), bits) << b;
     }
     if (std::isnan(bf16)) {
       EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(bf16)))) << b;
@@ -59,19 +59,19 @@ TEST(HalfPrecision, EveryBitPatternRoundTrips) {
       ASSERT_EQ(FloatToBf16(bf16), bits) << b;
     }
   }
-  EXPECT_EQ(F16ToFloat(0x3C00), 1.0f);
-  EXPECT_EQ(F16ToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
-  EXPECT_EQ(F16ToFloat(0x7BFF), 65504.0f);
+  EXPECT_EQ(Fp16ToFloat(0x3C00), 1.0f);
+  EXPECT_EQ(Fp16ToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(Fp16ToFloat(0x7BFF), 65504.0f);
   EXPECT_EQ(Bf16ToFloat(0xC040), -3.0f);
 }
 
 TEST(HalfPrecision, RoundsToNearestEven) {
   // 1 + 2^-11 is halfway between the F16 neighbours 1 and 1 + 2^-10: ties to even (1).
-  EXPECT_EQ(FloatToF16(1.0f + std::ldexp(1.0f, -11)), 0x3C00);
-  EXPECT_EQ(FloatToF16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02);
-  EXPECT_EQ(FloatToF16(65520.0f), 0x7C00);               // rounds past the largest finite
-  EXPECT_EQ(FloatToF16(std::ldexp(1.0f, -25)), 0x0000);  // tie with zero: even
-  EXPECT_EQ(FloatToF16(std::ldexp(1.5f, -25)), 0x0001);
+  EXPECT_EQ(FloatToFp16(1.0f + std::ldexp(1.0f, -11)), 0x3C00);
+  EXPECT_EQ(FloatToFp16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02);
+  EXPECT_EQ(FloatToFp16(65520.0f), 0x7C00);               // rounds past the largest finite
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -25)), 0x0000);  // tie with zero: even
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.5f, -25)), 0x0001);
   EXPECT_EQ(FloatToBf16(1.0f + std::ldexp(1.0f, -8)), 0x3F80);
   EXPECT_EQ(FloatToBf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);
 }

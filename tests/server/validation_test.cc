@@ -139,30 +139,30 @@ TEST(ParseInfer, PriorityAndTimeoutParameters) {
 }
 
 TEST(Dtype, RoundTripsAndRoundsToNearestEven) {
-  EXPECT_EQ(Fp32ToBf16(1.0f), 0x3f80);
-  EXPECT_EQ(Bf16ToFp32(0x3f80), 1.0f);
+  EXPECT_EQ(common::FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(common::Bf16ToFloat(0x3f80), 1.0f);
   // 1 + 2^-8 is halfway between two BF16 values: ties go to the even one (1.0).
-  EXPECT_EQ(Fp32ToBf16(1.00390625f), 0x3f80);
-  EXPECT_EQ(Fp32ToBf16(1.01171875f), 0x3f82);  // 1 + 3 * 2^-8: tie, up to even
-  EXPECT_TRUE(std::isnan(Bf16ToFp32(Fp32ToBf16(NAN))));
-  EXPECT_EQ(Fp32ToFp16(1.0f), 0x3c00);
-  EXPECT_EQ(Fp32ToFp16(-2.0f), 0xc000);
-  EXPECT_EQ(Fp32ToFp16(65504.0f), 0x7bff);
-  EXPECT_EQ(Fp32ToFp16(65520.0f), 0x7c00);            // rounds past the largest: infinity
-  EXPECT_EQ(Fp32ToFp16(5.9604645e-8f), 0x0001);       // the smallest subnormal
-  EXPECT_EQ(Fp32ToFp16(1.0f + 1.0f / 2048), 0x3c00);  // tie to even
-  EXPECT_TRUE(std::isnan(Fp16ToFp32(Fp32ToFp16(NAN))));
-  EXPECT_EQ(Fp16ToFp32(0x0001), 5.9604645e-8f);
+  EXPECT_EQ(common::FloatToBf16(1.00390625f), 0x3f80);
+  EXPECT_EQ(common::FloatToBf16(1.01171875f), 0x3f82);  // 1 + 3 * 2^-8: tie, up to even
+  EXPECT_TRUE(std::isnan(common::Bf16ToFloat(common::FloatToBf16(NAN))));
+  EXPECT_EQ(common::FloatToFp16(1.0f), 0x3c00);
+  EXPECT_EQ(common::FloatToFp16(-2.0f), 0xc000);
+  EXPECT_EQ(common::FloatToFp16(65504.0f), 0x7bff);
+  EXPECT_EQ(common::FloatToFp16(65520.0f), 0x7c00);            // rounds past the largest: infinity
+  EXPECT_EQ(common::FloatToFp16(5.9604645e-8f), 0x0001);       // the smallest subnormal
+  EXPECT_EQ(common::FloatToFp16(1.0f + 1.0f / 2048), 0x3c00);  // tie to even
+  EXPECT_TRUE(std::isnan(common::Fp16ToFloat(common::FloatToFp16(NAN))));
+  EXPECT_EQ(common::Fp16ToFloat(0x0001), 5.9604645e-8f);
   // Every FP16 value survives FP16 -> FP32 -> FP16.
   for (uint32_t h = 0; h < 0x10000; ++h) {
-    const float f = Fp16ToFp32(static_cast<uint16_t>(h));
+    const float f = common::Fp16ToFloat(static_cast<uint16_t>(h));
     if (std::isnan(f)) continue;
-    ASSERT_EQ(Fp32ToFp16(f), h) << std::hex << h;
+    ASSERT_EQ(common::FloatToFp16(f), h) << std::hex << h;
   }
   for (uint32_t b = 0; b < 0x10000; ++b) {
-    const float f = Bf16ToFp32(static_cast<uint16_t>(b));
+    const float f = common::Bf16ToFloat(static_cast<uint16_t>(b));
     if (std::isnan(f)) continue;
-    ASSERT_EQ(Fp32ToBf16(f), b) << std::hex << b;
+    ASSERT_EQ(common::FloatToBf16(f), b) << std::hex << b;
   }
 }
 
