@@ -2,12 +2,14 @@
 // (round-robin over variants, so that all see the same machine conditions).
 #pragma once
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -70,10 +72,12 @@ inline double NowSeconds() {
 // Median seconds of each of `fns`, timed round-robin (f0, f1, ..., f0, f1, ...) so that all
 // see the same machine conditions: `warmup` rounds, then at least min_reps rounds, more
 // while the rounds took under min_seconds in total, at most max_reps. *reps (when given)
-// receives the number of timed rounds.
+// receives the number of timed rounds. `settle` (when given) runs, untimed, before each
+// timed call, with the index of the function about to be timed.
 inline std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
                                                    int warmup, int min_reps, int max_reps,
-                                                   double min_seconds, int* reps_out = nullptr) {
+                                                   double min_seconds, int* reps_out = nullptr,
+                                                   const std::function<void(size_t)>& settle = nullptr) {
   for (int i = 0; i < warmup; ++i) {
     for (const auto& fn : fns) fn();
   }
@@ -82,6 +86,7 @@ inline std::vector<double> RoundRobinMedianSeconds(const std::vector<std::functi
   int reps = 0;
   while (reps < min_reps || (total < min_seconds && reps < max_reps)) {
     for (size_t i = 0; i < fns.size(); ++i) {
+      if (settle) settle(i);
       const double t0 = NowSeconds();
       fns[i]();
       times[i].push_back(NowSeconds() - t0);
@@ -96,6 +101,39 @@ inline std::vector<double> RoundRobinMedianSeconds(const std::vector<std::functi
     medians.push_back(t[t.size() / 2]);
   }
   return medians;
+}
+
+// Waits, polling every millisecond for at most max_seconds, until no thread of this process
+// other than the caller is running or runnable (state R in /proc/self/task/*/stat), and
+// returns whether that happened. Used between the timed calls of benchmarks whose baseline
+// libraries leave worker threads spinning after a call (OpenBLAS's idle workers call
+// sched_yield for 2^28 cycles, about 0.1 s here), so that those spinners do not share the
+// cores with whatever is timed next.
+inline bool WaitForOtherThreadsIdle(double max_seconds) {
+  const std::string self = std::to_string(gettid());
+  const double deadline = NowSeconds() + max_seconds;
+  while (true) {
+    bool busy = false;
+    if (DIR* dir = opendir("/proc/self/task")) {
+      while (const dirent* entry = readdir(dir)) {
+        const std::string tid = entry->d_name;
+        if (tid == "." || tid == ".." || tid == self) continue;
+        std::ifstream stat("/proc/self/task/" + tid + "/stat");
+        std::string line;
+        std::getline(stat, line);
+        // "tid (comm) S ...": the state follows the last ')', as comm may hold any character.
+        const size_t paren = line.rfind(')');
+        if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'R') {
+          busy = true;
+          break;
+        }
+      }
+      closedir(dir);
+    }
+    if (!busy) return true;
+    if (NowSeconds() >= deadline) return false;
+    usleep(1000);
+  }
 }
 
 // Median seconds of one function, timed as RoundRobinMedianSeconds times each variant.

@@ -40,26 +40,32 @@ namespace {
 
 using bench::NowSeconds;
 
-// Timing of the variants of one case, with this benchmark's repetition counts.
-std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns) {
-  return bench::RoundRobinMedianSeconds(fns, 2, 7, 41, 3.0);
+// Timing of the variants of one case, with this benchmark's repetition counts: the first
+// `kernel_variants` functions are epserve's, the rest baselines. OpenBLAS's idle workers keep
+// spinning on sched_yield for about 0.1 s after each call, so before each timed call of
+// epserve's kernels (and of memcpy) the benchmark waits for them to stop
+// (bench::WaitForOtherThreadsIdle); otherwise they would share the two cores with what is
+// timed next. The OpenBLAS variants run back to back, their workers warm, as in their own use.
+int unsettled_waits = 0;  // waits that ended with another thread still running
+std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
+                                            const std::vector<bool>& settle_before) {
+  return bench::RoundRobinMedianSeconds(fns, 2, 7, 41, 3.0, nullptr, [&](size_t i) {
+    if (settle_before[i] && !bench::WaitForOtherThreadsIdle(1.0)) ++unsettled_waits;
+  });
 }
 
-double MemcpyBytesPerSecond(int threads) {
-  const size_t bytes = size_t{512} << 20;
-  std::vector<char> src(bytes, 1), dst(bytes, 0);
-  const double s = bench::MedianSeconds(
-      [&] {
-        std::vector<std::thread> pool;
-        const size_t slice = bytes / threads;
-        for (int t = 0; t < threads; ++t) {
-          pool.emplace_back(
-              [&, t] { std::memcpy(dst.data() + t * slice, src.data() + t * slice, slice); });
-        }
-        for (std::thread& th : pool) th.join();
-      },
-      /*warmup=*/2, /*min_reps=*/5, /*max_reps=*/30, /*min_seconds=*/1.0);
-  return static_cast<double>(bytes) / s;
+// A memcpy of kMemcpyBytes on `threads` threads, each copying its slice, for the round-robin
+// timing of the small-row cases (so that it sees the machine conditions the kernels see).
+// Row counts per expert up to which the weight streaming is compared with memcpy.
+constexpr int64_t kStreamingRows = 8;
+constexpr size_t kMemcpyBytes = size_t{512} << 20;
+void ParallelMemcpy(char* dst, const char* src, int threads) {
+  std::vector<std::thread> pool;
+  const size_t slice = kMemcpyBytes / threads;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([=] { std::memcpy(dst + t * slice, src + t * slice, slice); });
+  }
+  for (std::thread& th : pool) th.join();
 }
 
 // max |a - ref| / max |ref|.
@@ -243,7 +249,21 @@ int Run(int argc, char** argv) {
         [&] { run_epserve(*w32, *xb, fp32_rows); }, [&] { run_epserve(*w16, *xb, fp32_rows); },
         [&] { run_epserve(*w16, *xb16, bf16_rows); }, run_composite};
     for (int t = 1; t <= threads; ++t) fns.push_back([&, t] { run_sgemm(t); });
-    const std::vector<double> med = RoundRobinMedianSeconds(fns);
+    // For the streaming ratios, memcpy on 1 and on 2 threads joins the round-robin: the
+    // machine's memory bandwidth drifts by 1.5x within minutes here, and only interleaved
+    // timings see the same conditions.
+    const size_t first_memcpy = fns.size();
+    std::vector<char> copy_src, copy_dst;
+    if (m <= kStreamingRows) {
+      copy_src.assign(kMemcpyBytes, 1);
+      copy_dst.assign(kMemcpyBytes, 0);
+      for (int t = 1; t <= std::min(threads, 2); ++t) {
+        fns.push_back([&, t] { ParallelMemcpy(copy_dst.data(), copy_src.data(), t); });
+      }
+    }
+    std::vector<bool> settle_before(fns.size(), true);
+    for (size_t i = 3; i < first_memcpy; ++i) settle_before[i] = false;  // OpenBLAS variants
+    const std::vector<double> med = RoundRobinMedianSeconds(fns, settle_before);
     if (failed) return 1;
     res.t_fp32 = med[0];
     res.t_bf16 = med[1];
@@ -257,10 +277,9 @@ int Run(int argc, char** argv) {
         res.sgemm_threads = t;
       }
     }
-    if (m <= 8) {
-      // memcpy measured right after, so that it sees the same machine conditions; counted
-      // as bytes read plus bytes written per second (twice the bytes copied).
-      res.memcpy_bps = 2.0 * std::max(MemcpyBytesPerSecond(1), MemcpyBytesPerSecond(2));
+    for (size_t i = first_memcpy; i < med.size(); ++i) {
+      // Counted as bytes read plus bytes written per second (twice the bytes copied).
+      res.memcpy_bps = std::max(res.memcpy_bps, 2.0 * kMemcpyBytes / med[i]);
     }
     results.push_back(res);
   }
@@ -308,7 +327,7 @@ int Run(int argc, char** argv) {
       "\nWeight streaming at few rows: the experts' weights (%.0f MiB FP32, %.0f MiB BF16) "
       "read once per FFN call / its median time, against memcpy (the better of 1 and 2 "
       "threads over 512 MiB, bytes read + bytes written per second = 2x the bytes copied), "
-      "measured right after each case.\n\n",
+      "timed round-robin with the kernels.\n\n",
       weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
   std::printf(
       "| rows/expert | memcpy GB/s | fp32 weight GB/s | fp32 / memcpy | bf16 weight GB/s | "
@@ -325,6 +344,11 @@ int Run(int argc, char** argv) {
                 sgemm_bw / res.memcpy_bps);
   }
   std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down).\n");
+  if (unsettled_waits > 0) {
+    std::printf("WARNING: %d waits for idle threads before a timed call ended after 1 s with "
+                "another thread of this process still running\n",
+                unsettled_waits);
+  }
   bench::PrintLoadAverage("after");
   return 0;
 }

@@ -29,9 +29,14 @@ extern "C" void openblas_set_num_threads(int);
 namespace epserve::kernels {
 namespace {
 
-// Median seconds of each of `fns`, timed round-robin after warm-up.
+// Median seconds of each of `fns`, timed round-robin after warm-up; fns[0] is epserve's
+// router, timed once the workers OpenBLAS leaves spinning after a call (on sched_yield, for
+// about 0.1 s) have gone idle, so that they do not share the cores with it. The OpenBLAS
+// variants run back to back, their workers warm.
 std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns) {
-  return bench::RoundRobinMedianSeconds(fns, 3, 21, 401, 1.0);
+  return bench::RoundRobinMedianSeconds(fns, 3, 21, 61, 1.0, nullptr, [](size_t i) {
+    if (i == 0) bench::WaitForOtherThreadsIdle(1.0);
+  });
 }
 
 int Run(int argc, char** argv) {

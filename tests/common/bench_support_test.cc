@@ -1,0 +1,71 @@
+// bench/bench_support.h: the round-robin timing calls its settle hook before every timed call,
+// and the wait for idle threads sees a spinning thread, waits it out, and gives up at its
+// deadline when the thread never stops.
+#include "bench/bench_support.h"
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace epserve::bench {
+namespace {
+
+TEST(RoundRobinMedianSecondsTest, SettlesBeforeEveryTimedCallWithItsIndex) {
+  std::vector<size_t> order;
+  std::vector<size_t> settled;
+  const std::vector<std::function<void()>> fns = {[&] { order.push_back(0); },
+                                                  [&] { order.push_back(1); }};
+  int reps = 0;
+  const std::vector<double> med = RoundRobinMedianSeconds(
+      fns, /*warmup=*/1, /*min_reps=*/3, /*max_reps=*/3, /*min_seconds=*/0.0, &reps,
+      [&](size_t i) {
+        settled.push_back(i);
+        // The settle hook runs before the call it names, never inside a timed call.
+        EXPECT_EQ(order.size() - 2, settled.size() - 1);
+      });
+  ASSERT_EQ(med.size(), 2u);
+  EXPECT_EQ(reps, 3);
+  EXPECT_EQ(order, (std::vector<size_t>{0, 1, 0, 1, 0, 1, 0, 1}));  // warm-up round first
+  EXPECT_EQ(settled, (std::vector<size_t>{0, 1, 0, 1, 0, 1}));      // timed rounds only
+}
+
+TEST(WaitForOtherThreadsIdleTest, ReturnsAtOnceWhenNoOtherThreadRuns) {
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(WaitForOtherThreadsIdle(5.0));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+}
+
+TEST(WaitForOtherThreadsIdleTest, WaitsForASpinningThreadToStop) {
+  std::atomic<bool> spinning{true};
+  std::atomic<bool> stop{false};
+  std::thread spinner([&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+    while (std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    spinning = false;
+    while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  EXPECT_TRUE(WaitForOtherThreadsIdle(30.0));
+  EXPECT_FALSE(spinning.load());  // it returned only once the spinner had gone to sleep
+  stop = true;
+  spinner.join();
+}
+
+TEST(WaitForOtherThreadsIdleTest, GivesUpAtItsDeadline) {
+  std::atomic<bool> stop{false};
+  std::thread spinner([&] {
+    while (!stop) std::this_thread::yield();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(WaitForOtherThreadsIdle(0.2));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(waited, std::chrono::milliseconds(200));
+  EXPECT_LT(waited, std::chrono::seconds(20));
+  stop = true;
+  spinner.join();
+}
+
+}  // namespace
+}  // namespace epserve::bench
