@@ -149,10 +149,15 @@ bool Batcher::TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
     if (queued_rows_[h.layer_pos] >= options_.max_batch_tokens || absl::Now() >= flush_at) break;
     cv_.wait_for(lock, absl::ToChronoNanoseconds(flush_at - absl::Now()));
   }
-  const int layer_pos = head()->layer_pos;
-  batch.layer_pos = layer_pos;
+  batch.layer_pos = head()->layer_pos;
+  AppendPieces(batch, to_release);
+  return true;
+}
+
+void Batcher::AppendPieces(Batch& batch, std::vector<std::shared_ptr<InferTask>>& to_release) {
+  const int layer_pos = batch.layer_pos;
   const absl::Time now = absl::Now();
-  int64_t rows = 0;
+  int64_t& rows = batch.rows;
   for (auto& q : queues_) {
     for (auto it = q.begin(); it != q.end() && rows < options_.max_batch_tokens;) {
       InferTask& t = **it;
@@ -169,7 +174,6 @@ bool Batcher::TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
         it = q.erase(it);
         continue;
       }
-      if (t.rows_taken == 0) t.first_batched = now;
       const int64_t take = std::min(t.num_tokens - t.rows_taken, options_.max_batch_tokens - rows);
       t.refs.fetch_add(1, std::memory_order_relaxed);
       batch.pieces.push_back({*it, t.rows_taken, take, rows, false});
@@ -185,14 +189,32 @@ bool Batcher::TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
       }
     }
   }
-  return true;
+}
+
+void Batcher::StageInputs(Batch& b, size_t first) {
+  const int64_t h = options_.hidden_size;
+  const absl::Time t0 = absl::Now();
+  for (size_t i = first; i < b.pieces.size(); ++i) {
+    const Piece& p = b.pieces[i];
+    const InferTask& t = *p.task;
+    if (t.input_type != ElementType::kFp32) {
+      if (b.input_staging.empty()) b.input_staging.resize(options_.max_batch_tokens * h);
+      ToFp32(t.input_type, t.input + p.row * h * ElementBytes(t.input_type),
+             b.input_staging.data() + p.at * h, p.rows * h);
+    }
+    if (t.output_type != ElementType::kFp32 && b.output_staging.empty()) {
+      b.output_staging.resize(options_.max_batch_tokens * h);
+    }
+  }
+  b.input_time += absl::Now() - t0;
 }
 
 void Batcher::FormLoop() {
-  const int64_t h = options_.hidden_size;
   while (true) {
     ready_.WaitNotFull();  // form the next batch only once the previous one has started
     Batch* b = free_.Pop();
+    b->rows = 0;
+    b->input_time = absl::ZeroDuration();
     std::vector<std::shared_ptr<InferTask>> to_release;
     bool running;
     {
@@ -211,6 +233,7 @@ void Batcher::FormLoop() {
       }
     }
     for (auto& t : to_release) Release(*t);
+    to_release.clear();
     if (!running) {
       free_.Push(b);
       ready_.Close();
@@ -220,26 +243,46 @@ void Batcher::FormLoop() {
       free_.Push(b);
       continue;
     }
-    const absl::Time t0 = absl::Now();
-    for (const Piece& p : b->pieces) {
-      const InferTask& t = *p.task;
-      if (t.input_type != ElementType::kFp32) {
-        if (b->input_staging.empty()) b->input_staging.resize(options_.max_batch_tokens * h);
-        ToFp32(t.input_type, t.input + p.row * h * ElementBytes(t.input_type),
-               b->input_staging.data() + p.at * h, p.rows * h);
+    StageInputs(*b, 0);
+    // While the executor still runs the previous batch, take in rows as they arrive.
+    while (true) {
+      size_t staged = b->pieces.size();
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] {
+          return stopping_ || executor_idle_ ||
+                 (b->rows < options_.max_batch_tokens && queued_rows_[b->layer_pos] > 0);
+        });
+        if (stopping_ || executor_idle_) {
+          executor_idle_ = false;  // this batch is the executor's next
+          break;
+        }
+        AppendPieces(*b, to_release);
       }
-      if (t.output_type != ElementType::kFp32 && b->output_staging.empty()) {
-        b->output_staging.resize(options_.max_batch_tokens * h);
-      }
+      for (auto& t : to_release) Release(*t);
+      to_release.clear();
+      StageInputs(*b, staged);
     }
-    b->input_time = absl::Now() - t0;
+    // A request's queueing ends when its first rows go to the executor, not when they join a
+    // batch that still waits.
+    const absl::Time handed = absl::Now();
+    for (const Piece& p : b->pieces) {
+      if (p.task->first_batched == absl::InfiniteFuture()) p.task->first_batched = handed;
+    }
     ready_.Push(b);
   }
 }
 
 void Batcher::ExecuteLoop() {
   const int64_t h = options_.hidden_size;
-  while (Batch* b = ready_.Pop()) {
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      executor_idle_ = true;
+    }
+    cv_.notify_all();
+    Batch* b = ready_.Pop();
+    if (b == nullptr) break;
     const absl::Time now = absl::Now();
     b->chunks.clear();
     for (Piece& p : b->pieces) {

@@ -8,8 +8,9 @@
 //   executor    runs one batch at a time (the coordinator is single-threaded);
 //   completion  converts outputs back to the requested datatype and answers requests.
 //
-// At most one formed batch waits for the executor, so a batch is formed as late as the
-// pipeline allows and takes in every row that arrived meanwhile.
+// At most one formed batch waits for the executor, and while it waits it keeps taking in
+// rows of its layer as they arrive, up to max_batch_tokens: under load every batch holds what
+// arrived while the previous one ran, and an idle executor gets a batch without delay.
 #pragma once
 
 #include <atomic>
@@ -33,7 +34,7 @@ namespace epserve::server {
 // Where one request's time went, as Triton's statistics report it. A request split over
 // several batches is charged each batch's time.
 struct TaskTimes {
-  absl::Duration queue;           // accepted until its first rows entered a batch
+  absl::Duration queue;           // accepted until its first rows went to the executor
   absl::Duration compute_input;   // rank 0 converting its batches' inputs
   absl::Duration compute_infer;   // its batches' runs through the workers
   absl::Duration compute_output;  // rank 0 converting its batches' outputs
@@ -63,7 +64,8 @@ struct InferTask {
 
   // ---- batcher internals ----
   int64_t rows_taken = 0;                             // formation thread only
-  absl::Time first_batched = absl::InfiniteFuture();  // formation thread only
+  // When its first rows went to the executor; formation thread only.
+  absl::Time first_batched = absl::InfiniteFuture();
   std::atomic<bool> failed{false};  // an error was recorded; remaining rows are dropped
   std::atomic<int> refs{1};         // the queue's reference + one per piece in flight
   std::mutex mu;
@@ -119,6 +121,7 @@ class Batcher {
   };
   struct Batch {
     int layer_pos = 0;
+    int64_t rows = 0;  // of all pieces
     std::vector<Piece> pieces;
     std::vector<worker::RowChunk> chunks;
     std::vector<float> input_staging;   // max_batch_tokens * H, for non-FP32 inputs
@@ -146,10 +149,17 @@ class Batcher {
   void FormLoop();
   void ExecuteLoop();
   void CompleteLoop();
-  // Takes pieces of the next batch from the queue; false when stopping. Holds `lock`.
-  // Tasks whose queue reference must be dropped (after unlocking) go to `to_release`.
+  // Waits until the queue's head may start a batch (a full batch of its layer is queued or
+  // the head has waited max_queue_delay), then takes the batch's first pieces; false when
+  // stopping. Holds `lock`. Tasks whose queue reference must be dropped (after unlocking) go
+  // to `to_release`.
   bool TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
                   std::vector<std::shared_ptr<InferTask>>& to_release);
+  // Appends queued rows of batch.layer_pos to the batch, highest priority first, up to
+  // max_batch_tokens, without waiting. Holds mu_.
+  void AppendPieces(Batch& batch, std::vector<std::shared_ptr<InferTask>>& to_release);
+  // Converts the non-FP32 inputs of pieces [first, end) into the batch's staging buffers.
+  void StageInputs(Batch& batch, size_t first);
   void Fail(InferTask& task, absl::Status status);
   void Release(InferTask& task);  // drops one reference; the last one answers
   static absl::Status Dropped(InferTask& task, absl::Time now);
@@ -164,6 +174,11 @@ class Batcher {
   std::vector<int64_t> queued_rows_;                            // per layer, guarded by mu_
   int64_t queued_tokens_ = 0;                                   // guarded by mu_
   bool stopping_ = false;                                       // guarded by mu_
+  // The executor waits for a batch and none has been handed to it since: the formed batch
+  // goes now instead of taking in more rows. Set only by the executor, right before it waits
+  // (so never while a handed-over batch is pending), cleared by the formation thread as it
+  // hands one over. Guarded by mu_.
+  bool executor_idle_ = false;
   std::vector<std::unique_ptr<Batch>> batches_;
   Channel free_{4};
   Channel ready_{1};

@@ -213,10 +213,14 @@ struct Gate {
   std::condition_variable cv;
   bool open = false;
   std::vector<float> first_values;
+  std::vector<int64_t> rows;  // of every batch
   Batcher::Executor Executor() {
     return [this](int, std::span<const worker::RowChunk> chunks) {
       std::unique_lock<std::mutex> lock(mu);
       first_values.push_back(chunks[0].input[0]);
+      int64_t n = 0;
+      for (const auto& c : chunks) n += c.rows;
+      rows.push_back(n);
       cv.wait(lock, [&] { return open; });
       for (const auto& c : chunks) {
         for (int64_t i = 0; i < c.rows * kHidden; ++i) c.output[i] = 2 * c.input[i];
@@ -261,6 +265,46 @@ TEST(Batcher, HigherPriorityOvertakesQueuedRequests) {
   // At most one low-priority batch was formed before the high-priority request arrived.
   const auto high = std::find(gate.first_values.begin(), gate.first_values.end(), 99000.0f);
   EXPECT_LE(high - gate.first_values.begin(), 2) << "the priority-1 request ran too late";
+}
+
+TEST(Batcher, TheWaitingBatchTakesInRowsThatArriveWhileTheExecutorRuns) {
+  Gate gate;
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  std::mt19937 rng(std::random_device{}());
+  {
+    // No queueing delay: without the top-up, the batch behind the running one would hold only
+    // the first request that arrived.
+    Batcher b(Options(16, absl::ZeroDuration()), gate.Executor());
+    reqs.push_back(MakeRequest(4, 1000));  // holds the executor
+    ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    while (gate.batches() == 0) absl::SleepFor(absl::Milliseconds(1));
+    int64_t arrived = 0;
+    for (int i = 1; i <= 5; ++i) {  // 1-4 rows each, arriving one by one: 5-20 rows in all
+      const int64_t tokens = 1 + static_cast<int64_t>(rng() % 4);
+      arrived += tokens;
+      reqs.push_back(MakeRequest(tokens, 1000.0f * (i + 1)));
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    // Every row the waiting batch has room for leaves the queue before the executor is free.
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (b.queued_tokens() > std::max<int64_t>(arrived - 16, 0) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(b.queued_tokens(), std::max<int64_t>(arrived - 16, 0));
+    gate.Open();
+    WaitDone(reqs);
+    ASSERT_GE(gate.rows.size(), 2u);
+    // The second batch took every row that arrived, up to the batch limit; the rest (if any)
+    // formed the third.
+    EXPECT_EQ(gate.rows[1], std::min<int64_t>(arrived, 16));
+    EXPECT_EQ(gate.rows.size(), arrived > 16 ? 3u : 2u);
+  }
+  for (const auto& r : reqs) {
+    ASSERT_EQ(r->calls, 1);
+    ASSERT_TRUE(r->status.ok()) << r->status;
+    for (size_t i = 0; i < r->in.size(); ++i) ASSERT_EQ(r->out[i], 2 * r->in[i]);
+  }
 }
 
 TEST(Batcher, ConvertsBf16AndFp16BothWays) {
