@@ -74,10 +74,10 @@ inline double NowSeconds() {
 // while the rounds took under min_seconds in total, at most max_reps. *reps (when given)
 // receives the number of timed rounds. `settle` (when given) runs, untimed, before each
 // timed call, with the index of the function about to be timed.
-inline std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
-                                                   int warmup, int min_reps, int max_reps,
-                                                   double min_seconds, int* reps_out = nullptr,
-                                                   const std::function<void(size_t)>& settle = nullptr) {
+inline std::vector<double> RoundRobinMedianSeconds(
+    const std::vector<std::function<void()>>& fns, int warmup, int min_reps, int max_reps,
+    double min_seconds, int* reps_out = nullptr,
+    const std::function<void(size_t)>& settle = nullptr) {
   for (int i = 0; i < warmup; ++i) {
     for (const auto& fn : fns) fn();
   }
@@ -135,6 +135,31 @@ inline bool WaitForOtherThreadsIdle(double max_seconds) {
     usleep(1000);
   }
 }
+
+// Settle hooks for RoundRobinMedianSeconds that wait for the process's other threads to go
+// idle (WaitForOtherThreadsIdle, 1 s at most) before the timed calls they mark, counting the
+// waits that gave up over a benchmark's whole run.
+class IdleThreadsWait {
+ public:
+  // The hook for one call of RoundRobinMedianSeconds: waits before fns[i] when before[i].
+  std::function<void(size_t)> Before(std::vector<bool> before) {
+    return [this, before = std::move(before)](size_t i) {
+      if (before[i] && !WaitForOtherThreadsIdle(1.0)) ++gave_up_;
+    };
+  }
+  // Prints a warning when some wait gave up: the call after it shared the cores.
+  void PrintWarningIfAny() const {
+    if (gave_up_ > 0) {
+      std::printf(
+          "WARNING: %d waits for idle threads before a timed call ended after 1 s with "
+          "another thread of this process still running\n",
+          gave_up_);
+    }
+  }
+
+ private:
+  int gave_up_ = 0;
+};
 
 // Median seconds of one function, timed as RoundRobinMedianSeconds times each variant.
 inline double MedianSeconds(std::function<void()> fn, int warmup, int min_reps, int max_reps,

@@ -260,11 +260,15 @@ absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offset
   return rt.AllocateCopy(groups.data(), groups.size() * sizeof(cl_int4));
 }
 
-// gate_up then down over the rows that `groups` names: x FP32 rows x_stride values apart,
-// row p reading x[row_index[p]] (gather) or x[p].
+// gate_up then down over the expert-major rows of `offsets`, in tiles of at most
+// kFfnRowChunk rows of one expert: x FP32 rows x_stride values apart, row p reading
+// x[row_index[p]] (gather) or x[p].
 absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t x_stride,
-                    const Buffer& row_index, bool gather, const Buffer& groups, int num_groups,
+                    const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                     Buffer& h_scratch, Buffer& y) {
+  int num_groups = 0;
+  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kFfnRowChunk, &num_groups);
+  if (!groups.ok()) return groups.status();
   if (num_groups == 0) return absl::OkStatus();
   const char* w_name = w.dtype == DType::kBf16 ? "_wbf16" : "_wf32";
   absl::StatusOr<cl_kernel> gate_up = rt.Kernel(absl::StrCat("ffn_gate_up", w_name));
@@ -278,10 +282,10 @@ absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_
   const cl_long x_rows = RowsInBuffer(x, sizeof(float), w.hidden, x_stride);
   const size_t local[2] = {1, 1};
   RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, cl_long{x_stride}, row_index, cl_int{gather ? 1 : 0},
-                          groups, w.gate_up, hidden, ffn, gu_panels, h_scratch));
+                          *groups, w.gate_up, hidden, ffn, gu_panels, h_scratch));
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
   RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
-  RETURN_IF_ERROR(SetArgs(*down, h_scratch, groups, w.down, hidden, ffn, down_panels, y));
+  RETURN_IF_ERROR(SetArgs(*down, h_scratch, *groups, w.down, hidden, ffn, down_panels, y));
   const size_t down_global[2] = {static_cast<size_t>(down_panels), static_cast<size_t>(num_groups)};
   return Launch(rt, *down, 2, down_global, local);
 }
@@ -470,17 +474,12 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   if (w.tensor_cores) {
     return RunFfnMma(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
   }
-  int num_groups = 0;
-  absl::StatusOr<Buffer> groups =
-      UploadGroups(rt, expert_offsets, detail::kFfnRowChunk, &num_groups);
-  if (!groups.ok()) return groups.status();
   if (x_format.dtype == DType::kBf16) {
     // Widened and gathered into y, which gate_up reads before down overwrites it.
     RETURN_IF_ERROR(GatherBf16Rows(rt, x, w.hidden, x_format.row_stride, row_index, rows, y));
-    return RunFfn(rt, w, y, w.hidden, row_index, /*gather=*/false, *groups, num_groups, h_scratch,
-                  y);
+    return RunFfn(rt, w, y, w.hidden, row_index, /*gather=*/false, expert_offsets, h_scratch, y);
   }
-  return RunFfn(rt, w, x, x_format.row_stride, row_index, /*gather=*/true, *groups, num_groups,
+  return RunFfn(rt, w, x, x_format.row_stride, row_index, /*gather=*/true, expert_offsets,
                 h_scratch, y);
 }
 
@@ -497,16 +496,10 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   RETURN_IF_ERROR(NeedBytes(y, n * w.hidden * sizeof(float), "y"));
   const int64_t offsets[2] = {0, n};
   const Buffer no_index;
-  if (w.tensor_cores) {
-    RETURN_IF_ERROR(RunFfnMma(rt, w, x, {DType::kFp32, w.hidden}, no_index, /*gather=*/false,
-                              offsets, h_scratch, y));
-  } else {
-    int num_groups = 0;
-    absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kFfnRowChunk, &num_groups);
-    if (!groups.ok()) return groups.status();
-    RETURN_IF_ERROR(
-        RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, *groups, num_groups, h_scratch, y));
-  }
+  RETURN_IF_ERROR(w.tensor_cores ? RunFfnMma(rt, w, x, {DType::kFp32, w.hidden}, no_index,
+                                             /*gather=*/false, offsets, h_scratch, y)
+                                 : RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, offsets,
+                                          h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
   absl::StatusOr<cl_kernel> scale = rt.Kernel("scale_rows_by_sigmoid_gate");
   if (!scale.ok()) return scale.status();

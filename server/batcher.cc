@@ -246,7 +246,7 @@ void Batcher::FormLoop() {
     StageInputs(*b, 0);
     // While the executor still runs the previous batch, take in rows as they arrive.
     while (true) {
-      size_t staged = b->pieces.size();
+      const size_t staged = b->pieces.size();
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] {

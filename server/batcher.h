@@ -63,7 +63,7 @@ struct InferTask {
   std::function<void(absl::Status, const TaskTimes&)> done;
 
   // ---- batcher internals ----
-  int64_t rows_taken = 0;                             // formation thread only
+  int64_t rows_taken = 0;  // formation thread only
   // When its first rows went to the executor; formation thread only.
   absl::Time first_batched = absl::InfiniteFuture();
   std::atomic<bool> failed{false};  // an error was recorded; remaining rows are dropped

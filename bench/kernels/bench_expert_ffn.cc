@@ -40,24 +40,17 @@ namespace {
 
 using bench::NowSeconds;
 
-// Timing of the variants of one case, with this benchmark's repetition counts: the first
-// `kernel_variants` functions are epserve's, the rest baselines. OpenBLAS's idle workers keep
-// spinning on sched_yield for about 0.1 s after each call, so before each timed call of
-// epserve's kernels (and of memcpy) the benchmark waits for them to stop
-// (bench::WaitForOtherThreadsIdle); otherwise they would share the two cores with what is
-// timed next. The OpenBLAS variants run back to back, their workers warm, as in their own use.
-int unsettled_waits = 0;  // waits that ended with another thread still running
+// Timing of the variants of one case, with this benchmark's repetition counts; `settle` runs
+// before each timed call.
 std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
-                                            const std::vector<bool>& settle_before) {
-  return bench::RoundRobinMedianSeconds(fns, 2, 7, 41, 3.0, nullptr, [&](size_t i) {
-    if (settle_before[i] && !bench::WaitForOtherThreadsIdle(1.0)) ++unsettled_waits;
-  });
+                                            const std::function<void(size_t)>& settle) {
+  return bench::RoundRobinMedianSeconds(fns, 2, 7, 41, 3.0, nullptr, settle);
 }
 
-// A memcpy of kMemcpyBytes on `threads` threads, each copying its slice, for the round-robin
-// timing of the small-row cases (so that it sees the machine conditions the kernels see).
 // Row counts per expert up to which the weight streaming is compared with memcpy.
 constexpr int64_t kStreamingRows = 8;
+// A memcpy of kMemcpyBytes on `threads` threads, each copying its slice, for the round-robin
+// timing of the small-row cases (so that it sees the machine conditions the kernels see).
 constexpr size_t kMemcpyBytes = size_t{512} << 20;
 void ParallelMemcpy(char* dst, const char* src, int threads) {
   std::vector<std::thread> pool;
@@ -154,6 +147,7 @@ int Run(int argc, char** argv) {
   bench::PrintLoadAverage("before");
 
   std::vector<Result> results;
+  bench::IdleThreadsWait idle_threads;
   std::mt19937_64 rng(42);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (int64_t m : rows_per_expert) {
@@ -245,9 +239,11 @@ int Run(int argc, char** argv) {
     run_epserve(*w16, *xb16, bf16_rows);
     res.diff_bf16_x = MaxRelDiff(read_y(), y_blas);
 
-    std::vector<std::function<void()>> fns = {
-        [&] { run_epserve(*w32, *xb, fp32_rows); }, [&] { run_epserve(*w16, *xb, fp32_rows); },
-        [&] { run_epserve(*w16, *xb16, bf16_rows); }, run_composite};
+    std::vector<std::function<void()>> fns = {[&] { run_epserve(*w32, *xb, fp32_rows); },
+                                              [&] { run_epserve(*w16, *xb, fp32_rows); },
+                                              [&] { run_epserve(*w16, *xb16, bf16_rows); }};
+    const size_t first_openblas = fns.size();
+    fns.push_back(run_composite);
     for (int t = 1; t <= threads; ++t) fns.push_back([&, t] { run_sgemm(t); });
     // For the streaming ratios, memcpy on 1 and on 2 threads joins the round-robin: the
     // machine's memory bandwidth drifts by 1.5x within minutes here, and only interleaved
@@ -261,9 +257,14 @@ int Run(int argc, char** argv) {
         fns.push_back([&, t] { ParallelMemcpy(copy_dst.data(), copy_src.data(), t); });
       }
     }
+    // OpenBLAS's idle workers keep spinning on sched_yield for about 0.1 s after each call, so
+    // before each timed call of epserve's kernels (and of memcpy) the benchmark waits for them
+    // to stop; otherwise they would share the two cores with what is timed next. The OpenBLAS
+    // variants run back to back, their workers warm, as in their own use.
     std::vector<bool> settle_before(fns.size(), true);
-    for (size_t i = 3; i < first_memcpy; ++i) settle_before[i] = false;  // OpenBLAS variants
-    const std::vector<double> med = RoundRobinMedianSeconds(fns, settle_before);
+    for (size_t i = first_openblas; i < first_memcpy; ++i) settle_before[i] = false;
+    const std::vector<double> med =
+        RoundRobinMedianSeconds(fns, idle_threads.Before(std::move(settle_before)));
     if (failed) return 1;
     res.t_fp32 = med[0];
     res.t_bf16 = med[1];
@@ -344,11 +345,7 @@ int Run(int argc, char** argv) {
                 sgemm_bw / res.memcpy_bps);
   }
   std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down).\n");
-  if (unsettled_waits > 0) {
-    std::printf("WARNING: %d waits for idle threads before a timed call ended after 1 s with "
-                "another thread of this process still running\n",
-                unsettled_waits);
-  }
+  idle_threads.PrintWarningIfAny();
   bench::PrintLoadAverage("after");
   return 0;
 }

@@ -33,10 +33,12 @@ namespace {
 // router, timed once the workers OpenBLAS leaves spinning after a call (on sched_yield, for
 // about 0.1 s) have gone idle, so that they do not share the cores with it. The OpenBLAS
 // variants run back to back, their workers warm.
-std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns) {
-  return bench::RoundRobinMedianSeconds(fns, 3, 21, 61, 1.0, nullptr, [](size_t i) {
-    if (i == 0) bench::WaitForOtherThreadsIdle(1.0);
-  });
+std::vector<double> RoundRobinMedianSeconds(const std::vector<std::function<void()>>& fns,
+                                            bench::IdleThreadsWait& idle_threads) {
+  std::vector<bool> settle_before(fns.size(), false);
+  settle_before[0] = true;
+  return bench::RoundRobinMedianSeconds(fns, 3, 21, 61, 1.0, nullptr,
+                                        idle_threads.Before(std::move(settle_before)));
 }
 
 int Run(int argc, char** argv) {
@@ -78,6 +80,7 @@ int Run(int argc, char** argv) {
       "| tokens | Route ms (logits + top-k) | Route logits GFLOP/s | OpenBLAS sgemm logits ms | "
       "sgemm threads | Route / sgemm time |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|\n");
+  bench::IdleThreadsWait idle_threads;
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (int64_t n : tokens) {
@@ -102,7 +105,7 @@ int Run(int argc, char** argv) {
                     c.hidden_size, 0.0f, logits.data(), c.num_experts);
       });
     }
-    const std::vector<double> med = RoundRobinMedianSeconds(fns);
+    const std::vector<double> med = RoundRobinMedianSeconds(fns, idle_threads);
     if (failed) return 1;
     int best = 1;
     for (int t = 2; t <= threads; ++t) {
@@ -114,6 +117,7 @@ int Run(int argc, char** argv) {
     std::fflush(stdout);
   }
   std::printf("\n");
+  idle_threads.PrintWarningIfAny();
   bench::PrintLoadAverage("after");
   return 0;
 }

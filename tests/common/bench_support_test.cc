@@ -20,8 +20,7 @@ TEST(RoundRobinMedianSecondsTest, SettlesBeforeEveryTimedCallWithItsIndex) {
                                                   [&] { order.push_back(1); }};
   int reps = 0;
   const std::vector<double> med = RoundRobinMedianSeconds(
-      fns, /*warmup=*/1, /*min_reps=*/3, /*max_reps=*/3, /*min_seconds=*/0.0, &reps,
-      [&](size_t i) {
+      fns, /*warmup=*/1, /*min_reps=*/3, /*max_reps=*/3, /*min_seconds=*/0.0, &reps, [&](size_t i) {
         settled.push_back(i);
         // The settle hook runs before the call it names, never inside a timed call.
         EXPECT_EQ(order.size() - 2, settled.size() - 1);
@@ -65,6 +64,29 @@ TEST(WaitForOtherThreadsIdleTest, GivesUpAtItsDeadline) {
   EXPECT_LT(waited, std::chrono::seconds(20));
   stop = true;
   spinner.join();
+}
+
+TEST(IdleThreadsWaitTest, WaitsOnlyBeforeMarkedCallsAndReportsTheWaitsThatGaveUp) {
+  std::atomic<bool> stop{false};
+  std::thread spinner([&] {
+    while (!stop) std::this_thread::yield();
+  });
+  IdleThreadsWait idle;
+  const std::function<void(size_t)> hook = idle.Before({false, true});
+  auto t0 = std::chrono::steady_clock::now();
+  hook(0);  // not marked: no wait, whatever runs
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(500));
+  testing::internal::CaptureStdout();
+  idle.PrintWarningIfAny();
+  EXPECT_EQ(testing::internal::GetCapturedStdout(), "");
+  t0 = std::chrono::steady_clock::now();
+  hook(1);  // marked: waits its second for the spinner, then gives up
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  stop = true;
+  spinner.join();
+  testing::internal::CaptureStdout();
+  idle.PrintWarningIfAny();
+  EXPECT_NE(testing::internal::GetCapturedStdout().find("WARNING: 1 waits"), std::string::npos);
 }
 
 }  // namespace
