@@ -29,7 +29,12 @@
 namespace {
 
 std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop.store(true); }
+// The stop signal came from this rank's parent: mpirun (or its orted), ending the job.
+std::atomic<bool> g_stopped_by_launcher{false};
+void OnSignal(int, siginfo_t* info, void*) {
+  if (info != nullptr && info->si_pid == getppid()) g_stopped_by_launcher.store(true);
+  g_stop.store(true);
+}
 
 struct Flags {
   std::string model = "synthetic:qwen1.5-moe-a2.7b";
@@ -405,7 +410,8 @@ int main(int argc, char** argv) {
   flags.fe.device = flags.device;
 
   struct sigaction sa {};
-  sa.sa_handler = OnSignal;
+  sa.sa_sigaction = OnSignal;
+  sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
@@ -423,6 +429,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int code = Run(rank, num_ranks, flags);
+  if (g_stopped_by_launcher.load()) {
+    // mpirun forwarded a SIGTERM: it is ending the job and SIGKILLs every rank 1 s later.
+    // Busy with that, it does not answer MPI_Finalize's handshake, which would block until
+    // the SIGKILL. Every answer is sent and the heap is left: exit now.
+    std::fflush(nullptr);
+    std::_Exit(code);
+  }
   MPI_Finalize();
   return code;
 }

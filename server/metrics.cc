@@ -1,12 +1,19 @@
 #include "server/metrics.h"
 
+#include <netdb.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace epserve::server {
 namespace {
@@ -22,6 +29,23 @@ std::string CodeName(absl::StatusCode code) {
   std::string name = absl::StatusCodeToString(code);
   for (char& c : name) c = c == ' ' ? '_' : static_cast<char>(std::toupper(c));
   return name;
+}
+
+// Opens and closes one TCP connection to `address` ("host:port", host maybe "[v6]").
+void Connect(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return;
+  std::string host = address.substr(0, colon);
+  host = std::string(absl::StripSuffix(absl::StripPrefix(host, "["), "]"));
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(host.c_str(), address.substr(colon + 1).c_str(), &hints, &res) != 0) return;
+  const int fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC, res->ai_protocol);
+  if (fd >= 0) {
+    connect(fd, res->ai_addr, res->ai_addrlen);  // refused once the listener is closed
+    close(fd);
+  }
+  freeaddrinfo(res);
 }
 
 }  // namespace
@@ -161,7 +185,23 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
   return m;
 }
 
-Metrics::~Metrics() = default;
+Metrics::~Metrics() {
+  if (exposer_ == nullptr) return;
+  // civetweb's listening thread looks at its stop flag only between polls of the listening
+  // socket, each up to 2 s long, so stopping the exposer took up to 2 s: rank 0 left after
+  // mpirun's SIGKILL (1 s after its SIGTERM). A connection ends the poll at once: one is
+  // made every few milliseconds until the exposer has stopped.
+  std::atomic<bool> stopped{false};
+  std::thread waker([this, &stopped] {
+    while (!stopped.load()) {
+      Connect(bound_address_);
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  });
+  exposer_.reset();
+  stopped.store(true);
+  waker.join();
+}
 
 void Metrics::ObserveRequest(absl::StatusCode code, absl::Duration latency,
                              absl::Duration queue_time, int64_t tokens) {

@@ -308,9 +308,39 @@ TEST(Shutdown, SigtermAnswersEveryRequestInFlightAndStopsEveryRank) {
   EXPECT_EQ(unavailable.load() + refused_by_grpc.load(), 6);
   EXPECT_GT(unavailable.load(), 0);
   EXPECT_EQ(other.load(), 0);
+  const std::string log = (*server)->Log();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(log.find(absl::StrCat("[epserve rank ", r, "] left the heap")), std::string::npos)
+        << log;
+  }
+  EXPECT_EQ(log.find("teardown did not finish"), std::string::npos) << log;
   std::cerr << "answered OK " << ok << ", UNAVAILABLE " << unavailable
             << ", cancelled by gRPC before acceptance " << refused_by_grpc << "; stopped in "
             << absl::FormatDuration(exit->elapsed) << "\n";
+}
+
+TEST(Shutdown, SigtermToEveryRankEndsTheJobWithStatusZero) {
+  // A process manager may signal each process of the job rather than mpirun: the ranks then
+  // finish MPI as usual and mpirun reports success.
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(3, {});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = (*server)->NewStub();
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<float> x = RandomRows(5, rng);
+  inference::ModelInferResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  ASSERT_TRUE(stub->ModelInfer(&ctx, Request(x, 5), &resp).ok());
+  absl::StatusOr<ServerExit> exit = (*server)->StopRanks(SIGTERM, absl::Seconds(10));
+  ASSERT_TRUE(exit.ok()) << exit.status() << "\n" << (*server)->Log();
+  EXPECT_EQ(exit->exit_code, 0) << (*server)->Log();
+  EXPECT_LT(exit->elapsed, absl::Seconds(5));
+  const std::string log = (*server)->Log();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(log.find(absl::StrCat("[epserve rank ", r, "] left the heap")), std::string::npos)
+        << log;
+  }
+  std::cerr << "stopped in " << absl::FormatDuration(exit->elapsed) << "\n";
 }
 
 }  // namespace

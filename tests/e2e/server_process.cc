@@ -8,6 +8,7 @@
 #include <fcntl.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <regex>
@@ -64,6 +65,31 @@ std::vector<std::string> WithDefaults(std::vector<std::string> args, const std::
   return all;
 }
 
+struct ProcessInfo {
+  pid_t pid = 0, ppid = 0, pgrp = 0;
+  std::string comm;
+  char state = '?';
+};
+
+// mpirun and its children (each rank leads its own process group), from /proc/*/stat.
+std::vector<ProcessInfo> JobProcesses(pid_t mpirun) {
+  std::vector<ProcessInfo> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string stat = ReadFile(entry.path().string() + "/stat");
+    // pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+    const size_t open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    ProcessInfo p;
+    p.pid = std::atoi(stat.c_str());
+    p.comm = stat.substr(open + 1, close - open - 1);
+    std::istringstream rest(stat.substr(close + 1));
+    rest >> p.state >> p.ppid >> p.pgrp;
+    if (rest && (p.pid == mpirun || p.ppid == mpirun || p.pgrp == mpirun)) out.push_back(p);
+  }
+  return out;
+}
+
 std::string TempDir() {
   char tmpl[] = "/tmp/epserve-test-XXXXXX";
   return mkdtemp(tmpl);
@@ -113,6 +139,9 @@ absl::StatusOr<std::pair<int, std::string>> ServerProcess::RunToExit(int ranks,
 
 ServerProcess::~ServerProcess() {
   if (pid_ > 0) {
+    for (const ProcessInfo& p : JobProcesses(pid_)) {
+      if (p.pid != pid_) kill(p.pid, SIGKILL);  // ranks lead their own process groups
+    }
     kill(-pid_, SIGKILL);
     WaitFor(pid_, absl::InfiniteFuture());
   }
@@ -132,10 +161,32 @@ absl::StatusOr<ServerExit> ServerProcess::Stop(int signal, absl::Duration timeou
   if (pid_ <= 0) return absl::FailedPreconditionError("not running");
   const absl::Time start = absl::Now();
   kill(pid_, signal);
+  return WaitForExit(start, timeout);
+}
+
+absl::StatusOr<ServerExit> ServerProcess::StopRanks(int signal, absl::Duration timeout) {
+  if (pid_ <= 0) return absl::FailedPreconditionError("not running");
+  const absl::Time start = absl::Now();
+  int signalled = 0;
+  for (const ProcessInfo& p : JobProcesses(pid_)) {
+    if (p.ppid == pid_ && kill(p.pid, signal) == 0) ++signalled;
+  }
+  if (signalled == 0) return absl::FailedPreconditionError("mpirun has no rank processes");
+  return WaitForExit(start, timeout);
+}
+
+absl::StatusOr<ServerExit> ServerProcess::WaitForExit(absl::Time start, absl::Duration timeout) {
   std::optional<int> code = WaitFor(pid_, start + timeout);
-  if (!code)
-    return absl::DeadlineExceededError(
-        absl::StrCat("mpirun still running after ", absl::FormatDuration(timeout)));
+  if (!code) {
+    std::string left;
+    for (const ProcessInfo& p : JobProcesses(pid_)) {
+      absl::StrAppend(&left, left.empty() ? "" : ", ", p.pid, " ", p.comm, " (state ",
+                      std::string(1, p.state), ", parent ", p.ppid, ")");
+    }
+    return absl::DeadlineExceededError(absl::StrCat("mpirun still running after ",
+                                                    absl::FormatDuration(timeout),
+                                                    "; processes of the job: ", left));
+  }
   pid_ = -1;
   return ServerExit{*code, absl::Now() - start};
 }

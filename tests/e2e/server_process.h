@@ -35,10 +35,16 @@ class ServerProcess {
   std::unique_ptr<inference::GRPCInferenceService::Stub> NewStub() const;
   std::string Log() const;  // everything the job printed so far
 
-  // Sends `signal` to mpirun and waits up to `timeout` for it to exit.
+  // Sends `signal` to mpirun and waits up to `timeout` for it to exit. On timeout the error
+  // lists every process of the job still there, with its state.
   absl::StatusOr<ServerExit> Stop(int signal, absl::Duration timeout);
+  // The same, but `signal` goes to every rank instead of mpirun (as a process manager that
+  // signals each process of a job does).
+  absl::StatusOr<ServerExit> StopRanks(int signal, absl::Duration timeout);
 
  private:
+  absl::StatusOr<ServerExit> WaitForExit(absl::Time start, absl::Duration timeout);
+
   pid_t pid_ = -1;
   std::string dir_;
   std::string grpc_address_;
