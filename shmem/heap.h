@@ -93,7 +93,8 @@ class SymmetricHeap {
   virtual absl::Status Get(int rank, size_t offset, void* dst, size_t bytes) = 0;
 
   // ---- signals: uint64 words, 8-byte aligned offsets ----
-  // Completes every Put to `rank`, then stores `value` into its signal (release).
+  // Completes every Put to `rank` and makes this rank's stores into its own segment visible
+  // to peers' Gets, then stores `value` into `rank`'s signal (release).
   virtual absl::Status SignalSet(int rank, size_t offset, uint64_t value) = 0;
   // Atomically adds `delta` to `rank`'s signal (after completing Puts to it); returns the
   // new value.

@@ -57,10 +57,6 @@ int64_t ExchangeConfig::recv_capacity() const {
   return max_recv_tokens > 0 ? std::min(max_recv_tokens, most) : most;
 }
 
-int64_t ExchangeConfig::max_combine_rows() const {
-  return max_send_tokens * std::min(num_workers, top_k);
-}
-
 absl::StatusOr<ExchangeRegions> ExchangeRegions::Plan(const ExchangeConfig& c,
                                                       const Allocator& alloc) {
   EPSERVE_RETURN_IF_ERROR(c.Validate());
@@ -84,7 +80,7 @@ absl::StatusOr<ExchangeRegions> ExchangeRegions::Plan(const ExchangeConfig& c,
       {&r.recv_pair, cap * k * sizeof(int32_t), 64},
       {&r.recv_weight, cap * k * sizeof(float), 64},
       {&r.pair_row, cap * k * sizeof(int32_t), 64},
-      {&r.combine_rows, static_cast<size_t>(c.max_combine_rows()) * c.combine_row_bytes(), 4096},
+      {&r.combine_rows, cap * c.combine_row_bytes(), 4096},
   };
   for (const Item& item : items) {
     absl::StatusOr<size_t> offset = alloc(item.bytes, item.align);
@@ -108,10 +104,9 @@ std::string ExchangeRegions::Describe(const ExchangeConfig& c) {
   const int64_t cap = c.recv_capacity();
   return absl::StrCat("exchange: receive ", cap, " rows x ", c.dispatch_row_bytes(), " B (",
                       PayloadTypeName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(),
-                      " B, combine ", c.max_combine_rows(), " rows x ", c.combine_row_bytes(),
-                      " B (", PayloadTypeName(c.combine_dtype),
-                      ") = ", c.max_combine_rows() * c.combine_row_bytes(), " B, metadata ",
-                      cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
+                      " B, combine ", cap, " rows x ", c.combine_row_bytes(), " B (",
+                      PayloadTypeName(c.combine_dtype), ") = ", cap * c.combine_row_bytes(),
+                      " B, metadata ", cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
                       OverflowPolicyName(c.overflow), "; ", BytesNeeded(c), " B per rank in all");
 }
 
@@ -173,6 +168,9 @@ Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config,
   combine_base_.resize(w + 1);
   source_begin_.resize(w + 1);
   expert_offsets_.resize(static_cast<size_t>(placement_.count(me)) + 1);
+  if (!OutputInHeap()) {
+    out_.resize(static_cast<size_t>(config.recv_capacity() * config.hidden));
+  }
   slot_.reserve(static_cast<size_t>(config.max_send_tokens) * w);
   pair_local_.reserve(static_cast<size_t>(config.max_send_tokens * config.top_k));
 }
@@ -438,51 +436,43 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
 
   // ---- the caller's expert step ----
   t0 = absl::Now();
-  out_.resize(std::max<size_t>(out_.size(), static_cast<size_t>(received_.rows * hidden)));
-  EPSERVE_RETURN_IF_ERROR(expert(received_, out_.data()));
+  float* out = ExpertOutput();
+  EPSERVE_RETURN_IF_ERROR(expert(received_, out));
   if (stats != nullptr) stats->expert_ns += NanosSince(t0);
 
   // ---- combine and reduce ----
   t0 = absl::Now();
-  EPSERVE_RETURN_IF_ERROR(Combine(out_.data()));
+  EPSERVE_RETURN_IF_ERROR(Combine(out));
   EPSERVE_RETURN_IF_ERROR(Reduce(y, accumulate, deadline));
   if (stats != nullptr) stats->combine_ns += NanosSince(t0);
   return absl::OkStatus();
 }
 
+bool Exchange::OutputInHeap() const {
+  return config_.combine_dtype == PayloadType::kFp32 &&
+         config_.combine_row_bytes() == static_cast<size_t>(config_.hidden) * sizeof(float);
+}
+
+float* Exchange::ExpertOutput() {
+  return OutputInHeap() ? heap_.LocalAs<float>(regions_.combine_rows) : out_.data();
+}
+
 absl::Status Exchange::Combine(const float* out) {
   const int num_workers = config_.num_workers;
   const int64_t hidden = config_.hidden;
-  const PayloadType dtype = config_.combine_dtype;
+  const int64_t rows = received_.rows;
   const size_t row_bytes = config_.combine_row_bytes();
-  const size_t fp32_bytes = static_cast<size_t>(hidden) * sizeof(float);
-  for (int s = 0; s < num_workers; ++s) {
-    const int64_t first = source_begin_[s];
-    const int64_t rows = source_begin_[s + 1] - first;
-    if (rows == 0) continue;
-    // s's combine buffer holds its parts in destination order.
-    int64_t at = 0;
-    for (int d = 0; d < me_; ++d) at += count_row(s, d)[0];
-    const int rank = rank_of(s);
-    const size_t offset = regions_.combine_rows + static_cast<size_t>(at) * row_bytes;
-    const float* src = out + first * hidden;
-    if (void* dst = heap_.Direct(rank, offset); dst != nullptr) {
-      if (dtype == PayloadType::kFp32 && row_bytes == fp32_bytes) {
-        std::memcpy(dst, src, rows * fp32_bytes);
-      } else {
-        for (int64_t r = 0; r < rows; ++r) {
-          EncodeRow(dtype, src + r * hidden, hidden, static_cast<char*>(dst) + r * row_bytes);
-        }
-      }
-    } else if (dtype == PayloadType::kFp32 && row_bytes == fp32_bytes) {
-      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, offset, src, rows * fp32_bytes));
-    } else {
-      stage_rows_.resize(std::max(stage_rows_.size(), static_cast<size_t>(rows) * row_bytes));
-      for (int64_t r = 0; r < rows; ++r) {
-        EncodeRow(dtype, src + r * hidden, hidden, &stage_rows_[r * row_bytes]);
-      }
-      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, offset, stage_rows_.data(), rows * row_bytes));
-      EPSERVE_RETURN_IF_ERROR(heap_.Flush(rank));  // stage_rows_ is reused for the next owner
+  // The output rows go into this worker's own segment, in receive order; each owner reads
+  // its parts from there in Reduce. An expert step that wrote into ExpertOutput() (fp32)
+  // costs no copy here.
+  char* region = heap_.LocalAs<char>(regions_.combine_rows);
+  if (OutputInHeap()) {
+    if (out != reinterpret_cast<const float*>(region) && rows > 0) {
+      std::memcpy(region, out, static_cast<size_t>(rows) * row_bytes);
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      EncodeRow(config_.combine_dtype, out + r * hidden, hidden, region + r * row_bytes);
     }
   }
   for (int s = 0; s < num_workers; ++s) {
@@ -501,14 +491,38 @@ absl::Status Exchange::Reduce(float* y, bool accumulate, absl::Time deadline) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.combine_flag, d), epoch_, deadline,
                                              "combined rows from worker", d));
   }
-  const char* parts = static_cast<const char*>(heap_.Local(regions_.combine_rows));
+  // My parts at worker d: its output rows [row_base_[d], row_base_[d] + rows I sent d), read
+  // in place when d's segment is load/store, else fetched into pulled_ (destination order).
+  std::vector<const char*>& base = part_base_;
+  base.assign(num_workers, nullptr);
+  bool direct = true;
+  for (int d = 0; d < num_workers && direct; ++d) {
+    base[d] = static_cast<const char*>(heap_.Direct(rank_of(d), regions_.combine_rows));
+    direct = base[d] != nullptr;
+  }
+  if (direct) {
+    for (int d = 0; d < num_workers; ++d) base[d] += row_base_[d] * row_bytes;
+  } else {
+    pulled_.resize(
+        std::max(pulled_.size(), static_cast<size_t>(combine_base_[num_workers]) * row_bytes));
+    for (int d = 0; d < num_workers; ++d) {
+      const int64_t rows = combine_base_[d + 1] - combine_base_[d];
+      char* dst = pulled_.data() + combine_base_[d] * row_bytes;
+      if (rows > 0) {
+        EPSERVE_RETURN_IF_ERROR(heap_.Get(
+            rank_of(d), regions_.combine_rows + static_cast<size_t>(row_base_[d]) * row_bytes, dst,
+            static_cast<size_t>(rows) * row_bytes));
+      }
+      base[d] = dst;
+    }
+  }
   std::vector<const void*>& mine = reduce_parts_;
   mine.resize(num_workers);
   for (int64_t t = 0; t < n_; ++t) {
     const int64_t* slot = &slot_[t * num_workers];
     int count = 0;
     for (int d = 0; d < num_workers; ++d) {
-      if (slot[d] >= 0) mine[count++] = parts + (combine_base_[d] + slot[d]) * row_bytes;
+      if (slot[d] >= 0) mine[count++] = base[d] + slot[d] * row_bytes;
     }
     SumRows(dtype, mine.data(), count, hidden, y + t * hidden, accumulate);
   }

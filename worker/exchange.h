@@ -14,16 +14,20 @@
 //             index (or -1) and the routing weight; the expert-major pair table (pair ->
 //             received row) is written by the senders too, so the receiver never sorts.
 //   (caller)  the receiver computes one output row per received row: the routing-weighted
-//             sum of its local experts' outputs for that token.
-//   Combine   each output row goes back (encoded in the combine dtype) to the token's owner,
-//             into its combine buffer.
-//   Reduce    the owner adds its parts (at most one per destination worker) to its output
-//             rows, in destination order (deterministic).
+//             sum of its local experts' outputs for that token, written (fp32 combine)
+//             straight into its own segment's output region, in receive order.
+//   Combine   the output rows are in that region (encoded in the combine dtype); the worker
+//             signals every owner.
+//   Reduce    each owner reads its parts (at most one per destination worker) where they
+//             are, in the peers' segments, and sums them into its output rows, in destination
+//             order (deterministic). Each returned row is moved once, by the read that sums it.
 // Every signal carries the pass's epoch (a counter all workers advance together), so a
 // signal left from an earlier pass never satisfies a later wait, and buffers are reused
 // across passes without being cleared: a sender writes pass p+1 into a receiver's buffers
 // only after that receiver's combine signal of pass p, which it stores once it has read
-// them; the count matrix is double-buffered by epoch parity. Every wait has a deadline.
+// them; a worker overwrites its output region in pass p+1 only after every peer's dispatch
+// signal of p+1, which each peer sends after it has read its parts of pass p; the count
+// matrix is double-buffered by epoch parity. Every wait has a deadline.
 #pragma once
 
 #include <cstdint>
@@ -65,8 +69,6 @@ struct ExchangeConfig {
 
   absl::Status Validate() const;
   int64_t recv_capacity() const;
-  // An owner gets back at most one row per token and destination.
-  int64_t max_combine_rows() const;
   size_t dispatch_row_bytes() const { return PayloadRowBytes(dispatch_dtype, hidden); }
   size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype, hidden); }
 };
@@ -84,7 +86,8 @@ struct ExchangeRegions {
   size_t recv_pair;      // int32[capacity][k]: expert-major pair index, or -1
   size_t recv_weight;    // float[capacity][k]
   size_t pair_row;       // int32[capacity * k]: received row of each pair, expert-major
-  size_t combine_rows;   // [max_combine_rows][combine_row_bytes]
+  size_t combine_rows;   // [capacity][combine_row_bytes]: this worker's output rows, in
+                         // receive order; owners read their parts from here
 
   // Plans the regions with `alloc(bytes, align) -> offset`.
   using Allocator = std::function<absl::StatusOr<size_t>(size_t bytes, size_t align)>;
@@ -164,9 +167,14 @@ class Exchange {
   // Sends rows x [n][hidden] with `weights` and waits for every peer's rows.
   absl::Status Dispatch(const float* x, const float* weights, absl::Time deadline);
   const ReceivedRows& received() const { return received_; }
-  // Sends out [received().rows][hidden] back to the owners.
+  // Where the expert step writes its rows, [recv capacity][hidden]: with an fp32 combine
+  // the output region in this worker's segment itself (Combine then copies nothing), else
+  // a buffer that Combine encodes from.
+  float* ExpertOutput();
+  // Makes out [received().rows][hidden] (ExpertOutput() or any other buffer) available to
+  // the owners and signals them.
   absl::Status Combine(const float* out);
-  // Waits for every part and sums them into y [n][hidden].
+  // Waits for every part, reads them from the peers and sums them into y [n][hidden].
   absl::Status Reduce(float* y, bool accumulate, absl::Time deadline);
 
   const ExchangeConfig& config() const { return config_; }
@@ -182,6 +190,7 @@ class Exchange {
                        const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
                        const std::function<absl::Status()>* overlap);
   absl::Status TakeBadIdError();
+  bool OutputInHeap() const;  // the expert step writes straight into the output region
   int rank_of(int worker) const { return config_.first_rank + worker; }
   size_t signal(size_t base, int index) const {
     return base + static_cast<size_t>(index) * ExchangeRegions::kSignalStride;
@@ -211,7 +220,7 @@ class Exchange {
   std::vector<int32_t> pair_local_;      // [n][k]: index among my pairs to (owner, local e)
   std::vector<int64_t> row_base_;        // [W]: where my rows start in d's receive buffer
   std::vector<int64_t> pair_base_;       // [W][L]: where my pairs of (d, e) start in d's table
-  std::vector<int64_t> combine_base_;    // [W]: where d's parts start in my combine buffer
+  std::vector<int64_t> combine_base_;    // [W + 1]: prefix sums of my rows per destination
   std::vector<int64_t> source_begin_;    // [W + 1]
   std::vector<int64_t> expert_offsets_;  // [L_me + 1]
   ReceivedRows received_;
@@ -219,7 +228,9 @@ class Exchange {
   std::vector<char> stage_rows_;
   std::vector<int32_t> stage_token_, stage_pair_, stage_pair_row_;
   std::vector<float> stage_weight_;
-  std::vector<float> out_;  // the expert step's output, [capacity][hidden]
+  std::vector<float> out_;              // the expert step's output when not OutputInHeap()
+  std::vector<char> pulled_;            // my parts fetched from peers without load/store access
+  std::vector<const char*> part_base_;  // [W]: where my parts at each worker start
   std::vector<const void*> reduce_parts_;
 };
 

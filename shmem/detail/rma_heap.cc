@@ -63,7 +63,8 @@ class RmaHeap final : public SymmetricHeap {
     return absl::OkStatus();
   }
   absl::Status SignalSet(int rank, size_t offset, uint64_t value) override {
-    if (rank == rank_) EPSERVE_MPI_CHECK(MPI_Win_sync(win_));  // local stores before it
+    // This rank's stores into its own segment before it, for peers that Get after the signal.
+    EPSERVE_MPI_CHECK(MPI_Win_sync(win_));
     EPSERVE_MPI_CHECK(MPI_Win_flush(rank, win_));
     EPSERVE_MPI_CHECK(MPI_Accumulate(&value, 1, MPI_UINT64_T, rank, static_cast<MPI_Aint>(offset),
                                      1, MPI_UINT64_T, MPI_REPLACE, win_));
