@@ -11,10 +11,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/flags.h"
+#include "common/proc_stat.h"
 
 namespace epserve::bench {
 
@@ -121,9 +123,8 @@ inline bool WaitForOtherThreadsIdle(double max_seconds) {
         std::ifstream stat("/proc/self/task/" + tid + "/stat");
         std::string line;
         std::getline(stat, line);
-        // "tid (comm) S ...": the state follows the last ')', as comm may hold any character.
-        const size_t paren = line.rfind(')');
-        if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'R') {
+        const std::optional<common::ProcStat> p = common::ParseProcStat(line);
+        if (p && p->state == 'R') {
           busy = true;
           break;
         }

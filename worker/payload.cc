@@ -186,71 +186,19 @@ EPSERVE_ROW_CODEC void AccumulateRow(PayloadType type, const void* src, int64_t 
 
 EPSERVE_ROW_CODEC void SumRows(PayloadType type, const void* const* parts, int num_parts,
                                int64_t hidden, float* dst, bool accumulate) {
-  // fp32 and bf16: whole-row passes into dst (a row stays in L1), each a plain loop the
-  // compiler vectorizes; the same additions in the same order as the chunked fp8 path.
-  if (type != PayloadType::kFp8) {
-    int m = 0;
-    if (!accumulate) {
-      if (num_parts == 0) {
-        std::fill(dst, dst + hidden, 0.0f);
-        return;
-      }
-      DecodeRow(type, parts[0], hidden, dst);
-      m = 1;
+  // Whole-row passes into dst (a row stays in L1), each a plain loop the compiler vectorizes:
+  // the first part decoded (unless accumulating), then each further part added, in order.
+  int m = 0;
+  if (!accumulate) {
+    if (num_parts == 0) {
+      std::fill(dst, dst + hidden, 0.0f);
+      return;
     }
-    for (; m < num_parts; ++m) {
-      if (type == PayloadType::kFp32) {
-        const float* in = static_cast<const float*>(parts[m]);
-        for (int64_t i = 0; i < hidden; ++i) dst[i] += in[i];
-      } else {
-        const uint16_t* in = static_cast<const uint16_t*>(parts[m]);
-        for (int64_t i = 0; i < hidden; ++i) dst[i] += Bf16ToFloat(in[i]);
-      }
-    }
-    return;
+    ForEachDecoded(type, parts[0], hidden, [dst](int64_t i, float v) { dst[i] = v; });
+    m = 1;
   }
-  constexpr int64_t kChunk = 128;  // = kFp8BlockSize, so an fp8 chunk has one scale
-  float acc[kChunk];
-  float part[kChunk];
-  for (int64_t begin = 0; begin < hidden; begin += kChunk) {
-    const int64_t len = std::min(kChunk, hidden - begin);
-    int first = 0;
-    if (accumulate) {
-      std::memcpy(acc, dst + begin, len * sizeof(float));
-    } else if (num_parts > 0) {
-      first = 1;
-      if (type == PayloadType::kFp32) {
-        std::memcpy(acc, static_cast<const float*>(parts[0]) + begin, len * sizeof(float));
-      } else {
-        for (int64_t i = 0; i < len; ++i) acc[i] = 0.0f;
-      }
-    } else {
-      for (int64_t i = 0; i < len; ++i) acc[i] = 0.0f;
-    }
-    for (int m = 0; m < num_parts; ++m) {
-      if (m < first && type == PayloadType::kFp32) continue;
-      const float* values;
-      if (type == PayloadType::kFp32) {
-        values = static_cast<const float*>(parts[m]) + begin;
-      } else if (type == PayloadType::kBf16) {
-        const uint16_t* in = static_cast<const uint16_t*>(parts[m]) + begin;
-        for (int64_t i = 0; i < len; ++i) part[i] = Bf16ToFloat(in[i]);
-        values = part;
-      } else {
-        const int64_t blocks = NumBlocks(hidden);
-        const float scale = static_cast<const float*>(parts[m])[begin / kFp8BlockSize];
-        const uint8_t* in = static_cast<const uint8_t*>(parts[m]) + blocks * sizeof(float) + begin;
-        const std::array<float, 256>& table = Fp8Table();
-        for (int64_t i = 0; i < len; ++i) part[i] = table[in[i]] * scale;
-        values = part;
-      }
-      if (m < first) {
-        std::memcpy(acc, values, len * sizeof(float));  // the first part, as DecodeRow
-      } else {
-        for (int64_t i = 0; i < len; ++i) acc[i] += values[i];
-      }
-    }
-    std::memcpy(dst + begin, acc, len * sizeof(float));
+  for (; m < num_parts; ++m) {
+    ForEachDecoded(type, parts[m], hidden, [dst](int64_t i, float v) { dst[i] += v; });
   }
 }
 

@@ -13,6 +13,24 @@
 namespace epserve::bench {
 namespace {
 
+// A thread that stays runnable (yielding in a loop) until Stop() or destruction.
+class BusyThread {
+ public:
+  BusyThread()
+      : thread_([this] {
+          while (!stop_) std::this_thread::yield();
+        }) {}
+  ~BusyThread() { Stop(); }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 TEST(RoundRobinMedianSecondsTest, SettlesBeforeEveryTimedCallWithItsIndex) {
   std::vector<size_t> order;
   std::vector<size_t> settled;
@@ -53,24 +71,16 @@ TEST(WaitForOtherThreadsIdleTest, WaitsForASpinningThreadToStop) {
 }
 
 TEST(WaitForOtherThreadsIdleTest, GivesUpAtItsDeadline) {
-  std::atomic<bool> stop{false};
-  std::thread spinner([&] {
-    while (!stop) std::this_thread::yield();
-  });
+  BusyThread spinner;
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_FALSE(WaitForOtherThreadsIdle(0.2));
   const auto waited = std::chrono::steady_clock::now() - t0;
   EXPECT_GE(waited, std::chrono::milliseconds(200));
   EXPECT_LT(waited, std::chrono::seconds(20));
-  stop = true;
-  spinner.join();
 }
 
 TEST(IdleThreadsWaitTest, WaitsOnlyBeforeMarkedCallsAndReportsTheWaitsThatGaveUp) {
-  std::atomic<bool> stop{false};
-  std::thread spinner([&] {
-    while (!stop) std::this_thread::yield();
-  });
+  BusyThread spinner;
   IdleThreadsWait idle;
   const std::function<void(size_t)> hook = idle.Before({false, true});
   auto t0 = std::chrono::steady_clock::now();
@@ -82,8 +92,7 @@ TEST(IdleThreadsWaitTest, WaitsOnlyBeforeMarkedCallsAndReportsTheWaitsThatGaveUp
   t0 = std::chrono::steady_clock::now();
   hook(1);  // marked: waits its second for the spinner, then gives up
   EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
-  stop = true;
-  spinner.join();
+  spinner.Stop();
   testing::internal::CaptureStdout();
   idle.PrintWarningIfAny();
   EXPECT_NE(testing::internal::GetCapturedStdout().find("WARNING: 1 waits"), std::string::npos);

@@ -258,6 +258,13 @@ TEST(Startup, MoreWorkersThanExpertsIsAClearError) {
       << r->second;
 }
 
+void ExpectEveryRankLeftTheHeap(const std::string& log, int ranks) {
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_NE(log.find(absl::StrCat("[epserve rank ", r, "] left the heap")), std::string::npos)
+        << log;
+  }
+}
+
 TEST(Shutdown, SigtermAnswersEveryRequestInFlightAndStopsEveryRank) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> server =
       ServerProcess::Start(3, {"--max-batch-tokens=16", "--max-queue-delay-us=1000"});
@@ -309,10 +316,7 @@ TEST(Shutdown, SigtermAnswersEveryRequestInFlightAndStopsEveryRank) {
   EXPECT_GT(unavailable.load(), 0);
   EXPECT_EQ(other.load(), 0);
   const std::string log = (*server)->Log();
-  for (int r = 0; r < 3; ++r) {
-    EXPECT_NE(log.find(absl::StrCat("[epserve rank ", r, "] left the heap")), std::string::npos)
-        << log;
-  }
+  ExpectEveryRankLeftTheHeap(log, 3);
   EXPECT_EQ(log.find("teardown did not finish"), std::string::npos) << log;
   std::cerr << "answered OK " << ok << ", UNAVAILABLE " << unavailable
             << ", cancelled by gRPC before acceptance " << refused_by_grpc << "; stopped in "
@@ -336,10 +340,7 @@ TEST(Shutdown, SigtermToEveryRankEndsTheJobWithStatusZero) {
   EXPECT_EQ(exit->exit_code, 0) << (*server)->Log();
   EXPECT_LT(exit->elapsed, absl::Seconds(5));
   const std::string log = (*server)->Log();
-  for (int r = 0; r < 3; ++r) {
-    EXPECT_NE(log.find(absl::StrCat("[epserve rank ", r, "] left the heap")), std::string::npos)
-        << log;
-  }
+  ExpectEveryRankLeftTheHeap(log, 3);
   std::cerr << "stopped in " << absl::FormatDuration(exit->elapsed) << "\n";
 }
 

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/proc_stat.h"
 
 namespace epserve::testing {
 namespace {
@@ -65,29 +66,24 @@ std::vector<std::string> WithDefaults(std::vector<std::string> args, const std::
   return all;
 }
 
-struct ProcessInfo {
-  pid_t pid = 0, ppid = 0, pgrp = 0;
-  std::string comm;
-  char state = '?';
-};
-
-// mpirun and its children (each rank leads its own process group), from /proc/*/stat.
-std::vector<ProcessInfo> JobProcesses(pid_t mpirun) {
-  std::vector<ProcessInfo> out;
+// mpirun and its children (each rank leads its own process group).
+std::vector<common::ProcStat> JobProcesses(pid_t mpirun) {
+  std::vector<common::ProcStat> out;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
-    const std::string stat = ReadFile(entry.path().string() + "/stat");
-    // pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
-    const size_t open = stat.find('('), close = stat.rfind(')');
-    if (open == std::string::npos || close == std::string::npos) continue;
-    ProcessInfo p;
-    p.pid = std::atoi(stat.c_str());
-    p.comm = stat.substr(open + 1, close - open - 1);
-    std::istringstream rest(stat.substr(close + 1));
-    rest >> p.state >> p.ppid >> p.pgrp;
-    if (rest && (p.pid == mpirun || p.ppid == mpirun || p.pgrp == mpirun)) out.push_back(p);
+    const std::optional<common::ProcStat> p =
+        common::ParseProcStat(ReadFile(entry.path().string() + "/stat"));
+    if (p && (p->pid == mpirun || p->ppid == mpirun || p->pgrp == mpirun)) out.push_back(*p);
   }
   return out;
+}
+
+// SIGKILL to mpirun's process group and to the ranks, which lead groups of their own.
+void KillJob(pid_t mpirun) {
+  for (const common::ProcStat& p : JobProcesses(mpirun)) {
+    if (p.pid != mpirun) kill(p.pid, SIGKILL);
+  }
+  kill(-mpirun, SIGKILL);
 }
 
 std::string TempDir() {
@@ -130,7 +126,7 @@ absl::StatusOr<std::pair<int, std::string>> ServerProcess::RunToExit(int ranks,
   const pid_t pid = Spawn(ranks, WithDefaults(std::move(args), dir), dir + "/log.txt");
   std::optional<int> code = WaitFor(pid, absl::Now() + timeout);
   if (!code) {
-    kill(-pid, SIGKILL);
+    KillJob(pid);
     WaitFor(pid, absl::InfiniteFuture());
     return absl::DeadlineExceededError("the job did not exit in time");
   }
@@ -139,10 +135,7 @@ absl::StatusOr<std::pair<int, std::string>> ServerProcess::RunToExit(int ranks,
 
 ServerProcess::~ServerProcess() {
   if (pid_ > 0) {
-    for (const ProcessInfo& p : JobProcesses(pid_)) {
-      if (p.pid != pid_) kill(p.pid, SIGKILL);  // ranks lead their own process groups
-    }
-    kill(-pid_, SIGKILL);
+    KillJob(pid_);
     WaitFor(pid_, absl::InfiniteFuture());
   }
 }
@@ -168,7 +161,7 @@ absl::StatusOr<ServerExit> ServerProcess::StopRanks(int signal, absl::Duration t
   if (pid_ <= 0) return absl::FailedPreconditionError("not running");
   const absl::Time start = absl::Now();
   int signalled = 0;
-  for (const ProcessInfo& p : JobProcesses(pid_)) {
+  for (const common::ProcStat& p : JobProcesses(pid_)) {
     if (p.ppid == pid_ && kill(p.pid, signal) == 0) ++signalled;
   }
   if (signalled == 0) return absl::FailedPreconditionError("mpirun has no rank processes");
@@ -179,7 +172,7 @@ absl::StatusOr<ServerExit> ServerProcess::WaitForExit(absl::Time start, absl::Du
   std::optional<int> code = WaitFor(pid_, start + timeout);
   if (!code) {
     std::string left;
-    for (const ProcessInfo& p : JobProcesses(pid_)) {
+    for (const common::ProcStat& p : JobProcesses(pid_)) {
       absl::StrAppend(&left, left.empty() ? "" : ", ", p.pid, " ", p.comm, " (state ",
                       std::string(1, p.state), ", parent ", p.ppid, ")");
     }

@@ -1,9 +1,5 @@
 // Known traffic in, exact counts out: scrapes rank 0's /metrics after a fixed set of
 // requests and checks the counters, the per-expert tokens and every rank's stages.
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <map>
 #include <random>
@@ -13,35 +9,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "tests/common/http_get.h"
 #include "tests/e2e/reference.h"
 #include "tests/e2e/server_process.h"
 
 namespace epserve::testing {
 namespace {
-
-// GET http://address/path with HTTP/1.0; the body, or "" on failure.
-std::string HttpGet(const std::string& address, const std::string& path) {
-  const size_t colon = address.rfind(':');
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(), &hints,
-                  &res) != 0) {
-    return "";
-  }
-  const int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
-  std::string out;
-  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[65536];
-      for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) out.append(buf, n);
-    }
-  }
-  if (fd >= 0) close(fd);
-  freeaddrinfo(res);
-  const size_t body = out.find("\r\n\r\n");
-  return body == std::string::npos ? "" : out.substr(body + 4);
-}
 
 // Series name with labels -> value, from the text exposition format.
 std::map<std::string, double> ParseMetrics(const std::string& text) {

@@ -1,40 +1,14 @@
 // The /metrics endpoint's lifetime: it serves once started and stops promptly.
 #include "server/metrics.h"
 
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <string>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/common/http_get.h"
 
 namespace epserve::server {
 namespace {
-
-// GET http://address/metrics with HTTP/1.0; the whole reply, or "" when nobody listens.
-std::string Scrape(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(), &hints,
-                  &res) != 0) {
-    return "";
-  }
-  const int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
-  std::string out;
-  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
-    const std::string req = "GET /metrics HTTP/1.0\r\n\r\n";
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[65536];
-      for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) out.append(buf, n);
-    }
-  }
-  if (fd >= 0) close(fd);
-  freeaddrinfo(res);
-  return out;
-}
 
 MetricsConfig Config(const std::string& address) {
   MetricsConfig c;
@@ -52,12 +26,15 @@ TEST(Metrics, ServesUntilDestroyedAndStopsWithoutWaitingOutTheListenerPoll) {
     absl::StatusOr<std::unique_ptr<Metrics>> m = Metrics::Start(Config("127.0.0.1:0"));
     ASSERT_TRUE(m.ok()) << m.status();
     const std::string address = (*m)->bound_address();
-    EXPECT_NE(Scrape(address).find("epserve_build_info"), std::string::npos) << address;
+    EXPECT_NE(epserve::testing::HttpGet(address, "/metrics").find("epserve_build_info"),
+              std::string::npos)
+        << address;
     const absl::Time start = absl::Now();
     m->reset();
     const absl::Duration took = absl::Now() - start;
     EXPECT_LT(took, absl::Seconds(1)) << "round " << round;
-    EXPECT_EQ(Scrape(address), "") << "still listening on " << address;
+    EXPECT_EQ(epserve::testing::HttpGet(address, "/metrics"), "")
+        << "still listening on " << address;
   }
 }
 
