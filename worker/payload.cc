@@ -11,7 +11,9 @@
 
 // The row codecs run over every exchanged value: on x86-64 they are also built for AVX2 and
 // the better version is chosen at load time (the default build targets baseline x86-64).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: the loader runs the version resolvers before the TSan runtime
+// is up, and the instrumented resolver crashes the program before main.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define EPSERVE_ROW_CODEC __attribute__((target_clones("avx2", "default")))
 #else
 #define EPSERVE_ROW_CODEC
