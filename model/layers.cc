@@ -1,7 +1,9 @@
 #include "model/layers.h"
 
 #include <algorithm>
+#include <memory>
 #include <set>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -23,6 +25,43 @@ bool ParseIndex(absl::string_view text, int64_t* out) {
     if (!absl::ascii_isdigit(static_cast<unsigned char>(ch))) return false;
   return absl::SimpleAtoi(text, out);
 }
+
+// The shared expert's intermediate columns [begin, begin + width) of `inner`.
+class SharedSlice final : public WeightSource {
+ public:
+  SharedSlice(const WeightSource& inner, int64_t begin, int64_t width)
+      : inner_(inner),
+        config_(inner.config()),
+        begin_(begin),
+        full_(config_.layer.shared_ffn_size) {
+    config_.layer.shared_ffn_size = width;
+  }
+  const ModelConfig& config() const override { return config_; }
+  absl::Status Fill(int layer, TensorKind kind, int expert, float* dst) const override {
+    if (kind != TensorKind::kSharedGate && kind != TensorKind::kSharedUp &&
+        kind != TensorKind::kSharedDown) {
+      return inner_.Fill(layer, kind, expert, dst);
+    }
+    const int64_t hidden = config_.layer.hidden_size;
+    const int64_t width = config_.layer.shared_ffn_size;
+    std::vector<float> whole(static_cast<size_t>(full_ * hidden));
+    if (absl::Status s = inner_.Fill(layer, kind, expert, whole.data()); !s.ok()) return s;
+    if (kind == TensorKind::kSharedDown) {  // [H, Fs] -> [H, width]
+      for (int64_t r = 0; r < hidden; ++r) {
+        std::copy_n(whole.data() + r * full_ + begin_, width, dst + r * width);
+      }
+    } else {  // [Fs, H] -> [width, H]
+      std::copy_n(whole.data() + begin_ * hidden, width * hidden, dst);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const WeightSource& inner_;
+  ModelConfig config_;
+  const int64_t begin_;
+  const int64_t full_;
+};
 
 class LayerSubset final : public WeightSource {
  public:
@@ -113,6 +152,19 @@ absl::StatusOr<std::unique_ptr<WeightSource>> ServeLayers(std::unique_ptr<Weight
   absl::StatusOr<std::vector<int>> layers = SelectLayers(source->config(), selection);
   if (!layers.ok()) return layers.status();
   return std::make_unique<LayerSubset>(std::move(source), *std::move(layers));
+}
+
+absl::StatusOr<std::unique_ptr<WeightSource>> SharedExpertSlice(const WeightSource& source,
+                                                                int part, int parts) {
+  const int64_t full = source.config().layer.shared_ffn_size;
+  if (parts < 1 || part < 0 || part >= parts || parts > full) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shared expert slice ", part, " of ", parts,
+        ": needs 0 <= part < parts <= ", "the shared expert's intermediate size (", full, ")"));
+  }
+  const int64_t begin = full * part / parts;
+  const int64_t end = full * (part + 1) / parts;
+  return std::make_unique<SharedSlice>(source, begin, end - begin);
 }
 
 }  // namespace epserve::model

@@ -28,4 +28,14 @@ std::string FormatLayers(const std::vector<int>& layers);
 absl::StatusOr<std::unique_ptr<WeightSource>> ServeLayers(std::unique_ptr<WeightSource> source,
                                                           absl::string_view selection);
 
+// A view of `source` (kept alive by the caller) whose shared expert is only the slice
+// [part * Fs / parts, (part + 1) * Fs / parts) of its intermediate columns: the rows of
+// kSharedGate and kSharedUp and the columns of kSharedDown, with config().layer.shared_ffn_size
+// the slice's width; every other tensor as `source` gives it. SwiGLU acts on each
+// intermediate column alone and the down projection sums over them, so the outputs of the
+// `parts` slices add up to the whole shared expert's (the sigmoid gate, which scales the
+// output, applies to each slice). INVALID_ARGUMENT unless 0 <= part < parts <= Fs.
+absl::StatusOr<std::unique_ptr<WeightSource>> SharedExpertSlice(const WeightSource& source,
+                                                                int part, int parts);
+
 }  // namespace epserve::model

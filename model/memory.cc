@@ -8,8 +8,8 @@
 
 namespace epserve::model {
 
-absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_workers,
-                                             int worker) {
+absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_workers, int worker,
+                                             bool shared_split) {
   const MoeLayerConfig& c = config.layer;
   if (num_workers < 1 || num_workers > c.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -19,7 +19,13 @@ absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_
     return absl::InvalidArgumentError(
         absl::StrCat("worker must be in [0, ", num_workers, "), got ", worker));
   }
-  auto numel = [&](TensorKind kind) { return ShapeOf(c, kind).numel(); };
+  // The shared expert this worker holds: all of it, or its slice of the columns.
+  MoeLayerConfig held = c;
+  if (shared_split) {
+    held.shared_ffn_size =
+        c.shared_ffn_size * (worker + 1) / num_workers - c.shared_ffn_size * worker / num_workers;
+  }
+  auto numel = [&](TensorKind kind) { return ShapeOf(held, kind).numel(); };
   RankMemory m;
   m.first_expert = static_cast<int>(static_cast<int64_t>(worker) * c.num_experts / num_workers);
   m.num_experts = static_cast<int>(static_cast<int64_t>(worker + 1) * c.num_experts / num_workers) -

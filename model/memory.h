@@ -12,7 +12,8 @@ namespace epserve::model {
 // The weights worker `worker` of `num_workers` holds for every served layer (config.moe_layers):
 // the router (and its bias), its routed experts and the shared expert (with its gate). Experts
 // are placed contiguously the way worker/ places them: worker w owns experts
-// [w*E/W, (w+1)*E/W).
+// [w*E/W, (w+1)*E/W). With `shared_split` (--shared-expert=split) a worker holds only its
+// slice of the shared expert's intermediate columns (model::SharedExpertSlice).
 struct RankMemory {
   int first_expert = 0;
   int num_experts = 0;        // routed experts owned, per layer
@@ -26,8 +27,8 @@ struct RankMemory {
 };
 
 // INVALID_ARGUMENT unless 1 <= num_workers <= num_experts and 0 <= worker < num_workers.
-absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_workers,
-                                             int worker);
+absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_workers, int worker,
+                                             bool shared_split = false);
 
 // "1.50 GiB", "12.0 MiB", "512 B": for logs and tools.
 std::string FormatBytes(int64_t bytes);

@@ -75,7 +75,7 @@ struct InferTask {
 
 struct BatcherOptions {
   int64_t max_batch_tokens = 256;
-  absl::Duration max_queue_delay = absl::Microseconds(500);
+  absl::Duration max_queue_delay = absl::ZeroDuration();
   int64_t max_queue_tokens = 65536;
   int64_t hidden_size = 0;
   int num_layers = 1;

@@ -29,7 +29,7 @@ struct FrontEndOptions {
   std::string device = "cpu";  // reported in ModelConfig's instance group
   // Batching.
   int64_t max_batch_tokens = 256;
-  absl::Duration max_queue_delay = absl::Microseconds(500);
+  absl::Duration max_queue_delay = absl::ZeroDuration();
   int64_t max_queue_tokens = 65536;
   uint32_t priority_levels = 3;
   uint32_t default_priority = 2;

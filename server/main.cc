@@ -115,7 +115,7 @@ absl::StatusOr<int64_t> ParseMemoryLimit(const std::string& text) {
 // than --memory-limit: each worker's weights (model::EstimateRankBytes) plus every local
 // rank's heap segment. All ranks reach the same verdict (allreduce), so all leave together.
 absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_workers,
-                         size_t heap_bytes, int64_t limit, bool bf16_weights) {
+                         size_t heap_bytes, int64_t limit, bool bf16_weights, bool shared_split) {
   MPI_Comm node;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   int node_size = 0, world_rank = 0;
@@ -130,7 +130,7 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
   for (int r : local) {
     if (r == 0) continue;  // the front-end holds no expert weights
     absl::StatusOr<epserve::model::RankMemory> m =
-        epserve::model::EstimateRankBytes(config, num_workers, r - 1);
+        epserve::model::EstimateRankBytes(config, num_workers, r - 1, shared_split);
     if (!m.ok()) {
       status = m.status();
       break;
@@ -189,6 +189,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   shape.hidden = config.layer.hidden_size;
   shape.max_batch_tokens = flags.fe.max_batch_tokens;
   if (absl::Status s = flags.exchange.Apply(shape); !s.ok()) return Fail(rank, s);
+  if (config.layer.shared_ffn_size == 0) shape.shared_expert_split = false;  // nothing to split
   absl::StatusOr<shmem::HeapBackend> backend = shmem::ParseHeapBackend(flags.exchange.heap);
   if (!backend.ok()) return Fail(rank, backend.status());
   const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(shape);
@@ -197,8 +198,9 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   absl::StatusOr<kernels::DType> weight_dtype =
       kernels::ParseDType(flags.weight_dtype, "--weight-dtype");
   if (!weight_dtype.ok()) return Fail(rank, weight_dtype.status());
-  if (absl::Status s = CheckMemory(config, num_workers, heap_bytes, *memory_limit,
-                                   *weight_dtype == kernels::DType::kBf16);
+  if (absl::Status s =
+          CheckMemory(config, num_workers, heap_bytes, *memory_limit,
+                      *weight_dtype == kernels::DType::kBf16, shape.shared_expert_split);
       !s.ok()) {
     return Fail(rank, s);
   }
@@ -217,7 +219,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     Log(rank, absl::StrCat("model ", config.source, ": H=", config.layer.hidden_size,
                            " F=", config.layer.expert_ffn_size, " E=", config.layer.num_experts,
                            " k=", config.layer.top_k, " shared F=", config.layer.shared_ffn_size,
-                           ", ", config.architecture, " MoE layers ",
+                           shape.shared_expert_split ? " (split over the workers)" : "", ", ",
+                           config.architecture, " MoE layers ",
                            model::FormatLayers(config.moe_layers), ", ", num_workers,
                            " worker(s); heap ", (*heap)->bytes_per_rank(), " bytes per rank"));
   }
@@ -391,6 +394,11 @@ int main(int argc, char** argv) {
          "Every cross-rank wait of a batch ends within this many milliseconds (or "
          "--batch-timeout, if shorter); a peer that stops taking part fails the batch with "
          "UNAVAILABLE");
+  fs.Add("shared-expert", &flags.exchange.shared_expert,
+         "Where the shared expert runs: owner (each worker holds all of it and runs it on its "
+         "own tokens) or split (each worker holds 1/W of its intermediate columns and runs "
+         "them on every token of the batch, which then goes to every worker: balanced and "
+         "lighter on weight reads for small batches, more rows exchanged for large ones)");
   // ---- end of exchange flags ----
   absl::Status parsed = fs.Parse(argc, argv);
   const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");

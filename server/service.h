@@ -23,7 +23,7 @@ struct ServiceOptions {
   int top_k = 1;               // width of the topk_ids and topk_weights outputs
   std::string device = "cpu";  // the workers' OpenCL device choice, reported in ModelConfig
   int64_t max_batch_tokens = 256;
-  absl::Duration max_queue_delay = absl::Microseconds(500);
+  absl::Duration max_queue_delay = absl::ZeroDuration();
   int64_t max_queue_tokens = 65536;
   // Requests of one ModelStreamInfer stream read but not yet answered; at the bound the
   // server stops reading that stream until an answer is written.

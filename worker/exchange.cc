@@ -216,6 +216,11 @@ absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Ti
       if (slot[d] < 0) slot[d] = mine[0]++;
       pair_local_[t * k + j] = static_cast<int32_t>(mine[2 + e - placement_.first(d)]++);
     }
+    if (config_.every_token_to_every_worker) {
+      for (int d = 0; d < num_workers; ++d) {
+        if (slot[d] < 0) slot[d] = my_counts_[d * count_stride_]++;
+      }
+    }
   }
   for (int d = 0; d < num_workers; ++d) my_counts_[d * count_stride_ + 1] = n;
 

@@ -66,6 +66,10 @@ struct ExchangeConfig {
   PayloadType dispatch_dtype = PayloadType::kFp32;
   PayloadType combine_dtype = PayloadType::kFp32;
   OverflowPolicy overflow = OverflowPolicy::kFail;
+  // Every token goes to every worker, also to those that own none of its experts (which
+  // receive it with no pairs): for work every worker does on every token, such as a slice
+  // of the shared expert (--shared-expert=split).
+  bool every_token_to_every_worker = false;
 
   absl::Status Validate() const;
   int64_t recv_capacity() const;

@@ -26,6 +26,7 @@ ExchangeConfig ExchangeShape::exchange() const {
   c.dispatch_dtype = dispatch_dtype;
   c.combine_dtype = combine_dtype;
   c.overflow = overflow;
+  c.every_token_to_every_worker = shared_expert_split;
   return c;
 }
 
@@ -48,6 +49,11 @@ absl::Status ExchangeFlags::Apply(ExchangeShape& shape) const {
         absl::StrCat("--exchange-timeout-ms must be >= 1, got ", exchange_timeout_ms));
   }
   shape.exchange_timeout = absl::Milliseconds(exchange_timeout_ms);
+  if (shared_expert != "owner" && shared_expert != "split") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shared-expert must be owner or split, got '", shared_expert, "'"));
+  }
+  shape.shared_expert_split = shared_expert == "split";
   return shape.exchange().Validate();
 }
 

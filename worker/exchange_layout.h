@@ -31,6 +31,10 @@ struct ExchangeShape {
   PayloadType combine_dtype = PayloadType::kFp32;
   int64_t max_recv_tokens_per_rank = 0;  // 0: max_batch_tokens (never overflows)
   OverflowPolicy overflow = OverflowPolicy::kFail;
+  // The shared expert is split across the workers by intermediate columns, each worker
+  // computing its slice on every token (--shared-expert=split), so every token goes to every
+  // worker; false: each worker computes the whole shared expert on its own tokens.
+  bool shared_expert_split = false;
   // Every cross-rank wait of a batch ends within this (or the caller's deadline, if earlier).
   absl::Duration exchange_timeout = absl::InfiniteDuration();
 
@@ -47,6 +51,7 @@ struct ExchangeFlags {
   int64_t max_recv_tokens_per_rank = 0;
   std::string recv_overflow = "fail";
   int64_t exchange_timeout_ms = 60000;
+  std::string shared_expert = "split";  // split | owner (ExchangeShape::shared_expert_split)
 
   // Sets the exchange fields of `shape` (whose other fields are set); INVALID_ARGUMENT
   // naming the flag and its bound.

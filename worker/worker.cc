@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "model/layers.h"
 
 namespace epserve::worker {
 namespace {
@@ -41,8 +42,16 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
     if (!experts.ok()) return experts.status();
     l.experts = *std::move(experts);
     if (cfg.shared_ffn_size > 0) {
-      absl::StatusOr<kernels::ExpertWeights> shared =
-          kernels::UploadSharedExpert(*w->rt_, source, layer, options.weight_dtype);
+      // Split: this worker's slice of the shared expert's intermediate columns.
+      std::unique_ptr<model::WeightSource> slice;
+      if (layout.shape.shared_expert_split) {
+        absl::StatusOr<std::unique_ptr<model::WeightSource>> s =
+            model::SharedExpertSlice(source, w->me_, layout.shape.num_workers);
+        if (!s.ok()) return s.status();
+        slice = *std::move(s);
+      }
+      absl::StatusOr<kernels::ExpertWeights> shared = kernels::UploadSharedExpert(
+          *w->rt_, slice != nullptr ? *slice : source, layer, options.weight_dtype);
       if (!shared.ok()) return shared.status();
       l.shared = *std::move(shared);
     }
@@ -69,6 +78,12 @@ absl::Status Worker::AllocateBuffers() {
   const size_t n = static_cast<size_t>(s.max_rows_per_worker());
   const size_t r = static_cast<size_t>(config.recv_capacity());
   const size_t pairs = r * k;
+  // The shared expert runs on this worker's own rows, or (split) its slice on every row it
+  // receives.
+  const bool split = s.shared_expert_split;
+  const size_t shared_rows = split ? r : n;
+  const size_t shared_f =
+      layers_.empty() ? 1 : static_cast<size_t>(std::max<int64_t>(layers_[0].shared.ffn, 1));
   struct Item {
     kernels::Buffer* buffer;
     size_t bytes;
@@ -77,8 +92,8 @@ absl::Status Worker::AllocateBuffers() {
       {&x_local_, n * h * f},
       {&ids_, n * k * sizeof(int32_t)},
       {&weights_, n * k * f},
-      {&shared_h_, n * std::max<size_t>(cfg_.shared_ffn_size, 1) * f},
-      {&shared_y_, n * h * f},
+      {&shared_h_, shared_rows * shared_f * f},
+      {&shared_y_, shared_rows * h * f},
       {&x_recv_, r * std::max(h * f, config.dispatch_row_bytes())},
       {&row_index_, pairs * sizeof(int32_t)},
       {&h_, pairs * static_cast<size_t>(cfg_.expert_ffn_size) * f},
@@ -95,6 +110,7 @@ absl::Status Worker::AllocateBuffers() {
   ids_host_.resize(n * k);
   weights_host_.resize(n * k);
   if (config.dispatch_dtype == PayloadType::kFp8 ||
+      (config.dispatch_dtype == PayloadType::kBf16 && split) ||
       (config.dispatch_dtype == PayloadType::kFp32 && config.dispatch_row_bytes() != h * f)) {
     x_recv_host_.resize(r * h);
   }
@@ -181,9 +197,11 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   float* y = heap_.DirectAs<float>(0, layout_.output);
   y = y != nullptr ? y + desc.row_start * hidden : y_host_.data();
   const bool has_shared = layer.shared.num_experts > 0;
-  // The shared expert runs on the owner's own rows while peers dispatch.
+  const bool split_shared = has_shared && layout_.shape.shared_expert_split;
+  // The whole shared expert runs on the owner's own rows while peers dispatch; a slice of it
+  // runs in the expert step on every received row.
   std::function<absl::Status()> shared;
-  if (has_shared) {
+  if (has_shared && !split_shared) {
     shared = [&]() -> absl::Status {
       if (n == 0) return absl::OkStatus();
       EPSERVE_RETURN_IF_ERROR(
@@ -193,11 +211,12 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   }
   const Exchange::ExpertStep experts = [&](const ReceivedRows& in, float* out) -> absl::Status {
     if (in.rows == 0) return absl::OkStatus();
-    // BF16 rows go to the device as they came (the FFN widens them exactly); others as fp32.
+    // BF16 rows go to the device as they came (the FFN widens them exactly); others as fp32,
+    // and so do BF16 rows when the shared expert's slice (FP32 input) runs on them too.
     kernels::RowFormat x_format;
     const void* rows = in.Fp32Rows();
     size_t rows_bytes = in.rows * row_bytes;
-    if (in.dtype == PayloadType::kBf16) {
+    if (in.dtype == PayloadType::kBf16 && !split_shared) {
       rows = in.payload;
       rows_bytes = in.rows * in.row_bytes;
       x_format = {kernels::DType::kBf16, static_cast<int64_t>(in.row_bytes / sizeof(uint16_t))};
@@ -215,11 +234,17 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
                                                in.expert_offsets, h_, y_, x_format));
     EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows,
                                                      k, hidden, out_recv_));
+    if (split_shared) {
+      EPSERVE_RETURN_IF_ERROR(
+          kernels::SharedExpertFfn(*rt_, layer.shared, x_recv_, in.rows, shared_h_, shared_y_));
+      EPSERVE_RETURN_IF_ERROR(kernels::AddInto(*rt_, shared_y_, in.rows * hidden, out_recv_));
+    }
     return rt_->Read(out_recv_, 0, out, in.rows * row_bytes);
   };
   ExchangeStats stats;
   EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
-                                         has_shared, experts, deadline, &stats, shared));
+                                         has_shared && !split_shared, experts, deadline, &stats,
+                                         shared));
   if (y == y_host_.data() && n > 0) {
     EPSERVE_RETURN_IF_ERROR(heap_.Put(
         0, layout_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));

@@ -1,7 +1,10 @@
 // Served-layer selection (--layers) and per-rank memory estimates.
+#include <random>
+
 #include "gtest/gtest.h"
 #include "model/layers.h"
 #include "model/memory.h"
+#include "model/reference.h"
 #include "model/synthetic.h"
 
 namespace epserve::model {
@@ -76,6 +79,51 @@ TEST(ServeLayers, NarrowsTheSourceToTheSelection) {
   EXPECT_FALSE(ServeLayers(*OpenModel("synthetic:tiny", 3), "2").ok());
 }
 
+TEST(SharedExpertSlice, SlicesAddUpToTheWholeSharedExpert) {
+  absl::StatusOr<std::unique_ptr<WeightSource>> tiny = OpenModel("synthetic:tiny", 5);
+  ASSERT_TRUE(tiny.ok());
+  const MoeLayerConfig& c = (*tiny)->config().layer;  // shared F = 64
+  const int64_t h = c.hidden_size;
+  absl::StatusOr<LayerWeights> whole = LoadLayer(**tiny, 1);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal;
+  std::vector<float> x(h);
+  for (float& v : x) v = normal(rng);
+  std::vector<double> expected(h, 0.0);
+  ReferenceExpert(whole->shared_gate.data(), whole->shared_up.data(), whole->shared_down.data(), h,
+                  c.shared_ffn_size, x.data(), expected.data(), 1.0);
+  for (int parts : {1, 2, 3, 64}) {
+    std::vector<double> sum(h, 0.0);
+    int64_t width_sum = 0;
+    for (int part = 0; part < parts; ++part) {
+      absl::StatusOr<std::unique_ptr<WeightSource>> slice = SharedExpertSlice(**tiny, part, parts);
+      ASSERT_TRUE(slice.ok()) << slice.status();
+      const MoeLayerConfig& sc = (*slice)->config().layer;
+      width_sum += sc.shared_ffn_size;
+      absl::StatusOr<LayerWeights> w = LoadLayer(**slice, 1);
+      ASSERT_TRUE(w.ok()) << w.status();
+      EXPECT_EQ(w->router, whole->router);  // everything else as the source gives it
+      EXPECT_EQ(w->gate[3], whole->gate[3]);
+      EXPECT_EQ(w->shared_expert_gate, whole->shared_expert_gate);
+      ReferenceExpert(w->shared_gate.data(), w->shared_up.data(), w->shared_down.data(), h,
+                      sc.shared_ffn_size, x.data(), sum.data(), 1.0);
+    }
+    EXPECT_EQ(width_sum, c.shared_ffn_size) << parts << " parts";
+    for (int64_t i = 0; i < h; ++i) {
+      EXPECT_NEAR(sum[i], expected[i], 1e-9 * (1.0 + std::abs(expected[i])))
+          << "column " << i << ", " << parts << " parts";
+    }
+  }
+  for (auto [part, parts] : {std::pair{0, 0}, {2, 2}, {-1, 2}, {0, 65}}) {
+    absl::StatusOr<std::unique_ptr<WeightSource>> bad = SharedExpertSlice(**tiny, part, parts);
+    ASSERT_FALSE(bad.ok()) << part << " of " << parts;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find("intermediate size (64)"), std::string::npos)
+        << bad.status();
+  }
+}
+
 TEST(EstimateRankBytes, CountsRouterOwnedExpertsAndSharedExpert) {
   ModelConfig c = Lite();
   c.moe_layers = {1, 2};
@@ -99,6 +147,11 @@ TEST(EstimateRankBytes, CountsRouterOwnedExpertsAndSharedExpert) {
     EXPECT_EQ(m->shared_params, shared);
     EXPECT_EQ(m->fp32_bytes(), 4 * (router + 2 * counts[w] * expert + shared));
     EXPECT_EQ(m->bf16_bytes(), 2 * (router + 2 * counts[w] * expert + shared));
+    // Split: 16 of the 48 shared columns each (and the whole gate vector).
+    absl::StatusOr<RankMemory> split = EstimateRankBytes(c, 3, w, /*shared_split=*/true);
+    ASSERT_TRUE(split.ok()) << split.status();
+    EXPECT_EQ(split->shared_params, 2 * (3 * 16 * h + h));
+    EXPECT_EQ(split->expert_params, m->expert_params);
   }
   // DeepSeek-V3 routing adds the per-expert correction bias to the router.
   c.layer.routing = RoutingKind::kSigmoidGroupedTopK;

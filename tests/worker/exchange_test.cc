@@ -76,10 +76,11 @@ class Batch {
 };
 
 // The test's "expert e": x + (e + 1), weighted; summed over the token's choices j owned by
-// one receiver, in order of j. Used by the receivers and by the reference alike.
+// one receiver, in order of j, onto `base` (what the receiver adds for every token it
+// gets, such as a shared expert's slice). Used by the receivers and by the reference alike.
 void ExpertPart(const ExchangeConfig& c, const float* x, const int32_t* ids, const float* weights,
-                const std::function<bool(int)>& mine, float* out) {
-  std::fill(out, out + c.hidden, 0.0f);
+                const std::function<bool(int)>& mine, float base, float* out) {
+  std::fill(out, out + c.hidden, base);
   for (int j = 0; j < c.top_k; ++j) {
     if (!mine(j)) continue;
     for (int64_t i = 0; i < c.hidden; ++i)
@@ -177,7 +178,8 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
         const int32_t* ids = batches[src].ids(t);
         ExpertPart(
             c, decoded.data(), ids, batches[src].weights(t),
-            [&](int j) { return placement.owner(ids[j]) == rank_; }, out + r * c.hidden);
+            [&](int j) { return placement.owner(ids[j]) == rank_; }, Base(c, rank_),
+            out + r * c.hidden);
       }
       for (int h : pair_hits) wrong_meta += h != 1;
       return absl::OkStatus();
@@ -196,11 +198,12 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
                             absl::Now() + absl::Seconds(60), stats);
     if (!s.ok()) return s;
 
-    // Expected rows received: every (source, token) with an expert of mine, per round.
+    // Expected rows received: every (source, token) with an expert of mine (or every one),
+    // per round.
     int64_t expected_received = 0;
     for (int r = 0; r < ranks_; ++r) {
       for (int64_t t = 0; t < batches[r].n(); ++t) {
-        bool hit = false;
+        bool hit = c.every_token_to_every_worker;
         for (int j = 0; j < c.top_k; ++j) hit |= placement.owner(batches[r].ids(t)[j]) == rank_;
         expected_received += hit;
       }
@@ -218,12 +221,12 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
       DecodeRow(c.dispatch_dtype, enc.data(), c.hidden, x_rt.data());
       bool first = true;
       for (int d = 0; d < ranks_; ++d) {
-        bool any = false;
+        bool any = c.every_token_to_every_worker;
         for (int j = 0; j < c.top_k; ++j) any |= placement.owner(mine.ids(t)[j]) == d;
         if (!any) continue;
         ExpertPart(
             c, x_rt.data(), mine.ids(t), mine.weights(t),
-            [&](int j) { return placement.owner(mine.ids(t)[j]) == d; }, part.data());
+            [&](int j) { return placement.owner(mine.ids(t)[j]) == d; }, Base(c, d), part.data());
         EncodeRow(c.combine_dtype, part.data(), c.hidden, enc.data());
         if (first) {
           DecodeRow(c.combine_dtype, enc.data(), c.hidden, ref.data());
@@ -241,6 +244,11 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
       EXPECT_EQ(rounds_seen, stats->rounds);
     }
     return absl::OkStatus();
+  }
+
+  // What worker d adds to every token it receives when every token goes everywhere.
+  static float Base(const ExchangeConfig& c, int d) {
+    return c.every_token_to_every_worker ? 0.25f * static_cast<float>(d + 1) : 0.0f;
   }
 
   int rank_ = 0;
@@ -267,6 +275,31 @@ TEST_P(ExchangeTest, RowsLandWhereExpectedAndCombineIsExact) {
       absl::Status st = RunAndCheck(*s.exchange, ++batch, sizes, routing, &stats);
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_EQ(stats.rounds, 1);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_P(ExchangeTest, EveryTokenReachesEveryWorkerWhenAsked) {
+  ExchangeConfig c = Config();
+  c.every_token_to_every_worker = true;
+  Setup s = Make(c);
+  ASSERT_NE(s.exchange, nullptr);
+  std::mt19937 rng(static_cast<uint32_t>(seed_));
+  uint64_t batch = 0;
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+    for (int i = 0; i < 5; ++i) {
+      std::vector<int64_t> sizes(ranks_);
+      for (int64_t& n : sizes) {
+        n = i == 0 ? 0 : i == 1 ? 1 : i == 2 ? c.max_send_tokens : rng() % (c.max_send_tokens + 1);
+      }
+      if (i == 3) sizes[0] = 0;
+      ExchangeStats stats;
+      absl::Status st = RunAndCheck(*s.exchange, ++batch, sizes, routing, &stats);
+      ASSERT_TRUE(st.ok()) << st;
+      int64_t all = 0;
+      for (int64_t n : sizes) all += n;
+      EXPECT_EQ(stats.rows_received, all);
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);

@@ -145,8 +145,9 @@ TEST(WorkerPipeline, GroupedRoutingWithoutGateMatchesTheReference) {
   });
 }
 
-// The rma backend, narrow payloads, and a small receive capacity split into rounds: every
-// output row still matches the reference (within the payload's rounding).
+// The rma backend, narrow payloads, a small receive capacity split into rounds, and the
+// shared expert split across the workers: every output row still matches the reference
+// (within the payload's rounding).
 struct Variant {
   const char* name;
   shmem::HeapBackend backend;
@@ -155,6 +156,7 @@ struct Variant {
   int64_t max_recv;
   const char* overflow;
   double tolerance;
+  const char* shared_expert = "owner";
 };
 
 class PipelineVariants : public ::testing::TestWithParam<Variant> {};
@@ -168,6 +170,7 @@ TEST_P(PipelineVariants, MatchTheReference) {
   o.exchange.combine_dtype = v.combine;
   o.exchange.max_recv_tokens_per_rank = v.max_recv;
   o.exchange.recv_overflow = v.overflow;
+  o.exchange.shared_expert = v.shared_expert;
   RunCluster(o, [&](Cluster& c, Coordinator& coord) {
     std::mt19937_64 rng(std::random_device{}());
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -189,7 +192,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Variant{"rma", shmem::HeapBackend::kRma, "fp32", "fp32", 0, "fail", 1e-4},
         Variant{"shm_bf16", shmem::HeapBackend::kShm, "bf16", "bf16", 0, "fail", 2e-2},
-        Variant{"rma_fp8_split", shmem::HeapBackend::kRma, "fp8", "fp32", 8, "split", 1.5e-1}),
+        Variant{"rma_fp8_split", shmem::HeapBackend::kRma, "fp8", "fp32", 8, "split", 1.5e-1},
+        Variant{"shared_split", shmem::HeapBackend::kShm, "fp32", "fp32", 0, "fail", 1e-4, "split"},
+        Variant{"rma_bf16_shared_split", shmem::HeapBackend::kRma, "bf16", "fp32", 0, "fail", 2e-2,
+                "split"},
+        Variant{"fp8_rounds_shared_split", shmem::HeapBackend::kShm, "fp8", "bf16", 8, "split",
+                1.5e-1, "split"}),
     [](const ::testing::TestParamInfo<Variant>& p) { return std::string(p.param.name); });
 
 TEST(WorkerPipeline, OverflowUnderFailPolicyIsResourceExhaustedAndNextBatchRuns) {

@@ -90,6 +90,13 @@ TEST(ExchangeFlags, BadValuesNameTheFlag) {
   bad = f;
   bad.exchange_timeout_ms = 0;
   EXPECT_NE(message(bad).find("--exchange-timeout-ms"), std::string::npos);
+  bad = f;
+  bad.shared_expert = "everywhere";
+  EXPECT_NE(message(bad).find("--shared-expert must be owner or split"), std::string::npos);
+  bad.shared_expert = "split";
+  EXPECT_TRUE(bad.Apply(s).ok());
+  EXPECT_TRUE(s.shared_expert_split);
+  EXPECT_TRUE(s.exchange().every_token_to_every_worker);
   // Split rounds carry capacity / W tokens per sender: the capacity must reach W.
   bad = f;
   bad.recv_overflow = "split";
