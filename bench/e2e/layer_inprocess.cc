@@ -15,7 +15,12 @@
 // (resident: x already on the device and the output left there, as for a caller on the
 // same device; median_ms includes copying x in and the output out)
 // and first {"device":"...","tensor_cores":b,"check_tokens":n,"max_rel_error":X} against
-// model::ReferenceForward.
+// model::ReferenceForward. With --read-bandwidth, also first
+//   {"read_gb_per_s":X,"threads":N,"one_token_weight_bytes":B,"one_token_floor_ms":X}
+// the host's memory read bandwidth (N threads summing disjoint parts of a 512 MiB buffer,
+// best of 5) and the weights one token reads (the router, its top-k routed experts and the
+// shared expert): no implementation that reads them once from memory answers one token in
+// less than the floor.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -23,6 +28,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -129,6 +135,33 @@ class InProcessLayer {
   std::vector<int64_t> offsets_, cursor_;
 };
 
+// Best read bandwidth of `threads` threads, each summing its part of a 512 MiB buffer.
+double ReadGbPerSecond(int threads) {
+  const size_t n = (size_t{512} << 20) / sizeof(float);
+  std::vector<float> buffer(n, 1.0f);
+  std::vector<float> sums(threads);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = NowSeconds();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        const float* p = buffer.data() + n * t / threads;
+        const size_t count = n * (t + 1) / threads - n * t / threads;
+        float acc[16] = {};  // independent sums the compiler keeps in vector registers
+        for (size_t i = 0; i + 16 <= count; i += 16) {
+          for (int j = 0; j < 16; ++j) acc[j] += p[i + j];
+        }
+        sums[t] = std::accumulate(acc, acc + 16, 0.0f);
+      });
+    }
+    for (std::thread& th : pool) th.join();
+    best = std::max(best, static_cast<double>(n * sizeof(float)) / (NowSeconds() - t0) / 1e9);
+  }
+  if (std::accumulate(sums.begin(), sums.end(), 0.0f) < 0) std::fputs("", stderr);  // keep sums
+  return best;
+}
+
 int Run(int argc, char** argv) {
   std::string model_spec = "synthetic:qwen1.5-moe-a2.7b";
   std::vector<int64_t> token_counts = {1, 32, 256};
@@ -136,6 +169,7 @@ int Run(int argc, char** argv) {
   int64_t seed = 0;
   double min_seconds = 2.0;
   int64_t check_tokens = 2;
+  bool read_bandwidth = false;
   kernels::RuntimeOptions rto;
   common::FlagSet fs("bench_e2e_inprocess",
                      "One MoE layer through epserve's kernels in one process (no gRPC, no MPI).");
@@ -147,6 +181,8 @@ int Run(int argc, char** argv) {
   fs.Add("check-tokens", &check_tokens, "Tokens compared with the reference forward pass");
   fs.Add("device", &rto.device, "OpenCL device: cpu, gpu or <platform>:<device>");
   fs.Add("tensor-cores", &rto.tensor_cores, "Tensor-core FFN for bf16 weights where available");
+  fs.Add("read-bandwidth", &read_bandwidth,
+         "Also measure the host's memory read bandwidth and the one-token floor it sets");
   const int code = ParseFlags(
       fs, argc, argv, [&] { return AllPositive(token_counts); },
       "every --tokens entry must be >= 1");
@@ -192,6 +228,20 @@ int Run(int argc, char** argv) {
         "\"max_rel_error\":%.3g}\n",
         (*l)->runtime().device_info().device_name.c_str(), (*l)->tensor_cores() ? "true" : "false",
         static_cast<long long>(check_tokens), diff / scale);
+    std::fflush(stdout);
+  }
+
+  if (read_bandwidth) {
+    const model::MoeLayerConfig& c = config.layer;
+    const int64_t elem = kernels::DTypeBytes(*dtype);
+    const int64_t bytes = c.num_experts * h * 4 + c.top_k * 3 * h * c.expert_ffn_size * elem +
+                          3 * h * c.shared_ffn_size * elem;
+    const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const double gbps = ReadGbPerSecond(threads);
+    std::printf(
+        "{\"read_gb_per_s\":%.2f,\"threads\":%d,\"one_token_weight_bytes\":%lld,"
+        "\"one_token_floor_ms\":%.3f}\n",
+        gbps, threads, static_cast<long long>(bytes), static_cast<double>(bytes) / gbps / 1e6);
     std::fflush(stdout);
   }
 
