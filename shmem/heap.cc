@@ -108,6 +108,7 @@ absl::Status WaitLoop(Load load, uint64_t target, absl::Time deadline, absl::str
     _mm_pause();
   }
   absl::Duration sleep = absl::Microseconds(1);
+  const absl::Time start = absl::Now();
   int yields = 0;
   while (true) {
     const uint64_t seen = load();
@@ -126,8 +127,12 @@ absl::Status WaitLoop(Load load, uint64_t target, absl::Time deadline, absl::str
       ++yields;
       sched_yield();
     } else {
-      std::this_thread::sleep_for(absl::ToChronoNanoseconds(sleep));
-      sleep = std::min(sleep * 2, wait.max_sleep);
+      // Never past the deadline, which a sleep proportional to the wait could overshoot.
+      std::this_thread::sleep_for(
+          absl::ToChronoNanoseconds(std::min(sleep, deadline - absl::Now())));
+      absl::Duration cap = wait.max_sleep;
+      if (wait.sleep_fraction > 0) cap = std::max(cap, (absl::Now() - start) * wait.sleep_fraction);
+      sleep = std::min(sleep * 2, cap);
     }
   }
 }
@@ -148,6 +153,11 @@ absl::Status WaitAtLeast(uint64_t* signal, uint64_t target, absl::Time deadline,
   WaitOptions wait;
   wait.max_sleep = max_sleep;
   wait.cancel = cancel;
+  return WaitAtLeast(signal, target, deadline, what, wait);
+}
+
+absl::Status WaitAtLeast(uint64_t* signal, uint64_t target, absl::Time deadline,
+                         absl::string_view what, const WaitOptions& wait) {
   return WaitLoop([signal] { return SignalLoad(signal); }, target, deadline, what, -1, wait);
 }
 

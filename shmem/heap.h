@@ -40,7 +40,11 @@ const char* HeapBackendName(HeapBackend backend);
 // How a wait spins before it sleeps. The defaults suit a rank that owns a core.
 struct WaitOptions {
   absl::Duration max_sleep = absl::Microseconds(50);  // longest sleep between two polls
-  const std::atomic<bool>* cancel = nullptr;          // CANCELLED once it turns true
+  // When > 0, a long wait may also sleep up to this fraction of the time it has waited so
+  // far: a wait of T polls O(log T / fraction) times instead of T / max_sleep, and notices
+  // the signal at most about fraction * T late. For waits that routinely last milliseconds.
+  double sleep_fraction = 0;
+  const std::atomic<bool>* cancel = nullptr;  // CANCELLED once it turns true
 };
 
 // Thread-safety: Allocate is not thread-safe. The data and signal functions may be called
@@ -142,5 +146,7 @@ inline uint64_t SignalAdd(uint64_t* signal, uint64_t delta) {
 absl::Status WaitAtLeast(uint64_t* signal, uint64_t target, absl::Time deadline,
                          absl::string_view what, absl::Duration max_sleep = absl::Microseconds(50),
                          const std::atomic<bool>* cancel = nullptr);
+absl::Status WaitAtLeast(uint64_t* signal, uint64_t target, absl::Time deadline,
+                         absl::string_view what, const WaitOptions& wait);
 
 }  // namespace epserve::shmem

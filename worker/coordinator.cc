@@ -42,6 +42,9 @@ absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, ab
 absl::Status Coordinator::WaitDone(absl::Time deadline) {
   shmem::WaitOptions wait;
   wait.cancel = &abort_;
+  // A batch runs for milliseconds to seconds; polling every 50 us throughout cost rank 0
+  // about 8% of a core (20,000 wake-ups a second) on the cores the workers compute on.
+  wait.sleep_fraction = 1.0 / 64;
   for (int w = 0; w < layout_.shape.num_workers; ++w) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(ExchangeLayout::Signal(layout_.done_seq, w), seq_,
                                              deadline, "the end of the batch on worker", w, wait));

@@ -2,6 +2,7 @@
 #include <mpi.h>
 
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -162,6 +163,28 @@ TEST(Signals, WaitEndsAtItsDeadlineOrWhenCancelled) {
   SignalStore(&signal, 5);
   EXPECT_TRUE(WaitAtLeast(&signal, 5, absl::Now(), "set").ok());
   EXPECT_EQ(SignalAdd(&signal, 2), 7u);
+}
+
+TEST(Signals, ProportionalSleepSeesTheSignalAndKeepsTheDeadline) {
+  uint64_t signal = 0;
+  WaitOptions wait;
+  wait.sleep_fraction = 1.0 / 64;
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    SignalStore(&signal, 1);
+  });
+  absl::Time start = absl::Now();
+  EXPECT_TRUE(WaitAtLeast(&signal, 1, start + absl::Seconds(30), "a late signal", wait).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  setter.join();
+  // Sleeps that double up to 4x the time waited so far overshoot a 300 ms deadline by up to
+  // about 300 ms unless they are cut at the deadline; the wait still ends at the deadline.
+  wait.sleep_fraction = 4.0;
+  start = absl::Now();
+  absl::Status s = WaitAtLeast(&signal, 2, start + absl::Milliseconds(300), "nobody", wait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(550));
 }
 
 }  // namespace
