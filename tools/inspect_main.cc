@@ -25,7 +25,8 @@ std::string Range(int first, int count) {
   return absl::StrCat(first, "-", first + count - 1);
 }
 
-void Describe(const model::WeightSource& source, const std::vector<int>& served, int workers) {
+void Describe(const model::WeightSource& source, const std::vector<int>& served, int workers,
+              bool shared_split) {
   const model::ModelConfig& config = source.config();
   const model::MoeLayerConfig& c = config.layer;
   const auto* checkpoint = dynamic_cast<const model::CheckpointWeights*>(&source);
@@ -89,11 +90,13 @@ void Describe(const model::WeightSource& source, const std::vector<int>& served,
   served_config.moe_layers = served;
   std::printf(
       "memory per worker rank, %d worker(s), %zu served layer(s) (router + owned experts + "
-      "shared expert):\n",
-      workers, served.size());
+      "%s):\n",
+      workers, served.size(),
+      shared_split ? "its slice of the shared expert" : "the whole shared expert");
   int64_t total_fp32 = 0, total_bf16 = 0;
   for (int w = 0; w < workers; ++w) {
-    absl::StatusOr<model::RankMemory> m = model::EstimateRankBytes(served_config, workers, w);
+    absl::StatusOr<model::RankMemory> m =
+        model::EstimateRankBytes(served_config, workers, w, shared_split);
     if (!m.ok()) return;
     total_fp32 += m->fp32_bytes();
     total_bf16 += m->bf16_bytes();
@@ -113,6 +116,7 @@ int main(int argc, char** argv) {
   std::string spec;
   int workers = 1;
   std::string layers = "all";
+  std::string shared_expert = "split";
   epserve::common::FlagSet fs(
       "epserve-inspect",
       "Describes a model as epserve would serve it and the weight memory of each worker.\n"
@@ -120,6 +124,8 @@ int main(int argc, char** argv) {
   fs.Add("model", &spec, "The model, instead of the first argument");
   fs.Add("workers", &workers, "Worker ranks to spread the experts over (mpirun -np 1+W)");
   fs.Add("layers", &layers, "Served MoE layers: all, 3, 1,5, 2-7 or a mix");
+  fs.Add("shared-expert", &shared_expert,
+         "As epserve's flag: split (each worker holds 1/W of the shared expert) or owner");
   // The first argument, when not a flag, names the model; FlagSet takes flags only.
   std::vector<char*> args(argv, argv + argc);
   if (argc > 1 && argv[1][0] != '-') {
@@ -134,6 +140,11 @@ int main(int argc, char** argv) {
   if (fs.help_requested()) {
     std::printf("%s", fs.Usage().c_str());
     return 0;
+  }
+  if (shared_expert != "split" && shared_expert != "owner") {
+    std::fprintf(stderr, "epserve-inspect: --shared-expert must be split or owner, got '%s'\n",
+                 shared_expert.c_str());
+    return 2;
   }
   if (spec.empty()) {
     std::fprintf(stderr, "epserve-inspect: name a model\n%s", fs.Usage().c_str());
@@ -158,6 +169,6 @@ int main(int argc, char** argv) {
                  num_experts);
     return 2;
   }
-  Describe(**source, *served, workers);
+  Describe(**source, *served, workers, shared_expert == "split");
   return 0;
 }

@@ -518,6 +518,22 @@ TEST(Inspect, DescribesACheckpointAndFailsOnABadOne) {
   EXPECT_NE(text.find("model-00002-of-00002.safetensors"), std::string::npos) << text;
   std::filesystem::remove_all(folder);
 }
+
+TEST(Inspect, CountsTheSharedExpertAsTheServerHoldsIt) {
+  // qwen1.5-moe-a2.7b over 2 workers: router, 30 experts and the shared expert (whole, or
+  // half of its 5632 columns), FP32; the server reports the same bytes when it loads them.
+  auto [code, text] = RunInspect("synthetic:qwen1.5-moe-a2.7b --workers 2 --shared-expert owner");
+  EXPECT_EQ(code, 0) << text;
+  EXPECT_NE(text.find("whole shared expert"), std::string::npos) << text;
+  EXPECT_NE(text.find("FP32 1.10 GiB"), std::string::npos) << text;  // 1177001984 B
+  std::tie(code, text) = RunInspect("synthetic:qwen1.5-moe-a2.7b --workers 2");
+  EXPECT_EQ(code, 0) << text;
+  EXPECT_NE(text.find("its slice of the shared expert"), std::string::npos) << text;
+  EXPECT_NE(text.find("FP32 1.03 GiB"), std::string::npos) << text;  // 1107795968 B
+  std::tie(code, text) = RunInspect("synthetic:tiny --shared-expert both");
+  EXPECT_EQ(code, 2) << text;
+  EXPECT_NE(text.find("--shared-expert must be split or owner"), std::string::npos) << text;
+}
 #endif
 
 }  // namespace
