@@ -162,8 +162,8 @@ absl::StatusOr<std::unique_ptr<WeightSource>> SharedExpertSlice(const WeightSour
         "shared expert slice ", part, " of ", parts,
         ": needs 0 <= part < parts <= ", "the shared expert's intermediate size (", full, ")"));
   }
-  const int64_t begin = full * part / parts;
-  const int64_t end = full * (part + 1) / parts;
+  const int64_t begin = SharedSliceBegin(full, part, parts);
+  const int64_t end = SharedSliceBegin(full, part + 1, parts);
   return std::make_unique<SharedSlice>(source, begin, end - begin);
 }
 

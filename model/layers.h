@@ -37,5 +37,8 @@ absl::StatusOr<std::unique_ptr<WeightSource>> ServeLayers(std::unique_ptr<Weight
 // output, applies to each slice). INVALID_ARGUMENT unless 0 <= part < parts <= Fs.
 absl::StatusOr<std::unique_ptr<WeightSource>> SharedExpertSlice(const WeightSource& source,
                                                                 int part, int parts);
+// The first intermediate column of slice `part` of `parts` of a shared expert of width
+// `full`; slice `part` is [SharedSliceBegin(part), SharedSliceBegin(part + 1)).
+inline int64_t SharedSliceBegin(int64_t full, int part, int parts) { return full * part / parts; }
 
 }  // namespace epserve::model

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "model/layers.h"
 #include "model/weights.h"
 
 namespace epserve::model {
@@ -22,8 +23,8 @@ absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_
   // The shared expert this worker holds: all of it, or its slice of the columns.
   MoeLayerConfig held = c;
   if (shared_split) {
-    held.shared_ffn_size =
-        c.shared_ffn_size * (worker + 1) / num_workers - c.shared_ffn_size * worker / num_workers;
+    held.shared_ffn_size = SharedSliceBegin(c.shared_ffn_size, worker + 1, num_workers) -
+                           SharedSliceBegin(c.shared_ffn_size, worker, num_workers);
   }
   auto numel = [&](TensorKind kind) { return ShapeOf(held, kind).numel(); };
   RankMemory m;

@@ -198,10 +198,11 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   y = y != nullptr ? y + desc.row_start * hidden : y_host_.data();
   const bool has_shared = layer.shared.num_experts > 0;
   const bool split_shared = has_shared && layout_.shape.shared_expert_split;
+  const bool owner_shared = has_shared && !split_shared;
   // The whole shared expert runs on the owner's own rows while peers dispatch; a slice of it
   // runs in the expert step on every received row.
   std::function<absl::Status()> shared;
-  if (has_shared && !split_shared) {
+  if (owner_shared) {
     shared = [&]() -> absl::Status {
       if (n == 0) return absl::OkStatus();
       EPSERVE_RETURN_IF_ERROR(
@@ -243,8 +244,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   };
   ExchangeStats stats;
   EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
-                                         has_shared && !split_shared, experts, deadline, &stats,
-                                         shared));
+                                         owner_shared, experts, deadline, &stats, shared));
   if (y == y_host_.data() && n > 0) {
     EPSERVE_RETURN_IF_ERROR(heap_.Put(
         0, layout_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));

@@ -246,6 +246,15 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
     return absl::OkStatus();
   }
 
+  // Tokens each rank sends in the i-th batch of a series: none, 1, all max, then random
+  // counts (in batch 3 rank 0 sends nothing while the others do).
+  std::vector<int64_t> Sizes(int i, int64_t max, std::mt19937& rng) const {
+    std::vector<int64_t> sizes(ranks_);
+    for (int64_t& n : sizes) n = i == 0 ? 0 : i == 1 ? 1 : i == 2 ? max : rng() % (max + 1);
+    if (i == 3) sizes[0] = 0;
+    return sizes;
+  }
+
   // What worker d adds to every token it receives when every token goes everywhere.
   static float Base(const ExchangeConfig& c, int d) {
     return c.every_token_to_every_worker ? 0.25f * static_cast<float>(d + 1) : 0.0f;
@@ -266,11 +275,7 @@ TEST_P(ExchangeTest, RowsLandWhereExpectedAndCombineIsExact) {
   uint64_t batch = 0;
   for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
     for (int i = 0; i < 8; ++i) {
-      std::vector<int64_t> sizes(ranks_);
-      for (int64_t& n : sizes) {
-        n = i == 0 ? 0 : i == 1 ? 1 : i == 2 ? c.max_send_tokens : rng() % (c.max_send_tokens + 1);
-      }
-      if (i == 3) sizes[0] = 0;  // one rank sends nothing, the others do
+      const std::vector<int64_t> sizes = Sizes(i, c.max_send_tokens, rng);
       ExchangeStats stats;
       absl::Status st = RunAndCheck(*s.exchange, ++batch, sizes, routing, &stats);
       ASSERT_TRUE(st.ok()) << st;
@@ -289,11 +294,7 @@ TEST_P(ExchangeTest, EveryTokenReachesEveryWorkerWhenAsked) {
   uint64_t batch = 0;
   for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
     for (int i = 0; i < 5; ++i) {
-      std::vector<int64_t> sizes(ranks_);
-      for (int64_t& n : sizes) {
-        n = i == 0 ? 0 : i == 1 ? 1 : i == 2 ? c.max_send_tokens : rng() % (c.max_send_tokens + 1);
-      }
-      if (i == 3) sizes[0] = 0;
+      const std::vector<int64_t> sizes = Sizes(i, c.max_send_tokens, rng);
       ExchangeStats stats;
       absl::Status st = RunAndCheck(*s.exchange, ++batch, sizes, routing, &stats);
       ASSERT_TRUE(st.ok()) << st;
