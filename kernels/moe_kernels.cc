@@ -204,6 +204,55 @@ absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int laye
   return rt.Finish();
 }
 
+// Uploads experts [first, first + count) in the pair-panel layout of
+// kernels/detail/ffn_layout.h (BF16, K in pairs, zero padding), one host tensor at a time.
+absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
+                        ExpertWeights& w) {
+  const int64_t hidden = w.hidden;
+  const int64_t ffn = w.ffn;
+  const int64_t pw = kFfnPanelCols;
+  const int64_t half = pw / 2;
+  const int64_t gu_panel_values = detail::DotKPairs(hidden) * 2 * pw;
+  const int64_t down_panel_values = detail::DotKPairs(ffn) * 2 * pw;
+  const int64_t gu_elems = detail::GateUpDotValuesPerExpert(hidden, ffn);
+  const int64_t down_elems = detail::DownDotValuesPerExpert(hidden, ffn);
+  std::vector<float> staging(hidden * ffn);
+  for (int i = 0; i < w.num_experts; ++i) {
+    const int expert = w.first_expert + i;
+    RETURN_IF_ERROR(FillMapped<uint16_t>(rt, w.gate_up, i * gu_elems, gu_elems, [&](uint16_t* dst) {
+      std::fill(dst, dst + gu_elems, uint16_t{0});  // padding: columns past F, k = H
+      // Panel column c < half: gate row f = j * half + c; c >= half: up row f.
+      for (int half_index = 0; half_index < 2; ++half_index) {
+        RETURN_IF_ERROR(
+            source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert, staging.data()));
+        for (int64_t f = 0; f < ffn; ++f) {
+          uint16_t* panel = dst + (f / half) * gu_panel_values;
+          const int64_t c = half_index * half + f % half;
+          const float* in = staging.data() + f * hidden;
+          for (int64_t k = 0; k < hidden; ++k) {
+            panel[detail::DotPanelOffset(c, k)] = FloatToBf16(in[k]);
+          }
+        }
+      }
+      return absl::OkStatus();
+    }));
+    RETURN_IF_ERROR(
+        FillMapped<uint16_t>(rt, w.down, i * down_elems, down_elems, [&](uint16_t* dst) {
+          std::fill(dst, dst + down_elems, uint16_t{0});  // padding: rows past H, f = F
+          RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
+          for (int64_t row = 0; row < hidden; ++row) {
+            uint16_t* panel = dst + (row / pw) * down_panel_values;
+            const float* in = staging.data() + row * ffn;
+            for (int64_t f = 0; f < ffn; ++f) {
+              panel[detail::DotPanelOffset(row % pw, f)] = FloatToBf16(in[f]);
+            }
+          }
+          return absl::OkStatus();
+        }));
+  }
+  return rt.Finish();
+}
+
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
                                         FfnKinds kinds, int first, int count, int64_t ffn,
                                         DType dtype) {
@@ -220,9 +269,12 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   // The layout, hence the element counts, follows from the dtype and the device.
   w.tensor_cores =
       dtype == DType::kBf16 && rt.tensor_cores() && detail::MmaFitsCallerBuffers(hidden, ffn);
+  w.bf16_dot = dtype == DType::kBf16 && !w.tensor_cores && rt.bf16_dot();
   const int64_t gate_up_values = w.tensor_cores ? detail::MmaGateUpValuesPerExpert(hidden, ffn)
+                                 : w.bf16_dot   ? detail::GateUpDotValuesPerExpert(hidden, ffn)
                                                 : detail::GateUpFloatsPerExpert(hidden, ffn);
   const int64_t down_values = w.tensor_cores ? detail::MmaDownValuesPerExpert(hidden, ffn)
+                              : w.bf16_dot   ? detail::DownDotValuesPerExpert(hidden, ffn)
                                              : detail::DownFloatsPerExpert(hidden, ffn);
   const size_t elem = DTypeBytes(dtype);
   absl::StatusOr<Buffer> gate_up = rt.Allocate(gate_up_values * count * elem);
@@ -233,6 +285,8 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.down = *std::move(down);
   if (w.tensor_cores) {
     RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
+  } else if (w.bf16_dot) {
+    RETURN_IF_ERROR(FillFfnDot(rt, source, layer, kinds, w));
   } else if (dtype == DType::kBf16) {
     RETURN_IF_ERROR(FillFfn<uint16_t>(rt, source, layer, kinds, w));
   } else {
@@ -346,6 +400,47 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   return Launch(rt, *down, 2, down_global, local);
 }
 
+// The BF16 dot-product FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows
+// x_stride apart, gathered through row_index when `gather`) -> BF16 activations in y -> BF16 h
+// in h_scratch -> FP32 y. Tiles of kFfnRowChunk rows of one expert.
+absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
+                       const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
+                       Buffer& h_scratch, Buffer& y) {
+  const int64_t rows = offsets.back();
+  const int64_t kp_hidden = detail::DotKPairs(w.hidden);
+  const int64_t kp_ffn = detail::DotKPairs(w.ffn);
+  RETURN_IF_ERROR(NeedBytes(y, rows * 2 * kp_hidden * sizeof(uint16_t), "y (BF16 activations)"));
+  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * 2 * kp_ffn * sizeof(uint16_t), "h_scratch (BF16 h)"));
+  int num_groups = 0;
+  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kFfnRowChunk, &num_groups);
+  if (!groups.ok()) return groups.status();
+  if (num_groups == 0) return absl::OkStatus();
+  absl::StatusOr<cl_kernel> gather_kernel = rt.Kernel("gather_rows_to_bf16_pairs");
+  if (!gather_kernel.ok()) return gather_kernel.status();
+  absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_gate_up_dot");
+  if (!gate_up.ok()) return gate_up.status();
+  absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_down_dot");
+  if (!down.ok()) return down.status();
+  const cl_long x_rows = RowsInBuffer(x, DTypeBytes(x_format.dtype), w.hidden, x_format.row_stride);
+  RETURN_IF_ERROR(SetArgs(*gather_kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
+                          cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
+                          static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
+                          static_cast<cl_int>(kp_hidden), y));
+  const size_t gather_global[1] = {static_cast<size_t>(rows)};
+  RETURN_IF_ERROR(Launch(rt, *gather_kernel, 1, gather_global, nullptr));
+  const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn));
+  const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
+  const size_t local[2] = {1, 1};
+  RETURN_IF_ERROR(SetArgs(*gate_up, y, static_cast<cl_int>(kp_hidden), *groups, w.gate_up,
+                          gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
+  const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
+  RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
+  RETURN_IF_ERROR(SetArgs(*down, h_scratch, static_cast<cl_int>(kp_ffn), *groups, w.down,
+                          static_cast<cl_int>(w.hidden), down_panels, y));
+  const size_t down_global[2] = {static_cast<size_t>(down_panels), static_cast<size_t>(num_groups)};
+  return Launch(rt, *down, 2, down_global, local);
+}
+
 }  // namespace
 
 absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSource& source,
@@ -374,6 +469,10 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
     w.bias = *std::move(bias);
   }
   return w;
+}
+
+const char* FfnKernelsName(const ExpertWeights& w) {
+  return w.tensor_cores ? "tensor cores" : w.bf16_dot ? "bf16 dot products" : "fp32 fma";
 }
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
@@ -474,6 +573,9 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   if (w.tensor_cores) {
     return RunFfnMma(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
   }
+  if (w.bf16_dot) {
+    return RunFfnDot(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
+  }
   if (x_format.dtype == DType::kBf16) {
     // Widened and gathered into y, which gate_up reads before down overwrites it.
     RETURN_IF_ERROR(GatherBf16Rows(rt, x, w.hidden, x_format.row_stride, row_index, rows, y));
@@ -496,10 +598,13 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   RETURN_IF_ERROR(NeedBytes(y, n * w.hidden * sizeof(float), "y"));
   const int64_t offsets[2] = {0, n};
   const Buffer no_index;
-  RETURN_IF_ERROR(w.tensor_cores ? RunFfnMma(rt, w, x, {DType::kFp32, w.hidden}, no_index,
-                                             /*gather=*/false, offsets, h_scratch, y)
-                                 : RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, offsets,
-                                          h_scratch, y));
+  const RowFormat x_format = {DType::kFp32, w.hidden};
+  RETURN_IF_ERROR(
+      w.tensor_cores
+          ? RunFfnMma(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
+      : w.bf16_dot
+          ? RunFfnDot(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
+          : RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, offsets, h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
   absl::StatusOr<cl_kernel> scale = rt.Kernel("scale_rows_by_sigmoid_gate");
   if (!scale.ok()) return scale.status();

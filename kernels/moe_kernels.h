@@ -33,7 +33,8 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 // tensor_cores() take the tensor-core layout (when H and F are not tiny, see
 // detail::MmaFitsCallerBuffers): the FFN then also rounds its activations x and the
 // intermediate h = silu(gate x) * up x to BF16 (nearest even) before each GEMM, as BF16 GEMM
-// libraries do; sums stay FP32.
+// libraries do; sums stay FP32. BF16 weights on a runtime with bf16_dot() (x86 CPUs with
+// AVX512-BF16) take the pair-panel layout and round x and h the same way.
 struct ExpertWeights {
   int first_expert = 0;
   int num_experts = 0;
@@ -41,11 +42,16 @@ struct ExpertWeights {
   int64_t ffn = 0;             // F of these experts
   DType dtype = DType::kFp32;  // of gate_up and down
   bool tensor_cores = false;   // the tensor-core layout and kernels (BF16 x and h)
+  bool bf16_dot = false;       // the pair-panel layout and BF16 dot-product kernels (BF16 x, h)
   Buffer gate_up;              // layout private to kernels/
   Buffer down;                 // layout private to kernels/
   Buffer gate;                 // [H] FP32 sigmoid gate of a gated shared expert, else empty
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
+// Which FFN kernels run these weights, for logs and benchmark output: "tensor cores",
+// "bf16 dot products" or "fp32 fma".
+const char* FfnKernelsName(const ExpertWeights& w);
+
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, int first_expert, int num_experts,
                                             DType dtype = DType::kFp32);

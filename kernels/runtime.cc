@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -163,6 +164,18 @@ std::string DefaultCacheDir(const RuntimeOptions& options) {
   return "";
 }
 
+// The BF16 dot-product kernels use clang's x86 builtin for vdpbf16ps: PoCL's CPU device
+// compiles for the host, so the host must have the instruction.
+bool HostRunsBf16Dot(const DeviceInfo& info) {
+#if defined(__x86_64__)
+  return info.is_cpu && absl::StrContains(info.platform_name, "Portable Computing Language") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  (void)info;
+  return false;
+#endif
+}
+
 std::string SourceDir(const RuntimeOptions& options) {
   if (!options.source_dir.empty()) return options.source_dir;
   const char* env = std::getenv("EPSERVE_KERNEL_SOURCES");
@@ -241,6 +254,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->programs_->source_dir = SourceDir(options);
   // mma.sync with BF16 operands needs sm_80; the program is built only where it runs.
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
+  rt->bf16_dot_ = options.bf16_dot && HostRunsBf16Dot(rt->info_);
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
                              {"expert_ffn", embedded::kernels_cl_expert_ffn, ""},
                              {"combine", embedded::kernels_cl_combine, ""}};
@@ -321,12 +335,14 @@ absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::str
   // that builds wins.
   for (absl::string_view extra : absl::StrSplit(Sv(extra_options), '|', absl::SkipEmpty())) {
     absl::StatusOr<cl_program> program = BuildProgramWithOptions(
-        name, source, absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu), " ", extra));
+        name, source,
+        absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_), " ", extra));
     if (program.ok()) return program;
     programs_->stats.last_error = absl::StrCat("program '", Sv(name), "' did not build with '",
                                                extra, "': ", program.status().message());
   }
-  return BuildProgramWithOptions(name, source, detail::ProgramBuildOptions(info_.is_cpu));
+  return BuildProgramWithOptions(name, source,
+                                 detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_));
 }
 
 absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view name,

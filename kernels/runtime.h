@@ -41,6 +41,9 @@ struct RuntimeOptions {
   // Use the tensor-core expert FFN for BF16 weights where the device has one (NVIDIA, compute
   // capability 8.0 or more). false keeps the portable kernels everywhere.
   bool tensor_cores = true;
+  // Use AVX512-BF16 dot products (vdpbf16ps) for BF16 weights on x86 CPU devices of PoCL whose
+  // host has them (kernels/detail/ffn_layout.h, pair panels). false keeps FP32 FMAs.
+  bool bf16_dot = true;
   // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
   std::string cache_dir;
   // A folder to read the kernel sources from (<name>.cl, e.g. kernels/cl) instead of the copies
@@ -87,6 +90,8 @@ class Runtime {
   cl_device_id device() const { return device_; }
   // Whether BF16 expert weights uploaded through this runtime use the tensor-core kernels.
   bool tensor_cores() const { return tensor_cores_; }
+  // Whether BF16 expert weights uploaded through this runtime use the BF16 dot-product kernels.
+  bool bf16_dot() const { return bf16_dot_; }
 
   // A read-write buffer of `bytes` (contents undefined); bytes == 0 gives an empty Buffer
   // whose mem() is nullptr.
@@ -125,6 +130,7 @@ class Runtime {
   cl_command_queue queue_ = nullptr;
   std::string cache_dir_;
   bool tensor_cores_ = false;
+  bool bf16_dot_ = false;
   std::unique_ptr<Programs> programs_;
 };
 

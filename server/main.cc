@@ -47,6 +47,7 @@ struct Flags {
   epserve::worker::ExchangeFlags exchange;
   std::string weight_dtype = "fp32";
   bool tensor_cores = true;
+  bool bf16_dot = true;
 };
 
 // This worker's index among the workers on its host (0 for the first), which picks its GPU
@@ -260,6 +261,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     options.device.device = flags.device;
     options.device.local_rank = local_worker;
     options.device.tensor_cores = flags.tensor_cores;
+    options.device.bf16_dot = flags.bf16_dot;
     options.weight_dtype = *weight_dtype;
     absl::StatusOr<std::unique_ptr<worker::Worker>> w =
         worker::Worker::Create(**heap, *layout, **source, options);
@@ -267,9 +269,9 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       Log(rank, absl::StrCat("error: ", w.status().ToString()));
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    Log(rank,
-        absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
-                     (*w)->weight_bytes(), " weight bytes, resident ", ResidentBytes(), " bytes"));
+    Log(rank, absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
+                           (*w)->weight_bytes(), " weight bytes (expert FFN on ",
+                           (*w)->ffn_kernels(), "), resident ", ResidentBytes(), " bytes"));
     absl::Status s = (*w)->Serve(g_stop);
     if (!s.ok()) {
       Log(rank, s.ToString());
@@ -375,6 +377,10 @@ int main(int argc, char** argv) {
          "With --weight-dtype=bf16 on NVIDIA GPUs of compute capability 8.0 or more, run the "
          "expert FFN on the tensor cores (activations and the intermediate also rounded to "
          "bf16); --no-tensor-cores keeps the portable kernels");
+  fs.Add("bf16-dot", &flags.bf16_dot,
+         "With --weight-dtype=bf16 on CPU devices whose x86 CPU has AVX512-BF16, run the expert "
+         "FFN on its bf16 dot products (vdpbf16ps, twice the multiply-adds of an fp32 FMA; "
+         "activations and the intermediate also rounded to bf16); --no-bf16-dot keeps fp32 FMAs");
   // ---- end of kernel flags ----
   // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
   fs.Add("heap", &flags.exchange.heap,

@@ -61,6 +61,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   return w;
 }
 
+const char* Worker::ffn_kernels() const {
+  return layers_.empty() ? "none" : kernels::FfnKernelsName(layers_.front().experts);
+}
+
 size_t Worker::weight_bytes() const {
   size_t bytes = 0;
   for (const Layer& l : layers_) {

@@ -44,6 +44,8 @@ class Worker {
 
   const kernels::DeviceInfo& device() const { return rt_->device_info(); }
   size_t weight_bytes() const;
+  // The expert FFN kernels the weights run on (kernels::FfnKernelsName).
+  const char* ffn_kernels() const;
 
  private:
   struct Layer {

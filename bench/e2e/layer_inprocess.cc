@@ -7,14 +7,14 @@
 //
 //   bench_e2e_inprocess --model=synthetic:qwen1.5-moe-a2.7b --tokens=1,32,256 [--seed=0]
 //                       [--weight-dtype=fp32|bf16] [--min-seconds=2] [--check-tokens=2]
-//                       [--device=cpu|gpu|<platform>:<device>] [--no-tensor-cores]
+//                       [--device=cpu|gpu|<platform>:<device>] [--no-tensor-cores] [--no-bf16-dot]
 //
 // Prints one JSON object per token count on stdout:
 //   {"tokens":T,"median_ms":X,"tokens_per_s":X,"reps":N,"weight_dtype":"fp32",
 //    "resident_median_ms":X}
 // (resident: x already on the device and the output left there, as for a caller on the
 // same device; median_ms includes copying x in and the output out)
-// and first {"device":"...","tensor_cores":b,"check_tokens":n,"max_rel_error":X} against
+// and first {"device":"...","tensor_cores":b,"ffn_kernels":"...","check_tokens":n,"max_rel_error":X} against
 // model::ReferenceForward. With --read-bandwidth, also first
 //   {"read_gb_per_s":X,"threads":N,"one_token_weight_bytes":B,"one_token_floor_ms":X}
 // the host's memory read bandwidth (N threads summing disjoint parts of a 512 MiB buffer,
@@ -85,6 +85,7 @@ class InProcessLayer {
   // y [n, H] = the layer on x [n, H], n <= max_tokens.
   const kernels::Runtime& runtime() const { return *rt_; }
   bool tensor_cores() const { return experts_.tensor_cores; }
+  const char* ffn_kernels() const { return kernels::FfnKernelsName(experts_); }
 
   // y [n, H] = the layer on x [n, H]. With resident, x is already on the device (an earlier
   // call uploaded it) and the output stays there (y is not written): the layer as a caller
@@ -181,6 +182,7 @@ int Run(int argc, char** argv) {
   fs.Add("check-tokens", &check_tokens, "Tokens compared with the reference forward pass");
   fs.Add("device", &rto.device, "OpenCL device: cpu, gpu or <platform>:<device>");
   fs.Add("tensor-cores", &rto.tensor_cores, "Tensor-core FFN for bf16 weights where available");
+  fs.Add("bf16-dot", &rto.bf16_dot, "AVX512-BF16 dot-product FFN for bf16 weights where available");
   fs.Add("read-bandwidth", &read_bandwidth,
          "Also measure the host's memory read bandwidth and the one-token floor it sets");
   const int code = ParseFlags(
@@ -224,10 +226,10 @@ int Run(int argc, char** argv) {
       diff = std::max(diff, std::fabs(double{y[i]} - double{want[i]}));
     }
     std::printf(
-        "{\"device\":\"%s\",\"tensor_cores\":%s,\"check_tokens\":%lld,"
+        "{\"device\":\"%s\",\"tensor_cores\":%s,\"ffn_kernels\":\"%s\",\"check_tokens\":%lld,"
         "\"max_rel_error\":%.3g}\n",
         (*l)->runtime().device_info().device_name.c_str(), (*l)->tensor_cores() ? "true" : "false",
-        static_cast<long long>(check_tokens), diff / scale);
+        (*l)->ffn_kernels(), static_cast<long long>(check_tokens), diff / scale);
     std::fflush(stdout);
   }
 

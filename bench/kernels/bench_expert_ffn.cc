@@ -77,7 +77,9 @@ struct Result {
   int64_t rows = 0;                             // per expert
   double t_fp32 = 0, t_bf16 = 0, t_bf16_x = 0;  // epserve: FP32 weights, BF16 weights,
                                                 // BF16 weights and BF16 activations
-  double t_sgemm = 0;                           // (a) pure sgemm, best thread count
+  double t_bf16_fma = 0;  // BF16 weights through the FP32-FMA kernels (0: not run)
+  double diff_bf16_fma = 0;
+  double t_sgemm = 0;  // (a) pure sgemm, best thread count
   int sgemm_threads = 0;
   double t_composite = 0;                                // (b) gather + 3 sgemm + SwiGLU loop
   double diff_fp32 = 0, diff_bf16 = 0, diff_bf16_x = 0;  // against (b)
@@ -93,6 +95,9 @@ int Run(int argc, char** argv) {
   fs.Add("experts", &num_experts, "Experts of the qwen1.5-moe-a2.7b shape per case");
   fs.Add("rows", &rows_per_expert, "Comma list of rows per expert");
   fs.Add("threads", &threads, "OpenBLAS and memcpy threads at most");
+  RuntimeOptions runtime_options;
+  fs.Add("bf16-dot", &runtime_options.bf16_dot,
+         "BF16 weights through AVX512-BF16 dot products where the CPU has them");
   const int code = bench::ParseFlags(
       fs, argc, argv,
       [&] { return num_experts >= 1 && threads >= 1 && bench::AllPositive(rows_per_expert); },
@@ -114,7 +119,7 @@ int Run(int argc, char** argv) {
   const int64_t hidden = cfg->layer.hidden_size;
   const int64_t ffn = cfg->layer.expert_ffn_size;
 
-  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(RuntimeOptions{});
+  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(runtime_options);
   if (!rt.ok()) {
     std::fprintf(stderr, "%s\n", std::string(rt.status().message()).c_str());
     return 1;
@@ -126,6 +131,26 @@ int Run(int argc, char** argv) {
   if (!w32.ok() || !w16.ok()) {
     std::fprintf(stderr, "%s\n", std::string((w32.ok() ? w16 : w32).status().message()).c_str());
     return 1;
+  }
+  std::printf("BF16 weights run on: %s\n", FfnKernelsName(*w16));
+  // Where BF16 weights take the dot-product kernels, the same weights through the FP32-FMA
+  // kernels (a second runtime without them) are timed in the same run as their baseline.
+  std::unique_ptr<Runtime> fma_rt;
+  absl::StatusOr<ExpertWeights> w16_fma = absl::UnavailableError("not used");
+  if (w16->bf16_dot) {
+    RuntimeOptions fma_options = runtime_options;
+    fma_options.bf16_dot = false;
+    absl::StatusOr<std::unique_ptr<Runtime>> created = Runtime::Create(fma_options);
+    if (!created.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(created.status().message()).c_str());
+      return 1;
+    }
+    fma_rt = *std::move(created);
+    w16_fma = UploadExperts(*fma_rt, source, 0, 0, num_experts, DType::kBf16);
+    if (!w16_fma.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(w16_fma.status().message()).c_str());
+      return 1;
+    }
   }
   // Host weights for OpenBLAS, Hugging Face layout: gate_up[e] = [gate; up] ([2F, H]), so that
   // gate and up are one GEMM; down[e] [H, F].
@@ -169,11 +194,32 @@ int Run(int argc, char** argv) {
     absl::StatusOr<Buffer> hb = r.Allocate(pairs * ffn * sizeof(float));
     absl::StatusOr<Buffer> yb = r.Allocate(pairs * hidden * sizeof(float));
     if (!xb.ok() || !xb16.ok() || !ib.ok() || !hb.ok() || !yb.ok()) return 1;
+    // The FP32-FMA runtime's copies, when it runs.
+    Buffer fma_xb, fma_ib, fma_hb, fma_yb;
+    if (fma_rt != nullptr) {
+      absl::StatusOr<Buffer> a = fma_rt->AllocateCopy(x.data(), x.size() * sizeof(float));
+      absl::StatusOr<Buffer> b = fma_rt->AllocateCopy(row_index.data(), pairs * sizeof(int32_t));
+      absl::StatusOr<Buffer> c = fma_rt->Allocate(pairs * ffn * sizeof(float));
+      absl::StatusOr<Buffer> d = fma_rt->Allocate(pairs * hidden * sizeof(float));
+      if (!a.ok() || !b.ok() || !c.ok() || !d.ok()) return 1;
+      fma_xb = *std::move(a);
+      fma_ib = *std::move(b);
+      fma_hb = *std::move(c);
+      fma_yb = *std::move(d);
+    }
     bool failed = false;
     std::vector<float> y(pairs * hidden);
     auto run_epserve = [&](const ExpertWeights& w, const Buffer& xin, RowFormat format) {
       absl::Status s = ExpertFfn(r, w, xin, *ib, offsets, *hb, *yb, format);
       if (s.ok()) s = r.Finish();
+      if (!s.ok() && !failed) {
+        std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+        failed = true;
+      }
+    };
+    auto run_fma = [&] {
+      absl::Status s = ExpertFfn(*fma_rt, *w16_fma, fma_xb, fma_ib, offsets, fma_hb, fma_yb);
+      if (s.ok()) s = fma_rt->Finish();
       if (!s.ok() && !failed) {
         std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
         failed = true;
@@ -238,10 +284,18 @@ int Run(int argc, char** argv) {
     res.diff_bf16 = MaxRelDiff(read_y(), y_blas);
     run_epserve(*w16, *xb16, bf16_rows);
     res.diff_bf16_x = MaxRelDiff(read_y(), y_blas);
+    if (fma_rt != nullptr) {
+      run_fma();
+      std::vector<float> y_fma(pairs * hidden);
+      if (!fma_rt->Read(fma_yb, 0, y_fma.data(), y_fma.size() * sizeof(float)).ok()) return 1;
+      res.diff_bf16_fma = MaxRelDiff(y_fma, y_blas);
+    }
 
     std::vector<std::function<void()>> fns = {[&] { run_epserve(*w32, *xb, fp32_rows); },
                                               [&] { run_epserve(*w16, *xb, fp32_rows); },
                                               [&] { run_epserve(*w16, *xb16, bf16_rows); }};
+    const size_t fma_index = fns.size();
+    if (fma_rt != nullptr) fns.push_back(run_fma);
     const size_t first_openblas = fns.size();
     fns.push_back(run_composite);
     for (int t = 1; t <= threads; ++t) fns.push_back([&, t] { run_sgemm(t); });
@@ -269,12 +323,13 @@ int Run(int argc, char** argv) {
     res.t_fp32 = med[0];
     res.t_bf16 = med[1];
     res.t_bf16_x = med[2];
-    res.t_composite = med[3];
-    res.t_sgemm = med[4];
+    if (fma_rt != nullptr) res.t_bf16_fma = med[fma_index];
+    res.t_composite = med[first_openblas];
+    res.t_sgemm = med[first_openblas + 1];
     res.sgemm_threads = 1;
     for (int t = 2; t <= threads; ++t) {
-      if (med[3 + t] < res.t_sgemm) {
-        res.t_sgemm = med[3 + t];
+      if (med[first_openblas + t] < res.t_sgemm) {
+        res.t_sgemm = med[first_openblas + t];
         res.sgemm_threads = t;
       }
     }
@@ -323,6 +378,21 @@ int Run(int argc, char** argv) {
                 res.t_sgemm / res.t_bf16, routed / res.t_fp32, routed / res.t_bf16,
                 res.t_fp32 / res.t_bf16, res.diff_bf16, res.t_bf16_x * 1e3,
                 gflops(res, res.t_bf16_x), res.diff_bf16_x);
+  }
+  if (fma_rt != nullptr) {
+    std::printf(
+        "\nBF16 weights: the dot-product kernels (above) against the same weights through the "
+        "FP32-FMA kernels (widened to FP32, FP32 activations), same run.\n\n");
+    std::printf(
+        "| rows/expert | dot ms | dot GFLOP/s | fma ms | fma GFLOP/s | dot / fma | fma max rel "
+        "diff vs (b) |\n");
+    std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const Result& res : results) {
+      std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %.2f | %.1e |\n",
+                  static_cast<long long>(res.rows), res.t_bf16 * 1e3, gflops(res, res.t_bf16),
+                  res.t_bf16_fma * 1e3, gflops(res, res.t_bf16_fma), res.t_bf16_fma / res.t_bf16,
+                  res.diff_bf16_fma);
+    }
   }
   std::printf(
       "\nWeight streaming at few rows: the experts' weights (%.0f MiB FP32, %.0f MiB BF16) "

@@ -221,3 +221,161 @@ __kernel void gather_bf16_rows(__global const ushort* restrict x, long x_rows, l
   }
   for (; c < hidden; ++c) dst[c] = as_float((uint)src[c] << 16);
 }
+
+// ---- BF16 dot products on x86 CPUs with AVX512-BF16 (-DFFN_BF16_DOT=1) ----
+//
+// vdpbf16ps multiplies 32 pairs of BF16 values and adds each pair's two products to one of
+// 16 FP32 sums: twice the multiply-adds of an FP32 FMA per instruction, with no widening of
+// the weights. Both operands are BF16, so x and h = silu(gate x) * up x are rounded to BF16
+// (nearest even) before their GEMM, as BF16 GEMM libraries do; every sum stays FP32.
+//
+// Weight layout (kernels/detail/ffn_layout.h, "pair panels"): the panels of the FP32 layout
+// over K in steps of two: for each k pair (2j, 2j + 1) a panel row holds 64 BF16 values, two
+// vectors of 16 columns, each column's two values adjacent (K odd: a zero value pads the last
+// pair). Activations: BF16 rows of an even number of values (zero padded), each k pair one
+// 32-bit word that is broadcast to all 16 lanes.
+//
+// The block functions carry the target feature and are called from the kernels (a function
+// built for a feature the caller lacks is not inlined into it); each call runs a whole
+// K loop, so the call costs nothing that shows.
+#if FFN_BF16_DOT
+#define DOT_TARGET __attribute__((target("avx512bf16")))
+
+inline uint16 Bf16Round16(float16 v) {
+  const uint16 u = as_uint16(v);
+  return (u + (uint16)(0x7fffu) + ((u >> 16) & (uint16)(1u))) >> 16;
+}
+inline uint Bf16Round(float v) {
+  const uint u = as_uint(v);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+// Stores the BF16 of v[0, min(16, limit)) to dst (limit even or the row's end).
+inline void StoreBf16Partial16(float16 v, __global ushort* dst, int limit) {
+  const ushort16 b = convert_ushort16(Bf16Round16(v));
+  if (limit >= 16) {
+    vstore16(b, 0, dst);
+    return;
+  }
+  ushort tmp[16];
+  vstore16(b, 0, tmp);
+  for (int l = 0; l < limit; ++l) dst[l] = tmp[l];
+}
+
+#define DOT_ACC_DECL(r)                                                 \
+  const __global uint* a##r = x + (size_t)min(p + (r), end - 1) * kp2; \
+  float16 acc##r##_0 = (float16)(0.0f);                                 \
+  float16 acc##r##_1 = (float16)(0.0f);
+#define DOT_FMA(r)                                                      \
+  {                                                                     \
+    const int16 av = (int16)(as_int(a##r[k]));                          \
+    acc##r##_0 = __builtin_ia32_dpbf16ps_512(acc##r##_0, av, b0);       \
+    acc##r##_1 = __builtin_ia32_dpbf16ps_512(acc##r##_1, av, b1);       \
+  }
+#define DOT_STEP(R)                                                     \
+  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS);                              \
+  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS + 1);                          \
+  const int16 b0 = b[2 * k];                                            \
+  const int16 b1 = b[2 * k + 1];                                        \
+  REP##R(DOT_FMA)
+#define DOT_GATE_UP_STORE(r)                                                          \
+  if ((r) < valid) {                                                                  \
+    const float16 act = acc##r##_0 / (1.0f + exp(-acc##r##_0)) * acc##r##_1;          \
+    StoreBf16Partial16(act, h + (size_t)(p + (r)) * h_stride + f0, h_stride - f0);      \
+  }
+
+// x: BF16 rows of 2 * kp2 values (kp2 k pairs, as uint); b: the panel, int16 per half row.
+// h[p', f0 .. f0 + 16) = BF16(silu(x . gate) * (x . up)), rows h_stride values apart (the
+// columns past F come out 0: their weights are zero).
+#define DEFINE_DOT_GATE_UP_BLOCK(R)                                                        \
+  DOT_TARGET void GLUE(DotGateUpBlock, R)(const __global uint* restrict x, int kp2, int p, \
+                                          int end, const __global int16* restrict b,       \
+                                          int f0, __global ushort* restrict h,             \
+                                          int h_stride) {                                  \
+    REP##R(DOT_ACC_DECL)                                                                   \
+    for (int k = 0; k < kp2; ++k) {                                                        \
+      DOT_STEP(R)                                                                          \
+    }                                                                                      \
+    const int valid = min((R), end - p);                                                   \
+    REP##R(DOT_GATE_UP_STORE)                                                              \
+  }
+// h: BF16 rows of 2 * kp2 values; y[p', c0 .. c0 + 32) = h[p'] . down (FP32).
+#define DEFINE_DOT_DOWN_BLOCK(R)                                                           \
+  DOT_TARGET void GLUE(DotDownBlock, R)(const __global uint* restrict x, int kp2, int p,   \
+                                        int end, const __global int16* restrict b,         \
+                                        int hidden, int c0, __global float* restrict y) {  \
+    REP##R(DOT_ACC_DECL)                                                                   \
+    for (int k = 0; k < kp2; ++k) {                                                        \
+      DOT_STEP(R)                                                                          \
+    }                                                                                      \
+    const int valid = min((R), end - p);                                                   \
+    REP##R(DOWN_STORE)                                                                     \
+  }
+DEFINE_DOT_GATE_UP_BLOCK(4)
+DEFINE_DOT_GATE_UP_BLOCK(8)
+DEFINE_DOT_GATE_UP_BLOCK(12)
+DEFINE_DOT_DOWN_BLOCK(4)
+DEFINE_DOT_DOWN_BLOCK(8)
+DEFINE_DOT_DOWN_BLOCK(12)
+
+// Walks rows [g.y, g.z) of a group in blocks of FFN_ROWS (then 8 or 4) rows.
+#define DOT_ROW_BLOCKS(BLOCK, ...)                                          \
+  int p = g.y;                                                              \
+  for (; p + FFN_ROWS <= end; p += FFN_ROWS) GLUE(BLOCK, FFN_ROWS)(__VA_ARGS__); \
+  const int rest = end - p;                                                 \
+  if (rest > 8) {                                                           \
+    GLUE(BLOCK, FFN_ROWS)(__VA_ARGS__);                                     \
+  } else if (rest > 4) {                                                    \
+    GLUE(BLOCK, 8)(__VA_ARGS__);                                            \
+  } else if (rest > 0) {                                                    \
+    GLUE(BLOCK, 4)(__VA_ARGS__);                                            \
+  }
+
+// xb: the BF16 rows of x in group order [*, 2 * kp_hidden]; h: BF16 [*, 2 * kp_ffn].
+__kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_dot(
+    __global const uint* restrict xb, int kp_hidden, __global const int4* restrict groups,
+    __global const int16* restrict w, int num_panels, __global ushort* restrict h, int kp_ffn) {
+  const int panel = get_group_id(0);
+  const int4 g = groups[get_group_id(1)];
+  const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_hidden * 2;
+  const int f0 = panel * 16;
+  const int end = g.z;
+  DOT_ROW_BLOCKS(DotGateUpBlock, xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn)
+}
+
+__kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(
+    __global const uint* restrict h, int kp_ffn, __global const int4* restrict groups,
+    __global const int16* restrict w, int hidden, int num_panels, __global float* restrict y) {
+  const int panel = get_group_id(0);
+  const int4 g = groups[get_group_id(1)];
+  const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_ffn * 2;
+  const int c0 = panel * 32;
+  const int end = g.z;
+  DOT_ROW_BLOCKS(DotDownBlock, h, kp_ffn, p, end, b, hidden, c0, y)
+}
+
+// out[p, 0 .. 2 * kp) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond
+// hidden, for p < num_rows. x is FP32 (x_bf16 == 0) or BF16, rows x_stride values apart.
+// One work-item per row.
+__kernel void gather_rows_to_bf16_pairs(__global const void* restrict x, int x_bf16, long x_rows,
+                                        long x_stride, __global const int* restrict row_index,
+                                        int gather, int num_rows, int hidden, int kp,
+                                        __global ushort* restrict out) {
+  const int p = get_global_id(0);
+  if (p >= num_rows) return;
+  const size_t row = SourceRow(row_index, gather, p, x_rows);
+  __global ushort* dst = out + (size_t)p * 2 * kp;
+  int c = 0;
+  if (x_bf16) {
+    const __global ushort* src = (const __global ushort*)x + row * (size_t)x_stride;
+    for (; c + 16 <= hidden; c += 16) vstore16(vload16(0, src + c), 0, dst + c);
+    for (; c < hidden; ++c) dst[c] = src[c];
+  } else {
+    const __global float* src = (const __global float*)x + row * (size_t)x_stride;
+    for (; c + 16 <= hidden; c += 16) {
+      vstore16(convert_ushort16(Bf16Round16(vload16(0, src + c))), 0, dst + c);
+    }
+    for (; c < hidden; ++c) dst[c] = (ushort)Bf16Round(src[c]);
+  }
+  for (; c < 2 * kp; ++c) dst[c] = 0;
+}
+#endif  // FFN_BF16_DOT

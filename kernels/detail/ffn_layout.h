@@ -97,16 +97,35 @@ inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
   return DownPanels(hidden) * ffn * kFfnPanelCols;
 }
 
+// The pair-panel layout (BF16 weights on CPU devices with AVX512-BF16, the *_dot kernels of
+// kernels/cl/expert_ffn.cl): the panels above over K in steps of two, each k pair's panel row
+// holding, per group of 16 columns, the column's values for k = 2j and 2j + 1 side by side
+// (kFfnPanelCols * 2 values per pair; a zero pads K to even). gate_up panels hold 16 gate then
+// the same 16 up columns, as above. Activations go through the GEMMs as BF16 rows of
+// 2 * DotKPairs(K) values.
+inline int64_t DotKPairs(int64_t k) { return CeilDiv(k, 2); }
+inline int64_t GateUpDotValuesPerExpert(int64_t hidden, int64_t ffn) {
+  return GateUpPanels(ffn) * DotKPairs(hidden) * 2 * kFfnPanelCols;
+}
+inline int64_t DownDotValuesPerExpert(int64_t hidden, int64_t ffn) {
+  return DownPanels(hidden) * DotKPairs(ffn) * 2 * kFfnPanelCols;
+}
+// Offset of (column c of a panel, k) within that panel of the pair-panel layout.
+inline int64_t DotPanelOffset(int64_t c, int64_t k) {
+  return (k / 2) * 2 * kFfnPanelCols + (c / 16) * 32 + (c % 16) * 2 + k % 2;
+}
+
 // Options every program is built with. On CPU devices the FFN kernels prefetch weight panels
-// ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin.
-inline std::string ProgramBuildOptions(bool cpu) {
+// ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin. FFN_BF16_DOT
+// builds the pair-panel kernels (x86 AVX512-BF16 builtins), only where they run.
+inline std::string ProgramBuildOptions(bool cpu, bool bf16_dot) {
   return absl::StrCat(
-      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "", " -DFFN_PANEL_VECS=", kFfnPanelVecs,
-      " -DFFN_ROWS=", kFfnRows, " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs,
-      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts, " -DROUTER_TOKENS=", kRouterTokens,
-      " -DROUTER_WG=", kRouterGroupSize, " -DROUTER_WG_TOKENS=", kRouterGroupTokens,
-      " -DMMA_BM=", kMmaBm, " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk,
-      " -DMMA_THREADS=", kMmaThreads, " -DMMA_STAGES=", kMmaStages);
+      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "", bf16_dot ? " -DFFN_BF16_DOT=1" : "",
+      " -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
+      " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs, " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
+      " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
+      " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm, " -DMMA_BN=", kMmaBn,
+      " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads, " -DMMA_STAGES=", kMmaStages);
 }
 
 }  // namespace epserve::kernels::detail

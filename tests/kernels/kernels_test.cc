@@ -5,8 +5,9 @@
 // BF16-rounded values (round to nearest even, as the upload does) at the FP32 bound 1e-5,
 // which only FP32 accumulation error passes and which a wrong rounding mode fails; and
 // against the reference on the original FP32 values at the BF16 bound 1e-2. The tensor-core
-// FFN (BF16 weights on NVIDIA GPUs) also rounds x and h to BF16: its first check runs a
-// reference that rounds them the same way, at kMaxRelErrorMma.
+// FFN (BF16 weights on NVIDIA GPUs) and the BF16 dot-product FFN (BF16 weights on x86 CPUs
+// with AVX512-BF16) also round x and h to BF16: their first check runs a reference that rounds
+// them the same way, at kMaxRelErrorMma.
 //
 // The tests run on the device EPSERVE_TEST_DEVICE names ("cpu" when unset; "gpu" or
 // "<platform>:<device>"), so that the same checks hold on every OpenCL device.
@@ -43,8 +44,8 @@ namespace {
 
 constexpr double kMaxRelErrorFp32 = 1e-5;
 constexpr double kMaxRelErrorBf16 = 1e-2;
-// Tensor-core FFN against a reference that rounds x and h to BF16 as it does: the kernel's
-// FP32 h can still round to the neighbouring BF16 value where the double one sits within
+// Tensor-core and dot-product FFN against a reference that rounds x and h to BF16 as they do: the
+// kernel's FP32 h can still round to the neighbouring BF16 value where the double one sits within
 // FP32 error of a rounding midpoint, one BF16 ulp (2^-8 relative) on a few h values.
 // Each flip moves y by about 2^-8 / sqrt(F) of its scale; 4e-3 allows several in one row
 // while a wrong layout or operand order is off by O(1).
@@ -515,6 +516,8 @@ class ExpertFfnTest : public Seeded {
     // BF16 weights take the tensor-core kernels wherever the runtime has them.
     EXPECT_EQ(w->tensor_cores, types.weights == DType::kBf16 && Rt().tensor_cores() &&
                                    detail::MmaFitsCallerBuffers(h, f));
+    // Elsewhere the BF16 dot products where the runtime has them.
+    EXPECT_EQ(w->bf16_dot, types.weights == DType::kBf16 && !w->tensor_cores && Rt().bf16_dot());
     const std::vector<float> x = Uniform(tokens * h);
     const std::vector<int64_t> offsets = RandomOffsets(rng_, count, pairs);
     std::vector<int32_t> row_index(pairs);
@@ -547,11 +550,12 @@ class ExpertFfnTest : public Seeded {
       up_s[e] = stored(types.weights, up[e]);
       down_s[e] = stored(types.weights, down[e]);
     }
-    if (w->tensor_cores) {
+    if (w->tensor_cores || w->bf16_dot) {
       EXPECT_LE(RelError(y, ReferenceFfnBf16H(gate_s, up_s, down_s, h, f, RoundedToBf16(x),
                                               row_index, offsets)),
                 kMaxRelErrorMma)
-          << what << " (tensor cores) against the reference on BF16 x, weights and h";
+          << what << (w->tensor_cores ? " (tensor cores)" : " (BF16 dot products)")
+          << " against the reference on BF16 x, weights and h";
     } else {
       EXPECT_LE(RelError(y, ReferenceFfn(gate_s, up_s, down_s, h, f, stored(types.x, x), row_index,
                                          offsets)),
@@ -603,6 +607,13 @@ TEST_F(ExpertFfnTest, Bf16WeightsTakeHalfTheBytes) {
     const int64_t h = 64, f = 32;
     EXPECT_EQ(bf16->gate_up.bytes(), 3 * 2 * detail::MmaGateUpValuesPerExpert(h, f));
     EXPECT_EQ(bf16->down.bytes(), 3 * 2 * detail::MmaDownValuesPerExpert(h, f));
+  } else if (bf16->bf16_dot) {
+    // Pair panels: K even here, so exactly half of FP32.
+    const int64_t h = 64, f = 32;
+    EXPECT_EQ(bf16->gate_up.bytes(), 3 * 2 * detail::GateUpDotValuesPerExpert(h, f));
+    EXPECT_EQ(bf16->down.bytes(), 3 * 2 * detail::DownDotValuesPerExpert(h, f));
+    EXPECT_EQ(2 * bf16->gate_up.bytes(), fp32->gate_up.bytes());
+    EXPECT_EQ(2 * bf16->down.bytes(), fp32->down.bytes());
   } else {
     EXPECT_EQ(2 * bf16->gate_up.bytes(), fp32->gate_up.bytes());
     EXPECT_EQ(2 * bf16->down.bytes(), fp32->down.bytes());
@@ -647,6 +658,45 @@ TEST_F(ExpertFfnTest, TensorCoreTilesAndPadding) {
       Check(source, 0, 5, 300, pairs, types);
     }
   }
+}
+
+// Odd H and F: the pair-panel layout pads K to even (a zero weight, a zero activation), and
+// h's padding column must come out zero. Runs on every device.
+TEST_F(ExpertFfnTest, OddShapesPadThePairs) {
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+  ASSERT_TRUE(cfg.ok());
+  cfg->layer.hidden_size = 71;
+  cfg->layer.expert_ffn_size = 37;
+  cfg->layer.num_experts = 4;
+  const model::SyntheticWeights source(*cfg, seed_);
+  for (const FfnTypes types : kAllTypes) {
+    for (int64_t pairs : {1, 13, 250}) {
+      SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(types)));
+      Check(source, 0, 4, 60, pairs, types);
+    }
+  }
+}
+
+// The pair-panel layout places every (column, k) of a panel exactly once, and a k pair's two
+// values of one column side by side.
+TEST(DotLayoutTest, PanelOffsetIsABijectionWithAdjacentPairs) {
+  const int64_t k_pad = 6;
+  const int64_t values = detail::DotKPairs(k_pad) * 2 * detail::kFfnPanelCols;
+  std::vector<int> seen(values, 0);
+  for (int64_t c = 0; c < detail::kFfnPanelCols; ++c) {
+    for (int64_t k = 0; k < k_pad; ++k) {
+      const int64_t o = detail::DotPanelOffset(c, k);
+      ASSERT_GE(o, 0);
+      ASSERT_LT(o, values);
+      ++seen[o];
+      if (k % 2 == 0) {
+        EXPECT_EQ(detail::DotPanelOffset(c, k + 1), o + 1);
+      }
+      // One k pair's 32 values of 16 columns make one 64-byte vector.
+      EXPECT_EQ(o / 32, (k / 2) * 2 + c / 16);
+    }
+  }
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
 }
 
 TEST_F(ExpertFfnTest, SubsetOfExperts) {
