@@ -81,14 +81,16 @@ struct RowFormat {
 // w.num_experts + 1 ascending offsets, empty experts allowed). For each p in [0, P),
 // P = expert_offsets.back():  y[p, :] = down_e(silu(gate_e x) * up_e x), x = x[row_index[p]].
 // x is stored as x_format says; h_scratch (at least P * w.ffn floats) and y are FP32, and so
-// is every sum, whatever the weights' and x's dtypes. BF16 rows of x are first gathered and
-// widened into y (which the FFN then overwrites), so x and y must not overlap.
+// is every sum, whatever the weights' and x's dtypes. The rows of x may first be gathered into
+// y (widened to FP32 for BF16 x on the FP32 kernels, rounded to BF16 on the tensor-core and
+// dot-product kernels), which the FFN then overwrites, so x and y must not overlap.
 absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                        const Buffer& row_index, std::span<const int64_t> expert_offsets,
                        Buffer& h_scratch, Buffer& y, RowFormat x_format = {});
 
 // The shared expert on x [n, H]: y[i, :] = g_i * FFN(x[i, :]), with g_i = sigmoid(x[i] . gate)
-// when w.gate is set, else 1. h_scratch holds at least n * w.ffn floats.
+// when w.gate is set, else 1. h_scratch holds at least n * w.ffn floats; x and y must not
+// overlap (as for ExpertFfn).
 absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t n,
                              Buffer& h_scratch, Buffer& y);
 
