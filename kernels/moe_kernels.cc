@@ -356,6 +356,43 @@ absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_
   return Launch(rt, *kernel, 1, global, nullptr);
 }
 
+// What the FFNs with BF16 activations (tensor cores, dot products) do before their GEMMs:
+// checks that y and h_scratch hold the BF16 rows (x_values and h_values per row), uploads the
+// work tiles (at most `chunk` rows of one expert each), and launches `gather_kernel` (the
+// arguments of gather_rows_to_bf16) over `gather_global` to write the rows of x (FP32 or
+// BF16 as x_format says, through row_index when `gather`) into y as zero-padded BF16 rows of
+// x_values values. num_groups == 0: there is nothing to run.
+struct Bf16Tiles {
+  Buffer groups;
+  int num_groups = 0;
+};
+absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, const Buffer& x,
+                                        RowFormat x_format, const Buffer& row_index, bool gather,
+                                        std::span<const int64_t> offsets, int64_t chunk,
+                                        int64_t x_values, int64_t h_values,
+                                        const char* gather_kernel,
+                                        std::span<const size_t> gather_global, Buffer& h_scratch,
+                                        Buffer& y) {
+  const int64_t rows = offsets.back();
+  RETURN_IF_ERROR(NeedBytes(y, rows * x_values * sizeof(uint16_t), "y (BF16 activations)"));
+  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * h_values * sizeof(uint16_t), "h_scratch (BF16 h)"));
+  Bf16Tiles tiles;
+  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, chunk, &tiles.num_groups);
+  if (!groups.ok()) return groups.status();
+  tiles.groups = *std::move(groups);
+  if (tiles.num_groups == 0) return tiles;
+  absl::StatusOr<cl_kernel> kernel = rt.Kernel(gather_kernel);
+  if (!kernel.ok()) return kernel.status();
+  const cl_long x_rows = RowsInBuffer(x, DTypeBytes(x_format.dtype), w.hidden, x_format.row_stride);
+  RETURN_IF_ERROR(SetArgs(*kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
+                          cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
+                          static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
+                          static_cast<cl_int>(x_values), y));
+  RETURN_IF_ERROR(Launch(rt, *kernel, static_cast<cl_uint>(gather_global.size()),
+                         gather_global.data(), nullptr));
+  return tiles;
+}
+
 // The tensor-core FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows x_stride
 // apart, gathered through row_index when `gather`) -> BF16 activations in y -> BF16 h in
 // h_scratch -> FP32 y. Tiles of kMmaBm rows of one expert.
@@ -366,37 +403,28 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   const int64_t k_pad = detail::MmaKPad(w.hidden);
   const int64_t f_pad = detail::MmaFfnPad(w.ffn);
   const int64_t down_rows = detail::MmaDownRows(w.hidden);
-  RETURN_IF_ERROR(NeedBytes(y, rows * k_pad * sizeof(uint16_t), "y (BF16 activations)"));
-  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * f_pad * sizeof(uint16_t), "h_scratch (BF16 h)"));
-  int num_groups = 0;
-  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kMmaBm, &num_groups);
-  if (!groups.ok()) return groups.status();
-  if (num_groups == 0) return absl::OkStatus();
-  absl::StatusOr<cl_kernel> gather_kernel = rt.Kernel("gather_rows_to_bf16");
-  if (!gather_kernel.ok()) return gather_kernel.status();
+  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
+  absl::StatusOr<Bf16Tiles> tiles =
+      StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets, detail::kMmaBm, k_pad, f_pad,
+                    "gather_rows_to_bf16", gather_global, h_scratch, y);
+  if (!tiles.ok()) return tiles.status();
+  if (tiles->num_groups == 0) return absl::OkStatus();
   absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_mma_gate_up");
   if (!gate_up.ok()) return gate_up.status();
   absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_mma_down");
   if (!down.ok()) return down.status();
-  const cl_long x_rows = RowsInBuffer(x, DTypeBytes(x_format.dtype), w.hidden, x_format.row_stride);
-  RETURN_IF_ERROR(SetArgs(*gather_kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
-                          cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
-                          static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
-                          static_cast<cl_int>(k_pad), y));
-  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
-  RETURN_IF_ERROR(Launch(rt, *gather_kernel, 2, gather_global, nullptr));
   const size_t local[2] = {static_cast<size_t>(detail::kMmaThreads), 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, y, *groups, w.gate_up, static_cast<cl_int>(k_pad),
+  RETURN_IF_ERROR(SetArgs(*gate_up, y, tiles->groups, w.gate_up, static_cast<cl_int>(k_pad),
                           static_cast<cl_int>(f_pad), h_scratch));
   const size_t gu_global[2] = {
       static_cast<size_t>(2 * f_pad / detail::kMmaBn * detail::kMmaThreads),
-      static_cast<size_t>(num_groups)};
+      static_cast<size_t>(tiles->num_groups)};
   RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
-  RETURN_IF_ERROR(SetArgs(*down, h_scratch, *groups, w.down, static_cast<cl_int>(f_pad),
+  RETURN_IF_ERROR(SetArgs(*down, h_scratch, tiles->groups, w.down, static_cast<cl_int>(f_pad),
                           static_cast<cl_int>(down_rows), static_cast<cl_int>(w.hidden), y));
   const size_t down_global[2] = {
       static_cast<size_t>(down_rows / detail::kMmaBn * detail::kMmaThreads),
-      static_cast<size_t>(num_groups)};
+      static_cast<size_t>(tiles->num_groups)};
   return Launch(rt, *down, 2, down_global, local);
 }
 
@@ -406,38 +434,30 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
 absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
-  const int64_t rows = offsets.back();
   const int64_t kp_hidden = detail::DotKPairs(w.hidden);
   const int64_t kp_ffn = detail::DotKPairs(w.ffn);
-  RETURN_IF_ERROR(NeedBytes(y, rows * 2 * kp_hidden * sizeof(uint16_t), "y (BF16 activations)"));
-  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * 2 * kp_ffn * sizeof(uint16_t), "h_scratch (BF16 h)"));
-  int num_groups = 0;
-  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kFfnRowChunk, &num_groups);
-  if (!groups.ok()) return groups.status();
-  if (num_groups == 0) return absl::OkStatus();
-  absl::StatusOr<cl_kernel> gather_kernel = rt.Kernel("gather_rows_to_bf16_pairs");
-  if (!gather_kernel.ok()) return gather_kernel.status();
+  const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
+  absl::StatusOr<Bf16Tiles> tiles = StageBf16Rows(
+      rt, w, x, x_format, row_index, gather, offsets, detail::kFfnRowChunk, 2 * kp_hidden,
+      2 * kp_ffn, "gather_rows_to_bf16_pairs", gather_global, h_scratch, y);
+  if (!tiles.ok()) return tiles.status();
+  if (tiles->num_groups == 0) return absl::OkStatus();
   absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_gate_up_dot");
   if (!gate_up.ok()) return gate_up.status();
   absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_down_dot");
   if (!down.ok()) return down.status();
-  const cl_long x_rows = RowsInBuffer(x, DTypeBytes(x_format.dtype), w.hidden, x_format.row_stride);
-  RETURN_IF_ERROR(SetArgs(*gather_kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
-                          cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
-                          static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
-                          static_cast<cl_int>(kp_hidden), y));
-  const size_t gather_global[1] = {static_cast<size_t>(rows)};
-  RETURN_IF_ERROR(Launch(rt, *gather_kernel, 1, gather_global, nullptr));
   const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn));
   const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
   const size_t local[2] = {1, 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, y, static_cast<cl_int>(kp_hidden), *groups, w.gate_up,
+  RETURN_IF_ERROR(SetArgs(*gate_up, y, static_cast<cl_int>(kp_hidden), tiles->groups, w.gate_up,
                           gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
-  const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
+  const size_t gu_global[2] = {static_cast<size_t>(gu_panels),
+                               static_cast<size_t>(tiles->num_groups)};
   RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
-  RETURN_IF_ERROR(SetArgs(*down, h_scratch, static_cast<cl_int>(kp_ffn), *groups, w.down,
+  RETURN_IF_ERROR(SetArgs(*down, h_scratch, static_cast<cl_int>(kp_ffn), tiles->groups, w.down,
                           static_cast<cl_int>(w.hidden), down_panels, y));
-  const size_t down_global[2] = {static_cast<size_t>(down_panels), static_cast<size_t>(num_groups)};
+  const size_t down_global[2] = {static_cast<size_t>(down_panels),
+                                 static_cast<size_t>(tiles->num_groups)};
   return Launch(rt, *down, 2, down_global, local);
 }
 

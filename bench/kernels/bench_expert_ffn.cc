@@ -72,6 +72,24 @@ double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& ref) {
   return diff / std::max(scale, 1e-30);
 }
 
+// The device buffers of one FFN case on one runtime: x (FP32), row_index, h and y.
+struct FfnBuffers {
+  Buffer x, row_index, h, y;
+};
+absl::StatusOr<FfnBuffers> MakeFfnBuffers(Runtime& rt, const std::vector<float>& x,
+                                          const std::vector<int32_t>& row_index, int64_t ffn,
+                                          int64_t hidden) {
+  const int64_t pairs = static_cast<int64_t>(row_index.size());
+  absl::StatusOr<Buffer> xb = rt.AllocateCopy(x.data(), x.size() * sizeof(float));
+  absl::StatusOr<Buffer> ib = rt.AllocateCopy(row_index.data(), pairs * sizeof(int32_t));
+  absl::StatusOr<Buffer> hb = rt.Allocate(pairs * ffn * sizeof(float));
+  absl::StatusOr<Buffer> yb = rt.Allocate(pairs * hidden * sizeof(float));
+  for (const absl::StatusOr<Buffer>* b : {&xb, &ib, &hb, &yb}) {
+    if (!b->ok()) return b->status();
+  }
+  return FfnBuffers{*std::move(xb), *std::move(ib), *std::move(hb), *std::move(yb)};
+}
+
 // The figures of one row count, printed in tables at the end.
 struct Result {
   int64_t rows = 0;                             // per expert
@@ -188,45 +206,32 @@ int Run(int argc, char** argv) {
     std::vector<int64_t> offsets(num_experts + 1);
     for (int e = 0; e <= num_experts; ++e) offsets[e] = e * m;
 
-    absl::StatusOr<Buffer> xb = r.AllocateCopy(x.data(), x.size() * sizeof(float));
+    absl::StatusOr<FfnBuffers> bufs = MakeFfnBuffers(r, x, row_index, ffn, hidden);
     absl::StatusOr<Buffer> xb16 = r.AllocateCopy(x16.data(), x16.size() * sizeof(uint16_t));
-    absl::StatusOr<Buffer> ib = r.AllocateCopy(row_index.data(), pairs * sizeof(int32_t));
-    absl::StatusOr<Buffer> hb = r.Allocate(pairs * ffn * sizeof(float));
-    absl::StatusOr<Buffer> yb = r.Allocate(pairs * hidden * sizeof(float));
-    if (!xb.ok() || !xb16.ok() || !ib.ok() || !hb.ok() || !yb.ok()) return 1;
+    if (!bufs.ok() || !xb16.ok()) return 1;
     // The FP32-FMA runtime's copies, when it runs.
-    Buffer fma_xb, fma_ib, fma_hb, fma_yb;
+    absl::StatusOr<FfnBuffers> fma_bufs = absl::UnavailableError("not used");
     if (fma_rt != nullptr) {
-      absl::StatusOr<Buffer> a = fma_rt->AllocateCopy(x.data(), x.size() * sizeof(float));
-      absl::StatusOr<Buffer> b = fma_rt->AllocateCopy(row_index.data(), pairs * sizeof(int32_t));
-      absl::StatusOr<Buffer> c = fma_rt->Allocate(pairs * ffn * sizeof(float));
-      absl::StatusOr<Buffer> d = fma_rt->Allocate(pairs * hidden * sizeof(float));
-      if (!a.ok() || !b.ok() || !c.ok() || !d.ok()) return 1;
-      fma_xb = *std::move(a);
-      fma_ib = *std::move(b);
-      fma_hb = *std::move(c);
-      fma_yb = *std::move(d);
+      fma_bufs = MakeFfnBuffers(*fma_rt, x, row_index, ffn, hidden);
+      if (!fma_bufs.ok()) return 1;
     }
     bool failed = false;
     std::vector<float> y(pairs * hidden);
+    auto run_on = [&](Runtime& on, const ExpertWeights& w, FfnBuffers& b, const Buffer& xin,
+                      RowFormat format) {
+      absl::Status s = ExpertFfn(on, w, xin, b.row_index, offsets, b.h, b.y, format);
+      if (s.ok()) s = on.Finish();
+      if (!s.ok() && !failed) {
+        std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+        failed = true;
+      }
+    };
     auto run_epserve = [&](const ExpertWeights& w, const Buffer& xin, RowFormat format) {
-      absl::Status s = ExpertFfn(r, w, xin, *ib, offsets, *hb, *yb, format);
-      if (s.ok()) s = r.Finish();
-      if (!s.ok() && !failed) {
-        std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-        failed = true;
-      }
+      run_on(r, w, *bufs, xin, format);
     };
-    auto run_fma = [&] {
-      absl::Status s = ExpertFfn(*fma_rt, *w16_fma, fma_xb, fma_ib, offsets, fma_hb, fma_yb);
-      if (s.ok()) s = fma_rt->Finish();
-      if (!s.ok() && !failed) {
-        std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-        failed = true;
-      }
-    };
-    auto read_y = [&] {
-      if (!r.Read(*yb, 0, y.data(), y.size() * sizeof(float)).ok()) failed = true;
+    auto run_fma = [&] { run_on(*fma_rt, *w16_fma, *fma_bufs, fma_bufs->x, RowFormat{}); };
+    auto read_y = [&](Runtime& on, const FfnBuffers& b) {
+      if (!on.Read(b.y, 0, y.data(), y.size() * sizeof(float)).ok()) failed = true;
       return y;
     };
     const RowFormat fp32_rows;
@@ -278,21 +283,19 @@ int Run(int argc, char** argv) {
     res.rows = m;
     // Outputs of each epserve variant against (b), before timing.
     run_composite();
-    run_epserve(*w32, *xb, fp32_rows);
-    res.diff_fp32 = MaxRelDiff(read_y(), y_blas);
-    run_epserve(*w16, *xb, fp32_rows);
-    res.diff_bf16 = MaxRelDiff(read_y(), y_blas);
+    run_epserve(*w32, bufs->x, fp32_rows);
+    res.diff_fp32 = MaxRelDiff(read_y(r, *bufs), y_blas);
+    run_epserve(*w16, bufs->x, fp32_rows);
+    res.diff_bf16 = MaxRelDiff(read_y(r, *bufs), y_blas);
     run_epserve(*w16, *xb16, bf16_rows);
-    res.diff_bf16_x = MaxRelDiff(read_y(), y_blas);
+    res.diff_bf16_x = MaxRelDiff(read_y(r, *bufs), y_blas);
     if (fma_rt != nullptr) {
       run_fma();
-      std::vector<float> y_fma(pairs * hidden);
-      if (!fma_rt->Read(fma_yb, 0, y_fma.data(), y_fma.size() * sizeof(float)).ok()) return 1;
-      res.diff_bf16_fma = MaxRelDiff(y_fma, y_blas);
+      res.diff_bf16_fma = MaxRelDiff(read_y(*fma_rt, *fma_bufs), y_blas);
     }
 
-    std::vector<std::function<void()>> fns = {[&] { run_epserve(*w32, *xb, fp32_rows); },
-                                              [&] { run_epserve(*w16, *xb, fp32_rows); },
+    std::vector<std::function<void()>> fns = {[&] { run_epserve(*w32, bufs->x, fp32_rows); },
+                                              [&] { run_epserve(*w16, bufs->x, fp32_rows); },
                                               [&] { run_epserve(*w16, *xb16, bf16_rows); }};
     const size_t fma_index = fns.size();
     if (fma_rt != nullptr) fns.push_back(run_fma);

@@ -55,16 +55,34 @@ inline float16 OVERLOAD LoadW(const __global ushort16* restrict b, int i) {
 #define GLUE3(a, b, c) GLUE3_(a, b, c)
 #define GLUE3_(a, b, c) a##b##c
 
-// Stores v[0, 16) to dst[0, min(16, limit)).
-inline void StorePartial16(float16 v, __global float* dst, int limit) {
-  if (limit >= 16) {
-    vstore16(v, 0, dst);
-    return;
+// Stores v[0, 16) to dst[0, min(16, limit)), for FP32 (float) and BF16 (ushort) values.
+#define DEFINE_STORE_PARTIAL16(T)                                                     \
+  inline void OVERLOAD StorePartial16(GLUE(T, 16) v, __global T* dst, int limit) {    \
+    if (limit >= 16) {                                                                \
+      vstore16(v, 0, dst);                                                            \
+      return;                                                                         \
+    }                                                                                 \
+    T tmp[16];                                                                        \
+    vstore16(v, 0, tmp);                                                              \
+    for (int l = 0; l < limit; ++l) dst[l] = tmp[l];                                  \
   }
-  float tmp[16];
-  vstore16(v, 0, tmp);
-  for (int l = 0; l < limit; ++l) dst[l] = tmp[l];
-}
+DEFINE_STORE_PARTIAL16(float)
+DEFINE_STORE_PARTIAL16(ushort)
+
+// Rows [g.y, end) of a work tile through the register blocks PREFIX<R>SUFFIX(args): blocks of
+// FFN_ROWS rows, then one block of FFN_ROWS, 8 or 4 rows for the rest (a block's loads clamp
+// to the last row and its stores stop there). Declares p, the block's first row.
+#define ROW_BLOCKS(PREFIX, SUFFIX, ...)                                               \
+  int p = g.y;                                                                        \
+  for (; p + FFN_ROWS <= end; p += FFN_ROWS) GLUE3(PREFIX, FFN_ROWS, SUFFIX)(__VA_ARGS__); \
+  const int rest = end - p;                                                           \
+  if (rest > 8) {                                                                     \
+    GLUE3(PREFIX, FFN_ROWS, SUFFIX)(__VA_ARGS__);                                     \
+  } else if (rest > 4) {                                                              \
+    GLUE3(PREFIX, 8, SUFFIX)(__VA_ARGS__);                                            \
+  } else if (rest > 0) {                                                              \
+    GLUE3(PREFIX, 4, SUFFIX)(__VA_ARGS__);                                            \
+  }
 
 inline size_t SourceRow(__global const int* row_index, int gather, int p, long x_rows) {
   long row = gather ? (long)row_index[p] : (long)p;
@@ -154,22 +172,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)hidden * NV;   \
     const int f0 = panel * NV * 8;                                                         \
     const int end = g.z;                                                                   \
-    int p = g.y;                                                                           \
-    for (; p + FFN_ROWS <= end; p += FFN_ROWS) {                                           \
-      GLUE3(GateUpBlock, FFN_ROWS, S)(x, x_rows, x_stride, row_index, gather, p, end, b,   \
-                                      hidden, ffn, f0, h);                                 \
-    }                                                                                      \
-    const int rest = end - p;                                                              \
-    if (rest > 8) {                                                                        \
-      GLUE3(GateUpBlock, FFN_ROWS, S)(x, x_rows, x_stride, row_index, gather, p, end, b,   \
-                                      hidden, ffn, f0, h);                                 \
-    } else if (rest > 4) {                                                                 \
-      GLUE3(GateUpBlock, 8, S)(x, x_rows, x_stride, row_index, gather, p, end, b, hidden,  \
-                               ffn, f0, h);                                                \
-    } else if (rest > 0) {                                                                 \
-      GLUE3(GateUpBlock, 4, S)(x, x_rows, x_stride, row_index, gather, p, end, b, hidden,  \
-                               ffn, f0, h);                                                \
-    }                                                                                      \
+    ROW_BLOCKS(GateUpBlock, S, x, x_rows, x_stride, row_index, gather, p, end, b, hidden, ffn, \
+               f0, h)                                                                      \
   }
 
 // h [*, ffn] rows of each group -> y [*, hidden]; w: the down panels of WT.
@@ -186,18 +190,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)ffn * NV;      \
     const int c0 = panel * NV * 16;                                                        \
     const int end = g.z;                                                                   \
-    int p = g.y;                                                                           \
-    for (; p + FFN_ROWS <= end; p += FFN_ROWS) {                                           \
-      GLUE3(DownBlock, FFN_ROWS, S)(h, p, end, b, hidden, ffn, c0, y);                     \
-    }                                                                                      \
-    const int rest = end - p;                                                              \
-    if (rest > 8) {                                                                        \
-      GLUE3(DownBlock, FFN_ROWS, S)(h, p, end, b, hidden, ffn, c0, y);                     \
-    } else if (rest > 4) {                                                                 \
-      GLUE3(DownBlock, 8, S)(h, p, end, b, hidden, ffn, c0, y);                            \
-    } else if (rest > 0) {                                                                 \
-      GLUE3(DownBlock, 4, S)(h, p, end, b, hidden, ffn, c0, y);                            \
-    }                                                                                      \
+    ROW_BLOCKS(DownBlock, S, h, p, end, b, hidden, ffn, c0, y)                             \
   }
 
 // FP32 panel rows are two float16, BF16 ones two ushort16 (one cache line).
@@ -249,17 +242,6 @@ inline uint Bf16Round(float v) {
   const uint u = as_uint(v);
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
-// Stores the BF16 of v[0, min(16, limit)) to dst (limit even or the row's end).
-inline void StoreBf16Partial16(float16 v, __global ushort* dst, int limit) {
-  const ushort16 b = convert_ushort16(Bf16Round16(v));
-  if (limit >= 16) {
-    vstore16(b, 0, dst);
-    return;
-  }
-  ushort tmp[16];
-  vstore16(b, 0, tmp);
-  for (int l = 0; l < limit; ++l) dst[l] = tmp[l];
-}
 
 #define DOT_ACC_DECL(r)                                                 \
   const __global uint* a##r = x + (size_t)min(p + (r), end - 1) * kp2; \
@@ -280,14 +262,15 @@ inline void StoreBf16Partial16(float16 v, __global ushort* dst, int limit) {
 #define DOT_GATE_UP_STORE(r)                                                          \
   if ((r) < valid) {                                                                  \
     const float16 act = acc##r##_0 / (1.0f + exp(-acc##r##_0)) * acc##r##_1;          \
-    StoreBf16Partial16(act, h + (size_t)(p + (r)) * h_stride + f0, h_stride - f0);      \
+    StorePartial16(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + (r)) * h_stride + f0, \
+                   h_stride - f0);                                                    \
   }
 
 // x: BF16 rows of 2 * kp2 values (kp2 k pairs, as uint); b: the panel, int16 per half row.
 // h[p', f0 .. f0 + 16) = BF16(silu(x . gate) * (x . up)), rows h_stride values apart (the
 // columns past F come out 0: their weights are zero).
 #define DEFINE_DOT_GATE_UP_BLOCK(R)                                                        \
-  DOT_TARGET void GLUE(DotGateUpBlock, R)(const __global uint* restrict x, int kp2, int p, \
+  DOT_TARGET void GLUE3(GateUpBlock, R, _dot)(const __global uint* restrict x, int kp2, int p, \
                                           int end, const __global int16* restrict b,       \
                                           int f0, __global ushort* restrict h,             \
                                           int h_stride) {                                  \
@@ -300,7 +283,7 @@ inline void StoreBf16Partial16(float16 v, __global ushort* dst, int limit) {
   }
 // h: BF16 rows of 2 * kp2 values; y[p', c0 .. c0 + 32) = h[p'] . down (FP32).
 #define DEFINE_DOT_DOWN_BLOCK(R)                                                           \
-  DOT_TARGET void GLUE(DotDownBlock, R)(const __global uint* restrict x, int kp2, int p,   \
+  DOT_TARGET void GLUE3(DownBlock, R, _dot)(const __global uint* restrict x, int kp2, int p,   \
                                         int end, const __global int16* restrict b,         \
                                         int hidden, int c0, __global float* restrict y) {  \
     REP##R(DOT_ACC_DECL)                                                                   \
@@ -317,19 +300,6 @@ DEFINE_DOT_DOWN_BLOCK(4)
 DEFINE_DOT_DOWN_BLOCK(8)
 DEFINE_DOT_DOWN_BLOCK(12)
 
-// Walks rows [g.y, g.z) of a group in blocks of FFN_ROWS (then 8 or 4) rows.
-#define DOT_ROW_BLOCKS(BLOCK, ...)                                          \
-  int p = g.y;                                                              \
-  for (; p + FFN_ROWS <= end; p += FFN_ROWS) GLUE(BLOCK, FFN_ROWS)(__VA_ARGS__); \
-  const int rest = end - p;                                                 \
-  if (rest > 8) {                                                           \
-    GLUE(BLOCK, FFN_ROWS)(__VA_ARGS__);                                     \
-  } else if (rest > 4) {                                                    \
-    GLUE(BLOCK, 8)(__VA_ARGS__);                                            \
-  } else if (rest > 0) {                                                    \
-    GLUE(BLOCK, 4)(__VA_ARGS__);                                            \
-  }
-
 // xb: the BF16 rows of x in group order [*, 2 * kp_hidden]; h: BF16 [*, 2 * kp_ffn].
 __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_dot(
     __global const uint* restrict xb, int kp_hidden, __global const int4* restrict groups,
@@ -339,7 +309,7 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_dot(
   const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_hidden * 2;
   const int f0 = panel * 16;
   const int end = g.z;
-  DOT_ROW_BLOCKS(DotGateUpBlock, xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn)
+  ROW_BLOCKS(GateUpBlock, _dot, xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn)
 }
 
 __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(
@@ -350,20 +320,20 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(
   const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_ffn * 2;
   const int c0 = panel * 32;
   const int end = g.z;
-  DOT_ROW_BLOCKS(DotDownBlock, h, kp_ffn, p, end, b, hidden, c0, y)
+  ROW_BLOCKS(DownBlock, _dot, h, kp_ffn, p, end, b, hidden, c0, y)
 }
 
-// out[p, 0 .. 2 * kp) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond
+// out[p, 0 .. k_pad) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond
 // hidden, for p < num_rows. x is FP32 (x_bf16 == 0) or BF16, rows x_stride values apart.
-// One work-item per row.
+// One work-item per row (the arguments of gather_rows_to_bf16 in expert_ffn_mma.cl).
 __kernel void gather_rows_to_bf16_pairs(__global const void* restrict x, int x_bf16, long x_rows,
                                         long x_stride, __global const int* restrict row_index,
-                                        int gather, int num_rows, int hidden, int kp,
+                                        int gather, int num_rows, int hidden, int k_pad,
                                         __global ushort* restrict out) {
   const int p = get_global_id(0);
   if (p >= num_rows) return;
   const size_t row = SourceRow(row_index, gather, p, x_rows);
-  __global ushort* dst = out + (size_t)p * 2 * kp;
+  __global ushort* dst = out + (size_t)p * k_pad;
   int c = 0;
   if (x_bf16) {
     const __global ushort* src = (const __global ushort*)x + row * (size_t)x_stride;
@@ -376,6 +346,6 @@ __kernel void gather_rows_to_bf16_pairs(__global const void* restrict x, int x_b
     }
     for (; c < hidden; ++c) dst[c] = (ushort)Bf16Round(src[c]);
   }
-  for (; c < 2 * kp; ++c) dst[c] = 0;
+  for (; c < k_pad; ++c) dst[c] = 0;
 }
 #endif  // FFN_BF16_DOT

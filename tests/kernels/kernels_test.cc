@@ -567,6 +567,25 @@ class ExpertFfnTest : public Seeded {
         << what << " against the FP32 reference";
     return y;
   }
+
+  // Check over every expert of a "tiny" layer reshaped to H = hidden, F = ffn and `experts`
+  // experts, for each of `types` and each row count of `pairs_list`, rows drawn from `tokens`
+  // token rows.
+  void CheckShape(int64_t hidden, int64_t ffn, int experts, int64_t tokens,
+                  std::span<const FfnTypes> types, std::initializer_list<int64_t> pairs_list) {
+    absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+    ASSERT_TRUE(cfg.ok());
+    cfg->layer.hidden_size = hidden;
+    cfg->layer.expert_ffn_size = ffn;
+    cfg->layer.num_experts = experts;
+    const model::SyntheticWeights source(*cfg, seed_);
+    for (const FfnTypes& t : types) {
+      for (int64_t pairs : pairs_list) {
+        SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(t)));
+        Check(source, 0, experts, tokens, pairs, t);
+      }
+    }
+  }
 };
 
 const FfnTypes kAllTypes[] = {{DType::kFp32, DType::kFp32, 0},
@@ -645,36 +664,15 @@ TEST(MmaLayoutTest, TiledOffsetIsABijectionWithContiguousSlices) {
 // Shapes that pad every dimension of the tensor-core tiles, rows that span several tiles of
 // one expert. Runs on every device (the portable kernels where there are no tensor cores).
 TEST_F(ExpertFfnTest, TensorCoreTilesAndPadding) {
-  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-  ASSERT_TRUE(cfg.ok());
-  cfg->layer.hidden_size = 200;      // K pads to 224, down rows to 256
-  cfg->layer.expert_ffn_size = 136;  // pads to 192
-  cfg->layer.num_experts = 5;
-  const model::SyntheticWeights source(*cfg, seed_);
-  for (const FfnTypes types :
-       {FfnTypes{DType::kBf16, DType::kFp32, 3}, FfnTypes{DType::kBf16, DType::kBf16, 6}}) {
-    for (int64_t pairs : {1, 129, 700}) {
-      SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(types)));
-      Check(source, 0, 5, 300, pairs, types);
-    }
-  }
+  // K pads to 224, down rows to 256; F pads to 192.
+  const FfnTypes types[] = {{DType::kBf16, DType::kFp32, 3}, {DType::kBf16, DType::kBf16, 6}};
+  CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
 }
 
 // Odd H and F: the pair-panel layout pads K to even (a zero weight, a zero activation), and
 // h's padding column must come out zero. Runs on every device.
 TEST_F(ExpertFfnTest, OddShapesPadThePairs) {
-  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-  ASSERT_TRUE(cfg.ok());
-  cfg->layer.hidden_size = 71;
-  cfg->layer.expert_ffn_size = 37;
-  cfg->layer.num_experts = 4;
-  const model::SyntheticWeights source(*cfg, seed_);
-  for (const FfnTypes types : kAllTypes) {
-    for (int64_t pairs : {1, 13, 250}) {
-      SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(types)));
-      Check(source, 0, 4, 60, pairs, types);
-    }
-  }
+  CheckShape(/*hidden=*/71, /*ffn=*/37, /*experts=*/4, /*tokens=*/60, kAllTypes, {1, 13, 250});
 }
 
 // The pair-panel layout places every (column, k) of a panel exactly once, and a k pair's two
@@ -705,18 +703,7 @@ TEST_F(ExpertFfnTest, SubsetOfExperts) {
 }
 
 TEST_F(ExpertFfnTest, ShapeNotAMultipleOfTheTiles) {
-  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-  ASSERT_TRUE(cfg.ok());
-  cfg->layer.hidden_size = 72;
-  cfg->layer.expert_ffn_size = 40;
-  cfg->layer.num_experts = 5;
-  const model::SyntheticWeights source(*cfg, seed_);
-  for (const FfnTypes types : kAllTypes) {
-    for (int64_t pairs : {1, 7, 33, 300}) {
-      SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(types)));
-      Check(source, 0, 5, 50, pairs, types);
-    }
-  }
+  CheckShape(/*hidden=*/72, /*ffn=*/40, /*experts=*/5, /*tokens=*/50, kAllTypes, {1, 7, 33, 300});
 }
 
 TEST_F(ExpertFfnTest, QwenShapeFewRows) {

@@ -6,7 +6,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <numeric>
 #include <random>
 
 #include "gtest/gtest.h"
@@ -255,6 +257,24 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
     return sizes;
   }
 
+  // Runs `per_routing` batches of the Sizes series with uniform, then skewed routing on one
+  // exchange (buffers never cleared), checking each with RunAndCheck and then `check`.
+  void RunSeries(Exchange& exchange, const ExchangeConfig& c, int per_routing,
+                 const std::function<void(const std::vector<int64_t>& sizes,
+                                          const ExchangeStats& stats)>& check) {
+    std::mt19937 rng(static_cast<uint32_t>(seed_));
+    uint64_t batch = 0;
+    for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+      for (int i = 0; i < per_routing; ++i) {
+        const std::vector<int64_t> sizes = Sizes(i, c.max_send_tokens, rng);
+        ExchangeStats stats;
+        absl::Status st = RunAndCheck(exchange, ++batch, sizes, routing, &stats);
+        ASSERT_TRUE(st.ok()) << st;
+        check(sizes, stats);
+      }
+    }
+  }
+
   // What worker d adds to every token it receives when every token goes everywhere.
   static float Base(const ExchangeConfig& c, int d) {
     return c.every_token_to_every_worker ? 0.25f * static_cast<float>(d + 1) : 0.0f;
@@ -269,19 +289,11 @@ TEST_P(ExchangeTest, RowsLandWhereExpectedAndCombineIsExact) {
   const ExchangeConfig c = Config();
   Setup s = Make(c);
   ASSERT_NE(s.exchange, nullptr);
-  std::mt19937 rng(static_cast<uint32_t>(seed_));
   // Repeated batches of changing sizes, uniform and skewed, with empty ones in between;
   // buffers are never cleared.
-  uint64_t batch = 0;
-  for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
-    for (int i = 0; i < 8; ++i) {
-      const std::vector<int64_t> sizes = Sizes(i, c.max_send_tokens, rng);
-      ExchangeStats stats;
-      absl::Status st = RunAndCheck(*s.exchange, ++batch, sizes, routing, &stats);
-      ASSERT_TRUE(st.ok()) << st;
-      EXPECT_EQ(stats.rounds, 1);
-    }
-  }
+  RunSeries(*s.exchange, c, 8, [](const std::vector<int64_t>&, const ExchangeStats& stats) {
+    EXPECT_EQ(stats.rounds, 1);
+  });
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
@@ -290,19 +302,9 @@ TEST_P(ExchangeTest, EveryTokenReachesEveryWorkerWhenAsked) {
   c.every_token_to_every_worker = true;
   Setup s = Make(c);
   ASSERT_NE(s.exchange, nullptr);
-  std::mt19937 rng(static_cast<uint32_t>(seed_));
-  uint64_t batch = 0;
-  for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
-    for (int i = 0; i < 5; ++i) {
-      const std::vector<int64_t> sizes = Sizes(i, c.max_send_tokens, rng);
-      ExchangeStats stats;
-      absl::Status st = RunAndCheck(*s.exchange, ++batch, sizes, routing, &stats);
-      ASSERT_TRUE(st.ok()) << st;
-      int64_t all = 0;
-      for (int64_t n : sizes) all += n;
-      EXPECT_EQ(stats.rows_received, all);
-    }
-  }
+  RunSeries(*s.exchange, c, 5, [](const std::vector<int64_t>& sizes, const ExchangeStats& stats) {
+    EXPECT_EQ(stats.rows_received, std::accumulate(sizes.begin(), sizes.end(), int64_t{0}));
+  });
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
