@@ -69,19 +69,20 @@ inline float16 OVERLOAD LoadW(const __global ushort16* restrict b, int i) {
 DEFINE_STORE_PARTIAL16(float)
 DEFINE_STORE_PARTIAL16(ushort)
 
-// Rows [g.y, end) of a work tile through the register blocks PREFIX<R>SUFFIX(args): blocks of
-// FFN_ROWS rows, then one block of FFN_ROWS, 8 or 4 rows for the rest (a block's loads clamp
-// to the last row and its stores stop there). Declares p, the block's first row.
-#define ROW_BLOCKS(PREFIX, SUFFIX, ...)                                               \
+// Rows [g.y, end) of a work tile through the register blocks PREFIX<R>SUFFIX ARGS (ARGS a
+// parenthesised argument list: OpenCL C 1.2 has no variadic macros): blocks of FFN_ROWS rows,
+// then one block of FFN_ROWS, 8 or 4 rows for the rest (a block's loads clamp to the last row
+// and its stores stop there). Declares p, the block's first row.
+#define ROW_BLOCKS(PREFIX, SUFFIX, ARGS)                                              \
   int p = g.y;                                                                        \
-  for (; p + FFN_ROWS <= end; p += FFN_ROWS) GLUE3(PREFIX, FFN_ROWS, SUFFIX)(__VA_ARGS__); \
+  for (; p + FFN_ROWS <= end; p += FFN_ROWS) GLUE3(PREFIX, FFN_ROWS, SUFFIX) ARGS;    \
   const int rest = end - p;                                                           \
   if (rest > 8) {                                                                     \
-    GLUE3(PREFIX, FFN_ROWS, SUFFIX)(__VA_ARGS__);                                     \
+    GLUE3(PREFIX, FFN_ROWS, SUFFIX) ARGS;                                             \
   } else if (rest > 4) {                                                              \
-    GLUE3(PREFIX, 8, SUFFIX)(__VA_ARGS__);                                            \
+    GLUE3(PREFIX, 8, SUFFIX) ARGS;                                                    \
   } else if (rest > 0) {                                                              \
-    GLUE3(PREFIX, 4, SUFFIX)(__VA_ARGS__);                                            \
+    GLUE3(PREFIX, 4, SUFFIX) ARGS;                                                    \
   }
 
 inline size_t SourceRow(__global const int* row_index, int gather, int p, long x_rows) {
@@ -172,8 +173,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)hidden * NV;   \
     const int f0 = panel * NV * 8;                                                         \
     const int end = g.z;                                                                   \
-    ROW_BLOCKS(GateUpBlock, S, x, x_rows, x_stride, row_index, gather, p, end, b, hidden, ffn, \
-               f0, h)                                                                      \
+    ROW_BLOCKS(GateUpBlock, S,                                                             \
+               (x, x_rows, x_stride, row_index, gather, p, end, b, hidden, ffn, f0, h))    \
   }
 
 // h [*, ffn] rows of each group -> y [*, hidden]; w: the down panels of WT.
@@ -190,7 +191,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)ffn * NV;      \
     const int c0 = panel * NV * 16;                                                        \
     const int end = g.z;                                                                   \
-    ROW_BLOCKS(DownBlock, S, h, p, end, b, hidden, ffn, c0, y)                             \
+    ROW_BLOCKS(DownBlock, S, (h, p, end, b, hidden, ffn, c0, y))                           \
   }
 
 // FP32 panel rows are two float16, BF16 ones two ushort16 (one cache line).
@@ -309,7 +310,7 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_dot(
   const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_hidden * 2;
   const int f0 = panel * 16;
   const int end = g.z;
-  ROW_BLOCKS(GateUpBlock, _dot, xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn)
+  ROW_BLOCKS(GateUpBlock, _dot, (xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn))
 }
 
 __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(
@@ -320,7 +321,7 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(
   const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_ffn * 2;
   const int c0 = panel * 32;
   const int end = g.z;
-  ROW_BLOCKS(DownBlock, _dot, h, kp_ffn, p, end, b, hidden, c0, y)
+  ROW_BLOCKS(DownBlock, _dot, (h, kp_ffn, p, end, b, hidden, c0, y))
 }
 
 // out[p, 0 .. k_pad) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond
