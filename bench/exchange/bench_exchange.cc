@@ -6,7 +6,14 @@
 //   memcpy     every rank copies the bytes it moves (rows it dispatches plus rows it
 //              returns) locally, all ranks at once: the bound on one host;
 //   alltoallv  MPI_Alltoallv of the same rows, already packed per destination (packing
-//              not counted), there and back: what users would reach for instead.
+//              not counted), there and back: what users would reach for instead;
+//   floor      what any exchange must at least do to its memory, done locally by every rank
+//              at once with no synchronisation: copy each row that crosses ranks once (the
+//              rows it sends to other ranks; a token's row for its own rank need not move),
+//              and sum each token's parts (one per rank its experts live on) into its output
+//              row, as the owner's sum does. alltoallv / floor ("reach") is the most any
+//              exchange could gain over Alltoallv on this machine before its layout and
+//              signals: where it is below a target, no exchange reaches the target here.
 // Times are per batch: back-to-back batches, the slowest rank's mean.
 //   mpirun -np 2 bench_exchange [--heap=shm|rma] [--dtype=fp32|bf16|fp8] [--quick]
 #include <mpi.h>
@@ -23,6 +30,7 @@
 #include "absl/time/clock.h"
 #include "shmem/heap.h"
 #include "worker/exchange.h"
+#include "worker/payload.h"
 
 namespace epserve {
 namespace {
@@ -60,7 +68,7 @@ void Fatal(const absl::Status& s) {
 }
 
 struct Result {
-  double exchange_s, expert_s, memcpy_s, alltoallv_s;
+  double exchange_s, expert_s, memcpy_s, alltoallv_s, floor_s;
   double bytes;  // moved by the busiest rank: rows dispatched plus rows returned
 };
 
@@ -164,6 +172,36 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
                       send_counts.data(), send_displs.data(), MPI_BYTE, MPI_COMM_WORLD);
       },
       budget);
+  // The floor: rows sent to other ranks copied once, then every token's parts summed into
+  // its output row. The parts lie token after token in `a` (sent_rows rows).
+  const size_t cross_sent =
+      static_cast<size_t>(send_displs[ranks - 1] + send_counts[ranks - 1] - send_counts[rank]);
+  std::vector<const void*> part_ptrs;
+  std::vector<int> part_count(tokens, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<bool> hit(ranks, false);
+    for (int j = 0; j < top_k; ++j) hit[(*ex)->placement().owner(ids[t * top_k + j])] = true;
+    for (int d = 0; d < ranks; ++d) {
+      if (!hit[d]) continue;
+      part_ptrs.push_back(a.data() + part_ptrs.size() * hidden);
+      ++part_count[t];
+    }
+  }
+  if (static_cast<int64_t>(part_ptrs.size()) != sent_rows) {
+    Fatal(absl::InternalError(absl::StrCat("the routing gives ", part_ptrs.size(),
+                                           " parts, the exchange sent ", sent_rows, " rows")));
+  }
+  r.floor_s = TimePerCall(
+      [&] {
+        std::memcpy(b.data(), a.data(), cross_sent);
+        const void* const* parts = part_ptrs.data();
+        for (int64_t t = 0; t < tokens; ++t) {
+          worker::SumRows(worker::PayloadType::kFp32, parts, part_count[t], hidden,
+                          y.data() + t * hidden, false);
+          parts += part_count[t];
+        }
+      },
+      budget);
   MPI_Allreduce(MPI_IN_PLACE, &bytes, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   r.bytes = bytes;
   ex->reset();
@@ -208,8 +246,9 @@ int main(int argc, char** argv) {
         mech != nullptr ? mech : "default");
     std::printf(
         "| ranks | tokens/rank | hidden | top-k | MB/rank | dispatch+combine us | GB/s | "
-        "memcpy us | GB/s | vs memcpy | alltoallv us | GB/s | vs alltoallv | expert write us |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        "memcpy us | GB/s | vs memcpy | alltoallv us | GB/s | vs alltoallv | expert write us | "
+        "floor us | reach: alltoallv / floor |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   }
   const std::vector<int64_t> token_counts =
       args.quick ? std::vector<int64_t>{1, 128} : std::vector<int64_t>{1, 128, 4096};
@@ -221,11 +260,12 @@ int main(int argc, char** argv) {
           const double gb = r.bytes / 1e9;
           std::printf(
               "| %d | %lld | %lld | %d | %.2f | %.1f | %.1f | %.1f | %.1f | %.2fx | %.1f | "
-              "%.1f | %.1fx | %.1f |\n",
+              "%.1f | %.1fx | %.1f | %.1f | %.1fx |\n",
               ranks, static_cast<long long>(tokens), static_cast<long long>(hidden), k,
               r.bytes / 1e6, r.exchange_s * 1e6, gb / r.exchange_s, r.memcpy_s * 1e6,
               gb / r.memcpy_s, r.memcpy_s / r.exchange_s, r.alltoallv_s * 1e6, gb / r.alltoallv_s,
-              r.alltoallv_s / r.exchange_s, r.expert_s * 1e6);
+              r.alltoallv_s / r.exchange_s, r.expert_s * 1e6, r.floor_s * 1e6,
+              r.alltoallv_s / r.floor_s);
           std::fflush(stdout);
         }
       }

@@ -8,8 +8,9 @@
 set -euo pipefail
 build=${1:?usage: make_bundle.sh BUILD OUT}
 out=${2:?usage: make_bundle.sh BUILD OUT}
+# (bench_exchange runs on the GPU host's CPU: a quiet many-core machine for the exchange.)
 binaries=(tests/kernels/kernels_test bench/gpu/bench_ffn_gpu bench/e2e/bench_e2e_inprocess
-          server/epserve client/epserve-load)
+          server/epserve client/epserve-load bench/exchange/bench_exchange)
 rm -rf "$out"
 mkdir -p "$out/lib"
 for b in "${binaries[@]}"; do
