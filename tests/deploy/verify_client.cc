@@ -307,9 +307,23 @@ int Run(const Options& o) {
   const absl::Time end = absl::Now() + o.duration;
   std::vector<std::thread> threads;
   const bool load = o.abuse == 0 || o.requests > 0;
+  // Separate channels: one stuck connection does not hold every client. Each is connected
+  // before its first request, as the first channel was above: a request on a channel whose
+  // first connection attempt is still failing fails at once (UNAVAILABLE, "failed to connect
+  // to all addresses"), which says nothing about the server's answers. Later failures, once
+  // a channel was up (a killed server), still count.
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; load && i < o.concurrency; ++i) {
-    // Separate channels: one stuck connection does not hold every client.
-    threads.emplace_back(RequestLoop, std::cref(o), NewChannel(o.target), i, std::ref(issued), end,
+    channels.push_back(NewChannel(o.target));
+    if (!channels.back()->WaitForConnected(
+            std::chrono::system_clock::now() +
+            std::chrono::microseconds(absl::ToInt64Microseconds(o.connect_timeout)))) {
+      std::fprintf(stderr, "epserve-verify: cannot connect client %d to %s\n", i, o.target.c_str());
+      return 2;
+    }
+  }
+  for (int i = 0; i < static_cast<int>(channels.size()); ++i) {
+    threads.emplace_back(RequestLoop, std::cref(o), channels[i], i, std::ref(issued), end,
                          std::ref(tally));
   }
   for (auto& t : threads) t.join();
