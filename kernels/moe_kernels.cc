@@ -97,84 +97,95 @@ struct FfnKinds {
   TensorKind gate, up, down;
 };
 
-// Uploads experts [first, first + count) of an FFN of intermediate size `ffn` into the
-// panel layout of kernels/detail/ffn_layout.h with elements of type T (float or BF16 bits),
-// one host tensor at a time.
-template <typename T>
-absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
-                     ExpertWeights& w) {
-  const int64_t hidden = w.hidden;
-  const int64_t ffn = w.ffn;
-  const int64_t pw = kFfnPanelCols;
-  const int64_t half = pw / 2;
-  const int64_t gu_elems = detail::GateUpFloatsPerExpert(hidden, ffn);
-  const int64_t down_elems = detail::DownFloatsPerExpert(hidden, ffn);
-  std::vector<float> staging(hidden * ffn);  // one [F, H] or [H, F] tensor
-  const int64_t gu_panels = detail::GateUpPanels(ffn);
-  const int64_t down_panels = detail::DownPanels(hidden);
+// Fills the weights of every expert of `w`, one host tensor at a time: for expert i it maps
+// the expert's gate_up region (gu_elems values of T) and calls place_gate_up(dst, half, in)
+// with the gate (half 0), then the up projection (half 1) in `in` ([F, H]); then it maps the
+// down region (down_elems values) and calls place_down(dst, in) with down ([H, F]). The
+// place functions write every value of the region (padding included) in their layout.
+template <typename T, typename GateUpFn, typename DownFn>
+absl::Status FillExperts(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
+                         const ExpertWeights& w, int64_t gu_elems, int64_t down_elems,
+                         GateUpFn&& place_gate_up, DownFn&& place_down) {
+  std::vector<float> staging(w.hidden * w.ffn);  // one [F, H] or [H, F] tensor
   for (int i = 0; i < w.num_experts; ++i) {
     const int expert = w.first_expert + i;
     RETURN_IF_ERROR(FillMapped<T>(rt, w.gate_up, i * gu_elems, gu_elems, [&](T* dst) {
-      // dst[(j * H + k) * pw + c]: gate row f = j * half + c for c < half, up row f for c >= half.
-      for (int half_index = 0; half_index < 2; ++half_index) {
+      for (int half = 0; half < 2; ++half) {
         RETURN_IF_ERROR(
-            source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert, staging.data()));
-        for (int64_t j = 0; j < gu_panels; ++j) {
-          for (int64_t c = 0; c < half; ++c) {
-            const int64_t f = j * half + c;
-            T* out = dst + j * hidden * pw + half_index * half + c;
-            if (f < ffn) {
-              const float* in = staging.data() + f * hidden;
-              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = ToElement(in[k], out);
-            } else {
-              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = T{0};
-            }
-          }
-        }
+            source.Fill(layer, half == 0 ? kinds.gate : kinds.up, expert, staging.data()));
+        place_gate_up(dst, half, staging.data());
       }
       return absl::OkStatus();
     }));
     RETURN_IF_ERROR(FillMapped<T>(rt, w.down, i * down_elems, down_elems, [&](T* dst) {
-      // dst[(j * F + f) * pw + c] = down[j * pw + c][f].
       RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
-      for (int64_t j = 0; j < down_panels; ++j) {
-        for (int64_t c = 0; c < pw; ++c) {
-          const int64_t row = j * pw + c;
-          T* out = dst + j * ffn * pw + c;
-          if (row < hidden) {
-            const float* in = staging.data() + row * ffn;
-            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = ToElement(in[f], out);
-          } else {
-            for (int64_t f = 0; f < ffn; ++f) out[f * pw] = T{0};
-          }
-        }
-      }
+      place_down(dst, staging.data());
       return absl::OkStatus();
     }));
   }
   return rt.Finish();
 }
 
-// Uploads experts [first, first + count) in the tensor-core layout of
-// kernels/detail/ffn_layout.h (BF16 [N, K] in tiles, zero padding), one host tensor at a
-// time.
+// The panel layout of kernels/detail/ffn_layout.h with elements of type T (float or BF16
+// bits).
+template <typename T>
+absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
+                     const ExpertWeights& w) {
+  const int64_t hidden = w.hidden;
+  const int64_t ffn = w.ffn;
+  const int64_t pw = kFfnPanelCols;
+  const int64_t half_cols = pw / 2;
+  const int64_t gu_panels = detail::GateUpPanels(ffn);
+  const int64_t down_panels = detail::DownPanels(hidden);
+  return FillExperts<T>(
+      rt, source, layer, kinds, w, detail::GateUpFloatsPerExpert(hidden, ffn),
+      detail::DownFloatsPerExpert(hidden, ffn),
+      [&](T* dst, int half, const float* staging) {
+        // dst[(j * H + k) * pw + c]: gate row f = j * half_cols + c for c < half_cols, up row
+        // f for c >= half_cols.
+        for (int64_t j = 0; j < gu_panels; ++j) {
+          for (int64_t c = 0; c < half_cols; ++c) {
+            const int64_t f = j * half_cols + c;
+            T* out = dst + j * hidden * pw + half * half_cols + c;
+            if (f < ffn) {
+              const float* in = staging + f * hidden;
+              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = ToElement(in[k], out);
+            } else {
+              for (int64_t k = 0; k < hidden; ++k) out[k * pw] = T{0};
+            }
+          }
+        }
+      },
+      [&](T* dst, const float* staging) {
+        // dst[(j * F + f) * pw + c] = down[j * pw + c][f].
+        for (int64_t j = 0; j < down_panels; ++j) {
+          for (int64_t c = 0; c < pw; ++c) {
+            const int64_t row = j * pw + c;
+            T* out = dst + j * ffn * pw + c;
+            if (row < hidden) {
+              const float* in = staging + row * ffn;
+              for (int64_t f = 0; f < ffn; ++f) out[f * pw] = ToElement(in[f], out);
+            } else {
+              for (int64_t f = 0; f < ffn; ++f) out[f * pw] = T{0};
+            }
+          }
+        }
+      });
+}
+
+// The tensor-core layout of kernels/detail/ffn_layout.h (BF16 [N, K] in tiles, zero padding).
 absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
-                        ExpertWeights& w) {
+                        const ExpertWeights& w) {
   const int64_t hidden = w.hidden;
   const int64_t ffn = w.ffn;
   const int64_t k_pad = detail::MmaKPad(hidden);
   const int64_t f_pad = detail::MmaFfnPad(ffn);
   const int64_t down_rows = detail::MmaDownRows(hidden);
-  const int64_t gu_elems = detail::MmaGateUpValuesPerExpert(hidden, ffn);
-  const int64_t down_elems = detail::MmaDownValuesPerExpert(hidden, ffn);
-  std::vector<float> staging(hidden * ffn);
-  for (int i = 0; i < w.num_experts; ++i) {
-    const int expert = w.first_expert + i;
-    RETURN_IF_ERROR(FillMapped<uint16_t>(rt, w.gate_up, i * gu_elems, gu_elems, [&](uint16_t* dst) {
-      // Row (f / 8) * 16 + half * 8 + f % 8 holds gate (half 0) or up (half 1) row f.
-      for (int half = 0; half < 2; ++half) {
-        RETURN_IF_ERROR(
-            source.Fill(layer, half == 0 ? kinds.gate : kinds.up, expert, staging.data()));
+  return FillExperts<uint16_t>(
+      rt, source, layer, kinds, w, detail::MmaGateUpValuesPerExpert(hidden, ffn),
+      detail::MmaDownValuesPerExpert(hidden, ffn),
+      [&](uint16_t* dst, int half, const float* staging) {
+        // Row (f / 8) * 16 + half * 8 + f % 8 holds gate (half 0) or up (half 1) row f.
         for (int64_t f = 0; f < f_pad; ++f) {
           const int64_t n = (f / 8) * 16 + half * 8 + f % 8;
           for (int64_t k0 = 0; k0 < k_pad; k0 += 8) {  // 8 values share a 16-byte chunk
@@ -184,73 +195,55 @@ absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int laye
             }
           }
         }
-      }
-      return absl::OkStatus();
-    }));
-    RETURN_IF_ERROR(
-        FillMapped<uint16_t>(rt, w.down, i * down_elems, down_elems, [&](uint16_t* dst) {
-          RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
-          for (int64_t c = 0; c < down_rows; ++c) {
-            for (int64_t f0 = 0; f0 < f_pad; f0 += 8) {
-              uint16_t* out = dst + detail::MmaTiledOffset(c, f0, f_pad);
-              for (int64_t f = f0; f < f0 + 8; ++f) {
-                out[f - f0] = c < hidden && f < ffn ? FloatToBf16(staging[c * ffn + f]) : 0;
-              }
+      },
+      [&](uint16_t* dst, const float* staging) {
+        for (int64_t c = 0; c < down_rows; ++c) {
+          for (int64_t f0 = 0; f0 < f_pad; f0 += 8) {
+            uint16_t* out = dst + detail::MmaTiledOffset(c, f0, f_pad);
+            for (int64_t f = f0; f < f0 + 8; ++f) {
+              out[f - f0] = c < hidden && f < ffn ? FloatToBf16(staging[c * ffn + f]) : 0;
             }
           }
-          return absl::OkStatus();
-        }));
-  }
-  return rt.Finish();
+        }
+      });
 }
 
-// Uploads experts [first, first + count) in the pair-panel layout of
-// kernels/detail/ffn_layout.h (BF16, K in pairs, zero padding), one host tensor at a time.
+// The pair-panel layout of kernels/detail/ffn_layout.h (BF16, K in pairs, zero padding).
 absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
-                        ExpertWeights& w) {
+                        const ExpertWeights& w) {
   const int64_t hidden = w.hidden;
   const int64_t ffn = w.ffn;
   const int64_t pw = kFfnPanelCols;
-  const int64_t half = pw / 2;
+  const int64_t half_cols = pw / 2;
   const int64_t gu_panel_values = detail::DotKPairs(hidden) * 2 * pw;
   const int64_t down_panel_values = detail::DotKPairs(ffn) * 2 * pw;
   const int64_t gu_elems = detail::GateUpDotValuesPerExpert(hidden, ffn);
   const int64_t down_elems = detail::DownDotValuesPerExpert(hidden, ffn);
-  std::vector<float> staging(hidden * ffn);
-  for (int i = 0; i < w.num_experts; ++i) {
-    const int expert = w.first_expert + i;
-    RETURN_IF_ERROR(FillMapped<uint16_t>(rt, w.gate_up, i * gu_elems, gu_elems, [&](uint16_t* dst) {
-      std::fill(dst, dst + gu_elems, uint16_t{0});  // padding: columns past F, k = H
-      // Panel column c < half: gate row f = j * half + c; c >= half: up row f.
-      for (int half_index = 0; half_index < 2; ++half_index) {
-        RETURN_IF_ERROR(
-            source.Fill(layer, half_index == 0 ? kinds.gate : kinds.up, expert, staging.data()));
+  return FillExperts<uint16_t>(
+      rt, source, layer, kinds, w, gu_elems, down_elems,
+      [&](uint16_t* dst, int half, const float* staging) {
+        // Padding (columns past F, k = H) stays zero: the region is cleared before the gate.
+        if (half == 0) std::fill(dst, dst + gu_elems, uint16_t{0});
+        // Panel column c < half_cols: gate row f = j * half_cols + c; c >= half_cols: up row f.
         for (int64_t f = 0; f < ffn; ++f) {
-          uint16_t* panel = dst + (f / half) * gu_panel_values;
-          const int64_t c = half_index * half + f % half;
-          const float* in = staging.data() + f * hidden;
+          uint16_t* panel = dst + (f / half_cols) * gu_panel_values;
+          const int64_t c = half * half_cols + f % half_cols;
+          const float* in = staging + f * hidden;
           for (int64_t k = 0; k < hidden; ++k) {
             panel[detail::DotPanelOffset(c, k)] = FloatToBf16(in[k]);
           }
         }
-      }
-      return absl::OkStatus();
-    }));
-    RETURN_IF_ERROR(
-        FillMapped<uint16_t>(rt, w.down, i * down_elems, down_elems, [&](uint16_t* dst) {
-          std::fill(dst, dst + down_elems, uint16_t{0});  // padding: rows past H, f = F
-          RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
-          for (int64_t row = 0; row < hidden; ++row) {
-            uint16_t* panel = dst + (row / pw) * down_panel_values;
-            const float* in = staging.data() + row * ffn;
-            for (int64_t f = 0; f < ffn; ++f) {
-              panel[detail::DotPanelOffset(row % pw, f)] = FloatToBf16(in[f]);
-            }
+      },
+      [&](uint16_t* dst, const float* staging) {
+        std::fill(dst, dst + down_elems, uint16_t{0});  // padding: rows past H, f = F
+        for (int64_t row = 0; row < hidden; ++row) {
+          uint16_t* panel = dst + (row / pw) * down_panel_values;
+          const float* in = staging + row * ffn;
+          for (int64_t f = 0; f < ffn; ++f) {
+            panel[detail::DotPanelOffset(row % pw, f)] = FloatToBf16(in[f]);
           }
-          return absl::OkStatus();
-        }));
-  }
-  return rt.Finish();
+        }
+      });
 }
 
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -150,14 +151,19 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
       },
       budget);
 
-  // Rows per destination (from the routing) and per source (exchanged).
+  // Rows per destination (from the routing) and per source (exchanged); per token, the
+  // ranks its experts live on (its parts in the owner's sum).
   std::vector<int> send_counts(ranks, 0), recv_counts(ranks, 0), send_displs(ranks, 0),
       recv_displs(ranks, 0);
+  std::vector<int> part_count(tokens, 0);
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<bool> hit(ranks, false);
     for (int j = 0; j < top_k; ++j) hit[(*ex)->placement().owner(ids[t * top_k + j])] = true;
-    for (int d = 0; d < ranks; ++d)
-      send_counts[d] += hit[d] ? static_cast<int>(hidden * sizeof(float)) : 0;
+    for (int d = 0; d < ranks; ++d) {
+      if (!hit[d]) continue;
+      send_counts[d] += static_cast<int>(hidden * sizeof(float));
+      ++part_count[t];
+    }
   }
   MPI_Alltoall(send_counts.data(), 1, MPI_INT, recv_counts.data(), 1, MPI_INT, MPI_COMM_WORLD);
   for (int d = 1; d < ranks; ++d) {
@@ -176,21 +182,13 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
   // its output row. The parts lie token after token in `a` (sent_rows rows).
   const size_t cross_sent =
       static_cast<size_t>(send_displs[ranks - 1] + send_counts[ranks - 1] - send_counts[rank]);
-  std::vector<const void*> part_ptrs;
-  std::vector<int> part_count(tokens, 0);
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::vector<bool> hit(ranks, false);
-    for (int j = 0; j < top_k; ++j) hit[(*ex)->placement().owner(ids[t * top_k + j])] = true;
-    for (int d = 0; d < ranks; ++d) {
-      if (!hit[d]) continue;
-      part_ptrs.push_back(a.data() + part_ptrs.size() * hidden);
-      ++part_count[t];
-    }
-  }
-  if (static_cast<int64_t>(part_ptrs.size()) != sent_rows) {
-    Fatal(absl::InternalError(absl::StrCat("the routing gives ", part_ptrs.size(),
+  const int64_t parts_total = std::accumulate(part_count.begin(), part_count.end(), int64_t{0});
+  if (parts_total != sent_rows) {
+    Fatal(absl::InternalError(absl::StrCat("the routing gives ", parts_total,
                                            " parts, the exchange sent ", sent_rows, " rows")));
   }
+  std::vector<const void*> part_ptrs(parts_total);
+  for (int64_t p = 0; p < parts_total; ++p) part_ptrs[p] = a.data() + p * hidden;
   r.floor_s = TimePerCall(
       [&] {
         std::memcpy(b.data(), a.data(), cross_sent);
