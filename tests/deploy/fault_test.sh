@@ -18,7 +18,7 @@ port=$(free_port); metrics_port=$(free_port)
   --max-batch-tokens=32 >"$dir/cluster.log" 2>"$dir/supervisor.log" &
 supervisor=$!
 pids+=($supervisor)
-wait_file "$dir/ready.json" 120 || fail "cluster not ready"
+wait_ready "$dir/ready.json" 120 $supervisor || fail "cluster not ready"
 target=127.0.0.1:$port
 rank0=$(rank_pid $supervisor 0)
 [ -n "$rank0" ] || fail "cannot find rank 0 under the supervisor"
@@ -63,7 +63,7 @@ kill -KILL "$victim"
 echo "killed rank 1 (pid $victim) under load"
 # The supervisor notices, restarts the job (a fresh ready file) and the job serves again.
 for _ in $(seq 1 300); do [ -e "$dir/ready.json" ] || break; sleep 0.1; done
-wait_file "$dir/ready.json" 120 || fail "the supervisor did not bring the job back"
+wait_ready "$dir/ready.json" 120 $supervisor || fail "the supervisor did not bring the job back"
 t_ready=$(now)
 # A fresh client gets a correct answer from the new job; then the load runs on a little.
 "$verify" --target=$target --requests=1 --connect-timeout=60s >"$dir/probe.json" 2>&1 ||

@@ -6,7 +6,7 @@ pids=()
 
 fail() {
   echo "FAIL: $*" >&2
-  for f in "$dir"/*.log; do [ -e "$f" ] && { echo "== $f" >&2; tail -n 40 "$f" >&2; }; done
+  for f in "$dir"/*.log; do [ -e "$f" ] && { echo "== $f" >&2; tail -n 80 "$f" >&2; }; done
   exit 1
 }
 
@@ -32,10 +32,15 @@ rank_pid() {
   done
 }
 
-# Waits up to $2 seconds for file $1 to exist and be non-empty.
-wait_file() {
+# Waits up to $2 seconds for file $1 to exist and be non-empty; gives up at once when process
+# $3 (the supervisor) has exited.
+wait_ready() {
   local i
-  for i in $(seq 1 $(($2 * 10))); do [ -s "$1" ] && return 0; sleep 0.1; done
+  for i in $(seq 1 $(($2 * 10))); do
+    [ -s "$1" ] && return 0
+    kill -0 "$3" 2>/dev/null || { echo "process $3 exited before $1 appeared" >&2; return 1; }
+    sleep 0.1
+  done
   return 1
 }
 

@@ -46,12 +46,17 @@ done
 echo "namespaces ${namespaces[*]} on $subnet.0/24 (bridge ${tag}br, $subnet.254)"
 
 # Open MPI's rsh launch agent: `agent [options] HOST COMMAND...`; HOST is an address of the
-# hostfile, whose last byte names the namespace.
+# hostfile, whose last byte names the namespace. Each namespace is a host of its own, with a
+# hostname of its own (a UTS namespace): Open MPI keys its per-host session directory
+# (/tmp/ompi.HOST.UID, with the daemon's topology file hwloc.sm and PMIx's stores) by
+# hostname, so daemons that shared one would share one host's files, which no real cluster
+# does (with them shared, a CI run lost a daemon to SIGSEGV at start-up, and the job with it).
 cat >"$dir/agent.sh" <<EOF
 #!/bin/sh
 while [ \$# -gt 0 ]; do case "\$1" in -*) shift ;; *) break ;; esac; done
 host=\$1; shift
-exec ip netns exec "${tag}\${host##*.}" /bin/sh -c "\$*"
+ns="${tag}\${host##*.}"
+exec ip netns exec "\$ns" unshare --uts /bin/sh -c "hostname \$ns-host || exit 1; \$*"
 EOF
 chmod +x "$dir/agent.sh"
 printf '%s slots=1\n' "$subnet.1" "$subnet.2" "$subnet.3" >"$dir/hostfile"
@@ -77,7 +82,7 @@ EOF
 "$root/deploy/epserve-local" --config "$dir/cluster.toml" >"$dir/cluster.log" 2>"$dir/supervisor.log" &
 supervisor=$!
 pids+=($supervisor)
-wait_file "$dir/ready.json" 180 || fail "cluster not ready"
+wait_ready "$dir/ready.json" 180 $supervisor || fail "cluster not ready"
 grep -q "^\[epserve rank 0\] heap rma" "$dir/cluster.log" || fail "the heap is not rma"
 
 # Every rank runs in its own namespace.
@@ -89,6 +94,8 @@ for r in 0 1 2; do
   [ -z "${seen[$netns]:-}" ] || fail "ranks ${seen[$netns]} and $r share $netns"
   seen[$netns]=$r
   ip netns identify "$p" | grep -qx "${tag}$((r + 1))" || fail "rank $r is not in ${tag}$((r + 1))"
+  [ "$(nsenter --target "$p" --uts hostname)" = "${tag}$((r + 1))-host" ] ||
+    fail "rank $r does not run on host ${tag}$((r + 1))-host"
 done
 echo "ranks 0, 1, 2 run in ${tag}1, ${tag}2, ${tag}3"
 

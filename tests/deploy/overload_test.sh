@@ -33,7 +33,7 @@ port=$(free_port); metrics_port=$(free_port)
   >"$dir/cluster.log" 2>"$dir/supervisor.log" &
 supervisor=$!
 pids+=($supervisor)
-wait_file "$dir/ready.json" 120 || fail "cluster not ready"
+wait_ready "$dir/ready.json" 120 $supervisor || fail "cluster not ready"
 target=127.0.0.1:$port
 rank0=$(rank_pid $supervisor 0)
 [ -n "$rank0" ] || fail "cannot find rank 0"
