@@ -72,6 +72,12 @@ double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& ref) {
   return diff / std::max(scale, 1e-30);
 }
 
+// Prints why the benchmark cannot go on; the exit code.
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+  return 1;
+}
+
 // The device buffers of one FFN case on one runtime: x (FP32), row_index, h and y.
 struct FfnBuffers {
   Buffer x, row_index, h, y;
@@ -129,27 +135,18 @@ int Run(int argc, char** argv) {
   std::printf("POCL_MAX_PTHREAD_COUNT=%s\n", pocl_threads != nullptr ? pocl_threads : "(unset)");
 
   absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("qwen1.5-moe-a2.7b");
-  if (!cfg.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());
-    return 1;
-  }
+  if (!cfg.ok()) return Fail(cfg.status());
   const model::SyntheticWeights source(*cfg, 1234);
   const int64_t hidden = cfg->layer.hidden_size;
   const int64_t ffn = cfg->layer.expert_ffn_size;
 
   absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(runtime_options);
-  if (!rt.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(rt.status().message()).c_str());
-    return 1;
-  }
+  if (!rt.ok()) return Fail(rt.status());
   Runtime& r = **rt;
   std::printf("device: %s\n", r.device_info().Describe().c_str());
   absl::StatusOr<ExpertWeights> w32 = UploadExperts(r, source, 0, 0, num_experts);
   absl::StatusOr<ExpertWeights> w16 = UploadExperts(r, source, 0, 0, num_experts, DType::kBf16);
-  if (!w32.ok() || !w16.ok()) {
-    std::fprintf(stderr, "%s\n", std::string((w32.ok() ? w16 : w32).status().message()).c_str());
-    return 1;
-  }
+  if (!w32.ok() || !w16.ok()) return Fail((w32.ok() ? w16 : w32).status());
   std::printf("BF16 weights run on: %s\n", FfnKernelsName(*w16));
   // Where BF16 weights take the dot-product kernels, the same weights through the FP32-FMA
   // kernels (a second runtime without them) are timed in the same run as their baseline.
@@ -159,16 +156,10 @@ int Run(int argc, char** argv) {
     RuntimeOptions fma_options = runtime_options;
     fma_options.bf16_dot = false;
     absl::StatusOr<std::unique_ptr<Runtime>> created = Runtime::Create(fma_options);
-    if (!created.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(created.status().message()).c_str());
-      return 1;
-    }
+    if (!created.ok()) return Fail(created.status());
     fma_rt = *std::move(created);
     w16_fma = UploadExperts(*fma_rt, source, 0, 0, num_experts, DType::kBf16);
-    if (!w16_fma.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(w16_fma.status().message()).c_str());
-      return 1;
-    }
+    if (!w16_fma.ok()) return Fail(w16_fma.status());
   }
   // Host weights for OpenBLAS, Hugging Face layout: gate_up[e] = [gate; up] ([2F, H]), so that
   // gate and up are one GEMM; down[e] [H, F].
