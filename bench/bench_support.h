@@ -179,4 +179,32 @@ inline void PrintLoadAverage(const char* when) {
   }
 }
 
+// The host's CPU model and the vector extensions it has of those that decide kernel speed
+// (x86: SSE4.2 to AVX-512 with BF16/VNNI and AMX; Arm: NEON as asimd, SVE, BF16), from
+// /proc/cpuinfo: "cpu: AMD EPYC 7B13 | avx avx2 fma f16c".
+inline std::string HostIsa() {
+  static const char* const kInteresting[] = {
+      "sse4_2",   "avx",         "avx2",        "fma",         "f16c",     "avx512f",  "avx512bw",
+      "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "asimd",
+      "asimdhp",  "sve",         "sve2",        "bf16",        "i8mm"};
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model = "unknown", flags;
+  while (std::getline(in, line)) {
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string key = line.substr(0, colon);
+    while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
+    const std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
+    if ((key == "model name" || key == "Model") && model == "unknown") model = value;
+    if ((key == "flags" || key == "Features") && flags.empty()) flags = " " + value + " ";
+  }
+  std::string have;
+  for (const char* f : kInteresting) {
+    if (flags.find(std::string(" ") + f + " ") != std::string::npos) {
+      have += have.empty() ? f : std::string(" ") + f;
+    }
+  }
+  return "cpu: " + model + " | " + (have.empty() ? "(none of the listed extensions)" : have);
+}
+
 }  // namespace epserve::bench

@@ -12,7 +12,6 @@
 namespace epserve::kernels {
 namespace {
 
-using detail::kFfnPanelCols;
 using model::TensorKind;
 
 absl::Status SetArg(cl_kernel kernel, cl_uint index, const Buffer& buffer) {
@@ -133,13 +132,13 @@ absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, 
                      const ExpertWeights& w) {
   const int64_t hidden = w.hidden;
   const int64_t ffn = w.ffn;
-  const int64_t pw = kFfnPanelCols;
+  const int64_t pw = w.blocking.panel_cols();
   const int64_t half_cols = pw / 2;
-  const int64_t gu_panels = detail::GateUpPanels(ffn);
-  const int64_t down_panels = detail::DownPanels(hidden);
+  const int64_t gu_panels = detail::GateUpPanels(ffn, pw);
+  const int64_t down_panels = detail::DownPanels(hidden, pw);
   return FillExperts<T>(
-      rt, source, layer, kinds, w, detail::GateUpFloatsPerExpert(hidden, ffn),
-      detail::DownFloatsPerExpert(hidden, ffn),
+      rt, source, layer, kinds, w, detail::GateUpFloatsPerExpert(hidden, ffn, pw),
+      detail::DownFloatsPerExpert(hidden, ffn, pw),
       [&](T* dst, int half, const float* staging) {
         // dst[(j * H + k) * pw + c]: gate row f = j * half_cols + c for c < half_cols, up row
         // f for c >= half_cols.
@@ -213,7 +212,7 @@ absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int laye
                         const ExpertWeights& w) {
   const int64_t hidden = w.hidden;
   const int64_t ffn = w.ffn;
-  const int64_t pw = kFfnPanelCols;
+  const int64_t pw = detail::kDotPanelCols;
   const int64_t half_cols = pw / 2;
   const int64_t gu_panel_values = detail::DotKPairs(hidden) * 2 * pw;
   const int64_t down_panel_values = detail::DotKPairs(ffn) * 2 * pw;
@@ -263,12 +262,18 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.tensor_cores =
       dtype == DType::kBf16 && rt.tensor_cores() && detail::MmaFitsCallerBuffers(hidden, ffn);
   w.bf16_dot = dtype == DType::kBf16 && !w.tensor_cores && rt.bf16_dot();
+  if (!w.tensor_cores && !w.bf16_dot) {
+    absl::StatusOr<FfnBlocking> blocking = rt.ChooseFfnBlocking(hidden, ffn, dtype);
+    if (!blocking.ok()) return blocking.status();
+    w.blocking = *blocking;
+  }
+  const int64_t pw = w.blocking.panel_cols();
   const int64_t gate_up_values = w.tensor_cores ? detail::MmaGateUpValuesPerExpert(hidden, ffn)
                                  : w.bf16_dot   ? detail::GateUpDotValuesPerExpert(hidden, ffn)
-                                                : detail::GateUpFloatsPerExpert(hidden, ffn);
+                                                : detail::GateUpFloatsPerExpert(hidden, ffn, pw);
   const int64_t down_values = w.tensor_cores ? detail::MmaDownValuesPerExpert(hidden, ffn)
                               : w.bf16_dot   ? detail::DownDotValuesPerExpert(hidden, ffn)
-                                             : detail::DownFloatsPerExpert(hidden, ffn);
+                                             : detail::DownFloatsPerExpert(hidden, ffn, pw);
   const size_t elem = DTypeBytes(dtype);
   absl::StatusOr<Buffer> gate_up = rt.Allocate(gate_up_values * count * elem);
   if (!gate_up.ok()) return gate_up.status();
@@ -308,24 +313,25 @@ absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offset
 }
 
 // gate_up then down over the expert-major rows of `offsets`, in tiles of at most
-// kFfnRowChunk rows of one expert: x FP32 rows x_stride values apart, row p reading
+// w.blocking.row_chunk rows of one expert: x FP32 rows x_stride values apart, row p reading
 // x[row_index[p]] (gather) or x[p].
 absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t x_stride,
                     const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                     Buffer& h_scratch, Buffer& y) {
   int num_groups = 0;
-  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, detail::kFfnRowChunk, &num_groups);
+  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, w.blocking.row_chunk, &num_groups);
   if (!groups.ok()) return groups.status();
   if (num_groups == 0) return absl::OkStatus();
   const char* w_name = w.dtype == DType::kBf16 ? "_wbf16" : "_wf32";
-  absl::StatusOr<cl_kernel> gate_up = rt.Kernel(absl::StrCat("ffn_gate_up", w_name));
+  absl::StatusOr<cl_kernel> gate_up = rt.FfnKernel(absl::StrCat("ffn_gate_up", w_name), w.blocking);
   if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<cl_kernel> down = rt.Kernel(absl::StrCat("ffn_down", w_name));
+  absl::StatusOr<cl_kernel> down = rt.FfnKernel(absl::StrCat("ffn_down", w_name), w.blocking);
   if (!down.ok()) return down.status();
   const cl_int hidden = static_cast<cl_int>(w.hidden);
   const cl_int ffn = static_cast<cl_int>(w.ffn);
-  const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn));
-  const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
+  const int64_t pw = w.blocking.panel_cols();
+  const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn, pw));
+  const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden, pw));
   const cl_long x_rows = RowsInBuffer(x, sizeof(float), w.hidden, x_stride);
   const size_t local[2] = {1, 1};
   RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, cl_long{x_stride}, row_index, cl_int{gather ? 1 : 0},
@@ -423,7 +429,7 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
 
 // The BF16 dot-product FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows
 // x_stride apart, gathered through row_index when `gather`) -> BF16 activations in y -> BF16 h
-// in h_scratch -> FP32 y. Tiles of kFfnRowChunk rows of one expert.
+// in h_scratch -> FP32 y. Tiles of kDotRowChunk rows of one expert.
 absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
@@ -431,7 +437,7 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   const int64_t kp_ffn = detail::DotKPairs(w.ffn);
   const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
   absl::StatusOr<Bf16Tiles> tiles = StageBf16Rows(
-      rt, w, x, x_format, row_index, gather, offsets, detail::kFfnRowChunk, 2 * kp_hidden,
+      rt, w, x, x_format, row_index, gather, offsets, detail::kDotRowChunk, 2 * kp_hidden,
       2 * kp_ffn, "gather_rows_to_bf16_pairs", gather_global, h_scratch, y);
   if (!tiles.ok()) return tiles.status();
   if (tiles->num_groups == 0) return absl::OkStatus();
@@ -439,8 +445,9 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   if (!gate_up.ok()) return gate_up.status();
   absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_down_dot");
   if (!down.ok()) return down.status();
-  const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn));
-  const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden));
+  const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn, detail::kDotPanelCols));
+  const cl_int down_panels =
+      static_cast<cl_int>(detail::DownPanels(w.hidden, detail::kDotPanelCols));
   const size_t local[2] = {1, 1};
   RETURN_IF_ERROR(SetArgs(*gate_up, y, static_cast<cl_int>(kp_hidden), tiles->groups, w.gate_up,
                           gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));

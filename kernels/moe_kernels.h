@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/dtype.h"
+#include "kernels/ffn_blocking.h"
 #include "kernels/runtime.h"
 #include "model/moe_config.h"
 #include "model/weights.h"
@@ -43,9 +44,12 @@ struct ExpertWeights {
   DType dtype = DType::kFp32;  // of gate_up and down
   bool tensor_cores = false;   // the tensor-core layout and kernels (BF16 x and h)
   bool bf16_dot = false;       // the pair-panel layout and BF16 dot-product kernels (BF16 x, h)
-  Buffer gate_up;              // layout private to kernels/
-  Buffer down;                 // layout private to kernels/
-  Buffer gate;                 // [H] FP32 sigmoid gate of a gated shared expert, else empty
+  // The portable kernels' blocking (neither tensor_cores nor bf16_dot), chosen at upload by
+  // Runtime::ChooseFfnBlocking; the panel layout follows it.
+  FfnBlocking blocking;
+  Buffer gate_up;  // layout private to kernels/
+  Buffer down;     // layout private to kernels/
+  Buffer gate;     // [H] FP32 sigmoid gate of a gated shared expert, else empty
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
 // Which FFN kernels run these weights, for logs and benchmark output: "tensor cores",

@@ -1,5 +1,6 @@
 #include "kernels/runtime.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string_view>
 #include <unordered_map>
@@ -103,6 +104,14 @@ absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> EnumerateDevice
       info.is_gpu = (type & CL_DEVICE_TYPE_GPU) != 0;
       info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
       info.nv_compute_capability = NvComputeCapability(devices[d]);
+      cl_uint width = 1;
+      cl_uint units = 1;
+      CL_CHECK(clGetDeviceInfo(devices[d], CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof(width),
+                               &width, nullptr));
+      CL_CHECK(
+          clGetDeviceInfo(devices[d], CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(units), &units, nullptr));
+      info.native_float_width = static_cast<int>(width);
+      info.compute_units = static_cast<int>(units);
       out.emplace_back(devices[d], std::move(info));
     }
   }
@@ -217,7 +226,9 @@ Buffer::~Buffer() {
   if (mem_ != nullptr) clReleaseMemObject(mem_);
 }
 
-// The embedded programs, each built on first use; kernels by name.
+// The embedded programs, each built on first use; kernels by name. expert_ffn is also built
+// once per FFN blocking asked for (FfnKernel); those variants' kernels are keyed by
+// "<variant options>|<name>".
 struct Runtime::Programs {
   struct Program {
     std::string_view name;
@@ -225,19 +236,36 @@ struct Runtime::Programs {
     std::string extra_options;         // device-specific, dropped if the driver refuses them
     std::string source_override = {};  // read from RuntimeOptions::source_dir
     cl_program program = nullptr;
+    std::string variant_options = {};  // always given (the device's default FFN blocking)
   };
   std::vector<Program> programs;
+  std::vector<cl_program> variants;  // expert_ffn built for other blockings
   std::string source_dir;
   std::unordered_map<std::string, cl_kernel> kernels;
   ProgramCacheStats stats;
+  std::vector<FfnChoice> ffn_choices;
+
+  // Reads a program's source from source_dir when one is set (once).
+  absl::Status LoadSource(Program& p);
+  // Creates every kernel of `program` and files it under key_prefix + its name.
+  absl::Status AddKernels(cl_program program, std::string_view key_prefix);
 
   ~Programs() {
     for (auto& [name, kernel] : kernels) clReleaseKernel(kernel);
     for (Program& p : programs) {
       if (p.program != nullptr) clReleaseProgram(p.program);
     }
+    for (cl_program v : variants) clReleaseProgram(v);
   }
 };
+
+static std::string FfnBlockingOptions(const FfnBlocking& b) {
+  // The remainder blocks: about 2/3 and 1/3 of the main block (12: 8 and 4; 6: 4 and 2).
+  const int half = std::max(1, b.rows * 2 / 3);
+  const int quarter = std::max(1, std::min(half, b.rows / 3));
+  return absl::StrCat("-DFFN_VEC=", b.vec, " -DFFN_ROWS=", b.rows, " -DFFN_ROWS_HALF=", half,
+                      " -DFFN_ROWS_QUARTER=", quarter, " -DFFN_PREFETCH_STEPS=", b.prefetch_steps);
+}
 
 absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) {
   absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> devices = EnumerateDevices();
@@ -252,11 +280,18 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->cache_dir_ = DefaultCacheDir(options);
   rt->programs_ = std::make_unique<Programs>();
   rt->programs_->source_dir = SourceDir(options);
+  rt->options_ = options;
   // mma.sync with BF16 operands needs sm_80; the program is built only where it runs.
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
   rt->bf16_dot_ = options.bf16_dot && HostRunsBf16Dot(rt->info_);
+  rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
-                             {"expert_ffn", embedded::kernels_cl_expert_ffn, ""},
+                             {"expert_ffn",
+                              embedded::kernels_cl_expert_ffn,
+                              "",
+                              {},
+                              nullptr,
+                              FfnBlockingOptions(rt->default_ffn_blocking_)},
                              {"combine", embedded::kernels_cl_combine, ""}};
   if (rt->tensor_cores_) {
     // A register cap (NVIDIA's cl_nv_compiler_options) sized for two work-groups per
@@ -330,19 +365,20 @@ absl::Status Runtime::Finish() {
 const ProgramCacheStats& Runtime::cache_stats() const { return programs_->stats; }
 
 absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::string_view source,
-                                                 std::string_view extra_options) {
+                                                 std::string_view extra_options,
+                                                 std::string_view variant_options) {
+  const std::string base = absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_),
+                                        variant_options.empty() ? "" : " ", Sv(variant_options));
   // Alternatives are separated by '|' (drivers spell some options differently); the first
   // that builds wins.
   for (absl::string_view extra : absl::StrSplit(Sv(extra_options), '|', absl::SkipEmpty())) {
-    absl::StatusOr<cl_program> program = BuildProgramWithOptions(
-        name, source,
-        absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_), " ", extra));
+    absl::StatusOr<cl_program> program =
+        BuildProgramWithOptions(name, source, absl::StrCat(base, " ", extra));
     if (program.ok()) return program;
     programs_->stats.last_error = absl::StrCat("program '", Sv(name), "' did not build with '",
                                                extra, "': ", program.status().message());
   }
-  return BuildProgramWithOptions(name, source,
-                                 detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_));
+  return BuildProgramWithOptions(name, source, base);
 }
 
 absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view name,
@@ -419,9 +455,47 @@ absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view nam
 }
 
 absl::Status Runtime::BuildProgramForTest(std::string_view source) {
-  absl::StatusOr<cl_program> program = BuildProgram("test", source, {});
+  absl::StatusOr<cl_program> program = BuildProgram("test", source, {}, {});
   if (!program.ok()) return program.status();
   clReleaseProgram(*program);
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Programs::LoadSource(Program& p) {
+  if (source_dir.empty() || !p.source_override.empty()) return absl::OkStatus();
+  const std::string path = absl::StrCat(source_dir, "/", Sv(p.name), ".cl");
+  absl::StatusOr<std::string> text = common::ReadWholeFile(path);
+  if (!text.ok()) {
+    return absl::NotFoundError(absl::StrCat(
+        "kernel source '", path, "' cannot be read (EPSERVE_KERNEL_SOURCES names the folder)"));
+  }
+  p.source_override = *std::move(text);
+  p.source = p.source_override;
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Programs::AddKernels(cl_program program, std::string_view key_prefix) {
+  cl_uint num_kernels = 0;
+  CL_CHECK(clCreateKernelsInProgram(program, 0, nullptr, &num_kernels));
+  std::vector<cl_kernel> made(num_kernels);
+  CL_CHECK(clCreateKernelsInProgram(program, num_kernels, made.data(), nullptr));
+  std::vector<std::string> names(num_kernels);
+  for (cl_uint i = 0; i < num_kernels; ++i) {
+    size_t size = 0;
+    cl_int err = clGetKernelInfo(made[i], CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size);
+    if (err == CL_SUCCESS) {
+      names[i].resize(size);
+      err = clGetKernelInfo(made[i], CL_KERNEL_FUNCTION_NAME, size, names[i].data(), nullptr);
+    }
+    if (err != CL_SUCCESS) {
+      for (cl_kernel k : made) clReleaseKernel(k);
+      CL_CHECK(err);
+    }
+    while (!names[i].empty() && names[i].back() == '\0') names[i].pop_back();
+  }
+  for (cl_uint i = 0; i < num_kernels; ++i) {
+    kernels.emplace(absl::StrCat(Sv(key_prefix), names[i]), made[i]);
+  }
   return absl::OkStatus();
 }
 
@@ -430,43 +504,47 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   for (Programs::Program& p : programs_->programs) {
     if (p.program != nullptr) continue;
-    if (!programs_->source_dir.empty()) {
-      const std::string path = absl::StrCat(programs_->source_dir, "/", Sv(p.name), ".cl");
-      absl::StatusOr<std::string> text = common::ReadWholeFile(path);
-      if (!text.ok()) {
-        return absl::NotFoundError(absl::StrCat(
-            "kernel source '", path, "' cannot be read (EPSERVE_KERNEL_SOURCES names the folder)"));
-      }
-      p.source_override = *std::move(text);
-      p.source = p.source_override;
-    }
-    absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source, p.extra_options);
+    RETURN_IF_ERROR(programs_->LoadSource(p));
+    absl::StatusOr<cl_program> program =
+        BuildProgram(p.name, p.source, p.extra_options, p.variant_options);
     if (!program.ok()) return program.status();
     p.program = *program;
-    cl_uint num_kernels = 0;
-    CL_CHECK(clCreateKernelsInProgram(p.program, 0, nullptr, &num_kernels));
-    std::vector<cl_kernel> kernels(num_kernels);
-    CL_CHECK(clCreateKernelsInProgram(p.program, num_kernels, kernels.data(), nullptr));
-    std::vector<std::string> names(num_kernels);
-    for (cl_uint i = 0; i < num_kernels; ++i) {
-      size_t size = 0;
-      cl_int err = clGetKernelInfo(kernels[i], CL_KERNEL_FUNCTION_NAME, 0, nullptr, &size);
-      if (err == CL_SUCCESS) {
-        names[i].resize(size);
-        err = clGetKernelInfo(kernels[i], CL_KERNEL_FUNCTION_NAME, size, names[i].data(), nullptr);
-      }
-      if (err != CL_SUCCESS) {
-        for (cl_kernel k : kernels) clReleaseKernel(k);
-        CL_CHECK(err);
-      }
-      while (!names[i].empty() && names[i].back() == '\0') names[i].pop_back();
-    }
-    for (cl_uint i = 0; i < num_kernels; ++i) {
-      programs_->kernels.emplace(std::move(names[i]), kernels[i]);
-    }
+    RETURN_IF_ERROR(programs_->AddKernels(p.program, ""));
     if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   }
   return absl::NotFoundError(absl::StrCat("no OpenCL kernel named '", Sv(name), "'"));
 }
+
+absl::StatusOr<cl_kernel> Runtime::FfnKernel(std::string_view name, const FfnBlocking& blocking) {
+  if (blocking == default_ffn_blocking_) return Kernel(name);
+  const std::string variant = FfnBlockingOptions(blocking);
+  const std::string key = absl::StrCat(variant, "|", Sv(name));
+  if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
+  for (Programs::Program& p : programs_->programs) {
+    if (p.name != "expert_ffn") continue;
+    RETURN_IF_ERROR(programs_->LoadSource(p));
+    absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source, p.extra_options, variant);
+    if (!program.ok()) return program.status();
+    programs_->variants.push_back(*program);
+    RETURN_IF_ERROR(programs_->AddKernels(*program, absl::StrCat(variant, "|")));
+    if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
+  }
+  return absl::NotFoundError(absl::StrCat("no OpenCL kernel named '", Sv(name), "'"));
+}
+
+std::string Runtime::FfnProgramKeySource() {
+  for (Programs::Program& p : programs_->programs) {
+    if (p.name == "expert_ffn") {
+      (void)programs_->LoadSource(
+          p);  // an unreadable override fails the build that follows instead
+      return absl::StrCat(Sv(p.source), "\n", detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_),
+                          "\n", p.extra_options);
+    }
+  }
+  return "";
+}
+
+const std::vector<FfnChoice>& Runtime::ffn_choices() const { return programs_->ffn_choices; }
+std::vector<FfnChoice>& Runtime::mutable_ffn_choices() { return programs_->ffn_choices; }
 
 }  // namespace epserve::kernels

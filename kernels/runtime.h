@@ -13,6 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/dtype.h"
+#include "kernels/ffn_blocking.h"
 
 namespace epserve::kernels {
 
@@ -28,6 +30,10 @@ struct DeviceInfo {
   // NVIDIA's compute capability as major * 10 + minor (cl_nv_device_attribute_query), e.g. 90
   // for Hopper; 0 on other devices.
   int nv_compute_capability = 0;
+  // CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT (PoCL: 8 on AVX2 hosts, 16 on AVX-512 ones) and
+  // CL_DEVICE_MAX_COMPUTE_UNITS; the FFN blocking's candidates follow from them.
+  int native_float_width = 1;
+  int compute_units = 1;
   std::string Describe() const;  // "0:0 Portable Computing Language / pthread-... (driver 3.1)"
 };
 
@@ -50,6 +56,25 @@ struct RuntimeOptions {
   // embedded at build time, so that a kernel can be changed and timed without rebuilding;
   // "" means $EPSERVE_KERNEL_SOURCES, else the embedded sources.
   std::string source_dir;
+  // The portable FFN kernels' blocking (kernels/ffn_blocking.h): "" means
+  // $EPSERVE_FFN_BLOCKING, else chosen per shape (cache, or timed now when tune_ffn); a
+  // ParseFfnBlocking form forces it.
+  std::string ffn_blocking;
+  // Time the candidates on the device when the tuning cache has no entry for a shape; false
+  // takes the device default instead.
+  bool tune_ffn = true;
+};
+
+// The FFN blocking chosen for one expert shape on a runtime, and how.
+struct FfnChoice {
+  int64_t hidden = 0;
+  int64_t ffn = 0;
+  DType dtype = DType::kFp32;
+  FfnBlocking blocking;
+  FfnBlockingOrigin origin = FfnBlockingOrigin::kDefault;
+  double seconds = 0;  // spent choosing (tuning, or reading the cache)
+  // "vec=8 rows=6 prefetch=64 chunk=96 (tuned now in 1.9 s, 5 candidates)".
+  std::string Describe() const;
 };
 
 // A device buffer. Move-only; releases the cl_mem when destroyed.
@@ -107,6 +132,17 @@ class Runtime {
   // The cl_kernel stays owned by the Runtime; its arguments are whatever the last caller set.
   absl::StatusOr<cl_kernel> Kernel(std::string_view name);
 
+  // The portable FFN kernel `name` built for `blocking` (on first use of that blocking).
+  absl::StatusOr<cl_kernel> FfnKernel(std::string_view name, const FfnBlocking& blocking);
+  // The blocking of the portable FFN kernels for experts of this shape and weight dtype on
+  // this device: made on first use of the shape as kernels/ffn_blocking.h says (which may
+  // time kernels on the device for a second or two), the same afterwards.
+  absl::StatusOr<FfnBlocking> ChooseFfnBlocking(int64_t hidden, int64_t ffn, DType dtype);
+  // Every choice made so far, for logs.
+  const std::vector<FfnChoice>& ffn_choices() const;
+  // The blocking taken without tuning (the first of FfnBlockingCandidates(device_info())).
+  const FfnBlocking& default_ffn_blocking() const { return default_ffn_blocking_; }
+
   // The folder binaries are cached in ("" when no cache folder could be found).
   const std::string& cache_dir() const { return cache_dir_; }
   const ProgramCacheStats& cache_stats() const;
@@ -120,11 +156,18 @@ class Runtime {
   // common options plus `extra_options` (without them if the driver refuses them). The caller
   // owns the returned program.
   absl::StatusOr<cl_program> BuildProgram(std::string_view name, std::string_view source,
-                                          std::string_view extra_options);
+                                          std::string_view extra_options,
+                                          std::string_view variant_options);
   absl::StatusOr<cl_program> BuildProgramWithOptions(std::string_view name, std::string_view source,
                                                      const std::string& options);
   struct Programs;
+  // The text ChooseFfnBlocking's cache key hashes for the expert_ffn program: its source and
+  // the options every variant shares.
+  std::string FfnProgramKeySource();
+  std::vector<FfnChoice>& mutable_ffn_choices();
   DeviceInfo info_;
+  RuntimeOptions options_;
+  FfnBlocking default_ffn_blocking_;
   cl_device_id device_ = nullptr;
   cl_context context_ = nullptr;
   cl_command_queue queue_ = nullptr;

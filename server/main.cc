@@ -48,6 +48,8 @@ struct Flags {
   std::string weight_dtype = "fp32";
   bool tensor_cores = true;
   bool bf16_dot = true;
+  std::string ffn_blocking;
+  bool ffn_tune = true;
 };
 
 // This worker's index among the workers on its host (0 for the first), which picks its GPU
@@ -262,6 +264,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     options.device.local_rank = local_worker;
     options.device.tensor_cores = flags.tensor_cores;
     options.device.bf16_dot = flags.bf16_dot;
+    options.device.ffn_blocking = flags.ffn_blocking;
+    options.device.tune_ffn = flags.ffn_tune;
     options.weight_dtype = *weight_dtype;
     absl::StatusOr<std::unique_ptr<worker::Worker>> w =
         worker::Worker::Create(**heap, *layout, **source, options);
@@ -272,6 +276,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     Log(rank, absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
                            (*w)->weight_bytes(), " weight bytes (expert FFN on ",
                            (*w)->ffn_kernels(), "), resident ", ResidentBytes(), " bytes"));
+    Log(rank, absl::StrCat("worker ", rank - 1, " FFN blocking: ", (*w)->ffn_blocking()));
     absl::Status s = (*w)->Serve(g_stop);
     if (!s.ok()) {
       Log(rank, s.ToString());
@@ -381,6 +386,15 @@ int main(int argc, char** argv) {
          "With --weight-dtype=bf16 on CPU devices whose x86 CPU has AVX512-BF16, run the expert "
          "FFN on its bf16 dot products (vdpbf16ps, twice the multiply-adds of an fp32 FMA; "
          "activations and the intermediate also rounded to bf16); --no-bf16-dot keeps fp32 FMAs");
+  fs.Add("ffn-blocking", &flags.ffn_blocking,
+         "Force the portable expert FFN kernels' blocking, e.g. 'vec=8 rows=6 prefetch=64 "
+         "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows); default: "
+         "chosen per device and expert shape, from the tuning cache beside the kernel cache or "
+         "timed on the device at first start (also $EPSERVE_FFN_BLOCKING)");
+  fs.Add("ffn-tune", &flags.ffn_tune,
+         "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
+         "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "
+         "the device's default blocking instead");
   // ---- end of kernel flags ----
   // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
   fs.Add("heap", &flags.exchange.heap,

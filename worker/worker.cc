@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "model/layers.h"
 
@@ -59,6 +60,13 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   }
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
   return w;
+}
+
+std::string Worker::ffn_blocking() const {
+  std::vector<std::string> parts;
+  for (const kernels::FfnChoice& c : rt_->ffn_choices()) parts.push_back(c.Describe());
+  return parts.empty() ? std::string("none (no portable FFN kernels in use)")
+                       : absl::StrJoin(parts, "; ");
 }
 
 const char* Worker::ffn_kernels() const {

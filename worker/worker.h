@@ -46,6 +46,9 @@ class Worker {
   size_t weight_bytes() const;
   // The expert FFN kernels the weights run on (kernels::FfnKernelsName).
   const char* ffn_kernels() const;
+  // The portable FFN kernels' blocking per expert shape, and where each came from (tuned now,
+  // cache, forced, default): "vec=8 rows=6 prefetch=64 chunk=96 (cache) for H=... F=...; ...".
+  std::string ffn_blocking() const;
 
  private:
   struct Layer {

@@ -1,34 +1,59 @@
 // Expert FFN as grouped GEMMs over expert-major rows. Weight layout: kernels/detail/ffn_layout.h
-// (column panels of 32 values per k-step), FP32 or BF16; x, h, y and every accumulator FP32
-// (BF16 activations are widened beforehand by gather_bf16_rows).
+// (column panels of 2 * FFN_VEC values per k-step), FP32 or BF16; x, h, y and every accumulator
+// FP32 (BF16 activations are widened beforehand by gather_bf16_rows).
 //
-// One work-item (= one work-group of size 1) per (panel, tile), a tile being up to
-// kFfnRowChunk rows of one expert. It walks its rows in register blocks of FFN_ROWS rows
-// (blocks of 8 or 4 for the remainder) times the 32 panel columns, so that the panel is read
-// from memory once per tile and then from cache, and the tile's rows of x stay in cache
-// while consecutive work-items walk the other panels. Every output element is written by
-// exactly one work-item with a fixed summation order: results are bit-identical run to run.
+// One work-item (= one work-group of size 1) per (panel, tile), a tile being up to the
+// blocking's row chunk of one expert. It walks its rows in register blocks of FFN_ROWS rows
+// (then one block of FFN_ROWS, FFN_ROWS_HALF, FFN_ROWS_QUARTER or 1 rows for the remainder)
+// times the panel's two vectors of FFN_VEC columns, so that the panel is read from memory once
+// per tile and then from cache, and the tile's rows of x stay in cache while consecutive
+// work-items walk the other panels. Every output element is written by exactly one work-item
+// with a fixed summation order: results are bit-identical run to run.
+//
+// The blocking (FFN_VEC, FFN_ROWS, FFN_ROWS_HALF, FFN_ROWS_QUARTER, FFN_PREFETCH_STEPS) is a
+// per-device choice made on the host (kernels/ffn_blocking.h); the defaults below are the
+// AVX-512 one.
 //
 // Kernels, one per weight type: ffn_gate_up_w{f32,bf16}, ffn_down_w{f32,bf16}.
 
-#ifndef FFN_PANEL_VECS
-#define FFN_PANEL_VECS 2
+#ifndef FFN_VEC
+#define FFN_VEC 16
 #endif
 #ifndef FFN_ROWS
 #define FFN_ROWS 12
 #endif
-#if FFN_PANEL_VECS != 2
-#error "expert_ffn.cl is written for FFN_PANEL_VECS == 2 (32-value panel rows)"
+#ifndef FFN_ROWS_HALF
+#define FFN_ROWS_HALF 8
 #endif
-#if FFN_ROWS != 12 && FFN_ROWS != 8
-#error "FFN_ROWS must be 8 or 12"
+#ifndef FFN_ROWS_QUARTER
+#define FFN_ROWS_QUARTER 4
 #endif
-#define NV FFN_PANEL_VECS
-#ifndef FFN_PREFETCH_VECS
-#define FFN_PREFETCH_VECS 128
+#ifndef FFN_PREFETCH_STEPS
+#define FFN_PREFETCH_STEPS 64
+#endif
+#if FFN_VEC != 8 && FFN_VEC != 16
+#error "FFN_VEC must be 8 or 16"
+#endif
+#if FFN_ROWS < 1 || FFN_ROWS > 16 || FFN_ROWS_HALF >= FFN_ROWS || FFN_ROWS_QUARTER > FFN_ROWS_HALF
+#error "row blocks must satisfy 16 >= FFN_ROWS > FFN_ROWS_HALF >= FFN_ROWS_QUARTER >= 1"
+#endif
+#if FFN_ROWS_QUARTER < 1
+#error "FFN_ROWS_QUARTER must be at least 1"
 #endif
 
 #define OVERLOAD __attribute__((overloadable))
+
+#define GLUE(a, b) GLUE_(a, b)
+#define GLUE_(a, b) a##b
+#define GLUE3(a, b, c) GLUE3_(a, b, c)
+#define GLUE3_(a, b, c) a##b##c
+
+// The accumulator and panel vector types of the blocking.
+#define floatV GLUE(float, FFN_VEC)
+#define ushortV GLUE(ushort, FFN_VEC)
+#define uintV GLUE(uint, FFN_VEC)
+#define convert_uintV GLUE(convert_uint, FFN_VEC)
+#define as_floatV GLUE(as_float, FFN_VEC)
 
 // Software prefetch of weight panels, on CPU devices only (-DFFN_PREFETCH=1).
 #if FFN_PREFETCH
@@ -39,50 +64,62 @@
 
 // Element loads. A BF16 value is the upper half of the FP32 with the same bits, so widening
 // is exact: shift into place and reinterpret.
-inline float16 OVERLOAD LoadW(const __global float16* restrict b, int i) { return b[i]; }
-inline float16 OVERLOAD LoadW(const __global ushort16* restrict b, int i) {
-  return as_float16(convert_uint16(b[i]) << 16);
+inline floatV OVERLOAD LoadW(const __global floatV* restrict b, int i) { return b[i]; }
+inline floatV OVERLOAD LoadW(const __global ushortV* restrict b, int i) {
+  return as_floatV(convert_uintV(b[i]) << 16);
 }
 
 // The register block is spelled out row by row (REPn) so that its accumulators are plain
 // variables the compiler keeps in vector registers.
-#define REP4(M) M(0) M(1) M(2) M(3)
-#define REP8(M) REP4(M) M(4) M(5) M(6) M(7)
-#define REP12(M) REP8(M) M(8) M(9) M(10) M(11)
+#define REP1(M) M(0)
+#define REP2(M) REP1(M) M(1)
+#define REP3(M) REP2(M) M(2)
+#define REP4(M) REP3(M) M(3)
+#define REP5(M) REP4(M) M(4)
+#define REP6(M) REP5(M) M(5)
+#define REP7(M) REP6(M) M(6)
+#define REP8(M) REP7(M) M(7)
+#define REP9(M) REP8(M) M(8)
+#define REP10(M) REP9(M) M(9)
+#define REP11(M) REP10(M) M(10)
+#define REP12(M) REP11(M) M(11)
+#define REP13(M) REP12(M) M(12)
+#define REP14(M) REP13(M) M(13)
+#define REP15(M) REP14(M) M(14)
+#define REP16(M) REP15(M) M(15)
 
-#define GLUE(a, b) GLUE_(a, b)
-#define GLUE_(a, b) a##b
-#define GLUE3(a, b, c) GLUE3_(a, b, c)
-#define GLUE3_(a, b, c) a##b##c
-
-// Stores v[0, 16) to dst[0, min(16, limit)), for FP32 (float) and BF16 (ushort) values.
-#define DEFINE_STORE_PARTIAL16(T)                                                     \
-  inline void OVERLOAD StorePartial16(GLUE(T, 16) v, __global T* dst, int limit) {    \
-    if (limit >= 16) {                                                                \
-      vstore16(v, 0, dst);                                                            \
-      return;                                                                         \
-    }                                                                                 \
-    T tmp[16];                                                                        \
-    vstore16(v, 0, tmp);                                                              \
-    for (int l = 0; l < limit; ++l) dst[l] = tmp[l];                                  \
+// Stores v[0, N) to dst[0, min(N, limit)), for FP32 (float) and BF16 (ushort) values.
+#define DEFINE_STORE_PARTIAL(T, N)                                                     \
+  inline void OVERLOAD StorePartial(GLUE(T, N) v, __global T* dst, int limit) {        \
+    if (limit >= N) {                                                                  \
+      GLUE(vstore, N)(v, 0, dst);                                                      \
+      return;                                                                          \
+    }                                                                                  \
+    T tmp[N];                                                                          \
+    GLUE(vstore, N)(v, 0, tmp);                                                        \
+    for (int l = 0; l < limit; ++l) dst[l] = tmp[l];                                   \
   }
-DEFINE_STORE_PARTIAL16(float)
-DEFINE_STORE_PARTIAL16(ushort)
+DEFINE_STORE_PARTIAL(float, 8)
+DEFINE_STORE_PARTIAL(float, 16)
+DEFINE_STORE_PARTIAL(ushort, 16)
 
 // Rows [g.y, end) of a work tile through the register blocks PREFIX<R>SUFFIX ARGS (ARGS a
 // parenthesised argument list: OpenCL C 1.2 has no variadic macros): blocks of FFN_ROWS rows,
-// then one block of FFN_ROWS, 8 or 4 rows for the rest (a block's loads clamp to the last row
-// and its stores stop there). Declares p, the block's first row.
+// then one block of FFN_ROWS, FFN_ROWS_HALF, FFN_ROWS_QUARTER or 1 rows for the rest (a
+// block's loads clamp to the last row and its stores stop there). Declares p, the block's
+// first row.
 #define ROW_BLOCKS(PREFIX, SUFFIX, ARGS)                                              \
   int p = g.y;                                                                        \
   for (; p + FFN_ROWS <= end; p += FFN_ROWS) GLUE3(PREFIX, FFN_ROWS, SUFFIX) ARGS;    \
   const int rest = end - p;                                                           \
-  if (rest > 8) {                                                                     \
+  if (rest > FFN_ROWS_HALF) {                                                         \
     GLUE3(PREFIX, FFN_ROWS, SUFFIX) ARGS;                                             \
-  } else if (rest > 4) {                                                              \
-    GLUE3(PREFIX, 8, SUFFIX) ARGS;                                                    \
-  } else if (rest > 0) {                                                              \
-    GLUE3(PREFIX, 4, SUFFIX) ARGS;                                                    \
+  } else if (rest > FFN_ROWS_QUARTER) {                                               \
+    GLUE3(PREFIX, FFN_ROWS_HALF, SUFFIX) ARGS;                                        \
+  } else if (rest > 1) {                                                              \
+    GLUE3(PREFIX, FFN_ROWS_QUARTER, SUFFIX) ARGS;                                     \
+  } else if (rest == 1) {                                                             \
+    GLUE3(PREFIX, 1, SUFFIX) ARGS;                                                    \
   }
 
 inline size_t SourceRow(__global const int* row_index, int gather, int p, long x_rows) {
@@ -91,44 +128,44 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
   return (size_t)row;
 }
 
-// Row r of the block: its A pointer and two accumulators (16 outputs each).
+// Row r of the block: its A pointer and two accumulators (FFN_VEC outputs each).
 #define ACC_DECL_GATHER(r)                                                                \
   const __typeof__(x) a##r =                                                              \
       x + SourceRow(row_index, gather, min(p + (r), end - 1), x_rows) * (size_t)x_stride; \
-  float16 acc##r##_0 = (float16)(0.0f);                                                   \
-  float16 acc##r##_1 = (float16)(0.0f);
+  floatV acc##r##_0 = (floatV)(0.0f);                                                     \
+  floatV acc##r##_1 = (floatV)(0.0f);
 #define ACC_DECL_DIRECT(r)                                                                \
   const __global float* a##r = h + (size_t)min(p + (r), end - 1) * (size_t)ffn;           \
-  float16 acc##r##_0 = (float16)(0.0f);                                                   \
-  float16 acc##r##_1 = (float16)(0.0f);
+  floatV acc##r##_0 = (floatV)(0.0f);                                                     \
+  floatV acc##r##_1 = (floatV)(0.0f);
 #define ACC_FMA(r)                                                                        \
   {                                                                                       \
-    const float16 av = (float16)(a##r[k]);                                                \
+    const floatV av = (floatV)(a##r[k]);                                                  \
     acc##r##_0 = fma(av, b0, acc##r##_0);                                                 \
     acc##r##_1 = fma(av, b1, acc##r##_1);                                                 \
   }
-// gate_up: acc_0 holds gate, acc_1 up of 16 consecutive f.
+// gate_up: acc_0 holds gate, acc_1 up of FFN_VEC consecutive f.
 #define GATE_UP_STORE(r)                                                                  \
   if ((r) < valid) {                                                                      \
-    const float16 act = acc##r##_0 / (1.0f + exp(-acc##r##_0)) * acc##r##_1;              \
-    StorePartial16(act, h + (size_t)(p + (r)) * ffn + f0, ffn - f0);                      \
+    const floatV act = acc##r##_0 / (1.0f + exp(-acc##r##_0)) * acc##r##_1;               \
+    StorePartial(act, h + (size_t)(p + (r)) * ffn + f0, ffn - f0);                        \
   }
 #define DOWN_STORE(r)                                                                     \
   if ((r) < valid) {                                                                      \
     __global float* out = y + (size_t)(p + (r)) * hidden + c0;                            \
-    StorePartial16(acc##r##_0, out, hidden - c0);                                         \
-    StorePartial16(acc##r##_1, out + 16, hidden - c0 - 16);                               \
+    StorePartial(acc##r##_0, out, hidden - c0);                                           \
+    StorePartial(acc##r##_1, out + FFN_VEC, hidden - c0 - FFN_VEC);                       \
   }
-// One k-step: the panel row (32 values) as two float16, prefetching ahead.
+// One k-step: the panel row (2 * FFN_VEC values) as two vectors, prefetching ahead.
 #define PANEL_STEP(R)                                                                     \
-  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS);                                                \
-  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS + 1);                                            \
-  const float16 b0 = LoadW(b, 2 * k);                                                     \
-  const float16 b1 = LoadW(b, 2 * k + 1);                                                 \
+  PREFETCH(b + 2 * (k + FFN_PREFETCH_STEPS));                                             \
+  PREFETCH(b + 2 * (k + FFN_PREFETCH_STEPS) + 1);                                         \
+  const floatV b0 = LoadW(b, 2 * k);                                                      \
+  const floatV b1 = LoadW(b, 2 * k + 1);                                                  \
   REP##R(ACC_FMA)
 
 // Rows [p, p + R) of the expert (clamped to end - 1; only rows < end are stored):
-// h[p', f0 .. f0 + 16) = silu(x . gate) * (x . up). x rows are x_stride elements apart.
+// h[p', f0 .. f0 + FFN_VEC) = silu(x . gate) * (x . up). x rows are x_stride elements apart.
 #define DEFINE_GATE_UP_BLOCK(R, S, XT, WT)                                                 \
   inline void GLUE3(GateUpBlock, R, S)(                                                    \
       const __global XT* restrict x, long x_rows, long x_stride,                           \
@@ -143,7 +180,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
   }
 
 // Rows [p, p + R) of h (clamped to end - 1; only rows < end are stored):
-// y[p', c0 .. c0 + 32) = h[p'] . down.
+// y[p', c0 .. c0 + 2 * FFN_VEC) = h[p'] . down.
 #define DEFINE_DOWN_BLOCK(R, S, WT)                                                        \
   inline void GLUE3(DownBlock, R, S)(const __global float* restrict h, int p, int end,     \
                                      const __global WT* restrict b, int hidden, int ffn,   \
@@ -156,13 +193,15 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     REP##R(DOWN_STORE)                                                                     \
   }
 
+// The blocks of every size ROW_BLOCKS can call (1 and the blocking's three); a size is
+// defined once even where two of them coincide.
+#define NEED_ROWS(n) \
+  ((n) == 1 || (n) == FFN_ROWS || (n) == FFN_ROWS_HALF || (n) == FFN_ROWS_QUARTER)
+
 // groups[g] = (local expert, first row, end row, unused) of the g-th tile.
 // x [x_rows, x_stride] of XT; rows p of the expert read x[row_index[p]] (gather != 0) or
 // x[p]. w: the gate_up panels of WT; h [*, ffn].
 #define DEFINE_GATE_UP_KERNEL(S, XT, WT)                                                   \
-  DEFINE_GATE_UP_BLOCK(4, S, XT, WT)                                                       \
-  DEFINE_GATE_UP_BLOCK(8, S, XT, WT)                                                       \
-  DEFINE_GATE_UP_BLOCK(12, S, XT, WT)                                                      \
   __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void GLUE(ffn_gate_up, S)(       \
       __global const XT* restrict x, long x_rows, long x_stride,                           \
       __global const int* restrict row_index, int gather, __global const int4* restrict groups, \
@@ -170,8 +209,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
       __global float* restrict h) {                                                        \
     const int panel = get_group_id(0);                                                     \
     const int4 g = groups[get_group_id(1)];                                                \
-    const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)hidden * NV;   \
-    const int f0 = panel * NV * 8;                                                         \
+    const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)hidden * 2;    \
+    const int f0 = panel * FFN_VEC;                                                        \
     const int end = g.z;                                                                   \
     ROW_BLOCKS(GateUpBlock, S,                                                             \
                (x, x_rows, x_stride, row_index, gather, p, end, b, hidden, ffn, f0, h))    \
@@ -179,26 +218,77 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 
 // h [*, ffn] rows of each group -> y [*, hidden]; w: the down panels of WT.
 #define DEFINE_DOWN_KERNEL(S, WT)                                                          \
-  DEFINE_DOWN_BLOCK(4, S, WT)                                                              \
-  DEFINE_DOWN_BLOCK(8, S, WT)                                                              \
-  DEFINE_DOWN_BLOCK(12, S, WT)                                                             \
   __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void GLUE(ffn_down, S)(          \
       __global const float* restrict h, __global const int4* restrict groups,              \
       __global const WT* restrict w, int hidden, int ffn, int num_panels,                  \
       __global float* restrict y) {                                                        \
     const int panel = get_group_id(0);                                                     \
     const int4 g = groups[get_group_id(1)];                                                \
-    const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)ffn * NV;      \
-    const int c0 = panel * NV * 16;                                                        \
+    const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)ffn * 2;       \
+    const int c0 = panel * 2 * FFN_VEC;                                                    \
     const int end = g.z;                                                                   \
     ROW_BLOCKS(DownBlock, S, (h, p, end, b, hidden, ffn, c0, y))                           \
   }
 
-// FP32 panel rows are two float16, BF16 ones two ushort16 (one cache line).
-DEFINE_GATE_UP_KERNEL(_wf32, float, float16)
-DEFINE_GATE_UP_KERNEL(_wbf16, float, ushort16)
-DEFINE_DOWN_KERNEL(_wf32, float16)
-DEFINE_DOWN_KERNEL(_wbf16, ushort16)
+// Every block size of one weight type (FP32 panel rows are two floatV, BF16 ones two ushortV).
+#define DEFINE_ALL_BLOCKS(R)                            \
+  DEFINE_GATE_UP_BLOCK(R, _wf32, float, floatV)         \
+  DEFINE_GATE_UP_BLOCK(R, _wbf16, float, ushortV)       \
+  DEFINE_DOWN_BLOCK(R, _wf32, floatV)                   \
+  DEFINE_DOWN_BLOCK(R, _wbf16, ushortV)
+#if NEED_ROWS(1)
+DEFINE_ALL_BLOCKS(1)
+#endif
+#if NEED_ROWS(2)
+DEFINE_ALL_BLOCKS(2)
+#endif
+#if NEED_ROWS(3)
+DEFINE_ALL_BLOCKS(3)
+#endif
+#if NEED_ROWS(4)
+DEFINE_ALL_BLOCKS(4)
+#endif
+#if NEED_ROWS(5)
+DEFINE_ALL_BLOCKS(5)
+#endif
+#if NEED_ROWS(6)
+DEFINE_ALL_BLOCKS(6)
+#endif
+#if NEED_ROWS(7)
+DEFINE_ALL_BLOCKS(7)
+#endif
+#if NEED_ROWS(8)
+DEFINE_ALL_BLOCKS(8)
+#endif
+#if NEED_ROWS(9)
+DEFINE_ALL_BLOCKS(9)
+#endif
+#if NEED_ROWS(10)
+DEFINE_ALL_BLOCKS(10)
+#endif
+#if NEED_ROWS(11)
+DEFINE_ALL_BLOCKS(11)
+#endif
+#if NEED_ROWS(12)
+DEFINE_ALL_BLOCKS(12)
+#endif
+#if NEED_ROWS(13)
+DEFINE_ALL_BLOCKS(13)
+#endif
+#if NEED_ROWS(14)
+DEFINE_ALL_BLOCKS(14)
+#endif
+#if NEED_ROWS(15)
+DEFINE_ALL_BLOCKS(15)
+#endif
+#if NEED_ROWS(16)
+DEFINE_ALL_BLOCKS(16)
+#endif
+
+DEFINE_GATE_UP_KERNEL(_wf32, float, floatV)
+DEFINE_GATE_UP_KERNEL(_wbf16, float, ushortV)
+DEFINE_DOWN_KERNEL(_wf32, floatV)
+DEFINE_DOWN_KERNEL(_wbf16, ushortV)
 
 // out[p, :] = x[row_index[p], :] widened from BF16 (exact), for p < num_rows; x rows are
 // x_stride values apart, out rows hidden. One work-item per row.
@@ -255,16 +345,35 @@ inline uint Bf16Round(float v) {
     acc##r##_1 = __builtin_ia32_dpbf16ps_512(acc##r##_1, av, b1);       \
   }
 #define DOT_STEP(R)                                                     \
-  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS);                              \
-  PREFETCH(b + 2 * k + FFN_PREFETCH_VECS + 1);                          \
+  PREFETCH(b + 2 * (k + 64));                                           \
+  PREFETCH(b + 2 * (k + 64) + 1);                                       \
   const int16 b0 = b[2 * k];                                            \
   const int16 b1 = b[2 * k + 1];                                        \
   REP##R(DOT_FMA)
+// The dot kernels' own row blocks: 12 rows, then 12, 8 or 4 for the rest (their blocking is
+// fixed: they run only on AVX-512 hosts, whose 32 vector registers hold 12 x 2 sums).
+#define DOT_ROW_BLOCKS(PREFIX, ARGS)                                                  \
+  int p = g.y;                                                                        \
+  for (; p + 12 <= end; p += 12) GLUE3(PREFIX, 12, _dot) ARGS;                        \
+  const int rest = end - p;                                                           \
+  if (rest > 8) {                                                                     \
+    GLUE3(PREFIX, 12, _dot) ARGS;                                                     \
+  } else if (rest > 4) {                                                              \
+    GLUE3(PREFIX, 8, _dot) ARGS;                                                      \
+  } else if (rest > 0) {                                                              \
+    GLUE3(PREFIX, 4, _dot) ARGS;                                                      \
+  }
+#define DOT_DOWN_STORE(r)                                                             \
+  if ((r) < valid) {                                                                  \
+    __global float* out = y + (size_t)(p + (r)) * hidden + c0;                        \
+    StorePartial(acc##r##_0, out, hidden - c0);                                       \
+    StorePartial(acc##r##_1, out + 16, hidden - c0 - 16);                             \
+  }
 #define DOT_GATE_UP_STORE(r)                                                          \
   if ((r) < valid) {                                                                  \
     const float16 act = acc##r##_0 / (1.0f + exp(-acc##r##_0)) * acc##r##_1;          \
-    StorePartial16(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + (r)) * h_stride + f0, \
-                   h_stride - f0);                                                    \
+    StorePartial(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + (r)) * h_stride + f0, \
+                 h_stride - f0);                                                      \
   }
 
 // x: BF16 rows of 2 * kp2 values (kp2 k pairs, as uint); b: the panel, int16 per half row.
@@ -292,7 +401,7 @@ inline uint Bf16Round(float v) {
       DOT_STEP(R)                                                                          \
     }                                                                                      \
     const int valid = min((R), end - p);                                                   \
-    REP##R(DOWN_STORE)                                                                     \
+    REP##R(DOT_DOWN_STORE)                                                                     \
   }
 DEFINE_DOT_GATE_UP_BLOCK(4)
 DEFINE_DOT_GATE_UP_BLOCK(8)
@@ -310,7 +419,7 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_dot(
   const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_hidden * 2;
   const int f0 = panel * 16;
   const int end = g.z;
-  ROW_BLOCKS(GateUpBlock, _dot, (xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn))
+  DOT_ROW_BLOCKS(GateUpBlock, (xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn))
 }
 
 __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(
@@ -321,7 +430,7 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(
   const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_ffn * 2;
   const int c0 = panel * 32;
   const int end = g.z;
-  ROW_BLOCKS(DownBlock, _dot, (h, kp_ffn, p, end, b, hidden, c0, y))
+  DOT_ROW_BLOCKS(DownBlock, (h, kp_ffn, p, end, b, hidden, c0, y))
 }
 
 // out[p, 0 .. k_pad) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond

@@ -1,14 +1,16 @@
 // The device layout of expert weights and the tile sizes of the FFN and router kernels, shared
 // by the host launchers and (through build options) the .cl sources. Private to kernels/.
 //
-// A projection from K inputs to N outputs is stored as ceil(N / panel_cols) column panels;
-// panel j holds, for every k in [0, K), panel_cols consecutive values (FP32 or BF16, the
-// expert set's dtype; the *FloatsPerExpert counts are in values): the weights of
-// outputs [j * panel_cols, (j + 1) * panel_cols) for input k (zero beyond N). A panel is
-// thus read front to back as the kernel walks k, and every k-step is one aligned load.
-//   gate_up of expert e: panels over F of kFfnPanelCols / 2 gate columns followed by the
-//     same kFfnPanelCols / 2 columns of up (so one pass yields silu(gate) * up), K = H.
-//   down of expert e: panels over H of kFfnPanelCols columns, K = F.
+// A projection from K inputs to N outputs is stored as ceil(N / panel_cols) column panels,
+// panel_cols = 2 * FfnBlocking::vec (kernels/ffn_blocking.h: the blocking chosen for the
+// device, so the layout follows it at upload); panel j holds, for every k in [0, K),
+// panel_cols consecutive values (FP32 or BF16, the expert set's dtype; the *FloatsPerExpert
+// counts are in values): the weights of outputs [j * panel_cols, (j + 1) * panel_cols) for
+// input k (zero beyond N). A panel is thus read front to back as the kernel walks k, and
+// every k-step is two aligned vector loads.
+//   gate_up of expert e: panels over F of panel_cols / 2 gate columns followed by the
+//     same panel_cols / 2 columns of up (so one pass yields silu(gate) * up), K = H.
+//   down of expert e: panels over H of panel_cols columns, K = F.
 // Experts are stored one after the other.
 //
 // The tensor-core layout (BF16 weights on NVIDIA devices of compute capability 8.0 or more,
@@ -28,18 +30,6 @@
 
 namespace epserve::kernels::detail {
 
-// float16 vectors per panel row; a panel row holds kFfnPanelVecs * 16 floats.
-inline constexpr int kFfnPanelVecs = 2;
-inline constexpr int64_t kFfnPanelCols = 16 * kFfnPanelVecs;
-// Rows of x a work-item multiplies against one panel at a time (register block).
-inline constexpr int kFfnRows = 12;
-// How far ahead of its loads the FFN kernels prefetch a panel, in float16 vectors (128 =
-// 8 KiB = 64 k-steps). With few rows the kernels are bound by weight streaming, and the
-// hardware prefetcher alone left a core with too few misses in flight.
-inline constexpr int kFfnPrefetchVecs = 128;
-// Rows of one expert one work-item covers (a multiple of kFfnRows): its rows of x stay in
-// cache while it walks a panel, and panels are re-read once per chunk.
-inline constexpr int64_t kFfnRowChunk = 192;
 // Largest expert count the router kernel supports (its per-token scratch is private).
 inline constexpr int kRouterMaxExperts = 512;
 // Tokens one router work-item routes (it reads each router row once for all of them).
@@ -86,46 +76,56 @@ inline int64_t MmaDownValuesPerExpert(int64_t hidden, int64_t ffn) {
 inline bool MmaFitsCallerBuffers(int64_t hidden, int64_t ffn) {
   return hidden > 0 && ffn > 0 && MmaKPad(hidden) <= 2 * hidden && MmaFfnPad(ffn) <= 2 * ffn;
 }
-// Panels of the gate_up projection (over F) and of the down projection (over H).
-inline int64_t GateUpPanels(int64_t ffn) { return CeilDiv(ffn, kFfnPanelCols / 2); }
-inline int64_t DownPanels(int64_t hidden) { return CeilDiv(hidden, kFfnPanelCols); }
-// Floats of one expert in each buffer.
-inline int64_t GateUpFloatsPerExpert(int64_t hidden, int64_t ffn) {
-  return GateUpPanels(ffn) * hidden * kFfnPanelCols;
+// Panels of the gate_up projection (over F) and of the down projection (over H), for panels
+// of panel_cols columns.
+inline int64_t GateUpPanels(int64_t ffn, int64_t panel_cols) {
+  return CeilDiv(ffn, panel_cols / 2);
 }
-inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn) {
-  return DownPanels(hidden) * ffn * kFfnPanelCols;
+inline int64_t DownPanels(int64_t hidden, int64_t panel_cols) {
+  return CeilDiv(hidden, panel_cols);
+}
+// Values of one expert in each buffer.
+inline int64_t GateUpFloatsPerExpert(int64_t hidden, int64_t ffn, int64_t panel_cols) {
+  return GateUpPanels(ffn, panel_cols) * hidden * panel_cols;
+}
+inline int64_t DownFloatsPerExpert(int64_t hidden, int64_t ffn, int64_t panel_cols) {
+  return DownPanels(hidden, panel_cols) * ffn * panel_cols;
 }
 
 // The pair-panel layout (BF16 weights on CPU devices with AVX512-BF16, the *_dot kernels of
 // kernels/cl/expert_ffn.cl): the panels above over K in steps of two, each k pair's panel row
 // holding, per group of 16 columns, the column's values for k = 2j and 2j + 1 side by side
-// (kFfnPanelCols * 2 values per pair; a zero pads K to even). gate_up panels hold 16 gate then
+// (kDotPanelCols * 2 values per pair; a zero pads K to even). gate_up panels hold 16 gate then
 // the same 16 up columns, as above. Activations go through the GEMMs as BF16 rows of
 // 2 * DotKPairs(K) values.
+// The pair panels are 32 columns wide whatever the FP32 blocking (the dot kernels' register
+// block of 12 rows x 2 x 16 sums is fixed: they run only on AVX-512 hosts).
+inline constexpr int64_t kDotPanelCols = 32;
 inline int64_t DotKPairs(int64_t k) { return CeilDiv(k, 2); }
 inline int64_t GateUpDotValuesPerExpert(int64_t hidden, int64_t ffn) {
-  return GateUpPanels(ffn) * DotKPairs(hidden) * 2 * kFfnPanelCols;
+  return GateUpPanels(ffn, kDotPanelCols) * DotKPairs(hidden) * 2 * kDotPanelCols;
 }
 inline int64_t DownDotValuesPerExpert(int64_t hidden, int64_t ffn) {
-  return DownPanels(hidden) * DotKPairs(ffn) * 2 * kFfnPanelCols;
+  return DownPanels(hidden, kDotPanelCols) * DotKPairs(ffn) * 2 * kDotPanelCols;
 }
+// Rows of one expert a dot-product work-item covers.
+inline constexpr int64_t kDotRowChunk = 192;
 // Offset of (column c of a panel, k) within that panel of the pair-panel layout.
 inline int64_t DotPanelOffset(int64_t c, int64_t k) {
-  return (k / 2) * 2 * kFfnPanelCols + (c / 16) * 32 + (c % 16) * 2 + k % 2;
+  return (k / 2) * 2 * kDotPanelCols + (c / 16) * 32 + (c % 16) * 2 + k % 2;
 }
 
 // Options every program is built with. On CPU devices the FFN kernels prefetch weight panels
 // ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin. FFN_BF16_DOT
-// builds the pair-panel kernels (x86 AVX512-BF16 builtins), only where they run.
+// builds the pair-panel kernels (x86 AVX512-BF16 builtins), only where they run. The FP32
+// FFN kernels' blocking comes on top, per variant (FfnBlockingOptions in runtime.cc).
 inline std::string ProgramBuildOptions(bool cpu, bool bf16_dot) {
   return absl::StrCat(
       "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "", bf16_dot ? " -DFFN_BF16_DOT=1" : "",
-      " -DFFN_PANEL_VECS=", kFfnPanelVecs, " -DFFN_ROWS=", kFfnRows,
-      " -DFFN_PREFETCH_VECS=", kFfnPrefetchVecs, " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
-      " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
-      " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm, " -DMMA_BN=", kMmaBn,
-      " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads, " -DMMA_STAGES=", kMmaStages);
+      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts, " -DROUTER_TOKENS=", kRouterTokens,
+      " -DROUTER_WG=", kRouterGroupSize, " -DROUTER_WG_TOKENS=", kRouterGroupTokens,
+      " -DMMA_BM=", kMmaBm, " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk,
+      " -DMMA_THREADS=", kMmaThreads, " -DMMA_STAGES=", kMmaStages);
 }
 
 }  // namespace epserve::kernels::detail

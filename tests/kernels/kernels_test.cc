@@ -98,12 +98,14 @@ class Seeded : public ::testing::Test {
     }();
     return *rt;
   }
+  // The runtime the helpers below use: rt_ where a test sets one, else the shared one.
+  Runtime& R() { return rt_ != nullptr ? *rt_ : Rt(); }
   // A device buffer holding `v`.
   template <typename T>
   Buffer Upload(const std::vector<T>& v) {
-    absl::StatusOr<Buffer> b = Rt().Allocate(std::max<size_t>(v.size(), 1) * sizeof(T));
+    absl::StatusOr<Buffer> b = R().Allocate(std::max<size_t>(v.size(), 1) * sizeof(T));
     EXPECT_TRUE(b.ok()) << b.status();
-    EXPECT_TRUE(Rt().Write(*b, 0, v.data(), v.size() * sizeof(T)).ok());
+    EXPECT_TRUE(R().Write(*b, 0, v.data(), v.size() * sizeof(T)).ok());
     return *std::move(b);
   }
   // A device buffer of `count` floats (or ints) filled with NaN bits.
@@ -113,11 +115,12 @@ class Seeded : public ::testing::Test {
   template <typename T>
   std::vector<T> Download(const Buffer& b, size_t count) {
     std::vector<T> v(count);
-    absl::Status s = Rt().Read(b, 0, v.data(), count * sizeof(T));
+    absl::Status s = R().Read(b, 0, v.data(), count * sizeof(T));
     EXPECT_TRUE(s.ok()) << s;
     return v;
   }
 
+  Runtime* rt_ = nullptr;
   uint32_t seed_ = 0;
   std::mt19937_64 rng_;
   std::unique_ptr<::testing::ScopedTrace> trace_;
@@ -509,15 +512,23 @@ class ExpertFfnTest : public Seeded {
       EXPECT_TRUE(source.Fill(0, model::TensorKind::kExpertUp, first + e, up[e].data()).ok());
       EXPECT_TRUE(source.Fill(0, model::TensorKind::kExpertDown, first + e, down[e].data()).ok());
     }
-    absl::StatusOr<ExpertWeights> w = UploadExperts(Rt(), source, 0, first, count, types.weights);
+    absl::StatusOr<ExpertWeights> w = UploadExperts(R(), source, 0, first, count, types.weights);
     EXPECT_TRUE(w.ok()) << w.status();
     if (!w.ok()) return {};
     EXPECT_EQ(w->dtype, types.weights);
     // BF16 weights take the tensor-core kernels wherever the runtime has them.
-    EXPECT_EQ(w->tensor_cores, types.weights == DType::kBf16 && Rt().tensor_cores() &&
+    EXPECT_EQ(w->tensor_cores, types.weights == DType::kBf16 && R().tensor_cores() &&
                                    detail::MmaFitsCallerBuffers(h, f));
     // Elsewhere the BF16 dot products where the runtime has them.
-    EXPECT_EQ(w->bf16_dot, types.weights == DType::kBf16 && !w->tensor_cores && Rt().bf16_dot());
+    EXPECT_EQ(w->bf16_dot, types.weights == DType::kBf16 && !w->tensor_cores && R().bf16_dot());
+    // The portable kernels run with the blocking the runtime chose for the shape.
+    if (!w->tensor_cores && !w->bf16_dot) {
+      absl::StatusOr<FfnBlocking> chosen = R().ChooseFfnBlocking(h, f, types.weights);
+      EXPECT_TRUE(chosen.ok()) << chosen.status();
+      if (chosen.ok()) {
+        EXPECT_EQ(w->blocking, *chosen);
+      }
+    }
     const std::vector<float> x = Uniform(tokens * h);
     const std::vector<int64_t> offsets = RandomOffsets(rng_, count, pairs);
     std::vector<int32_t> row_index(pairs);
@@ -529,7 +540,7 @@ class ExpertFfnTest : public Seeded {
     Buffer ib = Upload(row_index);
     Buffer hb = Poisoned(pairs * f);
     Buffer yb = Poisoned(pairs * h);
-    absl::Status s = ExpertFfn(Rt(), *w, xb, ib, offsets, hb, yb, x_format);
+    absl::Status s = ExpertFfn(R(), *w, xb, ib, offsets, hb, yb, x_format);
     EXPECT_TRUE(s.ok()) << s;
     const std::vector<float> y = Download<float>(yb, pairs * h);
     const std::string what =
@@ -679,9 +690,9 @@ TEST_F(ExpertFfnTest, OddShapesPadThePairs) {
 // values of one column side by side.
 TEST(DotLayoutTest, PanelOffsetIsABijectionWithAdjacentPairs) {
   const int64_t k_pad = 6;
-  const int64_t values = detail::DotKPairs(k_pad) * 2 * detail::kFfnPanelCols;
+  const int64_t values = detail::DotKPairs(k_pad) * 2 * detail::kDotPanelCols;
   std::vector<int> seen(values, 0);
-  for (int64_t c = 0; c < detail::kFfnPanelCols; ++c) {
+  for (int64_t c = 0; c < detail::kDotPanelCols; ++c) {
     for (int64_t k = 0; k < k_pad; ++k) {
       const int64_t o = detail::DotPanelOffset(c, k);
       ASSERT_GE(o, 0);
@@ -704,6 +715,123 @@ TEST_F(ExpertFfnTest, SubsetOfExperts) {
 
 TEST_F(ExpertFfnTest, ShapeNotAMultipleOfTheTiles) {
   CheckShape(/*hidden=*/72, /*ffn=*/40, /*experts=*/5, /*tokens=*/50, kAllTypes, {1, 7, 33, 300});
+}
+
+// Every blocking any device's tuner may pick, not only the one this device picks, against
+// the reference: odd shapes, remainders of every register block, tiles over several chunks.
+TEST_F(ExpertFfnTest, EveryBlockingCandidate) {
+  for (const FfnBlocking& b : AllFfnBlockingCandidates()) {
+    SCOPED_TRACE(b.ToString());
+    RuntimeOptions options = TestRuntimeOptions();
+    options.ffn_blocking = b.ToString();
+    absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    rt_ = rt->get();
+    CheckShape(/*hidden=*/71, /*ffn=*/37, /*experts=*/4, /*tokens=*/60, kAllTypes, {1, 13, 250});
+    CheckShape(/*hidden=*/72, /*ffn=*/40, /*experts=*/3, /*tokens=*/50, kAllTypes,
+               {2, 5, 2 * b.row_chunk + 7});
+    ASSERT_EQ(rt_->ffn_choices().size(), 4u);  // (71, 37) and (72, 40), FP32 and BF16 weights
+    for (const FfnChoice& c : rt_->ffn_choices()) {
+      EXPECT_EQ(c.origin, FfnBlockingOrigin::kForced);
+      EXPECT_EQ(c.blocking, b);
+    }
+    rt_ = nullptr;
+  }
+}
+
+TEST(FfnBlockingTest, ParsesAndRejectsWithTheBound) {
+  absl::StatusOr<FfnBlocking> b = ParseFfnBlocking("vec=8,rows=6 prefetch=0");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->vec, 8);
+  EXPECT_EQ(b->rows, 6);
+  EXPECT_EQ(b->prefetch_steps, 0);
+  EXPECT_EQ(b->row_chunk, FfnBlocking().row_chunk);
+  absl::StatusOr<FfnBlocking> again = ParseFfnBlocking(b->ToString());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *b);
+  for (const char* bad : {"vec=12", "rows=17", "rows=x", "chunk=4 rows=8", "colour=3"}) {
+    absl::StatusOr<FfnBlocking> r = ParseFfnBlocking(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_NE(ParseFfnBlocking("rows=17").status().message().find("[2, 16]"), std::string::npos);
+}
+
+TEST(FfnBlockingTest, CandidatesFitTheDevicesRegisters) {
+  DeviceInfo avx2;
+  avx2.is_cpu = true;
+  avx2.native_float_width = 8;
+  DeviceInfo avx512 = avx2;
+  avx512.native_float_width = 16;
+  for (const FfnBlocking& b : FfnBlockingCandidates(avx2)) {
+    // rows x 2 sums + 2 panel vectors + 1 broadcast, in 8-lane registers: at most 16.
+    EXPECT_LE(b.rows * 2 * (b.vec / 8) + 2 * (b.vec / 8) + 1, 16) << b.ToString();
+  }
+  for (const FfnBlocking& b : FfnBlockingCandidates(avx512)) {
+    EXPECT_LE(b.rows * 2 * (b.vec / 16) + 2 + 1, 32) << b.ToString();
+  }
+  EXPECT_EQ(FfnBlockingCandidates(avx512).front(), FfnBlocking());
+}
+
+// Cold start: the tuner times the candidates and stores the winner; warm start: the same
+// choice from the cache with no timing; a forced choice and tune_ffn=false take no timing.
+TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    absl::StrCat("epserve-ffn-tune-test-", std::random_device{}());
+  std::filesystem::remove_all(dir);
+  RuntimeOptions options = TestRuntimeOptions();
+  options.cache_dir = dir.string();
+  absl::StatusOr<std::unique_ptr<Runtime>> cold = Runtime::Create(options);
+  ASSERT_TRUE(cold.ok()) << cold.status();
+  if (FfnBlockingCandidates((*cold)->device_info()).size() < 2) {
+    GTEST_SKIP() << "the device has one candidate: nothing to tune";
+  }
+  absl::StatusOr<FfnBlocking> first = (*cold)->ChooseFfnBlocking(96, 40, DType::kFp32);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ((*cold)->ffn_choices().size(), 1u);
+  EXPECT_EQ((*cold)->ffn_choices()[0].origin, FfnBlockingOrigin::kTuned);
+  // The same shape again on the same runtime: no second choice.
+  ASSERT_TRUE((*cold)->ChooseFfnBlocking(96, 40, DType::kFp32).ok());
+  EXPECT_EQ((*cold)->ffn_choices().size(), 1u);
+  int txt = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    txt += entry.path().extension() == ".txt";
+  }
+  EXPECT_EQ(txt, 1);
+
+  absl::StatusOr<std::unique_ptr<Runtime>> warm = Runtime::Create(options);
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  absl::StatusOr<FfnBlocking> second = (*warm)->ChooseFfnBlocking(96, 40, DType::kFp32);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*second, *first);
+  EXPECT_EQ((*warm)->ffn_choices()[0].origin, FfnBlockingOrigin::kCache);
+  // Another dtype is another shape class: tuned on its own.
+  ASSERT_TRUE((*warm)->ChooseFfnBlocking(96, 40, DType::kBf16).ok());
+  EXPECT_EQ((*warm)->ffn_choices()[1].origin, FfnBlockingOrigin::kTuned);
+
+  RuntimeOptions no_tune = options;
+  no_tune.tune_ffn = false;
+  no_tune.cache_dir = (dir / "other").string();
+  absl::StatusOr<std::unique_ptr<Runtime>> plain = Runtime::Create(no_tune);
+  ASSERT_TRUE(plain.ok());
+  absl::StatusOr<FfnBlocking> d = (*plain)->ChooseFfnBlocking(96, 40, DType::kFp32);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(*d, (*plain)->default_ffn_blocking());
+  EXPECT_EQ((*plain)->ffn_choices()[0].origin, FfnBlockingOrigin::kDefault);
+
+  RuntimeOptions forced = no_tune;
+  forced.ffn_blocking = "vec=16 rows=5 chunk=10";
+  absl::StatusOr<std::unique_ptr<Runtime>> f = Runtime::Create(forced);
+  ASSERT_TRUE(f.ok());
+  absl::StatusOr<FfnBlocking> fb = (*f)->ChooseFfnBlocking(96, 40, DType::kFp32);
+  ASSERT_TRUE(fb.ok());
+  EXPECT_EQ(fb->rows, 5);
+  EXPECT_EQ((*f)->ffn_choices()[0].origin, FfnBlockingOrigin::kForced);
+  forced.ffn_blocking = "rows=99";
+  absl::StatusOr<std::unique_ptr<Runtime>> bad = Runtime::Create(forced);
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ((*bad)->ChooseFfnBlocking(96, 40, DType::kFp32).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(ExpertFfnTest, QwenShapeFewRows) {

@@ -1,0 +1,230 @@
+// Runtime::ChooseFfnBlocking: the per-device, per-shape choice of the portable FFN kernels'
+// blocking (kernels/ffn_blocking.h), with its cache beside the program-binary cache.
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/files.h"
+#include "kernels/detail/cl_check.h"
+#include "kernels/detail/ffn_layout.h"
+#include "kernels/detail/program_cache.h"
+#include "kernels/moe_kernels.h"
+#include "kernels/runtime.h"
+
+namespace epserve::kernels {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// A buffer of `bytes` whose every 4-byte word is `pattern` (small finite values: no NaN or
+// denormal slows one candidate down and not another).
+absl::StatusOr<Buffer> Filled(Runtime& rt, size_t bytes, uint32_t pattern) {
+  absl::StatusOr<Buffer> b = rt.Allocate(bytes);
+  if (!b.ok() || bytes == 0) return b;
+  CL_CHECK(clEnqueueFillBuffer(rt.queue(), b->mem(), &pattern, sizeof(pattern), 0, bytes, 0,
+                               nullptr, nullptr));
+  return b;
+}
+
+// The shapes a candidate is timed on: few rows per expert (weight streaming) and many
+// (FMA throughput); each candidate's score is the sum of its times relative to the best.
+struct TuneCase {
+  int64_t rows_per_expert;
+  int experts;
+};
+constexpr TuneCase kTuneCases[] = {{8, 2}, {128, 1}};
+constexpr int kTuneExperts = 2;
+constexpr int kTuneRepeats = 4;
+
+// One run of the FFN on one case, in seconds (queue finished).
+absl::StatusOr<double> RunCase(Runtime& rt, const ExpertWeights& w, const TuneCase& c,
+                               const Buffer& x, const Buffer& row_index, Buffer& h, Buffer& y) {
+  std::vector<int64_t> offsets(w.num_experts + 1, 0);
+  for (int e = 0; e < w.num_experts; ++e) {
+    offsets[e + 1] = offsets[e] + (e < c.experts ? c.rows_per_expert : 0);
+  }
+  const Clock::time_point start = Clock::now();
+  RETURN_IF_ERROR(ExpertFfn(rt, w, x, row_index, offsets, h, y));
+  RETURN_IF_ERROR(rt.Finish());
+  return SecondsSince(start);
+}
+
+// Weights of kTuneExperts experts in candidate b's layout, every value small and finite.
+absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int64_t hidden,
+                                          int64_t ffn, DType dtype, uint32_t fp32_pattern) {
+  ExpertWeights w;
+  w.num_experts = kTuneExperts;
+  w.hidden = hidden;
+  w.ffn = ffn;
+  w.dtype = dtype;
+  w.blocking = b;
+  const int64_t pw = b.panel_cols();
+  // BF16 weights: two 0.0078125 values a word; FP32: the pattern given.
+  const uint32_t pattern = dtype == DType::kBf16 ? 0x3c003c00u : fp32_pattern;
+  const size_t elem = DTypeBytes(dtype);
+  absl::StatusOr<Buffer> gate_up =
+      Filled(rt, detail::GateUpFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern);
+  if (!gate_up.ok()) return gate_up.status();
+  absl::StatusOr<Buffer> down =
+      Filled(rt, detail::DownFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern);
+  if (!down.ok()) return down.status();
+  w.gate_up = *std::move(gate_up);
+  w.down = *std::move(down);
+  return w;
+}
+
+// Times every candidate on every case, round-robin (one run of each candidate and case per
+// round, after a warm-up round that also builds the candidates' programs), so that a drift
+// in the machine's load hits every candidate alike; the fastest run of each counts. Returns
+// the index of the candidate with the lowest score and writes the times to `log`.
+absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
+                                      int64_t hidden, int64_t ffn, DType dtype, std::string* log) {
+  int64_t max_rows = 0;
+  for (const TuneCase& c : kTuneCases) max_rows = std::max(max_rows, c.rows_per_expert * c.experts);
+  const uint32_t x_pattern = 0x3c23d70a;  // 0.01f
+  absl::StatusOr<Buffer> x = Filled(rt, max_rows * hidden * sizeof(float), x_pattern);
+  if (!x.ok()) return x.status();
+  std::vector<int32_t> index(max_rows);
+  std::iota(index.begin(), index.end(), 0);
+  absl::StatusOr<Buffer> row_index = rt.AllocateCopy(index.data(), index.size() * sizeof(int32_t));
+  if (!row_index.ok()) return row_index.status();
+  absl::StatusOr<Buffer> h = rt.Allocate(max_rows * ffn * sizeof(float));
+  if (!h.ok()) return h.status();
+  absl::StatusOr<Buffer> y = rt.Allocate(max_rows * hidden * sizeof(float));
+  if (!y.ok()) return y.status();
+  std::vector<ExpertWeights> weights;
+  for (const FfnBlocking& b : candidates) {
+    absl::StatusOr<ExpertWeights> w = TuneWeights(rt, b, hidden, ffn, dtype, x_pattern);
+    if (!w.ok()) return w.status();
+    weights.push_back(*std::move(w));
+  }
+
+  const size_t num_cases = std::size(kTuneCases);
+  std::vector<std::vector<double>> times(
+      candidates.size(), std::vector<double>(num_cases, std::numeric_limits<double>::infinity()));
+  for (int round = 0; round <= kTuneRepeats; ++round) {
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      for (size_t c = 0; c < num_cases; ++c) {
+        absl::StatusOr<double> t = RunCase(rt, weights[i], kTuneCases[c], *x, *row_index, *h, *y);
+        if (!t.ok()) return t.status();
+        if (round > 0) times[i][c] = std::min(times[i][c], *t);
+      }
+    }
+  }
+  std::vector<double> best(num_cases, std::numeric_limits<double>::infinity());
+  for (const std::vector<double>& t : times) {
+    for (size_t c = 0; c < num_cases; ++c) best[c] = std::min(best[c], t[c]);
+  }
+  size_t winner = 0;
+  double winner_score = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    double score = 0;
+    for (size_t c = 0; c < num_cases; ++c) score += times[i][c] / best[c];
+    absl::StrAppendFormat(log, "# %s:", candidates[i].ToString());
+    for (size_t c = 0; c < num_cases; ++c) {
+      absl::StrAppendFormat(log, " %lldx%d rows %.3f ms;",
+                            static_cast<long long>(kTuneCases[c].rows_per_expert),
+                            kTuneCases[c].experts, times[i][c] * 1e3);
+    }
+    absl::StrAppendFormat(log, " score %.3f\n", score);
+    if (score < winner_score) {
+      winner_score = score;
+      winner = i;
+    }
+  }
+  return winner;
+}
+
+std::string JoinCandidates(const std::vector<FfnBlocking>& candidates) {
+  std::string out;
+  for (const FfnBlocking& b : candidates) absl::StrAppend(&out, b.ToString(), ";");
+  return out;
+}
+
+}  // namespace
+
+std::string FfnChoice::Describe() const {
+  std::string how = FfnBlockingOriginName(origin);
+  if (origin == FfnBlockingOrigin::kTuned) {
+    how = absl::StrFormat("tuned now in %.2f s", seconds);
+  }
+  return absl::StrCat(blocking.ToString(), " (", how, ") for H=", hidden, " F=", ffn, " ",
+                      DTypeName(dtype), " weights");
+}
+
+absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t ffn, DType dtype) {
+  for (const FfnChoice& c : ffn_choices()) {
+    if (c.hidden == hidden && c.ffn == ffn && c.dtype == dtype) return c.blocking;
+  }
+  const Clock::time_point start = Clock::now();
+  FfnChoice choice;
+  choice.hidden = hidden;
+  choice.ffn = ffn;
+  choice.dtype = dtype;
+  std::string forced = options_.ffn_blocking;
+  if (forced.empty()) {
+    const char* env = std::getenv("EPSERVE_FFN_BLOCKING");
+    if (env != nullptr) forced = env;
+  }
+  const std::vector<FfnBlocking> candidates = FfnBlockingCandidates(info_);
+  if (!forced.empty()) {
+    absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(forced);
+    if (!b.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='",
+                                                     forced.substr(0, 128),
+                                                     "': ", b.status().message()));
+    }
+    choice.blocking = *b;
+    choice.origin = FfnBlockingOrigin::kForced;
+  } else if (candidates.size() < 2 || !options_.tune_ffn) {
+    choice.blocking = default_ffn_blocking_;
+    choice.origin = FfnBlockingOrigin::kDefault;
+  } else {
+    // Keyed like the program binaries (source, options, device, driver) plus the shape class
+    // and the candidate list, so a changed kernel or candidate set tunes again.
+    std::string cache_path;
+    if (!cache_dir_.empty()) {
+      const std::string what = absl::StrCat("ffn-blocking H=", hidden, " F=", ffn, " ",
+                                            DTypeName(dtype), " ", JoinCandidates(candidates));
+      cache_path = detail::ProgramCachePath(
+          cache_dir_, "ffn-blocking", detail::ProgramCacheKey(FfnProgramKeySource(), what, info_));
+      cache_path.replace(cache_path.size() - 4, 4, ".txt");  // ".bin" -> ".txt"
+      absl::StatusOr<std::string> text = common::ReadWholeFile(cache_path);
+      if (text.ok()) {
+        const std::string first_line(absl::string_view(*text).substr(0, text->find('\n')));
+        absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(first_line);
+        if (b.ok() && std::find(candidates.begin(), candidates.end(), *b) != candidates.end()) {
+          choice.blocking = *b;
+          choice.origin = FfnBlockingOrigin::kCache;
+        }
+      }
+    }
+    if (choice.origin != FfnBlockingOrigin::kCache) {
+      std::string log;
+      absl::StatusOr<size_t> winner = TimeCandidates(*this, candidates, hidden, ffn, dtype, &log);
+      if (!winner.ok()) return winner.status();
+      choice.blocking = candidates[*winner];
+      choice.origin = FfnBlockingOrigin::kTuned;
+      if (!cache_path.empty()) {
+        const absl::Status s = detail::WriteFileAtomically(
+            cache_path, absl::StrCat(choice.blocking.ToString(), "\n", log));
+        (void)s;  // a cache that cannot be written only costs the next start a tuning
+      }
+    }
+  }
+  choice.seconds = SecondsSince(start);
+  mutable_ffn_choices().push_back(choice);
+  return choice.blocking;
+}
+
+}  // namespace epserve::kernels
