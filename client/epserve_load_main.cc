@@ -32,6 +32,7 @@
 #include "client/verify.h"
 #include "common/files.h"
 #include "common/flags.h"
+#include "common/status.h"
 
 namespace epserve::client {
 namespace {
@@ -195,12 +196,11 @@ absl::StatusOr<std::vector<StepSpec>> StepsFromFlags(const Flags& f) {
   }
   std::vector<StepSpec> steps;
   if (!rates.empty()) {
-    absl::StatusOr<Arrival> arrival = ParseArrival(f.arrival);
-    if (!arrival.ok()) return arrival.status();
+    EPSERVE_ASSIGN_OR_RETURN(Arrival arrival, ParseArrival(f.arrival));
     for (const std::string& text : rates) {
       StepSpec step;
       step.mode = LoadMode::kOpenLoop;
-      step.arrival = *arrival;
+      step.arrival = arrival;
       if (!absl::SimpleAtod(text, &step.rate_per_s) || !(step.rate_per_s > 0)) {
         return absl::InvalidArgumentError(
             absl::StrCat("rate: '", text, "' is not a number of requests/s > 0"));

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 #include "model/reference.h"
 #include "model/synthetic.h"
 
@@ -33,9 +34,9 @@ absl::StatusOr<std::unique_ptr<Verifier>> Verifier::Create(absl::string_view spe
         absl::StrCat("verify-model: '", spec, "' is not synthetic:<preset>; presets: ",
                      absl::StrJoin(model::SyntheticPresetNames(), ", ")));
   }
-  absl::StatusOr<std::unique_ptr<model::WeightSource>> source = model::OpenModel(spec, seed);
-  if (!source.ok()) return source.status();
-  const model::ModelConfig& config = (*source)->config();
+  EPSERVE_ASSIGN_OR_RETURN(std::unique_ptr<model::WeightSource> source,
+                           model::OpenModel(spec, seed));
+  const model::ModelConfig& config = source->config();
   const int chosen = layer.has_value() ? static_cast<int>(*layer) : config.moe_layers.front();
   if (std::find(config.moe_layers.begin(), config.moe_layers.end(), chosen) ==
       config.moe_layers.end()) {
@@ -43,11 +44,10 @@ absl::StatusOr<std::unique_ptr<Verifier>> Verifier::Create(absl::string_view spe
                                                    spec, " (",
                                                    absl::StrJoin(config.moe_layers, ","), ")"));
   }
-  absl::StatusOr<model::LayerWeights> weights = model::LoadLayer(**source, chosen);
-  if (!weights.ok()) return weights.status();
+  EPSERVE_ASSIGN_OR_RETURN(model::LayerWeights weights, model::LoadLayer(*source, chosen));
   auto v = std::unique_ptr<Verifier>(new Verifier());
   v->config_ = config.layer;
-  v->weights_ = *std::move(weights);
+  v->weights_ = std::move(weights);
   v->layer_ = chosen;
   v->tolerance_ = tolerance > 0 ? tolerance : DefaultTolerance(dtype);
   return v;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/files.h"
+#include "common/status.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/detail/program_cache.h"
@@ -54,8 +55,8 @@ absl::StatusOr<double> RunCase(Runtime& rt, const ExpertWeights& w, const TuneCa
     offsets[e + 1] = offsets[e] + (e < c.experts ? c.rows_per_expert : 0);
   }
   const Clock::time_point start = Clock::now();
-  RETURN_IF_ERROR(ExpertFfn(rt, w, x, row_index, offsets, h, y));
-  RETURN_IF_ERROR(rt.Finish());
+  EPSERVE_RETURN_IF_ERROR(ExpertFfn(rt, w, x, row_index, offsets, h, y));
+  EPSERVE_RETURN_IF_ERROR(rt.Finish());
   return SecondsSince(start);
 }
 
@@ -72,14 +73,14 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
   // BF16 weights: two 0.0078125 values a word; FP32: the pattern given.
   const uint32_t pattern = dtype == DType::kBf16 ? 0x3c003c00u : fp32_pattern;
   const size_t elem = DTypeBytes(dtype);
-  absl::StatusOr<Buffer> gate_up =
-      Filled(rt, detail::GateUpFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern);
-  if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<Buffer> down =
-      Filled(rt, detail::DownFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern);
-  if (!down.ok()) return down.status();
-  w.gate_up = *std::move(gate_up);
-  w.down = *std::move(down);
+  EPSERVE_ASSIGN_OR_RETURN(
+      Buffer gate_up,
+      Filled(rt, detail::GateUpFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern));
+  EPSERVE_ASSIGN_OR_RETURN(
+      Buffer down,
+      Filled(rt, detail::DownFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern));
+  w.gate_up = std::move(gate_up);
+  w.down = std::move(down);
   return w;
 }
 
@@ -92,21 +93,17 @@ absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking
   int64_t max_rows = 0;
   for (const TuneCase& c : kTuneCases) max_rows = std::max(max_rows, c.rows_per_expert * c.experts);
   const uint32_t x_pattern = 0x3c23d70a;  // 0.01f
-  absl::StatusOr<Buffer> x = Filled(rt, max_rows * hidden * sizeof(float), x_pattern);
-  if (!x.ok()) return x.status();
+  EPSERVE_ASSIGN_OR_RETURN(Buffer x, Filled(rt, max_rows * hidden * sizeof(float), x_pattern));
   std::vector<int32_t> index(max_rows);
   std::iota(index.begin(), index.end(), 0);
-  absl::StatusOr<Buffer> row_index = rt.AllocateCopy(index.data(), index.size() * sizeof(int32_t));
-  if (!row_index.ok()) return row_index.status();
-  absl::StatusOr<Buffer> h = rt.Allocate(max_rows * ffn * sizeof(float));
-  if (!h.ok()) return h.status();
-  absl::StatusOr<Buffer> y = rt.Allocate(max_rows * hidden * sizeof(float));
-  if (!y.ok()) return y.status();
+  EPSERVE_ASSIGN_OR_RETURN(Buffer row_index,
+                           rt.AllocateCopy(index.data(), index.size() * sizeof(int32_t)));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer h, rt.Allocate(max_rows * ffn * sizeof(float)));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer y, rt.Allocate(max_rows * hidden * sizeof(float)));
   std::vector<ExpertWeights> weights;
   for (const FfnBlocking& b : candidates) {
-    absl::StatusOr<ExpertWeights> w = TuneWeights(rt, b, hidden, ffn, dtype, x_pattern);
-    if (!w.ok()) return w.status();
-    weights.push_back(*std::move(w));
+    EPSERVE_ASSIGN_OR_RETURN(ExpertWeights w, TuneWeights(rt, b, hidden, ffn, dtype, x_pattern));
+    weights.push_back(std::move(w));
   }
 
   const size_t num_cases = std::size(kTuneCases);
@@ -115,9 +112,9 @@ absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking
   for (int round = 0; round <= kTuneRepeats; ++round) {
     for (size_t i = 0; i < candidates.size(); ++i) {
       for (size_t c = 0; c < num_cases; ++c) {
-        absl::StatusOr<double> t = RunCase(rt, weights[i], kTuneCases[c], *x, *row_index, *h, *y);
-        if (!t.ok()) return t.status();
-        if (round > 0) times[i][c] = std::min(times[i][c], *t);
+        EPSERVE_ASSIGN_OR_RETURN(double t,
+                                 RunCase(rt, weights[i], kTuneCases[c], x, row_index, h, y));
+        if (round > 0) times[i][c] = std::min(times[i][c], t);
       }
     }
   }
@@ -211,9 +208,9 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
     }
     if (choice.origin != FfnBlockingOrigin::kCache) {
       std::string log;
-      absl::StatusOr<size_t> winner = TimeCandidates(*this, candidates, hidden, ffn, dtype, &log);
-      if (!winner.ok()) return winner.status();
-      choice.blocking = candidates[*winner];
+      EPSERVE_ASSIGN_OR_RETURN(size_t winner,
+                               TimeCandidates(*this, candidates, hidden, ffn, dtype, &log));
+      choice.blocking = candidates[winner];
       choice.origin = FfnBlockingOrigin::kTuned;
       if (!cache_path.empty()) {
         const absl::Status s = detail::WriteFileAtomically(

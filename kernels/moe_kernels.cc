@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/ffn_layout.h"
 
@@ -108,16 +109,16 @@ absl::Status FillExperts(Runtime& rt, const model::WeightSource& source, int lay
   std::vector<float> staging(w.hidden * w.ffn);  // one [F, H] or [H, F] tensor
   for (int i = 0; i < w.num_experts; ++i) {
     const int expert = w.first_expert + i;
-    RETURN_IF_ERROR(FillMapped<T>(rt, w.gate_up, i * gu_elems, gu_elems, [&](T* dst) {
+    EPSERVE_RETURN_IF_ERROR(FillMapped<T>(rt, w.gate_up, i * gu_elems, gu_elems, [&](T* dst) {
       for (int half = 0; half < 2; ++half) {
-        RETURN_IF_ERROR(
+        EPSERVE_RETURN_IF_ERROR(
             source.Fill(layer, half == 0 ? kinds.gate : kinds.up, expert, staging.data()));
         place_gate_up(dst, half, staging.data());
       }
       return absl::OkStatus();
     }));
-    RETURN_IF_ERROR(FillMapped<T>(rt, w.down, i * down_elems, down_elems, [&](T* dst) {
-      RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
+    EPSERVE_RETURN_IF_ERROR(FillMapped<T>(rt, w.down, i * down_elems, down_elems, [&](T* dst) {
+      EPSERVE_RETURN_IF_ERROR(source.Fill(layer, kinds.down, expert, staging.data()));
       place_down(dst, staging.data());
       return absl::OkStatus();
     }));
@@ -250,8 +251,8 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
                                         DType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   const int64_t hidden = cfg.hidden_size;
-  RETURN_IF_ERROR(NeedIntRange(hidden, "hidden_size"));
-  RETURN_IF_ERROR(NeedIntRange(ffn, "ffn size"));
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(hidden, "hidden_size"));
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(ffn, "ffn size"));
   ExpertWeights w;
   w.first_expert = first;
   w.num_experts = count;
@@ -263,9 +264,8 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
       dtype == DType::kBf16 && rt.tensor_cores() && detail::MmaFitsCallerBuffers(hidden, ffn);
   w.bf16_dot = dtype == DType::kBf16 && !w.tensor_cores && rt.bf16_dot();
   if (!w.tensor_cores && !w.bf16_dot) {
-    absl::StatusOr<FfnBlocking> blocking = rt.ChooseFfnBlocking(hidden, ffn, dtype);
-    if (!blocking.ok()) return blocking.status();
-    w.blocking = *blocking;
+    EPSERVE_ASSIGN_OR_RETURN(FfnBlocking blocking, rt.ChooseFfnBlocking(hidden, ffn, dtype));
+    w.blocking = blocking;
   }
   const int64_t pw = w.blocking.panel_cols();
   const int64_t gate_up_values = w.tensor_cores ? detail::MmaGateUpValuesPerExpert(hidden, ffn)
@@ -275,20 +275,18 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
                               : w.bf16_dot   ? detail::DownDotValuesPerExpert(hidden, ffn)
                                              : detail::DownFloatsPerExpert(hidden, ffn, pw);
   const size_t elem = DTypeBytes(dtype);
-  absl::StatusOr<Buffer> gate_up = rt.Allocate(gate_up_values * count * elem);
-  if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<Buffer> down = rt.Allocate(down_values * count * elem);
-  if (!down.ok()) return down.status();
-  w.gate_up = *std::move(gate_up);
-  w.down = *std::move(down);
+  EPSERVE_ASSIGN_OR_RETURN(Buffer gate_up, rt.Allocate(gate_up_values * count * elem));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer down, rt.Allocate(down_values * count * elem));
+  w.gate_up = std::move(gate_up);
+  w.down = std::move(down);
   if (w.tensor_cores) {
-    RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
+    EPSERVE_RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
   } else if (w.bf16_dot) {
-    RETURN_IF_ERROR(FillFfnDot(rt, source, layer, kinds, w));
+    EPSERVE_RETURN_IF_ERROR(FillFfnDot(rt, source, layer, kinds, w));
   } else if (dtype == DType::kBf16) {
-    RETURN_IF_ERROR(FillFfn<uint16_t>(rt, source, layer, kinds, w));
+    EPSERVE_RETURN_IF_ERROR(FillFfn<uint16_t>(rt, source, layer, kinds, w));
   } else {
-    RETURN_IF_ERROR(FillFfn<float>(rt, source, layer, kinds, w));
+    EPSERVE_RETURN_IF_ERROR(FillFfn<float>(rt, source, layer, kinds, w));
   }
   return w;
 }
@@ -319,14 +317,14 @@ absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_
                     const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                     Buffer& h_scratch, Buffer& y) {
   int num_groups = 0;
-  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, w.blocking.row_chunk, &num_groups);
-  if (!groups.ok()) return groups.status();
+  EPSERVE_ASSIGN_OR_RETURN(Buffer groups,
+                           UploadGroups(rt, offsets, w.blocking.row_chunk, &num_groups));
   if (num_groups == 0) return absl::OkStatus();
   const char* w_name = w.dtype == DType::kBf16 ? "_wbf16" : "_wf32";
-  absl::StatusOr<cl_kernel> gate_up = rt.FfnKernel(absl::StrCat("ffn_gate_up", w_name), w.blocking);
-  if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<cl_kernel> down = rt.FfnKernel(absl::StrCat("ffn_down", w_name), w.blocking);
-  if (!down.ok()) return down.status();
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up,
+                           rt.FfnKernel(absl::StrCat("ffn_gate_up", w_name), w.blocking));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down,
+                           rt.FfnKernel(absl::StrCat("ffn_down", w_name), w.blocking));
   const cl_int hidden = static_cast<cl_int>(w.hidden);
   const cl_int ffn = static_cast<cl_int>(w.ffn);
   const int64_t pw = w.blocking.panel_cols();
@@ -334,25 +332,25 @@ absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_
   const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden, pw));
   const cl_long x_rows = RowsInBuffer(x, sizeof(float), w.hidden, x_stride);
   const size_t local[2] = {1, 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, x, x_rows, cl_long{x_stride}, row_index, cl_int{gather ? 1 : 0},
-                          *groups, w.gate_up, hidden, ffn, gu_panels, h_scratch));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, x, x_rows, cl_long{x_stride}, row_index,
+                                  cl_int{gather ? 1 : 0}, groups, w.gate_up, hidden, ffn, gu_panels,
+                                  h_scratch));
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels), static_cast<size_t>(num_groups)};
-  RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
-  RETURN_IF_ERROR(SetArgs(*down, h_scratch, *groups, w.down, hidden, ffn, down_panels, y));
+  EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, groups, w.down, hidden, ffn, down_panels, y));
   const size_t down_global[2] = {static_cast<size_t>(down_panels), static_cast<size_t>(num_groups)};
-  return Launch(rt, *down, 2, down_global, local);
+  return Launch(rt, down, 2, down_global, local);
 }
 
 // out[p, :] = x[row_index[p], :] widened to FP32 for p < rows; x BF16 rows `stride` apart.
 absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_t stride,
                             const Buffer& row_index, int64_t rows, Buffer& out) {
-  absl::StatusOr<cl_kernel> kernel = rt.Kernel("gather_bf16_rows");
-  if (!kernel.ok()) return kernel.status();
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("gather_bf16_rows"));
   const cl_long x_rows = RowsInBuffer(x, sizeof(uint16_t), hidden, stride);
-  RETURN_IF_ERROR(SetArgs(*kernel, x, x_rows, cl_long{stride}, row_index, static_cast<cl_int>(rows),
-                          static_cast<cl_int>(hidden), out));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, x, x_rows, cl_long{stride}, row_index,
+                                  static_cast<cl_int>(rows), static_cast<cl_int>(hidden), out));
   const size_t global[1] = {static_cast<size_t>(rows)};
-  return Launch(rt, *kernel, 1, global, nullptr);
+  return Launch(rt, kernel, 1, global, nullptr);
 }
 
 // What the FFNs with BF16 activations (tensor cores, dot products) do before their GEMMs:
@@ -373,22 +371,21 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
                                         std::span<const size_t> gather_global, Buffer& h_scratch,
                                         Buffer& y) {
   const int64_t rows = offsets.back();
-  RETURN_IF_ERROR(NeedBytes(y, rows * x_values * sizeof(uint16_t), "y (BF16 activations)"));
-  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * h_values * sizeof(uint16_t), "h_scratch (BF16 h)"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * x_values * sizeof(uint16_t), "y (BF16 activations)"));
+  EPSERVE_RETURN_IF_ERROR(
+      NeedBytes(h_scratch, rows * h_values * sizeof(uint16_t), "h_scratch (BF16 h)"));
   Bf16Tiles tiles;
-  absl::StatusOr<Buffer> groups = UploadGroups(rt, offsets, chunk, &tiles.num_groups);
-  if (!groups.ok()) return groups.status();
-  tiles.groups = *std::move(groups);
+  EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, chunk, &tiles.num_groups));
+  tiles.groups = std::move(groups);
   if (tiles.num_groups == 0) return tiles;
-  absl::StatusOr<cl_kernel> kernel = rt.Kernel(gather_kernel);
-  if (!kernel.ok()) return kernel.status();
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(gather_kernel));
   const cl_long x_rows = RowsInBuffer(x, DTypeBytes(x_format.dtype), w.hidden, x_format.row_stride);
-  RETURN_IF_ERROR(SetArgs(*kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
-                          cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
-                          static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
-                          static_cast<cl_int>(x_values), y));
-  RETURN_IF_ERROR(Launch(rt, *kernel, static_cast<cl_uint>(gather_global.size()),
-                         gather_global.data(), nullptr));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
+                                  cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
+                                  static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
+                                  static_cast<cl_int>(x_values), y));
+  EPSERVE_RETURN_IF_ERROR(Launch(rt, kernel, static_cast<cl_uint>(gather_global.size()),
+                                 gather_global.data(), nullptr));
   return tiles;
 }
 
@@ -403,28 +400,27 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   const int64_t f_pad = detail::MmaFfnPad(w.ffn);
   const int64_t down_rows = detail::MmaDownRows(w.hidden);
   const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
-  absl::StatusOr<Bf16Tiles> tiles =
+  EPSERVE_ASSIGN_OR_RETURN(
+      Bf16Tiles tiles,
       StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets, detail::kMmaBm, k_pad, f_pad,
-                    "gather_rows_to_bf16", gather_global, h_scratch, y);
-  if (!tiles.ok()) return tiles.status();
-  if (tiles->num_groups == 0) return absl::OkStatus();
-  absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_mma_gate_up");
-  if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_mma_down");
-  if (!down.ok()) return down.status();
+                    "gather_rows_to_bf16", gather_global, h_scratch, y));
+  if (tiles.num_groups == 0) return absl::OkStatus();
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up, rt.Kernel("ffn_mma_gate_up"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_mma_down"));
   const size_t local[2] = {static_cast<size_t>(detail::kMmaThreads), 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, y, tiles->groups, w.gate_up, static_cast<cl_int>(k_pad),
-                          static_cast<cl_int>(f_pad), h_scratch));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, tiles.groups, w.gate_up, static_cast<cl_int>(k_pad),
+                                  static_cast<cl_int>(f_pad), h_scratch));
   const size_t gu_global[2] = {
       static_cast<size_t>(2 * f_pad / detail::kMmaBn * detail::kMmaThreads),
-      static_cast<size_t>(tiles->num_groups)};
-  RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
-  RETURN_IF_ERROR(SetArgs(*down, h_scratch, tiles->groups, w.down, static_cast<cl_int>(f_pad),
-                          static_cast<cl_int>(down_rows), static_cast<cl_int>(w.hidden), y));
+      static_cast<size_t>(tiles.num_groups)};
+  EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, tiles.groups, w.down, static_cast<cl_int>(f_pad),
+                                  static_cast<cl_int>(down_rows), static_cast<cl_int>(w.hidden),
+                                  y));
   const size_t down_global[2] = {
       static_cast<size_t>(down_rows / detail::kMmaBn * detail::kMmaThreads),
-      static_cast<size_t>(tiles->num_groups)};
-  return Launch(rt, *down, 2, down_global, local);
+      static_cast<size_t>(tiles.num_groups)};
+  return Launch(rt, down, 2, down_global, local);
 }
 
 // The BF16 dot-product FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows
@@ -436,29 +432,27 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   const int64_t kp_hidden = detail::DotKPairs(w.hidden);
   const int64_t kp_ffn = detail::DotKPairs(w.ffn);
   const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
-  absl::StatusOr<Bf16Tiles> tiles = StageBf16Rows(
-      rt, w, x, x_format, row_index, gather, offsets, detail::kDotRowChunk, 2 * kp_hidden,
-      2 * kp_ffn, "gather_rows_to_bf16_pairs", gather_global, h_scratch, y);
-  if (!tiles.ok()) return tiles.status();
-  if (tiles->num_groups == 0) return absl::OkStatus();
-  absl::StatusOr<cl_kernel> gate_up = rt.Kernel("ffn_gate_up_dot");
-  if (!gate_up.ok()) return gate_up.status();
-  absl::StatusOr<cl_kernel> down = rt.Kernel("ffn_down_dot");
-  if (!down.ok()) return down.status();
+  EPSERVE_ASSIGN_OR_RETURN(Bf16Tiles tiles,
+                           StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets,
+                                         detail::kDotRowChunk, 2 * kp_hidden, 2 * kp_ffn,
+                                         "gather_rows_to_bf16_pairs", gather_global, h_scratch, y));
+  if (tiles.num_groups == 0) return absl::OkStatus();
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up, rt.Kernel("ffn_gate_up_dot"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_down_dot"));
   const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn, detail::kDotPanelCols));
   const cl_int down_panels =
       static_cast<cl_int>(detail::DownPanels(w.hidden, detail::kDotPanelCols));
   const size_t local[2] = {1, 1};
-  RETURN_IF_ERROR(SetArgs(*gate_up, y, static_cast<cl_int>(kp_hidden), tiles->groups, w.gate_up,
-                          gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, static_cast<cl_int>(kp_hidden), tiles.groups,
+                                  w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels),
-                               static_cast<size_t>(tiles->num_groups)};
-  RETURN_IF_ERROR(Launch(rt, *gate_up, 2, gu_global, local));
-  RETURN_IF_ERROR(SetArgs(*down, h_scratch, static_cast<cl_int>(kp_ffn), tiles->groups, w.down,
-                          static_cast<cl_int>(w.hidden), down_panels, y));
+                               static_cast<size_t>(tiles.num_groups)};
+  EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, static_cast<cl_int>(kp_ffn), tiles.groups,
+                                  w.down, static_cast<cl_int>(w.hidden), down_panels, y));
   const size_t down_global[2] = {static_cast<size_t>(down_panels),
-                                 static_cast<size_t>(tiles->num_groups)};
-  return Launch(rt, *down, 2, down_global, local);
+                                 static_cast<size_t>(tiles.num_groups)};
+  return Launch(rt, down, 2, down_global, local);
 }
 
 }  // namespace
@@ -466,7 +460,7 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
 absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSource& source,
                                            int layer) {
   const model::MoeLayerConfig& cfg = source.config().layer;
-  RETURN_IF_ERROR(cfg.Validate());
+  EPSERVE_RETURN_IF_ERROR(cfg.Validate());
   if (cfg.num_experts > detail::kRouterMaxExperts) {
     return absl::InvalidArgumentError(absl::StrCat("num_experts=", cfg.num_experts,
                                                    " exceeds the router kernel's maximum of ",
@@ -476,17 +470,17 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
   w.cfg = cfg;
   const model::TensorShape shape = model::ShapeOf(cfg, TensorKind::kRouter);
   std::vector<float> staging(shape.numel());
-  RETURN_IF_ERROR(source.Fill(layer, TensorKind::kRouter, 0, staging.data()));
-  absl::StatusOr<Buffer> router = rt.AllocateCopy(staging.data(), staging.size() * sizeof(float));
-  if (!router.ok()) return router.status();
-  w.router = *std::move(router);
+  EPSERVE_RETURN_IF_ERROR(source.Fill(layer, TensorKind::kRouter, 0, staging.data()));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer router,
+                           rt.AllocateCopy(staging.data(), staging.size() * sizeof(float)));
+  w.router = std::move(router);
   const model::TensorShape bias_shape = model::ShapeOf(cfg, TensorKind::kRouterBias);
   if (bias_shape.numel() > 0) {
     staging.assign(bias_shape.numel(), 0.0f);
-    RETURN_IF_ERROR(source.Fill(layer, TensorKind::kRouterBias, 0, staging.data()));
-    absl::StatusOr<Buffer> bias = rt.AllocateCopy(staging.data(), staging.size() * sizeof(float));
-    if (!bias.ok()) return bias.status();
-    w.bias = *std::move(bias);
+    EPSERVE_RETURN_IF_ERROR(source.Fill(layer, TensorKind::kRouterBias, 0, staging.data()));
+    EPSERVE_ASSIGN_OR_RETURN(Buffer bias,
+                             rt.AllocateCopy(staging.data(), staging.size() * sizeof(float)));
+    w.bias = std::move(bias);
   }
   return w;
 }
@@ -499,7 +493,7 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
                                             int layer, int first_expert, int num_experts,
                                             DType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
-  RETURN_IF_ERROR(cfg.Validate());
+  EPSERVE_RETURN_IF_ERROR(cfg.Validate());
   if (first_expert < 0 || num_experts < 0 || first_expert + num_experts > cfg.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat("experts [", first_expert, ", ",
                                                    first_expert + num_experts, ") not within [0, ",
@@ -513,20 +507,21 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
 absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
                                                  int layer, DType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
-  RETURN_IF_ERROR(cfg.Validate());
+  EPSERVE_RETURN_IF_ERROR(cfg.Validate());
   if (cfg.shared_ffn_size <= 0) {
     return absl::FailedPreconditionError("the layer has no shared expert (shared_ffn_size == 0)");
   }
-  absl::StatusOr<ExpertWeights> w = UploadFfn(
-      rt, source, layer, {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown},
-      0, 1, cfg.shared_ffn_size, dtype);
-  if (!w.ok()) return w.status();
+  EPSERVE_ASSIGN_OR_RETURN(
+      ExpertWeights w,
+      UploadFfn(rt, source, layer,
+                {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown}, 0, 1,
+                cfg.shared_ffn_size, dtype));
   if (cfg.shared_expert_gate) {
     std::vector<float> gate(cfg.hidden_size);
-    RETURN_IF_ERROR(source.Fill(layer, TensorKind::kSharedExpertGate, 0, gate.data()));
-    absl::StatusOr<Buffer> buffer = rt.AllocateCopy(gate.data(), gate.size() * sizeof(float));
-    if (!buffer.ok()) return buffer.status();
-    w->gate = *std::move(buffer);
+    EPSERVE_RETURN_IF_ERROR(source.Fill(layer, TensorKind::kSharedExpertGate, 0, gate.data()));
+    EPSERVE_ASSIGN_OR_RETURN(Buffer buffer,
+                             rt.AllocateCopy(gate.data(), gate.size() * sizeof(float)));
+    w.gate = std::move(buffer);
   }
   return w;
 }
@@ -534,29 +529,28 @@ absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::Weigh
 absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t n, Buffer& ids,
                    Buffer& weights) {
   const model::MoeLayerConfig& c = w.cfg;
-  RETURN_IF_ERROR(NeedIntRange(n, "n"));
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(n, "n"));
   if (n == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(NeedBytes(x, n * c.hidden_size * sizeof(float), "x"));
-  RETURN_IF_ERROR(NeedBytes(ids, n * c.top_k * sizeof(int32_t), "ids"));
-  RETURN_IF_ERROR(NeedBytes(weights, n * c.top_k * sizeof(float), "weights"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(x, n * c.hidden_size * sizeof(float), "x"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(ids, n * c.top_k * sizeof(int32_t), "ids"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(weights, n * c.top_k * sizeof(float), "weights"));
   // CPUs: one work-item per block of tokens; other devices: a work-group per block.
   const bool cpu = rt.device_info().is_cpu;
-  absl::StatusOr<cl_kernel> kernel = rt.Kernel(cpu ? "route_tokens" : "route_tokens_wg");
-  if (!kernel.ok()) return kernel.status();
-  RETURN_IF_ERROR(SetArgs(*kernel, x, w.router, w.bias, static_cast<cl_int>(n),
-                          static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts},
-                          cl_int{c.top_k}, static_cast<cl_int>(c.routing),
-                          cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group}, cl_int{c.topk_group},
-                          cl_float{c.routed_scaling_factor}, ids, weights));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(cpu ? "route_tokens" : "route_tokens_wg"));
+  EPSERVE_RETURN_IF_ERROR(
+      SetArgs(kernel, x, w.router, w.bias, static_cast<cl_int>(n),
+              static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts}, cl_int{c.top_k},
+              static_cast<cl_int>(c.routing), cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group},
+              cl_int{c.topk_group}, cl_float{c.routed_scaling_factor}, ids, weights));
   if (!cpu) {
     const size_t local[1] = {static_cast<size_t>(detail::kRouterGroupSize)};
     const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterGroupTokens)) *
                               local[0]};
-    return Launch(rt, *kernel, 1, global, local);
+    return Launch(rt, kernel, 1, global, local);
   }
   const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterTokens))};
   const size_t local[1] = {1};
-  return Launch(rt, *kernel, 1, global, local);
+  return Launch(rt, kernel, 1, global, local);
 }
 
 absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
@@ -584,12 +578,12 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
     }
   }
   const int64_t rows = expert_offsets.back();
-  RETURN_IF_ERROR(NeedIntRange(rows, "expert_offsets.back()"));
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(rows, "expert_offsets.back()"));
   if (rows == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(NeedBytes(x, w.hidden * DTypeBytes(x_format.dtype), "x"));
-  RETURN_IF_ERROR(NeedBytes(row_index, rows * sizeof(int32_t), "row_index"));
-  RETURN_IF_ERROR(NeedBytes(h_scratch, rows * w.ffn * sizeof(float), "h_scratch"));
-  RETURN_IF_ERROR(NeedBytes(y, rows * w.hidden * sizeof(float), "y"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(x, w.hidden * DTypeBytes(x_format.dtype), "x"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(row_index, rows * sizeof(int32_t), "row_index"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, rows * w.ffn * sizeof(float), "h_scratch"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * w.hidden * sizeof(float), "y"));
   if (w.tensor_cores) {
     return RunFfnMma(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
   }
@@ -598,7 +592,8 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   }
   if (x_format.dtype == DType::kBf16) {
     // Widened and gathered into y, which gate_up reads before down overwrites it.
-    RETURN_IF_ERROR(GatherBf16Rows(rt, x, w.hidden, x_format.row_stride, row_index, rows, y));
+    EPSERVE_RETURN_IF_ERROR(
+        GatherBf16Rows(rt, x, w.hidden, x_format.row_stride, row_index, rows, y));
     return RunFfn(rt, w, y, w.hidden, row_index, /*gather=*/false, expert_offsets, h_scratch, y);
   }
   return RunFfn(rt, w, x, x_format.row_stride, row_index, /*gather=*/true, expert_offsets,
@@ -611,60 +606,57 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
     return absl::InvalidArgumentError(
         absl::StrCat("a shared expert has num_experts == 1, got ", w.num_experts));
   }
-  RETURN_IF_ERROR(NeedIntRange(n, "n"));
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(n, "n"));
   if (n == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(NeedBytes(x, n * w.hidden * sizeof(float), "x"));
-  RETURN_IF_ERROR(NeedBytes(h_scratch, n * w.ffn * sizeof(float), "h_scratch"));
-  RETURN_IF_ERROR(NeedBytes(y, n * w.hidden * sizeof(float), "y"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(x, n * w.hidden * sizeof(float), "x"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, n * w.ffn * sizeof(float), "h_scratch"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, n * w.hidden * sizeof(float), "y"));
   const int64_t offsets[2] = {0, n};
   const Buffer no_index;
   const RowFormat x_format = {DType::kFp32, w.hidden};
-  RETURN_IF_ERROR(
+  EPSERVE_RETURN_IF_ERROR(
       w.tensor_cores
           ? RunFfnMma(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
       : w.bf16_dot
           ? RunFfnDot(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
           : RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, offsets, h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
-  absl::StatusOr<cl_kernel> scale = rt.Kernel("scale_rows_by_sigmoid_gate");
-  if (!scale.ok()) return scale.status();
-  RETURN_IF_ERROR(
-      SetArgs(*scale, x, w.gate, static_cast<cl_int>(n), static_cast<cl_long>(w.hidden), y));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel scale, rt.Kernel("scale_rows_by_sigmoid_gate"));
+  EPSERVE_RETURN_IF_ERROR(
+      SetArgs(scale, x, w.gate, static_cast<cl_int>(n), static_cast<cl_long>(w.hidden), y));
   const size_t global[1] = {static_cast<size_t>(n)};
-  return Launch(rt, *scale, 1, global, nullptr);
+  return Launch(rt, scale, 1, global, nullptr);
 }
 
 absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_index,
                              const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
                              Buffer& out) {
-  RETURN_IF_ERROR(NeedIntRange(n, "n"));
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(n, "n"));
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("k must be >= 1, got ", k));
   if (hidden < 1) {
     return absl::InvalidArgumentError(absl::StrCat("hidden must be >= 1, got ", hidden));
   }
   if (n == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(NeedBytes(pair_index, n * k * sizeof(int32_t), "pair_index"));
-  RETURN_IF_ERROR(NeedBytes(pair_weight, n * k * sizeof(float), "pair_weight"));
-  RETURN_IF_ERROR(NeedBytes(out, n * hidden * sizeof(float), "out"));
-  absl::StatusOr<cl_kernel> kernel = rt.Kernel("weighted_combine");
-  if (!kernel.ok()) return kernel.status();
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(pair_index, n * k * sizeof(int32_t), "pair_index"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(pair_weight, n * k * sizeof(float), "pair_weight"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(out, n * hidden * sizeof(float), "out"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("weighted_combine"));
   const cl_long y_rows = static_cast<cl_long>(y.bytes() / (hidden * sizeof(float)));
-  RETURN_IF_ERROR(SetArgs(*kernel, y, y_rows, pair_index, pair_weight, static_cast<cl_int>(n),
-                          cl_int{k}, cl_long{hidden}, out));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, y, y_rows, pair_index, pair_weight,
+                                  static_cast<cl_int>(n), cl_int{k}, cl_long{hidden}, out));
   const size_t global[2] = {static_cast<size_t>(hidden), static_cast<size_t>(n)};
-  return Launch(rt, *kernel, 2, global, nullptr);
+  return Launch(rt, kernel, 2, global, nullptr);
 }
 
 absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst) {
   if (count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", count));
   if (count == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(NeedBytes(src, count * sizeof(float), "src"));
-  RETURN_IF_ERROR(NeedBytes(dst, count * sizeof(float), "dst"));
-  absl::StatusOr<cl_kernel> kernel = rt.Kernel("add_into");
-  if (!kernel.ok()) return kernel.status();
-  RETURN_IF_ERROR(SetArgs(*kernel, src, cl_long{count}, dst));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(src, count * sizeof(float), "src"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(dst, count * sizeof(float), "dst"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("add_into"));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, cl_long{count}, dst));
   const size_t global[1] = {static_cast<size_t>(count)};
-  return Launch(rt, *kernel, 1, global, nullptr);
+  return Launch(rt, kernel, 1, global, nullptr);
 }
 
 }  // namespace epserve::kernels

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/files.h"
+#include "common/status.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/detail/program_cache.h"
@@ -76,8 +77,8 @@ absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> EnumerateDevice
   std::vector<cl_platform_id> platforms(num_platforms);
   CL_CHECK(clGetPlatformIDs(num_platforms, platforms.data(), nullptr));
   for (cl_uint p = 0; p < num_platforms; ++p) {
-    absl::StatusOr<std::string> platform_name = PlatformString(platforms[p], CL_PLATFORM_NAME);
-    if (!platform_name.ok()) return platform_name.status();
+    EPSERVE_ASSIGN_OR_RETURN(std::string platform_name,
+                             PlatformString(platforms[p], CL_PLATFORM_NAME));
     cl_uint num_devices = 0;
     const cl_int derr = clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, 0, nullptr, &num_devices);
     if (derr == CL_DEVICE_NOT_FOUND || num_devices == 0) continue;
@@ -89,7 +90,7 @@ absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> EnumerateDevice
       DeviceInfo info;
       info.platform_index = static_cast<int>(p);
       info.device_index = static_cast<int>(d);
-      info.platform_name = *platform_name;
+      info.platform_name = platform_name;
       absl::StatusOr<std::string> name = DeviceString(devices[d], CL_DEVICE_NAME);
       absl::StatusOr<std::string> version = DeviceString(devices[d], CL_DEVICE_VERSION);
       absl::StatusOr<std::string> driver = DeviceString(devices[d], CL_DRIVER_VERSION);
@@ -203,10 +204,9 @@ std::string DeviceInfo::Describe() const {
 }
 
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
-  absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> devices = EnumerateDevices();
-  if (!devices.ok()) return devices.status();
+  EPSERVE_ASSIGN_OR_RETURN(auto devices, EnumerateDevices());
   std::vector<DeviceInfo> out;
-  for (auto& entry : *devices) out.push_back(std::move(entry.second));
+  for (auto& entry : devices) out.push_back(std::move(entry.second));
   return out;
 }
 
@@ -268,15 +268,12 @@ static std::string FfnBlockingOptions(const FfnBlocking& b) {
 }
 
 absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) {
-  absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> devices = EnumerateDevices();
-  if (!devices.ok()) return devices.status();
-  absl::StatusOr<std::pair<cl_device_id, DeviceInfo>> chosen =
-      ChooseDevice(*devices, options.device, options.local_rank);
-  if (!chosen.ok()) return chosen.status();
+  EPSERVE_ASSIGN_OR_RETURN(auto devices, EnumerateDevices());
+  EPSERVE_ASSIGN_OR_RETURN(auto chosen, ChooseDevice(devices, options.device, options.local_rank));
 
   std::unique_ptr<Runtime> rt(new Runtime());
-  rt->device_ = chosen->first;
-  rt->info_ = chosen->second;
+  rt->device_ = chosen.first;
+  rt->info_ = chosen.second;
   rt->cache_dir_ = DefaultCacheDir(options);
   rt->programs_ = std::make_unique<Programs>();
   rt->programs_->source_dir = SourceDir(options);
@@ -455,9 +452,8 @@ absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view nam
 }
 
 absl::Status Runtime::BuildProgramForTest(std::string_view source) {
-  absl::StatusOr<cl_program> program = BuildProgram("test", source, {}, {});
-  if (!program.ok()) return program.status();
-  clReleaseProgram(*program);
+  EPSERVE_ASSIGN_OR_RETURN(cl_program program, BuildProgram("test", source, {}, {}));
+  clReleaseProgram(program);
   return absl::OkStatus();
 }
 
@@ -504,12 +500,11 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   for (Programs::Program& p : programs_->programs) {
     if (p.program != nullptr) continue;
-    RETURN_IF_ERROR(programs_->LoadSource(p));
-    absl::StatusOr<cl_program> program =
-        BuildProgram(p.name, p.source, p.extra_options, p.variant_options);
-    if (!program.ok()) return program.status();
-    p.program = *program;
-    RETURN_IF_ERROR(programs_->AddKernels(p.program, ""));
+    EPSERVE_RETURN_IF_ERROR(programs_->LoadSource(p));
+    EPSERVE_ASSIGN_OR_RETURN(cl_program program,
+                             BuildProgram(p.name, p.source, p.extra_options, p.variant_options));
+    p.program = program;
+    EPSERVE_RETURN_IF_ERROR(programs_->AddKernels(p.program, ""));
     if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   }
   return absl::NotFoundError(absl::StrCat("no OpenCL kernel named '", Sv(name), "'"));
@@ -522,11 +517,11 @@ absl::StatusOr<cl_kernel> Runtime::FfnKernel(std::string_view name, const FfnBlo
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   for (Programs::Program& p : programs_->programs) {
     if (p.name != "expert_ffn") continue;
-    RETURN_IF_ERROR(programs_->LoadSource(p));
-    absl::StatusOr<cl_program> program = BuildProgram(p.name, p.source, p.extra_options, variant);
-    if (!program.ok()) return program.status();
-    programs_->variants.push_back(*program);
-    RETURN_IF_ERROR(programs_->AddKernels(*program, absl::StrCat(variant, "|")));
+    EPSERVE_RETURN_IF_ERROR(programs_->LoadSource(p));
+    EPSERVE_ASSIGN_OR_RETURN(cl_program program,
+                             BuildProgram(p.name, p.source, p.extra_options, variant));
+    programs_->variants.push_back(program);
+    EPSERVE_RETURN_IF_ERROR(programs_->AddKernels(program, absl::StrCat(variant, "|")));
     if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   }
   return absl::NotFoundError(absl::StrCat("no OpenCL kernel named '", Sv(name), "'"));

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/status.h"
 #include "model/detail/json.h"
 #include "model/detail/safetensors.h"
 
@@ -65,9 +66,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 }
 
 absl::StatusOr<Json> ReadJson(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadFile(path);
-  if (!text.ok()) return text.status();
-  absl::StatusOr<Json> json = detail::ParseJson(*text);
+  EPSERVE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  absl::StatusOr<Json> json = detail::ParseJson(text);
   if (!json.ok())
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", json.status().message()));
   if (!json->is_object())
@@ -146,11 +146,9 @@ class ConfigReader {
   }
   // A positive count that fits in int.
   absl::StatusOr<int> Count(absl::string_view key, bool required, int64_t def) const {
-    absl::StatusOr<int64_t> v = required ? Int(key) : IntOr(key, def);
-    if (!v.ok()) return v.status();
-    if (*v < 1 || *v > (int64_t{1} << 30))
-      return Error(key, absl::StrCat("must be >= 1, got ", *v));
-    return static_cast<int>(*v);
+    EPSERVE_ASSIGN_OR_RETURN(int64_t v, required ? Int(key) : IntOr(key, def));
+    if (v < 1 || v > (int64_t{1} << 30)) return Error(key, absl::StrCat("must be >= 1, got ", v));
+    return static_cast<int>(v);
   }
 
  private:
@@ -164,64 +162,59 @@ class ConfigReader {
   std::string path_;
 };
 
-#define EPSERVE_ASSIGN_CFG(lhs, expr)                 \
-  do {                                                \
-    auto epserve_v_ = (expr);                         \
-    if (!epserve_v_.ok()) return epserve_v_.status(); \
-    lhs = *std::move(epserve_v_);                     \
-  } while (0)
-
 // Fills config->layer, config->moe_layers, config->num_layers and the routing facts from
 // config.json of `family`.
 absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* config,
                              CheckpointFacts* facts) {
   MoeLayerConfig& c = config->layer;
   int num_layers = 0;
-  EPSERVE_ASSIGN_CFG(c.hidden_size, r.Count("hidden_size", true, 0));
-  EPSERVE_ASSIGN_CFG(num_layers, r.Count("num_hidden_layers", true, 0));
-  EPSERVE_ASSIGN_CFG(c.top_k, r.Count("num_experts_per_tok", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(c.hidden_size, r.Count("hidden_size", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(num_layers, r.Count("num_hidden_layers", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(c.top_k, r.Count("num_experts_per_tok", true, 0));
   std::string act;
-  EPSERVE_ASSIGN_CFG(act, r.StringOr("hidden_act", "silu"));
+  EPSERVE_ASSIGN_OR_RETURN(act, r.StringOr("hidden_act", "silu"));
   if (act != "silu") {
     return r.Error("hidden_act", absl::StrCat("is \"", act,
                                               "\"; experts are served as SwiGLU "
                                               "(silu) FFNs only"));
   }
   bool mlp_bias = false;
-  EPSERVE_ASSIGN_CFG(mlp_bias, r.BoolOr("mlp_bias", false));
+  EPSERVE_ASSIGN_OR_RETURN(mlp_bias, r.BoolOr("mlp_bias", false));
   if (mlp_bias)
     return r.Error("mlp_bias", "is true; expert projections with biases are not supported");
   std::vector<bool> is_moe(num_layers, true);
   facts->scoring_func = "softmax";
 
   switch (family) {
-    case kMixtral:
-      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("num_local_experts", true, 0));
-      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("intermediate_size", true, 0));
+    case kMixtral: {
+      EPSERVE_ASSIGN_OR_RETURN(c.num_experts, r.Count("num_local_experts", true, 0));
+      EPSERVE_ASSIGN_OR_RETURN(c.expert_ffn_size, r.Count("intermediate_size", true, 0));
       c.routing = RoutingKind::kSoftmaxTopK;
       c.norm_topk_prob = true;  // Mixtral always renormalises the top-k probabilities
       break;
-    case kOlmoe:
-      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("num_experts", true, 0));
-      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("intermediate_size", true, 0));
-      EPSERVE_ASSIGN_CFG(c.norm_topk_prob, r.BoolOr("norm_topk_prob", false));
+    }
+    case kOlmoe: {
+      EPSERVE_ASSIGN_OR_RETURN(c.num_experts, r.Count("num_experts", true, 0));
+      EPSERVE_ASSIGN_OR_RETURN(c.expert_ffn_size, r.Count("intermediate_size", true, 0));
+      EPSERVE_ASSIGN_OR_RETURN(c.norm_topk_prob, r.BoolOr("norm_topk_prob", false));
       break;
+    }
     case kQwen2Moe:
     case kQwen3Moe: {
-      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("num_experts", true, 0));
-      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
-      EPSERVE_ASSIGN_CFG(c.norm_topk_prob, r.BoolOr("norm_topk_prob", false));
+      EPSERVE_ASSIGN_OR_RETURN(c.num_experts, r.Count("num_experts", true, 0));
+      EPSERVE_ASSIGN_OR_RETURN(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
+      EPSERVE_ASSIGN_OR_RETURN(c.norm_topk_prob, r.BoolOr("norm_topk_prob", false));
       int step = 1;
-      EPSERVE_ASSIGN_CFG(step, r.Count("decoder_sparse_step", false, 1));
+      EPSERVE_ASSIGN_OR_RETURN(step, r.Count("decoder_sparse_step", false, 1));
       std::vector<int64_t> mlp_only;
-      EPSERVE_ASSIGN_CFG(mlp_only, r.IntListOr("mlp_only_layers"));
+      EPSERVE_ASSIGN_OR_RETURN(mlp_only, r.IntListOr("mlp_only_layers"));
       for (int l = 0; l < num_layers; ++l) {
         const bool listed = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
         is_moe[l] = !listed && (l + 1) % step == 0;
       }
       if (family == kQwen2Moe) {
         int64_t shared = 0;
-        EPSERVE_ASSIGN_CFG(shared, r.IntOr("shared_expert_intermediate_size", 5632));
+        EPSERVE_ASSIGN_OR_RETURN(shared, r.IntOr("shared_expert_intermediate_size", 5632));
         if (shared < 0) return r.Error("shared_expert_intermediate_size", "must be >= 0");
         c.shared_ffn_size = shared;
         c.shared_expert_gate = shared > 0;
@@ -231,28 +224,29 @@ absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* 
     case kDeepseekV2:
     case kDeepseekV3: {
       const bool v3 = family == kDeepseekV3;
-      EPSERVE_ASSIGN_CFG(c.num_experts, r.Count("n_routed_experts", true, 0));
-      EPSERVE_ASSIGN_CFG(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
+      EPSERVE_ASSIGN_OR_RETURN(c.num_experts, r.Count("n_routed_experts", true, 0));
+      EPSERVE_ASSIGN_OR_RETURN(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
       int64_t n_shared = 0;
-      EPSERVE_ASSIGN_CFG(n_shared, r.IntOr("n_shared_experts", v3 ? 1 : 2));
+      EPSERVE_ASSIGN_OR_RETURN(n_shared, r.IntOr("n_shared_experts", v3 ? 1 : 2));
       if (n_shared < 0) return r.Error("n_shared_experts", "must be >= 0");
       facts->n_shared_experts = static_cast<int>(n_shared);
       c.shared_ffn_size = n_shared * c.expert_ffn_size;
       int64_t first_dense = 0;
       int freq = 1;
-      EPSERVE_ASSIGN_CFG(first_dense, r.IntOr("first_k_dense_replace", v3 ? 3 : 0));
-      EPSERVE_ASSIGN_CFG(freq, r.Count("moe_layer_freq", false, 1));
+      EPSERVE_ASSIGN_OR_RETURN(first_dense, r.IntOr("first_k_dense_replace", v3 ? 3 : 0));
+      EPSERVE_ASSIGN_OR_RETURN(freq, r.Count("moe_layer_freq", false, 1));
       for (int l = 0; l < num_layers; ++l) is_moe[l] = l >= first_dense && l % freq == 0;
       bool norm = false;
       double scale = 1.0;
-      EPSERVE_ASSIGN_CFG(norm, r.BoolOr("norm_topk_prob", v3));
-      EPSERVE_ASSIGN_CFG(scale, r.NumberOr("routed_scaling_factor", v3 ? 2.5 : 1.0));
-      EPSERVE_ASSIGN_CFG(facts->scoring_func,
-                         r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax"));
-      EPSERVE_ASSIGN_CFG(facts->topk_method, r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy"));
+      EPSERVE_ASSIGN_OR_RETURN(norm, r.BoolOr("norm_topk_prob", v3));
+      EPSERVE_ASSIGN_OR_RETURN(scale, r.NumberOr("routed_scaling_factor", v3 ? 2.5 : 1.0));
+      EPSERVE_ASSIGN_OR_RETURN(facts->scoring_func,
+                               r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax"));
+      EPSERVE_ASSIGN_OR_RETURN(facts->topk_method,
+                               r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy"));
       int64_t n_group = 0, topk_group = 0;
-      EPSERVE_ASSIGN_CFG(n_group, r.IntOr("n_group", v3 ? 8 : 1));
-      EPSERVE_ASSIGN_CFG(topk_group, r.IntOr("topk_group", v3 ? 4 : n_group));
+      EPSERVE_ASSIGN_OR_RETURN(n_group, r.IntOr("n_group", v3 ? 8 : 1));
+      EPSERVE_ASSIGN_OR_RETURN(topk_group, r.IntOr("topk_group", v3 ? 4 : n_group));
       // DeepSeek's reference renormalises only for k > 1.
       norm = norm && c.top_k > 1;
       const std::string& scoring = facts->scoring_func;
@@ -323,13 +317,12 @@ absl::StatusOr<std::unique_ptr<CheckpointWeights>> CheckpointWeights::Open(
   std::unique_ptr<CheckpointWeights> w(new CheckpointWeights());
   w->facts_.folder = folder;
   const std::string config_path = folder + "/config.json";
-  absl::StatusOr<Json> root = ReadJson(config_path);
-  if (!root.ok()) return root.status();
-  ConfigReader r(*root, config_path);
+  EPSERVE_ASSIGN_OR_RETURN(Json root, ReadJson(config_path));
+  ConfigReader r(root, config_path);
 
   // The family: model_type when known, else the first known architecture.
-  EPSERVE_ASSIGN_CFG(w->facts_.model_type, r.StringOr("model_type", ""));
-  EPSERVE_ASSIGN_CFG(w->facts_.architectures, r.StringListOr("architectures"));
+  EPSERVE_ASSIGN_OR_RETURN(w->facts_.model_type, r.StringOr("model_type", ""));
+  EPSERVE_ASSIGN_OR_RETURN(w->facts_.architectures, r.StringListOr("architectures"));
   const FamilyInfo* family = nullptr;
   for (const FamilyInfo& f : kFamilies)
     if (w->facts_.model_type == f.model_type) family = &f;
@@ -343,7 +336,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWeights>> CheckpointWeights::Open(
                      "]); supported: ", SupportedList()));
   }
   if (r.Has("quantization_config")) {
-    const Json& q = *root->Find("quantization_config");
+    const Json& q = *root.Find("quantization_config");
     const Json* method = q.is_object() ? q.Find("quant_method") : nullptr;
     return absl::InvalidArgumentError(
         absl::StrCat(config_path, ": quantized checkpoints are not supported (quantization_config",
@@ -363,9 +356,8 @@ absl::StatusOr<std::unique_ptr<CheckpointWeights>> CheckpointWeights::Open(
   const std::string single_path = folder + "/model.safetensors";
   if (FileExists(index_path)) {
     w->index_file_ = "model.safetensors.index.json";
-    absl::StatusOr<Json> index = ReadJson(index_path);
-    if (!index.ok()) return index.status();
-    const Json* map = index->Find("weight_map");
+    EPSERVE_ASSIGN_OR_RETURN(Json index, ReadJson(index_path));
+    const Json* map = index.Find("weight_map");
     if (map == nullptr || !map->is_object())
       return absl::InvalidArgumentError(absl::StrCat(index_path, ": no \"weight_map\" object"));
     std::map<std::string, const SafetensorsFile*> opened;
@@ -390,10 +382,10 @@ absl::StatusOr<std::unique_ptr<CheckpointWeights>> CheckpointWeights::Open(
       w->weight_map_[tensor] = it->second;
     }
   } else if (FileExists(single_path)) {
-    absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(single_path);
-    if (!f.ok()) return f.status();
+    EPSERVE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f,
+                             SafetensorsFile::Open(single_path));
     w->facts_.files.push_back("model.safetensors");
-    w->files_.push_back(*std::move(f));
+    w->files_.push_back(std::move(f));
   } else {
     return absl::NotFoundError(absl::StrCat(
         folder, ": neither model.safetensors nor model.safetensors.index.json is there"));
@@ -559,7 +551,5 @@ absl::Status CheckpointWeights::Fill(int layer, TensorKind kind, int expert, flo
   if (ref->entry == nullptr) return absl::OkStatus();  // a kind this model lacks: 0 elements
   return ref->file->ReadAsFloat(*ref->entry, dst);
 }
-
-#undef EPSERVE_ASSIGN_CFG
 
 }  // namespace epserve::model

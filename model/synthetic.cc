@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "common/status.h"
 #include "model/checkpoint.h"
 
 namespace epserve::model {
@@ -116,14 +117,13 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(absl::string_view spec, 
           "--model must be synthetic:<preset> (presets: ",
           absl::StrJoin(SyntheticPresetNames(), ", "), ") or a Hugging Face checkpoint folder"));
     }
-    absl::StatusOr<std::unique_ptr<CheckpointWeights>> checkpoint = CheckpointWeights::Open(spec);
-    if (!checkpoint.ok()) return checkpoint.status();
-    return std::unique_ptr<WeightSource>(*std::move(checkpoint));
+    EPSERVE_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWeights> checkpoint,
+                             CheckpointWeights::Open(spec));
+    return std::unique_ptr<WeightSource>(std::move(checkpoint));
   }
-  absl::StatusOr<ModelConfig> config = SyntheticPreset(spec.substr(kSynthetic.size()));
-  if (!config.ok()) return config.status();
-  if (absl::Status s = config->layer.Validate(); !s.ok()) return s;
-  return std::make_unique<SyntheticWeights>(*std::move(config), seed);
+  EPSERVE_ASSIGN_OR_RETURN(ModelConfig config, SyntheticPreset(spec.substr(kSynthetic.size())));
+  if (absl::Status s = config.layer.Validate(); !s.ok()) return s;
+  return std::make_unique<SyntheticWeights>(std::move(config), seed);
 }
 
 }  // namespace epserve::model

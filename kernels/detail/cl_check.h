@@ -28,13 +28,3 @@ absl::Status ClError(cl_int err, const char* call, const char* file, int line);
     if (cl_check_err_ != CL_SUCCESS)                                                        \
       return ::epserve::kernels::detail::ClError(cl_check_err_, #expr, __FILE__, __LINE__); \
   } while (false)
-
-#ifndef RETURN_IF_ERROR
-// Returns `expr`'s status from the enclosing function when it is not OK.
-#define RETURN_IF_ERROR(expr) EPSERVE_KERNELS_RETURN_IF_ERROR_(expr, __COUNTER__)
-#define EPSERVE_KERNELS_RETURN_IF_ERROR_(expr, n) EPSERVE_KERNELS_RETURN_IF_ERROR__(expr, n)
-#define EPSERVE_KERNELS_RETURN_IF_ERROR__(expr, n)                             \
-  do {                                                                         \
-    if (absl::Status status_##n = (expr); !status_##n.ok()) return status_##n; \
-  } while (false)
-#endif
