@@ -279,127 +279,161 @@ absl::Status Exchange::Dispatch(const float* x, const float* weights, absl::Time
   return RunPass(x, weights, nullptr, false, nullptr, deadline, nullptr, nullptr);
 }
 
-absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, bool accumulate,
-                               const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
-                               const std::function<absl::Status()>* overlap) {
-  const int64_t n = n_;
-  const int32_t* ids = ids_;
+template <typename PairRowFn>
+void Exchange::RowMetadata(int64_t t, int d, const float* weights, int32_t* pair, float* weight,
+                           PairRowFn&& pair_row) const {
+  const int k = config_.top_k;
+  const int first_expert = placement_.first(d);
+  for (int j = 0; j < k; ++j) {
+    const int32_t e = ids_[t * k + j];
+    weight[j] = weights[t * k + j];
+    if (placement_.owner(e) != d) {
+      pair[j] = -1;
+      continue;
+    }
+    const int le = e - first_expert;
+    const int64_t p = pair_base_[d * num_local_max_ + le] + pair_local_[t * k + j];
+    pair[j] = static_cast<int32_t>(p);
+    pair_row(le, p, pair_local_[t * k + j]);
+  }
+}
+
+void Exchange::DispatchDirect(const float* x, const float* weights) {
   const int num_workers = config_.num_workers;
   const int k = config_.top_k;
   const int64_t hidden = config_.hidden;
   const PayloadType dtype = config_.dispatch_dtype;
   const size_t row_bytes = config_.dispatch_row_bytes();
-  const size_t fp32_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  for (int64_t t = 0; t < n_; ++t) {
+    const int64_t* slot = &slot_[t * num_workers];
+    const float* src = x + t * hidden;
+    const void* first = nullptr;  // the row encoded once, copied to its other destinations
+    for (int d = 0; d < num_workers; ++d) {
+      if (slot[d] < 0) continue;
+      const int rank = rank_of(d);
+      const int64_t row = row_base_[d] + slot[d];
+      void* dst = heap_.Direct(rank, regions_.recv_rows + row * row_bytes);
+      if (dtype == PayloadType::kFp32) {
+        std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
+      } else if (first == nullptr) {
+        EncodeRow(dtype, src, hidden, dst);
+        first = dst;
+      } else {
+        std::memcpy(dst, first, row_bytes);
+      }
+      heap_.DirectAs<int32_t>(rank, regions_.recv_token)[row] =
+          static_cast<int32_t>(token_base_ + t);
+      int32_t* pair_row = heap_.DirectAs<int32_t>(rank, regions_.pair_row);
+      RowMetadata(t, d, weights, heap_.DirectAs<int32_t>(rank, regions_.recv_pair) + row * k,
+                  heap_.DirectAs<float>(rank, regions_.recv_weight) + row * k,
+                  [&](int, int64_t p, int32_t) { pair_row[p] = static_cast<int32_t>(row); });
+    }
+  }
+}
+
+absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
+  const int num_workers = config_.num_workers;
+  const int k = config_.top_k;
+  const int64_t hidden = config_.hidden;
+  const PayloadType dtype = config_.dispatch_dtype;
+  const size_t row_bytes = config_.dispatch_row_bytes();
+  const int64_t streams = combine_base_[num_workers];  // my rows to all destinations
+  stage_token_.resize(streams);
+  stage_pair_.resize(streams * k);
+  stage_weight_.resize(streams * k);
+  stage_pair_row_.resize(static_cast<size_t>(n_) * k);
+  if (dtype != PayloadType::kFp32) stage_rows_.resize(static_cast<size_t>(n_) * row_bytes);
+  // Runs of my pairs per (d, e) in stage_pair_row_.
+  std::vector<int64_t> run_base(static_cast<size_t>(num_workers) * num_local_max_ + 1, 0);
+  for (int d = 0, i = 0; d < num_workers; ++d) {
+    for (int e = 0; e < num_local_max_; ++e, ++i) {
+      run_base[i + 1] = run_base[i] + my_counts_[d * count_stride_ + 2 + e];
+    }
+  }
+  for (int64_t t = 0; t < n_; ++t) {
+    const int64_t* slot = &slot_[t * num_workers];
+    if (dtype != PayloadType::kFp32) {
+      EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
+    }
+    for (int d = 0; d < num_workers; ++d) {
+      if (slot[d] < 0) continue;
+      const int64_t pos = combine_base_[d] + slot[d];
+      const int64_t row = row_base_[d] + slot[d];
+      stage_token_[pos] = static_cast<int32_t>(token_base_ + t);
+      RowMetadata(t, d, weights, &stage_pair_[pos * k], &stage_weight_[pos * k],
+                  [&](int le, int64_t, int32_t local) {
+                    stage_pair_row_[run_base[d * num_local_max_ + le] + local] =
+                        static_cast<int32_t>(row);
+                  });
+      const bool fp32 = dtype == PayloadType::kFp32;
+      const void* src = fp32 ? static_cast<const void*>(x + t * hidden)
+                             : static_cast<const void*>(&stage_rows_[t * row_bytes]);
+      EPSERVE_RETURN_IF_ERROR(
+          heap_.Put(rank_of(d), regions_.recv_rows + row * row_bytes, src,
+                    fp32 ? static_cast<size_t>(hidden) * sizeof(float) : row_bytes));
+    }
+  }
+  // The metadata of each destination in one Put per array, its pair table in one per expert.
+  for (int d = 0; d < num_workers; ++d) {
+    const int64_t rows = my_counts_[d * count_stride_];
+    if (rows == 0) continue;
+    const int rank = rank_of(d);
+    const int64_t pos = combine_base_[d];
+    const size_t at = static_cast<size_t>(row_base_[d]);
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_token + at * sizeof(int32_t),
+                                      &stage_token_[pos], rows * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_pair + at * k * sizeof(int32_t),
+                                      &stage_pair_[pos * k], rows * k * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_weight + at * k * sizeof(float),
+                                      &stage_weight_[pos * k], rows * k * sizeof(float)));
+    for (int e = 0; e < placement_.count(d); ++e) {
+      const int i = d * num_local_max_ + e;
+      const int64_t len = run_base[i + 1] - run_base[i];
+      if (len == 0) continue;
+      EPSERVE_RETURN_IF_ERROR(
+          heap_.Put(rank, regions_.pair_row + static_cast<size_t>(pair_base_[i]) * sizeof(int32_t),
+                    &stage_pair_row_[run_base[i]], len * sizeof(int32_t)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Exchange::PublishReceived(ExchangeStats* stats) {
+  received_.rows = source_begin_[config_.num_workers];
+  received_.pairs = expert_offsets_.back();
+  received_.dtype = config_.dispatch_dtype;
+  received_.row_bytes = config_.dispatch_row_bytes();
+  received_.hidden = config_.hidden;
+  received_.top_k = config_.top_k;
+  received_.payload = heap_.Local(regions_.recv_rows);
+  received_.token = heap_.LocalAs<int32_t>(regions_.recv_token);
+  received_.pair = heap_.LocalAs<int32_t>(regions_.recv_pair);
+  received_.weight = heap_.LocalAs<float>(regions_.recv_weight);
+  received_.pair_row = heap_.LocalAs<int32_t>(regions_.pair_row);
+  received_.expert_offsets = expert_offsets_;
+  received_.source_begin = source_begin_;
+  if (stats == nullptr) return;
+  stats->rows_received += received_.rows;
+  stats->pairs += received_.pairs;
+  stats->expert_pairs.resize(expert_offsets_.size() - 1);
+  for (size_t e = 0; e + 1 < expert_offsets_.size(); ++e) {
+    stats->expert_pairs[e] += expert_offsets_[e + 1] - expert_offsets_[e];
+  }
+}
+
+absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, bool accumulate,
+                               const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
+                               const std::function<absl::Status()>* overlap) {
+  const int num_workers = config_.num_workers;
   absl::Time t0 = absl::Now();
 
   // ---- dispatch: each row once per destination, with its metadata ----
   bool direct = true;
   for (int d = 0; d < num_workers && direct; ++d) direct = heap_.Direct(rank_of(d), 0) != nullptr;
   if (direct) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t* slot = &slot_[t * num_workers];
-      const float* src = x + t * hidden;
-      const void* first = nullptr;
-      for (int d = 0; d < num_workers; ++d) {
-        if (slot[d] < 0) continue;
-        const int rank = rank_of(d);
-        const int64_t row = row_base_[d] + slot[d];
-        void* dst = heap_.Direct(rank, regions_.recv_rows + row * row_bytes);
-        if (dtype == PayloadType::kFp32) {
-          std::memcpy(dst, src, fp32_bytes);
-        } else if (first == nullptr) {
-          EncodeRow(dtype, src, hidden, dst);
-          first = dst;
-        } else {
-          std::memcpy(dst, first, row_bytes);
-        }
-        heap_.DirectAs<int32_t>(rank, regions_.recv_token)[row] =
-            static_cast<int32_t>(token_base_ + t);
-        int32_t* pair = heap_.DirectAs<int32_t>(rank, regions_.recv_pair) + row * k;
-        float* weight = heap_.DirectAs<float>(rank, regions_.recv_weight) + row * k;
-        int32_t* pair_row = heap_.DirectAs<int32_t>(rank, regions_.pair_row);
-        const int first_expert = placement_.first(d);
-        for (int j = 0; j < k; ++j) {
-          const int32_t e = ids[t * k + j];
-          weight[j] = weights[t * k + j];
-          if (placement_.owner(e) != d) {
-            pair[j] = -1;
-            continue;
-          }
-          const int64_t p =
-              pair_base_[d * num_local_max_ + e - first_expert] + pair_local_[t * k + j];
-          pair[j] = static_cast<int32_t>(p);
-          pair_row[p] = static_cast<int32_t>(row);
-        }
-      }
-    }
+    DispatchDirect(x, weights);
   } else {
-    // Staged: rows encoded once per token, metadata gathered per destination, one Put per
-    // row and one per metadata run.
-    const int64_t streams = combine_base_[num_workers];  // my rows to all destinations
-    stage_token_.resize(streams);
-    stage_pair_.resize(streams * k);
-    stage_weight_.resize(streams * k);
-    stage_pair_row_.resize(static_cast<size_t>(n) * k);
-    if (dtype != PayloadType::kFp32) stage_rows_.resize(static_cast<size_t>(n) * row_bytes);
-    // Runs of my pairs per (d, e) in stage_pair_row_.
-    std::vector<int64_t> run_base(static_cast<size_t>(num_workers) * num_local_max_ + 1, 0);
-    for (int d = 0, i = 0; d < num_workers; ++d) {
-      for (int e = 0; e < num_local_max_; ++e, ++i) {
-        run_base[i + 1] = run_base[i] + my_counts_[d * count_stride_ + 2 + e];
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t* slot = &slot_[t * num_workers];
-      if (dtype != PayloadType::kFp32)
-        EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
-      for (int d = 0; d < num_workers; ++d) {
-        if (slot[d] < 0) continue;
-        const int64_t pos = combine_base_[d] + slot[d];
-        const int64_t row = row_base_[d] + slot[d];
-        stage_token_[pos] = static_cast<int32_t>(token_base_ + t);
-        const int first_expert = placement_.first(d);
-        for (int j = 0; j < k; ++j) {
-          const int32_t e = ids[t * k + j];
-          stage_weight_[pos * k + j] = weights[t * k + j];
-          if (placement_.owner(e) != d) {
-            stage_pair_[pos * k + j] = -1;
-            continue;
-          }
-          const int le = e - first_expert;
-          stage_pair_[pos * k + j] =
-              static_cast<int32_t>(pair_base_[d * num_local_max_ + le] + pair_local_[t * k + j]);
-          stage_pair_row_[run_base[d * num_local_max_ + le] + pair_local_[t * k + j]] =
-              static_cast<int32_t>(row);
-        }
-        const void* src = dtype == PayloadType::kFp32
-                              ? static_cast<const void*>(x + t * hidden)
-                              : static_cast<const void*>(&stage_rows_[t * row_bytes]);
-        EPSERVE_RETURN_IF_ERROR(heap_.Put(rank_of(d), regions_.recv_rows + row * row_bytes, src,
-                                          dtype == PayloadType::kFp32 ? fp32_bytes : row_bytes));
-      }
-    }
-    for (int d = 0; d < num_workers; ++d) {
-      const int64_t rows = my_counts_[d * count_stride_];
-      if (rows == 0) continue;
-      const int rank = rank_of(d);
-      const int64_t pos = combine_base_[d];
-      const size_t at = static_cast<size_t>(row_base_[d]);
-      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_token + at * sizeof(int32_t),
-                                        &stage_token_[pos], rows * sizeof(int32_t)));
-      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_pair + at * k * sizeof(int32_t),
-                                        &stage_pair_[pos * k], rows * k * sizeof(int32_t)));
-      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_weight + at * k * sizeof(float),
-                                        &stage_weight_[pos * k], rows * k * sizeof(float)));
-      for (int e = 0; e < placement_.count(d); ++e) {
-        const int i = d * num_local_max_ + e;
-        const int64_t len = run_base[i + 1] - run_base[i];
-        if (len == 0) continue;
-        EPSERVE_RETURN_IF_ERROR(heap_.Put(
-            rank, regions_.pair_row + static_cast<size_t>(pair_base_[i]) * sizeof(int32_t),
-            &stage_pair_row_[run_base[i]], len * sizeof(int32_t)));
-      }
-    }
+    EPSERVE_RETURN_IF_ERROR(DispatchStaged(x, weights));
   }
   for (int d = 0; d < num_workers; ++d) {
     EPSERVE_RETURN_IF_ERROR(
@@ -415,28 +449,8 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.dispatch_flag, s), epoch_, deadline,
                                              "rows from worker", s));
   }
-  received_.rows = source_begin_[num_workers];
-  received_.pairs = expert_offsets_.back();
-  received_.dtype = dtype;
-  received_.row_bytes = row_bytes;
-  received_.hidden = hidden;
-  received_.top_k = k;
-  received_.payload = heap_.Local(regions_.recv_rows);
-  received_.token = heap_.LocalAs<int32_t>(regions_.recv_token);
-  received_.pair = heap_.LocalAs<int32_t>(regions_.recv_pair);
-  received_.weight = heap_.LocalAs<float>(regions_.recv_weight);
-  received_.pair_row = heap_.LocalAs<int32_t>(regions_.pair_row);
-  received_.expert_offsets = expert_offsets_;
-  received_.source_begin = source_begin_;
-  if (stats != nullptr) {
-    stats->dispatch_ns += NanosSince(t0);
-    stats->rows_received += received_.rows;
-    stats->pairs += received_.pairs;
-    stats->expert_pairs.resize(expert_offsets_.size() - 1);
-    for (size_t e = 0; e + 1 < expert_offsets_.size(); ++e) {
-      stats->expert_pairs[e] += expert_offsets_[e + 1] - expert_offsets_[e];
-    }
-  }
+  PublishReceived(stats);
+  if (stats != nullptr) stats->dispatch_ns += NanosSince(t0);
   if (!expert) return absl::OkStatus();  // Dispatch() only
 
   // ---- the caller's expert step ----

@@ -193,6 +193,18 @@ class Exchange {
   absl::Status RunPass(const float* x, const float* weights, float* y, bool accumulate,
                        const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
                        const std::function<absl::Status()>* overlap);
+  // Dispatch's two ways of sending: stores straight into peers' segments (backends with
+  // load/store access), or rows encoded once into staging and put (the others).
+  void DispatchDirect(const float* x, const float* weights);
+  absl::Status DispatchStaged(const float* x, const float* weights);
+  // Token t's metadata for destination d: weight[j] for each choice j, pair[j] its index in
+  // d's expert-major pair table or -1 where d does not own the expert; pair_row(local expert,
+  // pair index, index among my pairs of that expert) for each pair d owns.
+  template <typename PairRowFn>
+  void RowMetadata(int64_t t, int d, const float* weights, int32_t* pair, float* weight,
+                   PairRowFn&& pair_row) const;
+  // Points received() at what peers dispatched this pass; adds its counts to stats.
+  void PublishReceived(ExchangeStats* stats);
   absl::Status TakeBadIdError();
   bool OutputInHeap() const;  // the expert step writes straight into the output region
   int rank_of(int worker) const { return config_.first_rank + worker; }
