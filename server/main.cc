@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/flags.h"
+#include "common/log.h"
 #include "model/layers.h"
 #include "model/memory.h"
 #include "model/synthetic.h"
@@ -66,9 +67,8 @@ int NodeLocalWorkerIndex(int rank) {
   return index;
 }
 
-void Log(int rank, const std::string& line) {
-  std::fprintf(stderr, "[epserve rank %d] %s\n", rank, line.c_str());
-}
+// Lines of main() go through the library's seam (common/log.h), which knows the rank.
+void Log(int /*rank*/, const std::string& line) { epserve::common::LogInfo(line); }
 
 // Every rank reaches the same verdict on the flags, so all leave together.
 int Fail(int rank, const absl::Status& s) {
@@ -451,6 +451,7 @@ int main(int argc, char** argv) {
   int rank = 0, num_ranks = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &num_ranks);
+  epserve::common::SetLogRank(rank);
   if (provided < MPI_THREAD_SERIALIZED) {
     if (rank == 0) std::fprintf(stderr, "epserve: this MPI library lacks MPI_THREAD_SERIALIZED\n");
     MPI_Finalize();

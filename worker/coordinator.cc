@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status.h"
 
 namespace epserve::worker {
@@ -56,7 +57,7 @@ absl::Status Coordinator::Fail(absl::string_view why) {
   healthy_ = false;
   const std::string message = absl::StrCat("the expert exchange failed in batch ", seq_, ": ", why,
                                            "; the service needs a restart");
-  std::fprintf(stderr, "[epserve rank 0] %s\n", message.c_str());
+  common::LogError(message);
   return absl::UnavailableError(message);
 }
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "model/layers.h"
 
@@ -160,8 +161,7 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
         const std::string msg = absl::StrCat("worker ", me_, " (rank ", rank_, "): ", s.message());
         std::strncpy(report.message, msg.c_str(), sizeof(report.message) - 1);
         if (absl::IsDeadlineExceeded(s)) {
-          std::fprintf(stderr, "[epserve rank %d] batch %llu: %s\n", rank_,
-                       static_cast<unsigned long long>(seq), msg.c_str());
+          common::LogError(absl::StrCat("batch ", seq, ": ", msg));
         }
       }
     }
