@@ -11,6 +11,8 @@ out=${2:?usage: make_bundle.sh BUILD OUT}
 # (bench_exchange runs on the GPU host's CPU: a quiet many-core machine for the exchange.)
 binaries=(tests/kernels/kernels_test bench/gpu/bench_ffn_gpu bench/e2e/bench_e2e_inprocess
           server/epserve client/epserve-load bench/exchange/bench_exchange)
+# Built only where the CUDA toolkit was found.
+if [ -x "$build/bench/gpu/probe_device_heap" ]; then binaries+=(bench/gpu/probe_device_heap); fi
 rm -rf "$out"
 mkdir -p "$out/lib"
 for b in "${binaries[@]}"; do
@@ -20,7 +22,7 @@ done
 # Libraries the host provides: the C and C++ runtimes, OpenCL's loader, Open MPI and its
 # own dependencies.
 # (libmpi_cxx, the C++ bindings, travels: not every Open MPI install has it.)
-keep='^(libc\.|libm\.|libdl\.|libpthread\.|librt\.|ld-linux|libgcc_s|libstdc\+\+|libOpenCL|libmpi\.|libopen-|libhwloc|libevent|libpmix|libudev|libz\.|libcap)'
+keep='^(libc\.|libm\.|libdl\.|libpthread\.|librt\.|ld-linux|libgcc_s|libstdc\+\+|libOpenCL|libcuda\.|libmpi\.|libopen-|libhwloc|libevent|libpmix|libudev|libz\.|libcap)'
 for b in "${binaries[@]}"; do
   ldd "$build/$b" | awk '/=> \// {print $1, $3}'
 done | sort -u | while read -r name path; do
