@@ -15,6 +15,7 @@ namespace epserve::kernels {
 namespace {
 
 using detail::Launch;
+using detail::LaunchBounded;
 using detail::NeedBytes;
 using detail::NeedIntRange;
 using detail::RowsInBuffer;
@@ -79,7 +80,7 @@ absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_
   EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, x, x_rows, cl_long{stride}, row_index,
                                   static_cast<cl_int>(rows), static_cast<cl_int>(hidden), out));
   const size_t global[1] = {static_cast<size_t>(rows)};
-  return Launch(rt, kernel, 1, global, nullptr);
+  return LaunchBounded(rt, kernel, 1, global, detail::kCpuRowsPerGroup);
 }
 
 // What the FFNs with BF16 activations (tensor cores, dot products) do before their GEMMs:
@@ -113,8 +114,11 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
                                   cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
                                   static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
                                   static_cast<cl_int>(x_values), y));
-  EPSERVE_RETURN_IF_ERROR(Launch(rt, kernel, static_cast<cl_uint>(gather_global.size()),
-                                 gather_global.data(), nullptr));
+  // One work-item per row (1-D), or per 8 values of a row (2-D, rows in dimension 1).
+  static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
+  EPSERVE_RETURN_IF_ERROR(
+      LaunchBounded(rt, kernel, static_cast<cl_uint>(gather_global.size()), gather_global.data(),
+                    gather_global.size() == 1 ? detail::kCpuRowsPerGroup : kCpuChunksPerGroup));
   return tiles;
 }
 
@@ -284,7 +288,7 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   EPSERVE_RETURN_IF_ERROR(
       SetArgs(scale, x, w.gate, static_cast<cl_int>(n), static_cast<cl_long>(w.hidden), y));
   const size_t global[1] = {static_cast<size_t>(n)};
-  return Launch(rt, scale, 1, global, nullptr);
+  return LaunchBounded(rt, scale, 1, global, detail::kCpuRowsPerGroup);
 }
 
 absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_index,
@@ -304,7 +308,7 @@ absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_in
   EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, y, y_rows, pair_index, pair_weight,
                                   static_cast<cl_int>(n), cl_int{k}, cl_long{hidden}, out));
   const size_t global[2] = {static_cast<size_t>(hidden), static_cast<size_t>(n)};
-  return Launch(rt, kernel, 2, global, nullptr);
+  return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
 }
 
 absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst) {
@@ -315,7 +319,7 @@ absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst)
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("add_into"));
   EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, cl_long{count}, dst));
   const size_t global[1] = {static_cast<size_t>(count)};
-  return Launch(rt, kernel, 1, global, nullptr);
+  return LaunchBounded(rt, kernel, 1, global, detail::kCpuValuesPerGroup);
 }
 
 }  // namespace epserve::kernels

@@ -276,7 +276,9 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     Log(rank, absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
                            (*w)->weight_bytes(), " weight bytes (expert FFN on ",
                            (*w)->ffn_kernels(), "), resident ", ResidentBytes(), " bytes"));
-    Log(rank, absl::StrCat("worker ", rank - 1, " FFN blocking: ", (*w)->ffn_blocking()));
+    Log(rank, absl::StrCat("worker ", rank - 1, " FFN blocking: ", (*w)->ffn_blocking(),
+                           "; kernels warmed up in ",
+                           absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
     absl::Status s = (*w)->Serve(g_stop);
     if (!s.ok()) {
       Log(rank, s.ToString());

@@ -60,7 +60,51 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
     w->layers_.push_back(std::move(l));
   }
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
+  const absl::Time warm_start = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(w->WarmUp());
+  w->warmup_seconds_ = absl::ToDoubleSeconds(absl::Now() - warm_start);
   return w;
+}
+
+absl::Status Worker::WarmUp() {
+  const int k = cfg_.top_k;
+  const int64_t hidden = cfg_.hidden_size;
+  const std::vector<float> zeros(static_cast<size_t>(hidden), 0.0f);
+  std::vector<int32_t> pair(static_cast<size_t>(k), -1);
+  pair[0] = 0;
+  const std::vector<float> weight(static_cast<size_t>(k), 0.0f);
+  const int32_t row0 = 0;
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, zeros.data(), zeros.size() * sizeof(float)));
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, zeros.data(), zeros.size() * sizeof(float)));
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, &row0, sizeof(row0)));
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, pair.data(), pair.size() * sizeof(int32_t)));
+  EPSERVE_RETURN_IF_ERROR(
+      rt_->Write(pair_weight_, 0, weight.data(), weight.size() * sizeof(float)));
+  // Rows reach the expert FFN as FP32, or as BF16 where they are dispatched so and the shared
+  // expert's slice does not need them widened (RunBatch's expert step).
+  const bool bf16_rows = layout_.shape.dispatch_dtype == PayloadType::kBf16;
+  for (const Layer& layer : layers_) {
+    EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, 1, ids_, weights_));
+    std::vector<int64_t> offsets(static_cast<size_t>(layer.experts.num_experts) + 1, 1);
+    offsets[0] = 0;
+    if (layer.experts.num_experts > 0) {
+      EPSERVE_RETURN_IF_ERROR(
+          kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_));
+      if (bf16_rows) {
+        const kernels::RowFormat bf16 = {kernels::DType::kBf16, hidden};
+        EPSERVE_RETURN_IF_ERROR(
+            kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_, bf16));
+      }
+    }
+    EPSERVE_RETURN_IF_ERROR(
+        kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, 1, k, hidden, out_recv_));
+    if (layer.shared.num_experts > 0) {
+      EPSERVE_RETURN_IF_ERROR(
+          kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, 1, shared_h_, shared_y_));
+      EPSERVE_RETURN_IF_ERROR(kernels::AddInto(*rt_, shared_y_, hidden, out_recv_));
+    }
+  }
+  return rt_->Finish();
 }
 
 std::string Worker::ffn_blocking() const {

@@ -49,6 +49,9 @@ class Worker {
   // The portable FFN kernels' blocking per expert shape, and where each came from (tuned now,
   // cache, forced, default): "vec=8 rows=6 prefetch=64 chunk=96 (cache) for H=... F=...; ...".
   std::string ffn_blocking() const;
+  // Seconds Create spent running every kernel of a batch once (WarmUp), so that the first
+  // batches pay no kernel build.
+  double warmup_seconds() const { return warmup_seconds_; }
 
  private:
   struct Layer {
@@ -62,6 +65,13 @@ class Worker {
 
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
   absl::Status AllocateBuffers();
+  // Runs, on one row of zeros, every device kernel RunBatch can reach for every served layer
+  // (router, expert FFN from FP32 and, where rows arrive as BF16, BF16 rows, combine, the
+  // shared expert and its sum), on this worker's own device alone (no exchange): drivers
+  // build a kernel's code on its first launch, and the first batches would otherwise wait
+  // for it. The kernels' work-group sizes do not depend on the batch (kernels/detail/
+  // launch.h), so one run covers every batch size.
+  absl::Status WarmUp();
 
   shmem::SymmetricHeap& heap_;
   const ExchangeLayout layout_;
@@ -81,6 +91,7 @@ class Worker {
   std::vector<float> x_recv_host_;  // decoded rows when the payload is not plain fp32
   std::vector<float> y_host_;       // output rows when rank 0's segment is not load/store
   std::vector<int64_t> expert_tokens_;
+  double warmup_seconds_ = 0;
 };
 
 }  // namespace epserve::worker

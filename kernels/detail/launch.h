@@ -49,6 +49,26 @@ inline absl::Status Launch(Runtime& rt, cl_kernel kernel, cl_uint dims, const si
   return absl::OkStatus();
 }
 
+// Launches `kernel` over at least `global` work-items. On CPU devices the work-group size is
+// fixed (`cpu_local`, global rounded up to a multiple of it: the kernel must ignore work-items
+// past its bounds), because PoCL compiles a kernel anew for every work-group size it picks,
+// and it picks one from the global size: batches of new sizes would each pay a compile (tens
+// to hundreds of ms) on their first launch. Elsewhere the driver picks the work-group size.
+inline absl::Status LaunchBounded(Runtime& rt, cl_kernel kernel, cl_uint dims, const size_t* global,
+                                  const size_t* cpu_local) {
+  if (!rt.device_info().is_cpu) return Launch(rt, kernel, dims, global, nullptr);
+  size_t rounded[3] = {1, 1, 1};
+  for (cl_uint d = 0; d < dims; ++d) {
+    rounded[d] = (global[d] + cpu_local[d] - 1) / cpu_local[d] * cpu_local[d];
+  }
+  return Launch(rt, kernel, dims, rounded, cpu_local);
+}
+// Work-group sizes of the bounded launches on CPU devices: kernels of one work-item per row
+// keep groups small (rows are few and each is a long loop), element-wise ones large.
+inline constexpr size_t kCpuRowsPerGroup[1] = {4};
+inline constexpr size_t kCpuValuesPerGroup[1] = {256};
+inline constexpr size_t kCpuCombineGroup[2] = {256, 1};
+
 // Rows of `hidden` values, `stride` values apart, that a buffer of `value_bytes`-byte values
 // holds: the last one needs only `hidden` values, not a whole stride.
 inline cl_long RowsInBuffer(const Buffer& b, size_t value_bytes, int64_t hidden, int64_t stride) {
