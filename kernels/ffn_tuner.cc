@@ -46,6 +46,9 @@ struct TuneCase {
 constexpr TuneCase kTuneCases[] = {{8, 2}, {128, 1}};
 constexpr int kTuneExperts = 2;
 constexpr int kTuneRepeats = 4;
+// Experts smaller than this (test and toy shapes) take the default blocking: their FFN costs
+// microseconds, and building the candidates would cost seconds.
+constexpr int64_t kMinTunedExpertBytes = int64_t{1} << 20;
 
 // One run of the FFN on one case, in seconds (queue finished).
 absl::StatusOr<double> RunCase(Runtime& rt, const ExpertWeights& w, const TuneCase& c,
@@ -183,7 +186,8 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
     }
     choice.blocking = *b;
     choice.origin = FfnBlockingOrigin::kForced;
-  } else if (candidates.size() < 2 || !options_.tune_ffn) {
+  } else if (candidates.size() < 2 || !options_.tune_ffn ||
+             3 * hidden * ffn * static_cast<int64_t>(DTypeBytes(dtype)) < kMinTunedExpertBytes) {
     choice.blocking = default_ffn_blocking_;
     choice.origin = FfnBlockingOrigin::kDefault;
   } else {
