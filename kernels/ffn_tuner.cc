@@ -1,10 +1,18 @@
 // Runtime::ChooseFfnBlocking: the per-device, per-shape choice of the portable FFN kernels'
 // blocking (kernels/ffn_blocking.h), with its cache beside the program-binary cache.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -145,6 +153,53 @@ absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking
   return winner;
 }
 
+// The tuning entry at `path` when it names one of `candidates`.
+std::optional<FfnBlocking> ReadCachedChoice(const std::string& path,
+                                            const std::vector<FfnBlocking>& candidates) {
+  absl::StatusOr<std::string> text = common::ReadWholeFile(path);
+  if (!text.ok()) return std::nullopt;
+  const std::string first_line(absl::string_view(*text).substr(0, text->find('\n')));
+  absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(first_line);
+  if (!b.ok() || std::find(candidates.begin(), candidates.end(), *b) == candidates.end()) {
+    return std::nullopt;
+  }
+  return *b;
+}
+
+// An exclusive flock on a file, held until destruction, taken within kTuneLockWait or not at
+// all (then the holder simply does not have it: tuning twice is only slower).
+constexpr double kTuneLockWait = 120;
+class CacheLock {
+ public:
+  CacheLock() = default;
+  explicit CacheLock(const std::string& path) {
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) return;
+    const Clock::time_point start = Clock::now();
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (SecondsSince(start) > kTuneLockWait) {
+        Release();
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  CacheLock& operator=(CacheLock&& o) noexcept {
+    Release();
+    fd_ = std::exchange(o.fd_, -1);
+    return *this;
+  }
+  CacheLock(const CacheLock&) = delete;
+  ~CacheLock() { Release(); }
+
+ private:
+  void Release() {
+    if (fd_ >= 0) ::close(fd_);  // closing drops the flock
+    fd_ = -1;
+  }
+  int fd_ = -1;
+};
+
 std::string JoinCandidates(const std::vector<FfnBlocking>& candidates) {
   std::string out;
   for (const FfnBlocking& b : candidates) absl::StrAppend(&out, b.ToString(), ";");
@@ -194,20 +249,21 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
     // Keyed like the program binaries (source, options, device, driver) plus the shape class
     // and the candidate list, so a changed kernel or candidate set tunes again.
     std::string cache_path;
+    CacheLock lock;
     if (!cache_dir_.empty()) {
       const std::string what = absl::StrCat("ffn-blocking H=", hidden, " F=", ffn, " ",
                                             DTypeName(dtype), " ", JoinCandidates(candidates));
       cache_path = detail::ProgramCachePath(
           cache_dir_, "ffn-blocking", detail::ProgramCacheKey(FfnProgramKeySource(), what, info_));
       cache_path.replace(cache_path.size() - 4, 4, ".txt");  // ".bin" -> ".txt"
-      absl::StatusOr<std::string> text = common::ReadWholeFile(cache_path);
-      if (text.ok()) {
-        const std::string first_line(absl::string_view(*text).substr(0, text->find('\n')));
-        absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(first_line);
-        if (b.ok() && std::find(candidates.begin(), candidates.end(), *b) != candidates.end()) {
-          choice.blocking = *b;
-          choice.origin = FfnBlockingOrigin::kCache;
-        }
+      // Workers of one host share the device kind and the cache: one tunes while the others
+      // wait for its entry (at most kTuneLockWait, then they time the candidates themselves).
+      std::error_code ignored;  // a folder that cannot be made leaves the lock (and cache) off
+      std::filesystem::create_directories(cache_dir_, ignored);
+      lock = CacheLock(cache_path + ".lock");
+      if (std::optional<FfnBlocking> b = ReadCachedChoice(cache_path, candidates)) {
+        choice.blocking = *b;
+        choice.origin = FfnBlockingOrigin::kCache;
       }
     }
     if (choice.origin != FfnBlockingOrigin::kCache) {
