@@ -26,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "client/expert_skew.h"
 #include "client/infer_request.h"
 #include "client/load_generator.h"
 #include "client/load_stats.h"
@@ -95,6 +96,9 @@ struct Flags {
   std::string verify_model;
   int64_t verify_seed = 0;
   double verify_tolerance = 0;
+  std::string expert_skew;
+  std::string skew_model;
+  int64_t skew_seed = 1;
   bool json = false;
   bool csv = false;
   std::string plot;
@@ -164,6 +168,14 @@ void Register(common::FlagSet& fs, Flags& f) {
   fs.Add("verify-tolerance", &f.verify_tolerance,
          "Largest max|answer - reference| / max|reference| per request; 0: 1e-4 for FP32, "
          "1e-2 for BF16, 2e-3 for FP16");
+  fs.Add("expert-skew", &f.expert_skew,
+         "Aim every row at top-k experts drawn with this popularity instead of uniform values: "
+         "uniform, zipf:S (rank r weighs r^-S) or hot:N:Q (N experts take a share Q); ranks "
+         "permuted by --skew-seed. Needs the served model (--skew-model, else --verify-model; "
+         "its --seed is --verify-seed)");
+  fs.Add("skew-model", &f.skew_model,
+         "The server's --model, for --expert-skew (default: --verify-model)");
+  fs.Add("skew-seed", &f.skew_seed, "Seed of --expert-skew's ranking of the experts");
   fs.Add("json", &f.json, "Print one JSON object per step on stdout instead of tables");
   fs.Add("csv", &f.csv, "Print CSV on stdout (a header, one line per step) instead of tables");
   fs.Add("plot", &f.plot,
@@ -389,6 +401,39 @@ int Main(int argc, char** argv) {
       return kExitCannotStart;
     }
     options.verifier = *std::move(verifier);
+  }
+
+  if (!f.expert_skew.empty()) {
+    absl::StatusOr<ExpertSkew> skew = ParseExpertSkew(f.expert_skew);
+    const std::string& spec = f.skew_model.empty() ? f.verify_model : f.skew_model;
+    if (!skew.ok() || spec.empty()) {
+      std::cerr << "epserve-load: "
+                << (skew.ok() ? "--expert-skew needs --skew-model or --verify-model (the "
+                                "server's --model)"
+                              : std::string(skew.status().message()))
+                << "\n";
+      return kExitBadUsage;
+    }
+    absl::StatusOr<std::unique_ptr<SkewedRows>> made = SkewedRows::Create(
+        spec, static_cast<uint64_t>(f.verify_seed),
+        options.request.layer.has_value() ? static_cast<int>(*options.request.layer) : -1, *skew,
+        static_cast<uint64_t>(f.skew_seed));
+    if (!made.ok() || (*made)->hidden_size() != options.request.hidden_size) {
+      std::cerr << "epserve-load: expert skew: "
+                << (made.ok() ? absl::StrCat("the model's hidden size ", (*made)->hidden_size(),
+                                             " is not the server's ", options.request.hidden_size)
+                              : std::string(made.status().message()))
+                << "\n";
+      return kExitCannotStart;
+    }
+    std::shared_ptr<const SkewedRows> rows = *std::move(made);
+    std::cerr << "epserve-load: rows aimed at experts with popularity " << skew->ToString()
+              << absl::StrFormat(" (gain %.1f: %.0f%% of sampled rows routed as aimed)",
+                                 rows->gain(), 100 * rows->aimed_fraction())
+              << "\n";
+    options.request.fill_rows = [rows](FastRng& rng, float* dst, int64_t num_rows) {
+      rows->Fill(rng, dst, num_rows);
+    };
   }
 
   const bool show_progress =

@@ -145,9 +145,18 @@ void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string
   float scratch[kChunk];
   uint16_t narrow[kChunk];
   char* dst = raw->data();
+  std::vector<float> shaped;  // the whole request's values when tmpl.fill_rows makes them
+  if (tmpl.fill_rows) {
+    shaped.resize(static_cast<size_t>(num_elements));
+    tmpl.fill_rows(rng, shaped.data(), tokens);
+  }
   for (int64_t done = 0; done < num_elements; done += kChunk) {
     const int64_t n = std::min(kChunk, num_elements - done);
-    rng.FillUniformSigned(scratch, n);
+    if (tmpl.fill_rows) {
+      std::copy(shaped.begin() + done, shaped.begin() + done + n, scratch);
+    } else {
+      rng.FillUniformSigned(scratch, n);
+    }
     if (tmpl.dtype == Dtype::kFp32) {
       std::memcpy(dst + done * 4, scratch, static_cast<size_t>(n * 4));
     } else {

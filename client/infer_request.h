@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -81,12 +82,15 @@ struct RequestTemplate {
   std::optional<int64_t> layer;  // sent as the int64 parameter "layer" when set
   Dtype dtype = Dtype::kFp32;    // of hidden_states, hence of moe_output
   int64_t timeout_us = 0;        // > 0: sent as the int64 parameter "timeout"
+  // Fills a request's [tokens, H] values (e.g. SkewedRows::Fill, rows aimed at experts);
+  // empty: uniform in [-1, 1). Called from several sending threads at once.
+  std::function<void(FastRng& rng, float* dst, int64_t tokens)> fill_rows;
 };
 
-// Fills `request` (cleared first) with a request for `tokens` rows of fresh values uniform
-// in [-1, 1) drawn from `rng`, in tmpl.dtype, identified by `id`, asking for output
-// "moe_output". When `values` is not null it receives the T x H values as the server
-// reads them (after rounding to tmpl.dtype), as floats.
+// Fills `request` (cleared first) with a request for `tokens` rows of fresh values (uniform
+// in [-1, 1), or as tmpl.fill_rows makes them) drawn from `rng`, in tmpl.dtype, identified by `id`,
+// asking for output "moe_output". When `values` is not null it receives the T x H values as the
+// server reads them (after rounding to tmpl.dtype), as floats.
 void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string_view id,
                        FastRng& rng, inference::ModelInferRequest* request,
                        std::vector<float>* values = nullptr);

@@ -1,11 +1,14 @@
 #include <algorithm>
+#include <iostream>
 #include <map>
+#include <numeric>
 #include <random>
 
 #include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_split.h"
+#include "client/expert_skew.h"
 #include "client/infer_request.h"
 #include "client/load_generator.h"
 #include "client/load_stats.h"
@@ -252,6 +255,83 @@ TEST(Verifier, AcceptsTheReferenceAndRejectsAPerturbedAnswer) {
   EXPECT_NE(s.message().find("row 3"), std::string::npos) << s;
   EXPECT_FALSE(Verifier::Create("/no/such/folder", 0, std::nullopt, Dtype::kFp32, 0).ok());
   EXPECT_FALSE(Verifier::Create("synthetic:tiny", 0, 7, Dtype::kFp32, 0).ok());
+}
+
+TEST(ExpertSkew, ParsesTheFormsAndNamesTheBound) {
+  ASSERT_TRUE(ParseExpertSkew("uniform").ok());
+  absl::StatusOr<ExpertSkew> z = ParseExpertSkew("zipf:1.2");
+  ASSERT_TRUE(z.ok());
+  EXPECT_EQ(z->kind, ExpertSkew::Kind::kZipf);
+  EXPECT_DOUBLE_EQ(z->exponent, 1.2);
+  absl::StatusOr<ExpertSkew> h = ParseExpertSkew("hot:4:0.3");
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->hot_experts, 4);
+  EXPECT_DOUBLE_EQ(h->hot_share, 0.3);
+  EXPECT_EQ(ParseExpertSkew(h->ToString())->hot_experts, 4);
+  for (const char* bad : {"zipf", "zipf:-1", "hot:0:0.3", "hot:4:1.5", "hot:4", "pareto:1"}) {
+    EXPECT_EQ(ParseExpertSkew(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_NE(ParseExpertSkew("hot:4:1.5").status().message().find("(0, 1)"), std::string::npos);
+}
+
+TEST(ExpertSkew, PopularityFollowsTheStatedLaw) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(seed);
+  ExpertSkew zipf;
+  zipf.kind = ExpertSkew::Kind::kZipf;
+  zipf.exponent = 1.0;
+  std::vector<double> p = ExpertPopularity(zipf, 60, seed);
+  EXPECT_NEAR(std::accumulate(p.begin(), p.end(), 0.0), 1.0, 1e-12);
+  std::vector<double> sorted = p;
+  std::sort(sorted.rbegin(), sorted.rend());
+  EXPECT_NEAR(sorted[0] / sorted[1], 2.0, 1e-9);  // rank 1 : rank 2 = 2^S
+  EXPECT_NEAR(sorted[0] / sorted[9], 10.0, 1e-9);
+  EXPECT_EQ(ExpertPopularity(zipf, 60, seed), p);  // deterministic from the seed
+  ExpertSkew hot = *ParseExpertSkew("hot:4:0.3");
+  sorted = ExpertPopularity(hot, 60, seed);
+  std::sort(sorted.rbegin(), sorted.rend());
+  EXPECT_NEAR(std::accumulate(sorted.begin(), sorted.begin() + 4, 0.0), 0.3, 1e-12);
+  EXPECT_NEAR(sorted[4], 0.7 / 56, 1e-12);
+}
+
+// Rows aimed at a hot set of the qwen shape's 60 experts: the reference router (as the server
+// routes) sends them where they were aimed, so the hot set's share of the routed choices is
+// the aimed share, far above uniform traffic's.
+TEST(ExpertSkew, RoutedChoicesFollowTheAimedOnes) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(seed);
+  const std::string spec = "synthetic:qwen1.5-moe-a2.7b";
+  absl::StatusOr<std::unique_ptr<SkewedRows>> rows =
+      SkewedRows::Create(spec, 0, -1, *ParseExpertSkew("hot:4:0.3"), seed);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_GE((*rows)->aimed_fraction(), 0.95) << "gain " << (*rows)->gain();
+  const model::MoeLayerConfig& cfg = (*rows)->config();
+  const int64_t tokens = 2000;
+  std::vector<float> x(static_cast<size_t>(tokens * cfg.hidden_size),
+                       std::numeric_limits<float>::quiet_NaN());
+  FastRng rng(seed, 7);
+  (*rows)->Fill(rng, x.data(), tokens);
+  ASSERT_TRUE(std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); }));
+  model::LayerWeights w;
+  w.router = (*rows)->router();
+  const model::Routing r = model::ReferenceRoute(cfg, w, x.data(), tokens);
+  std::vector<int> hot_experts;
+  const std::vector<double>& p = (*rows)->popularity();
+  for (int e = 0; e < cfg.num_experts; ++e) {
+    if (p[e] > 0.3 / 4 - 1e-12) hot_experts.push_back(e);
+  }
+  ASSERT_EQ(hot_experts.size(), 4u);
+  int64_t hot = 0;
+  for (int32_t e : r.ids) {
+    hot += std::find(hot_experts.begin(), hot_experts.end(), e) != hot_experts.end();
+  }
+  const double share = static_cast<double>(hot) / static_cast<double>(r.ids.size());
+  std::cout << "[ skew ] gain " << (*rows)->gain() << ", aimed " << (*rows)->aimed_fraction()
+            << ", hot set's share of routed choices " << share << "\n";
+  // Four distinct experts per token drawn without replacement: a hot expert's marginal is a
+  // little under its 7.5%; uniform traffic would give 4/60 = 6.7% to the four together.
+  EXPECT_GT(share, 0.22);
+  EXPECT_LT(share, 0.32);
 }
 
 }  // namespace
