@@ -133,6 +133,7 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
 
   MetricsConfig metrics_config;
   metrics_config.address = o.metrics_address;
+  metrics_config.http = o.metrics_http;
   metrics_config.model_name = o.model_name;
   metrics_config.num_workers = model.num_workers;
   metrics_config.num_experts = model.num_experts;

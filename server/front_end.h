@@ -25,6 +25,7 @@ struct FrontEndOptions {
   std::string model_name = "moe";
   std::string grpc_address = "127.0.0.1:8001";
   std::string metrics_address = "127.0.0.1:8002";
+  MetricsHttpOptions metrics_http;  // the /metrics endpoint's connection bounds (its address above)
   std::string ready_file;
   std::string device = "cpu";  // reported in ModelConfig's instance group
   // Batching.

@@ -320,6 +320,16 @@ int main(int argc, char** argv) {
          "gRPC listen address host:port (port 0 picks a free port)");
   fs.Add("metrics-address", &flags.fe.metrics_address,
          "Prometheus /metrics listen address host:port (port 0: free port)");
+  fs.Add("metrics-max-connections", &flags.fe.metrics_http.max_connections,
+         "Connections the /metrics endpoint holds at once; beyond, the oldest that has not "
+         "sent a whole request is closed (idle or slow clients cannot crowd out a scraper)");
+  fs.Add("metrics-header-timeout", &flags.fe.metrics_http.header_timeout,
+         "A /metrics request's headers must arrive within this of its first byte (or of the "
+         "connection's opening)");
+  fs.Add("metrics-idle-timeout", &flags.fe.metrics_http.idle_timeout,
+         "How long a kept-alive /metrics connection may wait for its next request");
+  fs.Add("metrics-write-timeout", &flags.fe.metrics_http.write_timeout,
+         "A /metrics response must be taken by the client within this");
   fs.Add("ready-file", &flags.fe.ready_file,
          "When set, written once serving: {\"grpc\": host:port, \"metrics\": host:port}");
   fs.Add("max-batch-tokens", &flags.fe.max_batch_tokens,

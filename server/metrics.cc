@@ -2,10 +2,10 @@
 
 #include <netdb.h>
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/status.h"
 
 namespace epserve::server {
 namespace {
@@ -29,23 +30,6 @@ std::string CodeName(absl::StatusCode code) {
   std::string name = absl::StatusCodeToString(code);
   for (char& c : name) c = c == ' ' ? '_' : static_cast<char>(std::toupper(c));
   return name;
-}
-
-// Opens and closes one TCP connection to `address` ("host:port", host maybe "[v6]").
-void Connect(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return;
-  std::string host = address.substr(0, colon);
-  host = std::string(absl::StripSuffix(absl::StripPrefix(host, "["), "]"));
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(host.c_str(), address.substr(colon + 1).c_str(), &hints, &res) != 0) return;
-  const int fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC, res->ai_protocol);
-  if (fd >= 0) {
-    connect(fd, res->ai_addr, res->ai_addrlen);  // refused once the listener is closed
-    close(fd);
-  }
-  freeaddrinfo(res);
 }
 
 }  // namespace
@@ -171,37 +155,40 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
       .Add({{"version", EPSERVE_VERSION}})
       .Set(1);
 
-  try {  // configuration time: prometheus-cpp reports a failed bind by throwing
-    m->exposer_ = std::make_unique<prometheus::Exposer>(config.address);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on --metrics-address=", config.address, ": ", e.what()));
+  auto& http_events = prometheus::BuildCounter()
+                          .Name("epserve_metrics_http_connections_total")
+                          .Help(
+                              "Connections to the /metrics endpoint by what became of them: "
+                              "accepted, served (a scrape answered), bad_request, "
+                              "header_timeout, idle_timeout, write_timeout, evicted (closed "
+                              "at the connection or pending-bytes bound).")
+                          .Register(r);
+  for (int e = 0; e < kNumHttpEvents; ++e) {
+    m->http_events_[e] = &http_events.Add({{"event", HttpEventName(static_cast<HttpEvent>(e))}});
   }
-  m->exposer_->RegisterCollectable(m->registry_);
-  const std::vector<int> ports = m->exposer_->GetListeningPorts();
-  if (ports.empty()) return absl::InternalError("metrics exposer reports no listening port");
-  m->bound_address_ =
-      absl::StrCat(config.address.substr(0, config.address.rfind(':')), ":", ports.front());
+  m->http_open_ = &prometheus::BuildGauge()
+                       .Name("epserve_metrics_http_open_connections")
+                       .Help("Connections open to the /metrics endpoint.")
+                       .Register(r)
+                       .Add({});
+
+  MetricsHttpOptions http = config.http;
+  http.address = config.address;
+  Metrics* self = m.get();
+  EPSERVE_ASSIGN_OR_RETURN(
+      m->http_,
+      MetricsHttpServer::Start(
+          http,
+          [self] {
+            self->http_open_->Set(self->http_ != nullptr ? self->http_->open_connections() : 0);
+            return prometheus::TextSerializer().Serialize(self->registry_->Collect());
+          },
+          [self](HttpEvent e) { self->http_events_[static_cast<int>(e)]->Increment(); }));
+  m->bound_address_ = m->http_->bound_address();
   return m;
 }
 
-Metrics::~Metrics() {
-  if (exposer_ == nullptr) return;
-  // civetweb's listening thread looks at its stop flag only between polls of the listening
-  // socket, each up to 2 s long, so stopping the exposer took up to 2 s: rank 0 left after
-  // mpirun's SIGKILL (1 s after its SIGTERM). A connection ends the poll at once: one is
-  // made every few milliseconds until the exposer has stopped.
-  std::atomic<bool> stopped{false};
-  std::thread waker([this, &stopped] {
-    while (!stopped.load()) {
-      Connect(bound_address_);
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-  });
-  exposer_.reset();
-  stopped.store(true);
-  waker.join();
-}
+Metrics::~Metrics() { http_.reset(); }  // stops the server thread before the series go
 
 void Metrics::ObserveRequest(absl::StatusCode code, absl::Duration latency,
                              absl::Duration queue_time, int64_t tokens) {

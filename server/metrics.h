@@ -13,11 +13,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/metrics_http.h"
 #include "worker/coordinator.h"
 
 namespace prometheus {
 class Counter;
-class Exposer;
 class Gauge;
 class Histogram;
 class Registry;
@@ -33,6 +33,8 @@ struct MetricsConfig {
   std::vector<int> layers = {0};      // served MoE layers (the model's indices)
   int64_t queue_capacity_tokens = 0;  // --max-queue-tokens
   int balance_window_batches = 64;    // epserve_expert_balancedness looks this far back
+  // The endpoint's connection handling (its address is `address` above).
+  MetricsHttpOptions http;
 };
 
 class Metrics {
@@ -59,7 +61,9 @@ class Metrics {
  private:
   Metrics() = default;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> http_;
+  std::array<prometheus::Counter*, kNumHttpEvents> http_events_{};
+  prometheus::Gauge* http_open_ = nullptr;
   std::string bound_address_;
   int num_workers_ = 0;
   static constexpr int kNumCodes = 17;
