@@ -41,9 +41,11 @@ LAUNCHER_KEYS = {
     "backoff_initial_seconds": (float, 1.0),  # first restart delay, doubled per failure
     "backoff_max_seconds": (float, 30.0),     # longest restart delay
     "stable_seconds": (float, 60.0),          # a job serving this long resets the backoff
-    "unhealthy_seconds": (float, 10.0),       # workers not ready this long: restart the job
-    "health_interval_seconds": (float, 1.0),  # how often rank 0's /metrics is read
-    "health_host": (str, ""),                 # where rank 0's metrics are reached; "": its address
+    "unhealthy_seconds": (float, 10.0),       # not SERVING this long: restart the job
+    "health_interval_seconds": (float, 1.0),  # how often rank 0's gRPC health is asked
+    "health_host": (str, ""),                 # where rank 0 is reached; "": its address
+    "health_probe": (str, ""),                # epserve-health; "": beside the epserve binary
+    "health_tls_ca": (str, ""),               # PEM roots for the probe when gRPC uses TLS
     "stop_timeout_seconds": (float, 20.0),    # after SIGTERM, when mpirun gets SIGKILL
     "stopped_exit_status": (int, 0),          # exit status after a clean stop on a signal
     "startup_timeout_seconds": (float, 900.0),  # a job not serving by then is restarted
@@ -206,6 +208,19 @@ def read_ready_file(path):
         return None
 
 
+def grpc_serving(probe, target, timeout_seconds, tls_ca=""):
+    """rank 0's grpc.health.v1 status through the epserve-health probe: True SERVING, False
+    answered but not serving, None no answer."""
+    cmd = [probe, f"--target={target}", f"--timeout={timeout_seconds:g}s"]
+    if tls_ca:
+        cmd.append(f"--tls-ca={tls_ca}")
+    try:
+        r = subprocess.run(cmd, capture_output=True, timeout=timeout_seconds + 5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {0: True, 1: False}.get(r.returncode)
+
+
 def workers_ready(url, timeout_seconds):
     """epserve_workers_ready from rank 0's /metrics; None when it does not answer."""
     try:
@@ -346,6 +361,26 @@ class Supervisor:
         self.wake.wait(seconds)
         return self.stop_signal is not None
 
+    def health_probe(self):
+        """The epserve-health binary, or None (then liveness falls back to /metrics)."""
+        if self.settings.health_probe:
+            return self.settings.health_probe
+        server_dir = os.path.dirname(self.settings.binary())
+        for candidate in (os.path.join(os.path.dirname(server_dir), "client", "epserve-health"),
+                          os.path.join(server_dir, "epserve-health")):
+            if os.access(candidate, os.X_OK):
+                return candidate
+        return None
+
+    def grpc_target(self, ready):
+        host, _, port = ready["grpc"].rpartition(":")
+        host = host.strip("[]")
+        if self.settings.health_host:
+            host = self.settings.health_host
+        elif host in ("0.0.0.0", "", "::"):
+            host = "127.0.0.1"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def metrics_url(self, ready):
         host, _, port = ready["metrics"].rpartition(":")
         host = host.strip("[]")
@@ -405,9 +440,12 @@ class Supervisor:
 
     def watch(self, job):
         """Until the job ends ("exited"), a stop signal comes ("stopped"), or the job must be
-        restarted (a reason)."""
+        restarted (a reason). Liveness is rank 0's gRPC health (SERVING while every worker is
+        loaded and answering), asked through epserve-health: a slow or crowded /metrics
+        endpoint never restarts a serving job. Without the probe (or with TLS and no
+        health_tls_ca) it falls back to epserve_workers_ready on /metrics."""
         s = self.settings
-        url = None
+        check = None
         bad_since = None
         answered = False
         while True:
@@ -421,25 +459,50 @@ class Supervisor:
                 ready = read_ready_file(self.ready_file)
                 if ready is not None and "metrics" in ready:
                     job.served_since = now
-                    url = self.metrics_url(ready)
+                    check = self.health_check(ready)
                     log(f"job {job.number} is serving on {ready.get('grpc')} "
                         f"(after {now - job.started:.1f} s)")
                 elif now - job.started > s.startup_timeout_seconds:
                     return f"not serving after {s.startup_timeout_seconds:.0f} s"
             elif s.unhealthy_seconds > 0:
-                workers = workers_ready(url, max(1.0, s.health_interval_seconds))
-                if workers is not None:
+                healthy, what = check()
+                if healthy is not None:
                     answered = True
-                healthy = workers is not None and workers > 0
                 if healthy or not answered:
                     bad_since = None
                 elif bad_since is None:
                     bad_since = now
-                    log(f"job {job.number}: workers not ready "
-                        f"({'no answer from ' + url if workers is None else 'epserve_workers_ready 0'})")
+                    log(f"job {job.number}: not serving ({what})")
                 elif now - bad_since >= s.unhealthy_seconds:
-                    return f"workers not ready for {s.unhealthy_seconds:.0f} s"
+                    return f"not serving for {s.unhealthy_seconds:.0f} s ({what})"
             self.sleep(s.health_interval_seconds)
+
+    def health_check(self, ready):
+        """A function returning (True | False | None, what it saw) for the job behind `ready`."""
+        s = self.settings
+        timeout = max(1.0, s.health_interval_seconds)
+        probe = self.health_probe()
+        tls = flag_value(s.epserve_args, "tls-cert") is not None
+        if probe is not None and "grpc" in ready and (not tls or s.health_tls_ca):
+            target = self.grpc_target(ready)
+
+            def by_grpc():
+                serving = grpc_serving(probe, target, timeout, s.health_tls_ca)
+                what = {True: "SERVING", False: "gRPC health NOT_SERVING",
+                        None: f"no gRPC health answer from {target}"}[serving]
+                return serving, what
+            return by_grpc
+        url = self.metrics_url(ready)
+        log("liveness from /metrics (epserve_workers_ready): "
+            + ("no epserve-health probe found" if probe is None
+               else "gRPC uses TLS and health_tls_ca is not set"))
+
+        def by_metrics():
+            workers = workers_ready(url, timeout)
+            if workers is None:
+                return None, f"no answer from {url}"
+            return workers > 0, f"epserve_workers_ready {workers:g}"
+        return by_metrics
 
     def end(self, job):
         """Ends a job that is to be restarted: SIGTERM, then SIGKILL."""
