@@ -65,9 +65,14 @@ OMP_WAIT_POLICY=PASSIVE "$venv/bin/python" - "$root/bench/e2e" <<'PY'
 import sys
 sys.path.insert(0, sys.argv[1])
 from baselines import common, ggml_moe, kt_kernel, torch_grouped, vllm_cpu
-checks = [("vllm_cpu", vllm_cpu.load_library), ("ggml", ggml_moe.library),
-          ("kt_kernel", lambda: __import__("kt_kernel").__cpu_variant__),
-          ("torch", lambda: torch_grouped.version())]
+
+def kt():
+    import kt_kernel
+    return f"kt-kernel {kt_kernel.__version__} ({kt_kernel.__cpu_variant__})"
+
+
+checks = [("vllm_cpu", lambda: vllm_cpu.load_library() and vllm_cpu.version()),
+          ("ggml", ggml_moe.version), ("kt_kernel", kt), ("torch", torch_grouped.version)]
 for name, probe in checks:
     try:
         print(f"bench venv: {name}: {probe()}", file=sys.stderr)

@@ -194,6 +194,8 @@ def baselines_part(env, python, weights, dtype, x_path):
                 entry.update({k: row[k] for k in ("unsupported", "failed") if k in row})
             elif "check_tokens" in row:
                 entry["check"] = row
+            elif "too_slow" in row:
+                entry.setdefault("too_slow", {})[row["tokens"]] = row["too_slow"]
             else:
                 entry["rows"][row["tokens"]] = row
         if r.returncode != 0:
@@ -268,6 +270,8 @@ def baseline_lines(dtype, r):
             if e.get("check", {}).get("ok", True) and (
                     t not in fastest or v["tokens_per_s"] > fastest[t][0]):
                 fastest[t] = (v["tokens_per_s"], variant)
+        for t, why in sorted(e.get("too_slow", {}).items()):
+            rows.append(f"| {dtype} | {variant} | {t} (batch) | 1 | not timed: {why} | | | | | |")
     check = ""
     if checks:
         check = (f"\n{dtype}: CPU MoE baselines on the same 16 rows vs the same routing, then "

@@ -44,8 +44,15 @@ def variants(dtype):
     return found
 
 
-def median_seconds(fn, min_reps=5, min_seconds=2.0, warmup=2):
-    for _ in range(warmup):
+def median_seconds(fn, min_reps=5, min_seconds=2.0, warmup=2, max_call_seconds=None):
+    """Median of >= min_reps timed calls (and >= min_seconds in all) after `warmup` calls;
+    (None, seconds) when the first call alone takes longer than max_call_seconds."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if max_call_seconds is not None and first > max_call_seconds:
+        return None, first
+    for _ in range(warmup - 1):
         fn()
     times = []
     while len(times) < min_reps or sum(times) < min_seconds:
@@ -73,6 +80,11 @@ def main():
     p.add_argument("--threads", default="", help="comma list; each is tried, the best kept "
                    "per token count (default: 1 and the CPU count)")
     p.add_argument("--min-seconds", type=float, default=2.0)
+    p.add_argument("--max-call-seconds", type=float, default=20.0,
+                   help="a variant whose call at some token count takes longer (measured, or "
+                   "predicted linearly from the previous count) is not timed there nor at "
+                   "larger counts (torch._grouped_mm in BF16 on an AVX2 CPU: ~4 s at 32 "
+                   "tokens of the qwen shape, ~67 s at 512)")
     p.add_argument("--input", help="rows [T, H] (.npy, float32) to check every variant on")
     p.add_argument("--list", action="store_true", help="print the variants of --dtype, exit")
     a = p.parse_args()
@@ -100,17 +112,17 @@ def main():
                   for t in (int(t) for t in a.tokens.split(","))}
         for variant in chosen:
             run_variant(variant, table[variant], w, a.dtype, threads, inputs, a.min_seconds,
-                        x_check if a.input else None, reference)
+                        a.max_call_seconds, x_check if a.input else None, reference)
     return 0
 
 
-def run_variant(variant, module_factory, w, dtype, threads, inputs, min_seconds, x_check,
-                reference):
+def run_variant(variant, module_factory, w, dtype, threads, inputs, min_seconds,
+                max_call_seconds, x_check, reference):
     """Prepares the variant once per thread count (the kernels' own thread pools are sized
     at preparation), checks it against `reference` on x_check, and times it at each token
     count; emits the best thread count's median per token count."""
     module, factory = module_factory
-    best = {}
+    best, too_slow = {}, {}
     for n in threads:
         torch.set_num_threads(n)
         try:
@@ -127,15 +139,30 @@ def run_variant(variant, module_factory, w, dtype, threads, inputs, min_seconds,
             emit(variant=variant, dtype=dtype, version=version,
                  check_tokens=x_check.shape[0], max_rel_error=err,
                  tolerance=TOLERANCE[dtype], ok=err <= TOLERANCE[dtype])
+        previous = None
         for tokens, x in inputs.items():
+            if previous and previous[1] * tokens / previous[0] > max_call_seconds:
+                too_slow.setdefault(tokens, f"predicted {previous[1] * tokens / previous[0]:.0f}"
+                                    f" s per call from {previous[0]} tokens")
+                break  # larger token counts take longer still
             median, reps = median_seconds(lambda: common.layer(x, w, routed),
-                                          min_seconds=min_seconds)
+                                          min_seconds=min_seconds,
+                                          max_call_seconds=max_call_seconds)
+            if median is None:
+                too_slow.setdefault(tokens, f"one call took {reps:.1f} s")
+                break
+            previous = (tokens, median)
             if tokens not in best or median < best[tokens][0]:
                 best[tokens] = (median, reps, n)
         del routed
     for tokens, (median, reps, n) in best.items():
         emit(variant=variant, dtype=dtype, version=version, tokens=tokens,
              median_ms=median * 1e3, tokens_per_s=tokens / median, reps=reps, threads=n)
+    for tokens, why in too_slow.items():
+        if tokens not in best:
+            emit(variant=variant, dtype=dtype, version=version, tokens=tokens,
+                 too_slow=f"{why}, over --max-call-seconds; not timed here nor at larger "
+                 "token counts")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ mul_mat_id for up and gate, silu * up, mul_mat_id for down, scaled by the routin
 and summed over the chosen experts), through ctypes on the libggml-python wheel's libggml.
 FP32 weights as GGML_TYPE_F32, BF16 weights as GGML_TYPE_BF16; activations stay FP32 as in
 llama.cpp (BF16 inputs are widened, the output rounded back). The weights are used in place
-(ggml_backend_cpu_buffer_from_ptr); one graph is built per token count and reused.
+(ggml_backend_cpu_buffer_from_ptr); one graph is built and planned per token count and
+reused, on ggml's own threads (as many as torch's when the variant is prepared).
 GGML_LIB_DIR names the folder holding libggml-base.so and libggml-cpu.so (default: the
 installed libggml package's lib64)."""
 
@@ -25,6 +26,14 @@ _lib = None
 class InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p),
                 ("no_alloc", ctypes.c_bool)]
+
+
+class Cplan(ctypes.Structure):
+    """struct ggml_cplan (ggml-cpu.h)."""
+    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p),
+                ("n_threads", ctypes.c_int), ("threadpool", ctypes.c_void_p),
+                ("abort_callback", ctypes.c_void_p), ("abort_callback_data", ctypes.c_void_p),
+                ("use_ref", ctypes.c_bool)]
 
 
 def library():
@@ -64,7 +73,8 @@ def library():
         (base, "ggml_backend_tensor_alloc"): (I, [P, P, P]),
         (base, "ggml_backend_buffer_free"): (None, [P]),
         (cpu, "ggml_cpu_init"): (None, []),
-        (cpu, "ggml_graph_compute_with_ctx"): (I, [P, P, I]),
+        (cpu, "ggml_graph_plan"): (Cplan, [P, I, P]),
+        (cpu, "ggml_graph_compute"): (I, [P, ctypes.POINTER(Cplan)]),
         (cpu, "ggml_cpu_has_avx2"): (I, []),
         (cpu, "ggml_cpu_has_avx512"): (I, []),
     }
@@ -91,13 +101,13 @@ def version():
 
 class _Graph:
     """The routed experts for one token count: inputs x [H, T], ids [k, T], routing weights
-    [1, k, T] (all FP32/I32, written before each compute) and the output [H, T]."""
+    [1, k, T] (all FP32/I32, written before each compute) and the output [H, T]; planned for
+    `threads` threads with a work buffer of the size ggml_graph_plan asks for."""
 
-    def __init__(self, lib, w, tensors, tokens):
+    def __init__(self, lib, w, tensors, tokens, threads):
         H, F, k = w.hidden, w.ffn, w.top_k
         act_bytes = 4 * tokens * (H + 2 * k + 3 * k * F + 2 * k * H + 2 * H)
-        work_bytes = 4 * tokens * k * max(H, F) + 4 * tokens * H  # converted src1, ids maps
-        self.ctx = lib.init(InitParams(act_bytes + work_bytes + (64 << 20), None, False))
+        self.ctx = lib.init(InitParams(act_bytes + act_bytes // 4 + (16 << 20), None, False))
         ctx = self.ctx
         self.x = lib.new_tensor_2d(ctx, GGML_TYPE_F32, H, tokens)
         self.ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, k, tokens)
@@ -115,6 +125,9 @@ class _Graph:
         self.out = out
         self.graph = lib.new_graph(ctx)
         lib.build_forward_expand(self.graph, out)
+        self.plan = lib.graph_plan(self.graph, threads, None)
+        self.work = np.empty(max(self.plan.work_size, 1), dtype=np.uint8)
+        self.plan.work_data = self.work.ctypes.data
         self.tokens, self.hidden, self.k = tokens, H, k
 
     def array(self, lib, tensor, dtype, shape):
@@ -142,17 +155,18 @@ def mul_mat_id(w, ggml_type):
         tensors[name] = tensor
     graphs = {}
     keep = (ctx, buffers, held, graphs)
+    threads = torch.get_num_threads()
 
     def routed(x, topk_weights, topk_ids):
         T = x.shape[0]
         g = keep[3].get(T)
         if g is None:
-            g = keep[3][T] = _Graph(lib, w, tensors, T)
+            g = keep[3][T] = _Graph(lib, w, tensors, T, threads)
         g.array(lib, g.x, np.float32, (T, g.hidden))[:] = x.float().numpy()
         g.array(lib, g.ids, np.int32, (T, g.k))[:] = topk_ids.numpy()
         g.array(lib, g.weights, np.float32, (T, g.k))[:] = topk_weights.numpy()
-        if lib.graph_compute_with_ctx(g.ctx, g.graph, torch.get_num_threads()) != 0:
-            raise RuntimeError("ggml_graph_compute_with_ctx failed")
+        if lib.graph_compute(g.graph, ctypes.byref(g.plan)) != 0:
+            raise RuntimeError("ggml_graph_compute failed")
         y = torch.from_numpy(g.array(lib, g.out, np.float32, (T, g.hidden)).copy())
         return y.to(x.dtype)
 
