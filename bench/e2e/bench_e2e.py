@@ -1,11 +1,17 @@
 #!/usr/bin/python3
 """End-to-end benchmark: epserve (1 front-end + 2 workers on this machine, driven by
 epserve-load over gRPC) against the same MoE layer (a) computed in-process by epserve's
-kernels alone and (b) in PyTorch on the CPU, Hugging Face's Qwen2-MoE way, on the same
-weights, all in one run. Prints the table and the ratios against the targets.
+kernels alone, (b) in PyTorch on the CPU, Hugging Face's Qwen2-MoE way, and (c) through the
+strongest CPU MoE kernels that install here (moe_baselines.py: vLLM's CPU fused MoE,
+kt-kernel, torch._grouped_mm, ggml's MUL_MAT_ID), on the same weights, all in one run. Prints
+the table and the ratios against the targets.
 
     PYTHONPATH=build/proto/python:client/python /usr/bin/python3 bench/e2e/bench_e2e.py \\
-        --build build [--shapes qwen1.5-moe-a2.7b,olmoe-1b-7b] [--duration 8s]
+        --build build [--shapes qwen1.5-moe-a2.7b,olmoe-1b-7b] [--duration 8s] \\
+        [--baselines-python ~/.cache/epserve/bench-venv/bin/python | --no-baselines]
+
+(c) runs under the interpreter of the virtual environment bench/install-deps.sh makes, one
+subprocess per variant; without that environment the table says so and (c) is skipped.
 
 Each part runs alone (the cluster is stopped while the others run). Before each shape it
 waits (up to --load-wait seconds, polling every 20 s) for the 1-minute load average to drop
@@ -30,7 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 
 TARGETS = {"service_vs_inprocess": 0.85, "one_token_fp32": 2.0, "one_token_bf16": 3.5,
-           "saturation": 1.5}
+           "saturation": 1.5, "vs_fastest_baseline": 1.0}
+# Token counts the CPU MoE baselines run at (each compared with the in-process layer there).
+BASELINE_TOKENS = (1, 32, 512)
+DEFAULT_VENV = os.environ.get("EPSERVE_BENCH_VENV",
+                              os.path.expanduser("~/.cache/epserve/bench-venv"))
 # The in-process bound's batch sizes; the service's throughput configuration uses the largest.
 INPROCESS_BATCHES = (1, 32, 256, 512)
 THROUGHPUT_BATCH = INPROCESS_BATCHES[-1]
@@ -62,9 +72,10 @@ def json_lines(text):
 def base_env(build):
     env = dict(os.environ)
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMPI_MCA_rmaps_base_oversubscribe": "1",
-                "POCL_CACHE_DIR": os.path.join(build, "pocl-cache"),
-                "EPSERVE_KERNEL_CACHE": os.path.join(build, "kernel-cache")})
+                "OMPI_MCA_rmaps_base_oversubscribe": "1"})
+    # Beside the build unless the caller names other folders (a read-only build).
+    env.setdefault("POCL_CACHE_DIR", os.path.join(build, "pocl-cache"))
+    env.setdefault("EPSERVE_KERNEL_CACHE", os.path.join(build, "kernel-cache"))
     env.pop("OPENBLAS_CORETYPE", None)
     return env
 
@@ -163,6 +174,37 @@ def torch_part(env, weights, dtype, x_path, y_path, tokens):
     return {r["tokens"]: r for r in rows}, np.load(y_path)
 
 
+def baselines_part(env, python, weights, dtype, x_path):
+    """Each variant of `dtype` in moe_baselines.py, in a subprocess of its own (a library
+    that crashes or exhausts memory takes only its own row with it). Returns
+    {variant: {"rows": {tokens: row}, "check": row, "unsupported" or "failed": reason}}."""
+    env = dict(env, OMP_WAIT_POLICY="PASSIVE")
+    script = os.path.join(HERE, "moe_baselines.py")
+    names = run([python, script, f"--weights={weights}", f"--dtype={dtype}", "--list"], env)
+    out = {}
+    for variant in names.split():
+        cmd = [python, script, f"--weights={weights}", f"--dtype={dtype}",
+               f"--variants={variant}", f"--tokens={','.join(map(str, BASELINE_TOKENS))}",
+               f"--input={x_path}"]
+        log("  $ " + " ".join(cmd))
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        entry = {"rows": {}}
+        for row in json_lines(r.stdout):
+            if "unsupported" in row or "failed" in row:
+                entry.update({k: row[k] for k in ("unsupported", "failed") if k in row})
+            elif "check_tokens" in row:
+                entry["check"] = row
+            elif "too_slow" in row:
+                entry.setdefault("too_slow", {})[row["tokens"]] = row["too_slow"]
+            else:
+                entry["rows"][row["tokens"]] = row
+        if r.returncode != 0:
+            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            entry["failed"] = f"exit {r.returncode}: {tail}"
+        out[variant] = entry
+    return out
+
+
 def inprocess_part(build, env, shape, dtype, tokens):
     env = dict(env, POCL_MAX_PTHREAD_COUNT=str(os.cpu_count() or 2))
     cmd = [os.path.join(build, "bench", "e2e", "bench_e2e_inprocess"),
@@ -193,7 +235,10 @@ def bench_shape(a, env, shape, dtypes):
             batches = ",".join(map(str, INPROCESS_BATCHES))
             r["inprocess"], r["inprocess_check"] = inprocess_part(a.build, env, shape, dtype,
                                                                   batches)
-            r["torch"], y_torch = torch_part(env, weights, dtype, x_path, y_path, "1,32,512")
+            r["torch"], y_torch = torch_part(env, weights, dtype, x_path, y_path,
+                                             ",".join(map(str, BASELINE_TOKENS)))
+            if a.baselines_python:
+                r["baselines"] = baselines_part(env, a.baselines_python, weights, dtype, x_path)
             svc = service_part(a.build, env, shape, x, a.duration, dtype)
             r["service_steps"] = svc["steps"]
             r["service_vs_torch_rel_error"] = rel_error(svc["output"], y_torch)
@@ -202,6 +247,37 @@ def bench_shape(a, env, shape, dtypes):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result
+
+
+def baseline_lines(dtype, r):
+    """Table rows of the CPU MoE baselines, a line of their correctness checks, and
+    {tokens: (tokens_per_s, variant)} of the fastest at each token count."""
+    rows, checks, fastest = [], [], {}
+    for variant, e in r.get("baselines", {}).items():
+        why = e.get("unsupported") or e.get("failed")
+        if why and not e["rows"]:
+            kind = "no path on this machine" if "unsupported" in e else "failed"
+            rows.append(f"| {dtype} | {variant} | | | {kind}: {why} | | | | | |")
+            continue
+        if "check" in e:
+            c = e["check"]
+            checks.append(f"{variant} {c['max_rel_error']:.2e}"
+                          + ("" if c["ok"] else f" (ABOVE {c['tolerance']:.0e})"))
+        for t, v in sorted(e["rows"].items()):
+            rows.append(f"| {dtype} | {variant} ({v['version']}, {v['threads']} thr) | {t} "
+                        f"(batch) | 1 | {v['tokens_per_s']:.1f} | {v['median_ms']:.2f} "
+                        f"(median) | | | | |")
+            if e.get("check", {}).get("ok", True) and (
+                    t not in fastest or v["tokens_per_s"] > fastest[t][0]):
+                fastest[t] = (v["tokens_per_s"], variant)
+        for t, why in sorted(e.get("too_slow", {}).items()):
+            rows.append(f"| {dtype} | {variant} | {t} (batch) | 1 | not timed: {why} | | | | | |")
+    check = ""
+    if checks:
+        check = (f"\n{dtype}: CPU MoE baselines on the same 16 rows vs the same routing, then "
+                 f"the loop and shared expert in FP32 on the same (dtype-rounded) weights: max "
+                 f"rel diff " + "; ".join(checks) + "\n")
+    return rows, check, fastest
 
 
 def step(steps, concurrency, tokens):
@@ -241,6 +317,8 @@ def summarize(results):
                 lines.append(f"| {dtype} | PyTorch {v['torch']} ({v['threads']} thr) | {t} "
                              f"(batch) | 1 | {v['tokens_per_s']:.1f} | {v['median_ms']:.2f} "
                              f"(median) | | | | |")
+            blines, bcheck, fastest = baseline_lines(dtype, r)
+            lines += blines
             service_best = max(s["tokens_per_s"] for s in r["service_steps"])
             inproc_best = max(v["tokens_per_s"] for v in r["inprocess"].values())
             torch_best = max(v["tokens_per_s"] for v in r["torch"].values())
@@ -255,6 +333,16 @@ def summarize(results):
                 (shape, dtype, "service saturation / PyTorch best batch", service_best / torch_best,
                  TARGETS["saturation"]),
             ]
+            for t, (best, variant) in sorted(fastest.items()):
+                if t in r["inprocess"]:
+                    ratios.append((shape, dtype, f"kernels in-process / fastest CPU MoE "
+                                   f"baseline at {t} tokens ({variant})",
+                                   r["inprocess"][t]["tokens_per_s"] / best,
+                                   TARGETS["vs_fastest_baseline"]))
+            if "baselines" in r and not fastest:
+                lines.append(f"\n{dtype}: no CPU MoE baseline ran\n")
+            if bcheck:
+                lines.append(bcheck)
             floor = r["inprocess_check"]["floor"]
             lines.append(f"\n{dtype}: service vs PyTorch on the same 16 rows: max rel diff "
                          f"{r['service_vs_torch_rel_error']:.2e}; kernels in-process vs the C++ "
@@ -293,7 +381,18 @@ def main():
     p.add_argument("--max-load", type=float, default=0.6)
     p.add_argument("--load-wait", type=float, default=600)
     p.add_argument("--json-out", help="also write every figure here")
+    p.add_argument("--baselines-python", default=os.path.join(DEFAULT_VENV, "bin", "python"),
+                   help="interpreter of the CPU MoE baselines' virtual environment "
+                   "(bench/install-deps.sh)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the CPU MoE baselines (vLLM, kt-kernel, torch 2.x, ggml)")
     a = p.parse_args()
+    if a.no_baselines:
+        a.baselines_python = None
+    elif not os.access(a.baselines_python, os.X_OK):
+        log(f"no CPU MoE baselines: {a.baselines_python} is missing (run bench/install-deps.sh, "
+            "or pass --no-baselines)")
+        a.baselines_python = None
     a.build = os.path.abspath(a.build)
     env = base_env(a.build)
     dtypes = ["fp32", "bf16"]
