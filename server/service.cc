@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/clip.h"
 #include "server/grpc_status.h"
 
 namespace epserve::server {
@@ -89,12 +90,12 @@ void InferenceService::BuildModelConfig() {
 absl::Status InferenceService::CheckModel(const std::string& name,
                                           const std::string& version) const {
   if (name != options_.signature.name) {
-    return absl::NotFoundError(absl::StrCat("unknown model '", name, "'; this server serves '",
-                                            options_.signature.name, "'"));
+    return absl::NotFoundError(absl::StrCat(
+        "unknown model '", Clip(name), "'; this server serves '", options_.signature.name, "'"));
   }
   if (!version.empty() && version != "1") {
-    return absl::NotFoundError(
-        absl::StrCat("unknown version '", version, "' of model '", name, "'; versions: 1"));
+    return absl::NotFoundError(absl::StrCat("unknown version '", Clip(version), "' of model '",
+                                            Clip(name), "'; versions: 1"));
   }
   return absl::OkStatus();
 }

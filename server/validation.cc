@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/clip.h"
 
 namespace epserve::server {
 namespace {
@@ -18,13 +19,13 @@ absl::StatusOr<int64_t> NonNegativeInt(const inference::InferParameter& p, const
     v = p.int64_param();
   } else if (p.parameter_choice_case() == inference::InferParameter::kUint64Param) {
     if (p.uint64_param() > static_cast<uint64_t>(INT64_MAX)) {
-      return Invalid("parameter '", name, "' must be at most ", INT64_MAX);
+      return Invalid("parameter '", Clip(name), "' must be at most ", INT64_MAX);
     }
     v = static_cast<int64_t>(p.uint64_param());
   } else {
-    return Invalid("parameter '", name, "' must be an int64_param or uint64_param");
+    return Invalid("parameter '", Clip(name), "' must be an int64_param or uint64_param");
   }
-  if (v < 0) return Invalid("parameter '", name, "' must be >= 0, got ", v);
+  if (v < 0) return Invalid("parameter '", Clip(name), "' must be >= 0, got ", v);
   return v;
 }
 
@@ -33,11 +34,11 @@ absl::StatusOr<int64_t> NonNegativeInt(const inference::InferParameter& p, const
 absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
                                        const ModelSignature& sig) {
   if (req.model_name() != sig.name) {
-    return absl::NotFoundError(absl::StrCat("unknown model '", req.model_name(),
+    return absl::NotFoundError(absl::StrCat("unknown model '", Clip(req.model_name()),
                                             "'; this server serves '", sig.name, "'"));
   }
   if (!req.model_version().empty() && req.model_version() != "1") {
-    return absl::NotFoundError(absl::StrCat("unknown version '", req.model_version(),
+    return absl::NotFoundError(absl::StrCat("unknown version '", Clip(req.model_version()),
                                             "' of model '", sig.name, "'; versions: 1"));
   }
   ParsedInfer out;
@@ -76,8 +77,8 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   if (req.inputs_size() == 0) return Invalid("missing input '", kInputName, "'");
   for (const auto& input : req.inputs()) {
     if (input.name() != kInputName) {
-      return Invalid("unknown input '", input.name(), "'; expected exactly one input '", kInputName,
-                     "'");
+      return Invalid("unknown input '", Clip(input.name()), "'; expected exactly one input '",
+                     kInputName, "'");
     }
   }
   if (req.inputs_size() != 1)
@@ -86,7 +87,7 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   std::optional<ElementType> type = ParseElementType(input.datatype());
   if (!type) {
     return Invalid("input '", kInputName, "' datatype must be FP32, BF16 or FP16, got '",
-                   input.datatype(), "'");
+                   Clip(input.datatype()), "'");
   }
   out.input_type = *type;
   out.output_type = *type;
@@ -120,12 +121,12 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     const std::string& raw = req.raw_input_contents(0);
     if (static_cast<int64_t>(raw.size()) != bytes) {
       return Invalid("raw_input_contents[0] must hold ", bytes, " bytes (", tokens, " x ",
-                     sig.hidden_size, " ", input.datatype(), "), got ", raw.size());
+                     sig.hidden_size, " ", Clip(input.datatype()), "), got ", raw.size());
     }
     out.input = raw.data();
   } else if (has_typed) {
     if (*type != ElementType::kFp32) {
-      return Invalid("input '", kInputName, "' of datatype ", input.datatype(),
+      return Invalid("input '", kInputName, "' of datatype ", Clip(input.datatype()),
                      " must travel in raw_input_contents (contents has no field for it)");
     }
     const auto& fp32 = input.contents().fp32_contents();
@@ -145,16 +146,16 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     const bool ids = output.name() == kTopkIdsName;
     if (ids || output.name() == kTopkWeightsName) {
       bool& want = ids ? out.want_topk_ids : out.want_topk_weights;
-      if (want) return Invalid("output '", output.name(), "' requested twice");
+      if (want) return Invalid("output '", Clip(output.name()), "' requested twice");
       want = true;
       if (output.parameters_size() > 0) {
-        return Invalid("output '", output.name(), "' takes no parameters");
+        return Invalid("output '", Clip(output.name()), "' takes no parameters");
       }
       continue;
     }
     if (output.name() != kOutputName) {
-      return Invalid("unknown requested output '", output.name(), "'; outputs: ", kOutputName, ", ",
-                     kTopkIdsName, ", ", kTopkWeightsName);
+      return Invalid("unknown requested output '", Clip(output.name()), "'; outputs: ", kOutputName,
+                     ", ", kTopkIdsName, ", ", kTopkWeightsName);
     }
     if (out.want_output) return Invalid("output '", kOutputName, "' requested twice");
     out.want_output = true;

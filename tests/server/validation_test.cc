@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "gtest/gtest.h"
+#include "server/grpc_status.h"
 
 namespace epserve::server {
 namespace {
@@ -38,6 +39,32 @@ TEST(ParseInfer, AcceptsRawAndTypedContentsAndPicksTheLayer) {
   float second;
   std::memcpy(&second, p->input + 4, 4);
   EXPECT_EQ(second, 1.0f);
+}
+
+// A 1 MiB model name, version, datatype or tensor name is quoted clipped: the error
+// stays small (it travels in a gRPC trailer) and still names the field.
+TEST(ParseInfer, HugeClientStringsAreClippedInErrors) {
+  const std::string huge(1 << 20, 'x');
+  inference::ModelInferRequest r = Good(1);
+  r.set_model_name(huge);
+  absl::Status s = ParseInfer(r, Sig()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_LT(s.message().size(), 512u) << s.message().substr(0, 200);
+  EXPECT_NE(s.message().find("(1048576 bytes)"), std::string::npos);
+  for (int field = 0; field < 4; ++field) {
+    r = Good(1);
+    if (field == 0) r.mutable_inputs(0)->set_datatype(huge);
+    if (field == 1) r.mutable_inputs(0)->set_name(huge);
+    if (field == 2) r.add_outputs()->set_name(huge);
+    if (field == 3) r.set_model_version(huge);
+    s = ParseInfer(r, Sig()).status();
+    EXPECT_FALSE(s.ok()) << field;
+    EXPECT_LT(s.message().size(), 512u) << field << ": " << s.message().substr(0, 200);
+  }
+  // Whatever a message quotes, the gRPC status carries at most kMaxMessageBytes of it.
+  const grpc::Status g = ToGrpcStatus(absl::InvalidArgumentError(huge));
+  EXPECT_LE(g.error_message().size(), kMaxMessageBytes + 32);
+  EXPECT_EQ(g.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST(ParseInfer, TooManyTokensNamesTheBound) {
