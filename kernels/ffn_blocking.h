@@ -6,8 +6,8 @@
 // dtype): forced (RuntimeOptions::ffn_blocking or $EPSERVE_FFN_BLOCKING), else read from the
 // tuning cache beside the program-binary cache, else timed on the device over a few
 // candidates derived from what the device reports (vector width, local memory size, compute
-// units) and stored there, else (GPUs, tuning off, or experts of under 1 MiB of weights, whose
-// FFN costs microseconds) the device default.
+// units) and stored there, else (GPUs, tuning off, or experts of under 8 MiB of weights: toy
+// and test shapes) the device default.
 // The weight layout follows the choice at upload (ExpertWeights::blocking).
 #pragma once
 

@@ -64,13 +64,30 @@ absl::Status CheckOptions(const FrontEndOptions& o) {
     return bad("--default-priority must be in [1, --priority-levels=", o.priority_levels, "]");
   }
   for (int64_t bytes : {o.max_request_bytes, o.max_response_bytes}) {
-    if (bytes < 1024 || bytes > INT32_MAX) {
-      return bad("--max-request-bytes and --max-response-bytes must be in [1024, ", INT32_MAX, "]");
+    if (bytes != 0 && (bytes < 1024 || bytes > INT32_MAX)) {
+      return bad(
+          "--max-request-bytes and --max-response-bytes must be 0 (derived from the "
+          "model) or in [1024, ",
+          INT32_MAX, "]");
     }
+  }
+  if (o.max_connection_idle <= absl::ZeroDuration()) {
+    return bad("--grpc-max-connection-idle must be > 0");
+  }
+  if (o.max_connection_age < absl::ZeroDuration()) {
+    return bad("--grpc-max-connection-age must be >= 0 (0: no limit)");
   }
   if (o.max_stream_inflight < 1) return bad("--max-stream-inflight must be >= 1");
   if (o.max_concurrent_streams < 1) return bad("--max-concurrent-streams must be >= 1");
   return absl::OkStatus();
+}
+
+// A message bound: `flag` when set, else the largest valid request of the model (T x H FP32
+// values) plus 64 KiB for names, parameters and the routing outputs, within gRPC's int.
+int64_t EffectiveMessageBytes(int64_t flag, const FrontEndOptions& o, int64_t hidden_size) {
+  if (flag > 0) return flag;
+  const int64_t derived = o.max_request_tokens * std::max<int64_t>(hidden_size, 1) * 4 + (64 << 10);
+  return std::min<int64_t>(derived, INT32_MAX);
 }
 
 int Millis(absl::Duration d) {
@@ -181,8 +198,14 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(o.grpc_address, *creds, &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_request_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(o.max_response_bytes));
+  builder.SetMaxReceiveMessageSize(
+      static_cast<int>(EffectiveMessageBytes(o.max_request_bytes, o, model.hidden_size)));
+  builder.SetMaxSendMessageSize(
+      static_cast<int>(EffectiveMessageBytes(o.max_response_bytes, o, model.hidden_size)));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, Millis(o.max_connection_idle));
+  if (o.max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, Millis(o.max_connection_age));
+  }
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(o.keepalive_time));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, Millis(o.keepalive_timeout));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,

@@ -34,12 +34,17 @@ struct FrontEndOptions {
   int64_t max_queue_tokens = 65536;
   uint32_t priority_levels = 3;
   uint32_t default_priority = 2;
-  // Limits. The default message size fits 8192 tokens of hidden size 7168 in FP32.
-  int64_t max_request_bytes = 256 << 20;
-  int64_t max_response_bytes = 256 << 20;
+  // Limits. 0: derived from the model, max_request_tokens x H x 4 bytes (FP32, the widest
+  // datatype) plus 64 KiB for names, parameters and the routing outputs (EffectiveMessageBytes).
+  int64_t max_request_bytes = 0;
+  int64_t max_response_bytes = 0;
   int64_t max_request_tokens = 8192;
   int max_stream_inflight = 64;
   int max_concurrent_streams = 256;  // per connection
+  // A connection with no call for this long is closed (GRPC_ARG_MAX_CONNECTION_IDLE_MS); one
+  // older than max_connection_age is closed after its calls finish (0: never).
+  absl::Duration max_connection_idle = absl::Minutes(10);
+  absl::Duration max_connection_age = absl::ZeroDuration();
   // Keepalive (gRPC channel arguments of the server).
   absl::Duration keepalive_time = absl::Hours(2);
   absl::Duration keepalive_timeout = absl::Seconds(20);

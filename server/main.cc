@@ -341,7 +341,8 @@ int main(int argc, char** argv) {
   fs.Add("max-queue-tokens", &flags.fe.max_queue_tokens,
          "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
   fs.Add("max-request-bytes", &flags.fe.max_request_bytes,
-         "Largest gRPC message accepted, in bytes");
+         "Largest gRPC message accepted, in bytes; 0: the largest valid request of the model "
+         "(--max-request-tokens x H x 4 bytes + 64 KiB)");
   fs.Add("batch-timeout", &flags.fe.batch_timeout,
          "Deadline of every cross-rank wait of one batch");
   fs.Add("drain-timeout", &flags.fe.drain_timeout,
@@ -355,7 +356,12 @@ int main(int argc, char** argv) {
   epserve::server::FrontEndOptions& fe = flags.fe;
   fs.Add("max-request-tokens", &fe.max_request_tokens,
          "Most token rows in one request; larger ones get INVALID_ARGUMENT");
-  fs.Add("max-response-bytes", &fe.max_response_bytes, "Largest gRPC message sent, in bytes");
+  fs.Add("max-response-bytes", &fe.max_response_bytes,
+         "Largest gRPC message sent, in bytes; 0: derived as --max-request-bytes is");
+  fs.Add("grpc-max-connection-idle", &fe.max_connection_idle,
+         "A gRPC connection without a call for this long is closed");
+  fs.Add("grpc-max-connection-age", &fe.max_connection_age,
+         "A gRPC connection older than this is closed once its calls finish (0: no limit)");
   int64_t priority_levels = fe.priority_levels;
   fs.Add("priority-levels", &priority_levels,
          "Request priority levels (request parameter `priority`, 1 is served first)");

@@ -788,12 +788,12 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   if (FfnBlockingCandidates((*cold)->device_info()).size() < 2) {
     GTEST_SKIP() << "the device has one candidate: nothing to tune";
   }
-  absl::StatusOr<FfnBlocking> first = (*cold)->ChooseFfnBlocking(768, 256, DType::kFp32);
+  absl::StatusOr<FfnBlocking> first = (*cold)->ChooseFfnBlocking(2048, 768, DType::kFp32);
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_EQ((*cold)->ffn_choices().size(), 1u);
   EXPECT_EQ((*cold)->ffn_choices()[0].origin, FfnBlockingOrigin::kTuned);
   // The same shape again on the same runtime: no second choice.
-  ASSERT_TRUE((*cold)->ChooseFfnBlocking(768, 256, DType::kFp32).ok());
+  ASSERT_TRUE((*cold)->ChooseFfnBlocking(2048, 768, DType::kFp32).ok());
   EXPECT_EQ((*cold)->ffn_choices().size(), 1u);
   int txt = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -803,12 +803,12 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
 
   absl::StatusOr<std::unique_ptr<Runtime>> warm = Runtime::Create(options);
   ASSERT_TRUE(warm.ok()) << warm.status();
-  absl::StatusOr<FfnBlocking> second = (*warm)->ChooseFfnBlocking(768, 256, DType::kFp32);
+  absl::StatusOr<FfnBlocking> second = (*warm)->ChooseFfnBlocking(2048, 768, DType::kFp32);
   ASSERT_TRUE(second.ok());
   EXPECT_EQ(*second, *first);
   EXPECT_EQ((*warm)->ffn_choices()[0].origin, FfnBlockingOrigin::kCache);
   // Another dtype is another shape class: tuned on its own.
-  ASSERT_TRUE((*warm)->ChooseFfnBlocking(768, 256, DType::kBf16).ok());
+  ASSERT_TRUE((*warm)->ChooseFfnBlocking(2048, 768, DType::kBf16).ok());
   EXPECT_EQ((*warm)->ffn_choices()[1].origin, FfnBlockingOrigin::kTuned);
 
   RuntimeOptions no_tune = options;
@@ -816,7 +816,7 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   no_tune.cache_dir = (dir / "other").string();
   absl::StatusOr<std::unique_ptr<Runtime>> plain = Runtime::Create(no_tune);
   ASSERT_TRUE(plain.ok());
-  absl::StatusOr<FfnBlocking> d = (*plain)->ChooseFfnBlocking(768, 256, DType::kFp32);
+  absl::StatusOr<FfnBlocking> d = (*plain)->ChooseFfnBlocking(2048, 768, DType::kFp32);
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(*d, (*plain)->default_ffn_blocking());
   EXPECT_EQ((*plain)->ffn_choices()[0].origin, FfnBlockingOrigin::kDefault);
@@ -825,7 +825,7 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   forced.ffn_blocking = "vec=16 rows=5 chunk=10";
   absl::StatusOr<std::unique_ptr<Runtime>> f = Runtime::Create(forced);
   ASSERT_TRUE(f.ok());
-  absl::StatusOr<FfnBlocking> fb = (*f)->ChooseFfnBlocking(768, 256, DType::kFp32);
+  absl::StatusOr<FfnBlocking> fb = (*f)->ChooseFfnBlocking(2048, 768, DType::kFp32);
   ASSERT_TRUE(fb.ok());
   EXPECT_EQ(fb->rows, 5);
   EXPECT_EQ((*f)->ffn_choices()[0].origin, FfnBlockingOrigin::kForced);
@@ -837,7 +837,7 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   forced.ffn_blocking = "rows=99";
   absl::StatusOr<std::unique_ptr<Runtime>> bad = Runtime::Create(forced);
   ASSERT_TRUE(bad.ok());
-  EXPECT_EQ((*bad)->ChooseFfnBlocking(768, 256, DType::kFp32).status().code(),
+  EXPECT_EQ((*bad)->ChooseFfnBlocking(2048, 768, DType::kFp32).status().code(),
             absl::StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
