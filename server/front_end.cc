@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
+#include "common/log.h"
 
 namespace epserve::server {
 namespace {
@@ -73,6 +74,9 @@ absl::Status CheckOptions(const FrontEndOptions& o) {
   }
   if (o.max_connection_idle <= absl::ZeroDuration()) {
     return bad("--grpc-max-connection-idle must be > 0");
+  }
+  if (o.worker_stall_timeout <= absl::ZeroDuration()) {
+    return bad("--worker-stall-timeout must be > 0");
   }
   if (o.max_connection_age < absl::ZeroDuration()) {
     return bad("--grpc-max-connection-age must be >= 0 (0: no limit)");
@@ -229,6 +233,9 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   grpc_address_ = absl::StrCat(o.grpc_address.substr(0, o.grpc_address.rfind(':')), ":", port);
   metrics_->SetWorkersReady(model.num_workers);
   SetReady(true);
+  if (coordinator_ != nullptr) {
+    watcher_ = std::thread([this, w = model.num_workers] { WatchHeartbeats(w); });
+  }
   if (!o.ready_file.empty()) {
     absl::Status s = WriteReadyFile(o.ready_file, grpc_address_, metrics_address());
     if (!s.ok()) return s;
@@ -265,9 +272,42 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
   return absl::OkStatus();
 }
 
+void FrontEnd::WatchHeartbeats(int num_workers) {
+  bool stalled = false;
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  while (
+      !watch_cv_.wait_for(lock, std::chrono::milliseconds(250), [this] { return watch_stop_; })) {
+    const int n = coordinator_->StalledWorkers(options_.worker_stall_timeout);
+    if (n < 0) return;  // no heartbeats on this heap backend
+    if (n > 0 && !stalled) {
+      stalled = true;
+      SetReady(false);
+      metrics_->SetWorkersReady(num_workers - n);
+      common::LogWarning(absl::StrCat(n, " worker(s) sent no heartbeat for ",
+                                      absl::FormatDuration(options_.worker_stall_timeout),
+                                      ": not ready until they do"));
+    } else if (n == 0 && stalled) {
+      stalled = false;
+      if (coordinator_->healthy()) {
+        SetReady(true);
+        metrics_->SetWorkersReady(num_workers);
+        common::LogInfo("every worker beats again: ready");
+      }
+    }
+  }
+}
+
 absl::Status FrontEnd::Shutdown() {
   if (shut_down_) return absl::OkStatus();
   shut_down_ = true;
+  if (watcher_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(watch_mu_);
+      watch_stop_ = true;
+    }
+    watch_cv_.notify_all();
+    watcher_.join();
+  }
   SetReady(false);      // new requests get UNAVAILABLE; health says NOT_SERVING
   health_->Shutdown();  // ends health Watch streams
   // gRPC's shutdown starts at once: calls not yet accepted are refused with UNAVAILABLE, and

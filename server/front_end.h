@@ -3,8 +3,11 @@
 // coordinator.
 #pragma once
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include <grpcpp/server.h>
 
@@ -45,6 +48,9 @@ struct FrontEndOptions {
   // older than max_connection_age is closed after its calls finish (0: never).
   absl::Duration max_connection_idle = absl::Minutes(10);
   absl::Duration max_connection_age = absl::ZeroDuration();
+  // A worker whose heartbeat stops this long (stopped, wedged) turns the server not ready
+  // until it beats again (shm heap only; see Coordinator::StalledWorkers).
+  absl::Duration worker_stall_timeout = absl::Seconds(3);
   // Keepalive (gRPC channel arguments of the server).
   absl::Duration keepalive_time = absl::Hours(2);
   absl::Duration keepalive_timeout = absl::Seconds(20);
@@ -100,6 +106,8 @@ class FrontEnd {
   absl::Status Init(const ServedModel& model, Batcher::Executor executor);
   absl::Status RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
   void SetReady(bool ready);
+  // The stall monitor's thread: readiness follows the workers' heartbeats.
+  void WatchHeartbeats(int num_workers);
 
   const FrontEndOptions options_;
   worker::Coordinator* const coordinator_;  // null with StartWithExecutor
@@ -111,6 +119,11 @@ class FrontEnd {
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
   bool shut_down_ = false;
+  // The stall monitor (with a coordinator): stopped first in Shutdown.
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;  // guarded by watch_mu_
+  std::thread watcher_;
 };
 
 // Writes {"grpc": "...", "metrics": "..."} to `path` (temporary file, then rename).

@@ -358,6 +358,9 @@ int main(int argc, char** argv) {
          "Most token rows in one request; larger ones get INVALID_ARGUMENT");
   fs.Add("max-response-bytes", &fe.max_response_bytes,
          "Largest gRPC message sent, in bytes; 0: derived as --max-request-bytes is");
+  fs.Add("worker-stall-timeout", &fe.worker_stall_timeout,
+         "A worker whose heartbeat stops this long (stopped, wedged) makes the server not ready "
+         "(health NOT_SERVING) until it beats again; shm heap only");
   fs.Add("grpc-max-connection-idle", &fe.max_connection_idle,
          "A gRPC connection without a call for this long is closed");
   fs.Add("grpc-max-connection-age", &fe.max_connection_age,

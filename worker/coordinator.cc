@@ -53,6 +53,31 @@ absl::Status Coordinator::WaitDone(absl::Time deadline) {
   return absl::OkStatus();
 }
 
+int Coordinator::StalledWorkers(absl::Duration timeout) {
+  const int w = layout_.shape.num_workers;
+  uint64_t* beats = heap_.DirectAs<uint64_t>(0, layout_.heartbeats);
+  if (beats == nullptr || heap_.backend() != shmem::HeapBackend::kShm) return -1;
+  std::lock_guard<std::mutex> lock(beat_mu_);
+  const absl::Time now = absl::Now();
+  if (last_beat_.empty()) {
+    last_beat_.assign(w, 0);
+    beat_seen_.assign(w, now);
+  }
+  int stalled = 0;
+  for (int i = 0; i < w; ++i) {
+    const uint64_t beat =
+        std::atomic_ref<uint64_t>(beats[ExchangeLayout::Signal(0, i) / sizeof(uint64_t)])
+            .load(std::memory_order_relaxed);
+    if (beat != last_beat_[i]) {
+      last_beat_[i] = beat;
+      beat_seen_[i] = now;
+    } else if (now - beat_seen_[i] > timeout) {
+      ++stalled;
+    }
+  }
+  return stalled;
+}
+
 absl::Status Coordinator::Fail(absl::string_view why) {
   healthy_ = false;
   const std::string message = absl::StrCat("the expert exchange failed in batch ", seq_, ": ", why,

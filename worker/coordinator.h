@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -64,7 +65,14 @@ class Coordinator {
   // Makes a running or later Run return CANCELLED at once (shutdown). Thread-safe.
   void Abort() { abort_.store(true); }
 
-  bool healthy() const { return healthy_; }
+  bool healthy() const { return healthy_.load(); }
+
+  // Workers whose heartbeat (ExchangeLayout::heartbeats) has not advanced for `timeout`, as
+  // of this call; -1 where the heap gives rank 0 no load/store view of its segment for the
+  // workers to beat into (the rma backend: not monitored). Thread-safe, and independent of
+  // Run: a stopped (SIGSTOP) or wedged worker shows here within `timeout` even while no
+  // batch runs, or while one waits for it.
+  int StalledWorkers(absl::Duration timeout);
   const ExchangeShape& shape() const { return layout_.shape; }
 
  private:
@@ -76,7 +84,11 @@ class Coordinator {
   shmem::SymmetricHeap& heap_;
   const ExchangeLayout layout_;
   uint64_t seq_ = 0;
-  bool healthy_ = true;
+  std::atomic<bool> healthy_{true};
+  // StalledWorkers' view: each worker's last heartbeat and when it last changed.
+  std::mutex beat_mu_;
+  std::vector<uint64_t> last_beat_;    // guarded by beat_mu_
+  std::vector<absl::Time> beat_seen_;  // guarded by beat_mu_
   std::atomic<bool> abort_{false};
 };
 

@@ -90,6 +90,9 @@ struct ExchangeLayout {
   size_t done_seq;       // uint64[W] signals, 64 bytes apart
   size_t reports;        // WorkerReport[W]
   size_t expert_tokens;  // int64[E]: pairs per expert in the last batch
+  // uint64[W], 64 bytes apart: worker w's heartbeat, advanced every kHeartbeatInterval by a
+  // thread of its own while it lives (backends with load/store access to rank 0's segment).
+  size_t heartbeats;
   // data
   size_t input;         // float[max_rows_per_worker][H] (worker segments), written by rank 0
   size_t output;        // float[max_batch_tokens][H] (rank 0's segment), written by owners
@@ -99,6 +102,7 @@ struct ExchangeLayout {
   ExchangeRegions exchange;
 
   static constexpr size_t kSignalStride = 64;
+  static constexpr absl::Duration kHeartbeatInterval = absl::Milliseconds(200);
 
   // Reserves the regions in `heap`; every rank must call it with the same shape.
   static absl::StatusOr<ExchangeLayout> Allocate(shmem::SymmetricHeap& heap,

@@ -1,8 +1,12 @@
 #include "worker/worker.h"
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -175,7 +179,45 @@ absl::Status Worker::AllocateBuffers() {
   return absl::OkStatus();
 }
 
+// Advances this worker's heartbeat in rank 0's segment every kHeartbeatInterval from a thread
+// of its own, for as long as it exists, so that rank 0 tells a stopped or wedged worker
+// (Coordinator::StalledWorkers) from a busy one. Nothing where rank 0's segment has no
+// load/store view (the rma backend: MPI is called from the batch thread only).
+class Worker::Heart {
+ public:
+  explicit Heart(uint64_t* beat) {
+    if (beat == nullptr) return;
+    thread_ = std::thread([this, beat] {
+      uint64_t n = 0;
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!stop_) {
+        std::atomic_ref<uint64_t>(*beat).store(++n, std::memory_order_relaxed);
+        cv_.wait_for(lock, absl::ToChronoNanoseconds(ExchangeLayout::kHeartbeatInterval));
+      }
+    });
+  }
+  ~Heart() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
+};
+
 absl::Status Worker::Serve(const std::atomic<bool>& stop) {
+  const Heart heart(
+      heap_.backend() == shmem::HeapBackend::kShm
+          ? heap_.DirectAs<uint64_t>(0, ExchangeLayout::Signal(layout_.heartbeats, me_))
+          : nullptr);
   EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, ExchangeLayout::Signal(layout_.ready, me_), 1));
   uint64_t seq = 0;
   absl::Time stop_seen = absl::InfiniteFuture();

@@ -63,6 +63,7 @@ class Worker {
   Worker(shmem::SymmetricHeap& heap, const ExchangeLayout& layout, const model::MoeLayerConfig& cfg)
       : heap_(heap), layout_(layout), cfg_(cfg) {}
 
+  class Heart;
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
   absl::Status AllocateBuffers();
   // Runs, on one row of zeros, every device kernel RunBatch can reach for every served layer
