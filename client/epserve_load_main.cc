@@ -84,6 +84,7 @@ struct Flags {
   std::string dtype = "FP32";
   bool stream = false;
   int streams = 0;
+  bool shared_memory = false;
   std::string tls_ca;
   std::string tls_cert;
   std::string tls_key;
@@ -147,6 +148,9 @@ void Register(common::FlagSet& fs, Flags& f) {
   fs.Add("stream", &f.stream,
          "Send over ModelStreamInfer streams (answers matched by request id) instead of one "
          "ModelInfer call per request");
+  fs.Add("shared-memory", &f.shared_memory,
+         "Closed loop: send inputs and take answers through a system shared memory region "
+         "(Triton's extension; the server must run on this host) instead of in the messages");
   fs.Add("streams", &f.streams, "With --stream: streams to spread requests over; 0: --connections");
   fs.Add("tls", &f.tls, "TLS with the system's root certificates (implied by --tls-ca)");
   fs.Add("tls-ca", &f.tls_ca, "PEM file of the CA that signed the server's certificate: TLS");
@@ -445,6 +449,24 @@ int Main(int argc, char** argv) {
     };
   }
 
+  // The region's stub outlives it (declared first): its destructor unregisters through it.
+  std::unique_ptr<inference::GRPCInferenceService::Stub> shm_stub;
+  std::unique_ptr<SharedMemorySlots> shm;
+  if (f.shared_memory) {
+    int slots = 1;
+    for (const StepSpec& step : *steps) slots = std::max(slots, step.concurrency);
+    shm_stub = inference::GRPCInferenceService::NewStub(channels.front());
+    absl::StatusOr<std::unique_ptr<SharedMemorySlots>> made =
+        SharedMemorySlots::Create(*shm_stub, options.token, slots,
+                                  options.tokens.max_tokens * options.request.hidden_size *
+                                      DtypeBytes(options.request.dtype));
+    if (!made.ok()) {
+      std::cerr << "epserve-load: --shared-memory: " << made.status().message() << "\n";
+      return kExitCannotStart;
+    }
+    shm = *std::move(made);
+    options.shared_memory = shm.get();
+  }
   LoadGenerator generator(channels, options);
   for (const StepSpec& step : *steps) {
     if (absl::Status s = generator.Validate(step); !s.ok()) return bad_usage(s.message());

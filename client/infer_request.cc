@@ -172,7 +172,8 @@ void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string
 }
 
 absl::Status CheckInferResponse(const inference::ModelInferResponse& response, int64_t tokens,
-                                int64_t hidden_size, absl::string_view id, Dtype dtype) {
+                                int64_t hidden_size, absl::string_view id, Dtype dtype,
+                                bool in_shared_memory) {
   if (!response.id().empty() && response.id() != id) {
     return absl::DataLossError(
         absl::StrCat("response id '", response.id(), "' for request id '", id, "'"));
@@ -198,6 +199,15 @@ absl::Status CheckInferResponse(const inference::ModelInferResponse& response, i
                                             absl::StrJoin(output.shape(), ","), "], expected [",
                                             tokens, ",", hidden_size, "]"));
   }
+  if (in_shared_memory) {
+    if (index < response.raw_output_contents_size() &&
+        !response.raw_output_contents(index).empty()) {
+      return absl::DataLossError(absl::StrCat(kOutputName,
+                                              " was asked for in shared memory but "
+                                              "came inline"));
+    }
+    return absl::OkStatus();
+  }
   if (index >= response.raw_output_contents_size()) {
     return absl::DataLossError(absl::StrCat(kOutputName, " has no raw_output_contents entry (",
                                             response.raw_output_contents_size(), " entries)"));
@@ -217,7 +227,10 @@ void DecodeOutput(const inference::ModelInferResponse& response, Dtype dtype,
   for (int i = 0; i < response.outputs_size(); ++i) {
     if (response.outputs(i).name() == kOutputName) index = i;
   }
-  const std::string& raw = response.raw_output_contents(index);
+  DecodeOutputBytes(response.raw_output_contents(index), dtype, out);
+}
+
+void DecodeOutputBytes(absl::string_view raw, Dtype dtype, std::vector<float>* out) {
   const size_t count = raw.size() / static_cast<size_t>(DtypeBytes(dtype));
   out->resize(count);
   if (dtype == Dtype::kFp32) {

@@ -98,13 +98,17 @@ void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string
 // OK if `response` carries output "moe_output" of `dtype`, shape [tokens, hidden_size],
 // with exactly tokens * hidden_size * DtypeBytes(dtype) bytes in its raw_output_contents
 // entry, and echoes `id` when it sets one. Otherwise DATA_LOSS saying what was wrong.
+// With `in_shared_memory` the output's bytes are in the client's shared memory region and
+// its raw_output_contents entry must be empty or absent.
 absl::Status CheckInferResponse(const inference::ModelInferResponse& response, int64_t tokens,
                                 int64_t hidden_size, absl::string_view id,
-                                Dtype dtype = Dtype::kFp32);
+                                Dtype dtype = Dtype::kFp32, bool in_shared_memory = false);
 
 // The values of a response's "moe_output" (already accepted by CheckInferResponse with
 // the same `dtype`) as floats, into `out` (resized).
 void DecodeOutput(const inference::ModelInferResponse& response, Dtype dtype,
                   std::vector<float>* out);
+// The same for an output's bytes wherever they are (e.g. a shared memory region).
+void DecodeOutputBytes(absl::string_view raw, Dtype dtype, std::vector<float>* out);
 
 }  // namespace epserve::client

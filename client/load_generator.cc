@@ -239,6 +239,16 @@ absl::Status LoadGenerator::Validate(const StepSpec& step) const {
         absl::StrCat("verify-model: hidden size ", o.verifier->hidden_size(),
                      " differs from the served model's ", o.request.hidden_size));
   }
+  if (o.shared_memory != nullptr) {
+    if (step.mode != LoadMode::kClosedLoop) {
+      return absl::InvalidArgumentError("shared-memory: closed loop only (--concurrency)");
+    }
+    if (step.concurrency > o.shared_memory->slots()) {
+      return absl::InvalidArgumentError(absl::StrCat("shared-memory: concurrency ",
+                                                     step.concurrency, " exceeds the region's ",
+                                                     o.shared_memory->slots(), " slots"));
+    }
+  }
   if (step.mode == LoadMode::kClosedLoop) {
     if (step.concurrency < 1) {
       return absl::InvalidArgumentError(
@@ -444,6 +454,22 @@ class StepRun {
     call.tokens = tokens;
     BuildInferRequest(options_.request, tokens, call.id, sender.rng, &sender.scratch,
                       options_.verifier != nullptr ? &call.input : nullptr);
+    if (const SharedMemorySlots* shm = options_.shared_memory; shm != nullptr) {
+      // The rows go into the worker's slot; the request names it, and the answer's place.
+      inference::ModelInferRequest& r = sender.scratch;
+      const std::string& raw = r.raw_input_contents(0);
+      const int64_t bytes = static_cast<int64_t>(raw.size());
+      std::memcpy(shm->at(shm->input_offset(call.slot)), raw.data(), raw.size());
+      r.clear_raw_input_contents();
+      auto place = [&](google::protobuf::Map<std::string, inference::InferParameter>& p,
+                       int64_t offset) {
+        p["shared_memory_region"].set_string_param(shm->region());
+        p["shared_memory_byte_size"].set_int64_param(bytes);
+        p["shared_memory_offset"].set_int64_param(offset);
+      };
+      place(*r.mutable_inputs(0)->mutable_parameters(), shm->input_offset(call.slot));
+      place(*r.mutable_outputs(0)->mutable_parameters(), shm->output_offset(call.slot));
+    }
   }
 
   // Unary: hands `call` (request already built in sender.scratch) to gRPC on `cq`.
@@ -684,11 +710,21 @@ class StepRun {
       live_errors_.fetch_add(1, std::memory_order_relaxed);
       return;
     }
-    absl::Status check = CheckInferResponse(
-        call.response, call.tokens, options_.request.hidden_size, call.id, options_.request.dtype);
+    const SharedMemorySlots* shm = options_.shared_memory;
+    absl::Status check =
+        CheckInferResponse(call.response, call.tokens, options_.request.hidden_size, call.id,
+                           options_.request.dtype, shm != nullptr);
     if (check.ok() && options_.verifier != nullptr) {
       std::vector<float> output;
-      DecodeOutput(call.response, options_.request.dtype, &output);
+      if (shm != nullptr) {  // read before the worker's next request reuses the slot
+        DecodeOutputBytes(
+            absl::string_view(shm->at(shm->output_offset(call.slot)),
+                              static_cast<size_t>(call.tokens * options_.request.hidden_size *
+                                                  DtypeBytes(options_.request.dtype))),
+            options_.request.dtype, &output);
+      } else {
+        DecodeOutput(call.response, options_.request.dtype, &output);
+      }
       check = options_.verifier->Check(call.input.data(), output.data(), call.tokens);
       if (!check.ok()) {
         stats.RecordError(kVerifyMismatch, absl::StrCat(call.id, ": ", check.message()));

@@ -47,6 +47,7 @@
 #include "absl/time/time.h"
 #include "client/infer_request.h"
 #include "client/load_stats.h"
+#include "client/shm_slots.h"
 #include "client/verify.h"
 #include "grpc_service.grpc.pb.h"
 
@@ -86,7 +87,11 @@ struct LoadOptions {
   bool stream = false;                          // ModelStreamInfer instead of ModelInfer
   int num_streams = 1;                          // stream mode: streams, spread over channels
   std::shared_ptr<const Verifier> verifier;     // checks every answer when set
-  bool server_stats = true;                     // read ModelStatistics around the window
+  // Closed loop only: worker i sends its input and takes its answer through slot i of this
+  // registered region (Triton's system shared memory) instead of inside the messages. Slots
+  // must hold tokens.max_tokens rows each way and number at least the step's concurrency.
+  const SharedMemorySlots* shared_memory = nullptr;
+  bool server_stats = true;  // read ModelStatistics around the window
   // Called about once a second while a step runs, from a thread of the step's own.
   std::function<void(const Progress&)> progress;
 };

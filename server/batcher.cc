@@ -169,6 +169,7 @@ void Batcher::AppendPieces(Batch& batch, std::vector<std::shared_ptr<InferTask>>
         const int64_t left = t.num_tokens - t.rows_taken;
         queued_tokens_ -= left;
         queued_rows_[layer_pos] -= left;
+        if (options_.on_rows_skipped) options_.on_rows_skipped(drop.code(), left);
         Fail(t, std::move(drop));
         to_release.push_back(std::move(*it));
         it = q.erase(it);
@@ -289,6 +290,7 @@ void Batcher::ExecuteLoop() {
       InferTask& t = *p.task;
       // Rows whose request is already answered, cancelled or expired cost no compute.
       if (absl::Status drop = Dropped(t, now); !drop.ok()) {
+        if (options_.on_rows_skipped) options_.on_rows_skipped(drop.code(), p.rows);
         Fail(t, std::move(drop));
         p.skipped = true;
         continue;

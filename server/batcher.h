@@ -55,6 +55,8 @@ struct InferTask {
   float* topk_weights = nullptr;
   // Holds the layer's output when the request does not ask for it (only for the routing).
   std::string unrequested_output;
+  // Shared memory regions the input or outputs live in, kept mapped until the task is done.
+  std::vector<std::shared_ptr<const void>> regions;
   absl::Time enqueued;
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty; called from the batcher's threads
@@ -81,6 +83,10 @@ struct BatcherOptions {
   int num_layers = 1;
   uint32_t priority_levels = 1;
   int top_k = 1;  // routed experts per token: the width of topk_ids and topk_weights
+  // Told of rows taken out before they were computed (the request cancelled, past its
+  // deadline, or failed), with the code they were failed with. May be empty; called from the
+  // batcher's threads.
+  std::function<void(absl::StatusCode code, int64_t rows)> on_rows_skipped;
 };
 
 // Thread-safe: Enqueue and Stop from any thread.

@@ -1,6 +1,7 @@
 #include "server/front_end.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
@@ -82,6 +83,15 @@ absl::Status CheckOptions(const FrontEndOptions& o) {
     return bad("--grpc-max-connection-age must be >= 0 (0: no limit)");
   }
   if (o.max_stream_inflight < 1) return bad("--max-stream-inflight must be >= 1");
+  if (o.max_inflight_bytes < 0) return bad("--max-inflight-bytes must be >= 0 (0: derived)");
+  if (o.grpc_memory_quota != 0 && o.grpc_memory_quota < (int64_t{1} << 20)) {
+    return bad("--grpc-memory-quota must be 0 (derived) or >= 1048576");
+  }
+  if (o.answer_timeout <= absl::ZeroDuration()) return bad("--answer-timeout must be > 0");
+  if (o.max_connections < 1) return bad("--grpc-max-connections must be >= 1");
+  if (o.grpc_handshake_timeout <= absl::ZeroDuration()) {
+    return bad("--grpc-handshake-timeout must be > 0");
+  }
   if (o.max_concurrent_streams < 1) return bad("--max-concurrent-streams must be >= 1");
   return absl::OkStatus();
 }
@@ -92,6 +102,23 @@ int64_t EffectiveMessageBytes(int64_t flag, const FrontEndOptions& o, int64_t hi
   if (flag > 0) return flag;
   const int64_t derived = o.max_request_tokens * std::max<int64_t>(hidden_size, 1) * 4 + (64 << 10);
   return std::min<int64_t>(derived, INT32_MAX);
+}
+
+// The memory budget: --max-inflight-bytes when set, else twice what the pipeline holds at
+// its fullest, each row FP32 in and out: a full queue, three batches (one forming, one
+// running, one answering) and a largest request arriving; at least 16 MiB.
+int64_t EffectiveInflightBytes(const FrontEndOptions& o, int64_t hidden_size) {
+  if (o.max_inflight_bytes > 0) return o.max_inflight_bytes;
+  const int64_t rows = o.max_queue_tokens + 3 * o.max_batch_tokens + o.max_request_tokens;
+  return std::max<int64_t>(2 * rows * std::max<int64_t>(hidden_size, 1) * 8, int64_t{16} << 20);
+}
+
+// gRPC's own memory (its buffers, calls and connections): --grpc-memory-quota when set, else
+// the service's budget plus room for 16 largest requests being received.
+int64_t EffectiveGrpcQuota(const FrontEndOptions& o, int64_t hidden_size) {
+  if (o.grpc_memory_quota > 0) return o.grpc_memory_quota;
+  return EffectiveInflightBytes(o, hidden_size) +
+         16 * EffectiveMessageBytes(o.max_request_bytes, o, hidden_size);
 }
 
 int Millis(absl::Duration d) {
@@ -172,6 +199,9 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   batcher.num_layers = static_cast<int>(model.layers.size());
   batcher.priority_levels = o.priority_levels;
   batcher.top_k = model.top_k;
+  batcher.on_rows_skipped = [m = metrics_.get()](absl::StatusCode code, int64_t rows) {
+    m->ObserveSkippedRows(code, rows);
+  };
   batcher_ = std::make_unique<Batcher>(batcher, std::move(executor),
                                        [this](int64_t rows, absl::Duration in, absl::Duration infer,
                                               absl::Duration out, absl::Duration respond) {
@@ -187,6 +217,7 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   service.signature.max_request_tokens = o.max_request_tokens;
   service.signature.priority_levels = o.priority_levels;
   service.signature.default_priority = o.default_priority;
+  service.signature.top_k = model.top_k;
   service.num_workers = model.num_workers;
   service.top_k = model.top_k;
   service.device = o.device;
@@ -194,6 +225,8 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   service.max_queue_delay = o.max_queue_delay;
   service.max_queue_tokens = o.max_queue_tokens;
   service.max_stream_inflight = o.max_stream_inflight;
+  service.max_inflight_bytes = EffectiveInflightBytes(o, model.hidden_size);
+  service.answer_timeout = o.answer_timeout;
   service_ =
       std::make_unique<InferenceService>(service, *batcher_, metrics_.get(), statistics_, *auth);
   health_ = std::make_unique<HealthService>();
@@ -218,6 +251,11 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
                              Millis(o.http2_min_recv_ping_interval));
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, o.http2_max_ping_strikes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             Millis(o.grpc_handshake_timeout));
+  grpc::ResourceQuota quota("epserve-grpc");
+  quota.Resize(static_cast<size_t>(EffectiveGrpcQuota(o, model.hidden_size)));
+  builder.SetResourceQuota(quota);
   if ((*auth)->enabled()) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
     creators.push_back((*auth)->InterceptorFactory());
@@ -231,6 +269,24 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
         absl::StrCat("cannot serve gRPC on --grpc-address=", o.grpc_address));
   }
   grpc_address_ = absl::StrCat(o.grpc_address.substr(0, o.grpc_address.rfind(':')), ":", port);
+  StreamGuardOptions guard;
+  guard.max_streams = o.max_concurrent_streams;
+  guard.max_connections = o.max_connections;
+  StreamGuard::Callbacks guard_callbacks;
+  guard_callbacks.on_close = [m = metrics_.get()](const std::string& peer, int64_t open,
+                                                  const char* reason) {
+    m->ObserveConnectionClosed(reason);
+    common::LogWarning(
+        absl::StrCat("closed gRPC connection ", peer, ": ",
+                     std::string_view(reason) == "stream_limit"
+                         ? absl::StrCat(open, " open streams, more than --max-concurrent-streams")
+                         : std::string("idle, and more connections than --grpc-max-connections")));
+  };
+  guard_callbacks.on_count = [m = metrics_.get()](int64_t n) { m->SetGrpcConnections(n); };
+  guard_callbacks.held_calls = [s = service_.get()](const std::string& peer) {
+    return s->CallsOf(peer);
+  };
+  stream_guard_ = std::make_unique<StreamGuard>(guard, std::move(guard_callbacks));
   metrics_->SetWorkersReady(model.num_workers);
   SetReady(true);
   if (coordinator_ != nullptr) {
@@ -308,6 +364,7 @@ absl::Status FrontEnd::Shutdown() {
     watch_cv_.notify_all();
     watcher_.join();
   }
+  stream_guard_.reset();
   SetReady(false);      // new requests get UNAVAILABLE; health says NOT_SERVING
   health_->Shutdown();  // ends health Watch streams
   // gRPC's shutdown starts at once: calls not yet accepted are refused with UNAVAILABLE, and

@@ -20,6 +20,7 @@
 #include "server/metrics.h"
 #include "server/service.h"
 #include "server/statistics.h"
+#include "server/stream_guard.h"
 #include "worker/coordinator.h"
 
 namespace epserve::server {
@@ -44,6 +45,17 @@ struct FrontEndOptions {
   int64_t max_request_tokens = 8192;
   int max_stream_inflight = 64;
   int max_concurrent_streams = 256;  // per connection
+  // Connections past their HTTP/2 handshake; beyond it the newest without a call are closed.
+  int64_t max_connections = 4096;
+  // Bytes of requests and answers held for all calls (0: derived, EffectiveInflightBytes);
+  // an answer not taken by its client within answer_timeout closes its call.
+  int64_t max_inflight_bytes = 0;
+  absl::Duration answer_timeout = absl::Seconds(30);
+  // gRPC's own memory: buffers, calls, connections (a grpc::ResourceQuota; 0: derived). Under
+  // pressure gRPC closes idle connections and then cancels calls.
+  int64_t grpc_memory_quota = 0;
+  // A connection must deliver HTTP/2's preface and SETTINGS within this.
+  absl::Duration grpc_handshake_timeout = absl::Seconds(10);
   // A connection with no call for this long is closed (GRPC_ARG_MAX_CONNECTION_IDLE_MS); one
   // older than max_connection_age is closed after its calls finish (0: never).
   absl::Duration max_connection_idle = absl::Minutes(10);
@@ -117,6 +129,7 @@ class FrontEnd {
   std::unique_ptr<InferenceService> service_;
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<StreamGuard> stream_guard_;  // stopped before server_ shuts down
   std::string grpc_address_;
   bool shut_down_ = false;
   // The stall monitor (with a coordinator): stopped first in Shutdown.

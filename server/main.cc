@@ -1,5 +1,6 @@
 // epserve: one MPI program. Rank 0 is the gRPC front-end; ranks 1..W are expert workers.
 //   mpirun -np 3 epserve --model=synthetic:qwen1.5-moe-a2.7b
+#include <malloc.h>
 #include <mpi.h>
 #include <unistd.h>
 
@@ -300,6 +301,10 @@ int Run(int rank, int num_ranks, const Flags& flags) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Buffers of 1 MiB and more (large requests and answers) come from mmap and go back to the
+  // system when freed. A fixed threshold also turns off glibc's adaptive one, which after the
+  // first such free serves them from the heap, where a burst of them stays resident.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   Flags flags;
   epserve::common::FlagSet fs(
       "epserve",
@@ -376,6 +381,23 @@ int main(int argc, char** argv) {
          "server stops reading the stream");
   fs.Add("max-concurrent-streams", &fe.max_concurrent_streams,
          "Most concurrent RPCs on one client connection (HTTP/2 streams)");
+  fs.Add("grpc-max-connections", &fe.max_connections,
+         "gRPC connections open at once; beyond it the newest without a call are closed");
+  fs.Add("max-inflight-bytes", &fe.max_inflight_bytes,
+         "Bytes of requests and answers rank 0 holds for all calls together; beyond it requests "
+         "get RESOURCE_EXHAUSTED. 0: twice the rows the pipeline holds at its fullest "
+         "((--max-queue-tokens + 3 x --max-batch-tokens + --max-request-tokens) x H x 16 "
+         "bytes), at least 16 MiB");
+  fs.Add("answer-timeout", &fe.answer_timeout,
+         "An answer its client has not taken within this closes the call (CANCELLED); while "
+         "--max-inflight-bytes is short, calls whose answer waited 1 s are closed first");
+  fs.Add("grpc-memory-quota", &fe.grpc_memory_quota,
+         "Bytes gRPC itself may use for buffers, calls and connections (a resource quota; under "
+         "pressure it closes idle connections, then cancels calls). 0: --max-inflight-bytes "
+         "plus 16 largest requests");
+  fs.Add("grpc-handshake-timeout", &fe.grpc_handshake_timeout,
+         "A new gRPC connection must send HTTP/2's preface and SETTINGS (and finish TLS) within "
+         "this");
   fs.Add("keepalive-time", &fe.keepalive_time,
          "Interval of the server's keepalive pings on an idle connection");
   fs.Add("keepalive-timeout", &fe.keepalive_timeout,

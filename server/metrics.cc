@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <string_view>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -148,6 +149,53 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
                         .Help("Bytes of the symmetric heap per rank.")
                         .Register(r)
                         .Add({});
+  m->held_bytes_ = &prometheus::BuildGauge()
+                        .Name("epserve_held_bytes")
+                        .Help(
+                            "Bytes of requests and answers rank 0 holds for calls (queued, "
+                            "computing, or answered and not yet sent).")
+                        .Register(r)
+                        .Add({});
+  m->held_bytes_limit_ = &prometheus::BuildGauge()
+                              .Name("epserve_held_bytes_limit")
+                              .Help("The bound of epserve_held_bytes (--max-inflight-bytes).")
+                              .Register(r)
+                              .Add({});
+  auto& closed = prometheus::BuildCounter()
+                     .Name("epserve_grpc_calls_closed_total")
+                     .Help(
+                         "Calls the server closed because the client did not take an "
+                         "answer: within --answer-timeout (answer_timeout), or while the "
+                         "memory budget was short (memory_pressure).")
+                     .Register(r);
+  m->closed_answer_timeout_ = &closed.Add({{"reason", "answer_timeout"}});
+  m->closed_memory_pressure_ = &closed.Add({{"reason", "memory_pressure"}});
+  auto& closed_connections =
+      prometheus::BuildCounter()
+          .Name("epserve_grpc_connections_closed_total")
+          .Help(
+              "gRPC connections the server shut down: stream_limit, more open streams than "
+              "--max-concurrent-streams (a client that never acknowledged SETTINGS); "
+              "connection_limit, idle beyond --grpc-max-connections.")
+          .Register(r);
+  m->closed_stream_limit_ = &closed_connections.Add({{"reason", "stream_limit"}});
+  m->closed_connection_limit_ = &closed_connections.Add({{"reason", "connection_limit"}});
+  m->grpc_connections_ = &prometheus::BuildGauge()
+                              .Name("epserve_grpc_open_connections")
+                              .Help(
+                                  "gRPC connections open past the HTTP/2 handshake (from "
+                                  "channelz, about once a second).")
+                              .Register(r)
+                              .Add({});
+  auto& skipped = prometheus::BuildCounter()
+                      .Name("epserve_rows_skipped_total")
+                      .Help(
+                          "Token rows taken out of a batch before they were computed, by "
+                          "why: cancelled by the client, deadline passed, request failed.")
+                      .Register(r);
+  m->skipped_rows_[0] = &skipped.Add({{"reason", "cancelled"}});
+  m->skipped_rows_[1] = &skipped.Add({{"reason", "deadline"}});
+  m->skipped_rows_[2] = &skipped.Add({{"reason", "failed"}});
   prometheus::BuildGauge()
       .Name("epserve_build_info")
       .Help("Build information; always 1.")
@@ -188,7 +236,33 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
   return m;
 }
 
-Metrics::~Metrics() { http_.reset(); }  // stops the server thread before the series go
+Metrics::~Metrics() { http_.reset(); }
+
+void Metrics::SetHeldBytes(int64_t bytes) { held_bytes_->Set(static_cast<double>(bytes)); }
+void Metrics::SetHeldBytesLimit(int64_t bytes) {
+  held_bytes_limit_->Set(static_cast<double>(bytes));
+}
+
+void Metrics::ObserveCallClosed(const char* reason) {
+  (std::string_view(reason) == "answer_timeout" ? closed_answer_timeout_ : closed_memory_pressure_)
+      ->Increment();
+}
+
+void Metrics::ObserveConnectionClosed(const char* reason) {
+  (std::string_view(reason) == "stream_limit" ? closed_stream_limit_ : closed_connection_limit_)
+      ->Increment();
+}
+
+void Metrics::SetGrpcConnections(int64_t connections) {
+  grpc_connections_->Set(static_cast<double>(connections));
+}
+
+void Metrics::ObserveSkippedRows(absl::StatusCode code, int64_t rows) {
+  const int i = code == absl::StatusCode::kCancelled          ? 0
+                : code == absl::StatusCode::kDeadlineExceeded ? 1
+                                                              : 2;
+  skipped_rows_[i]->Increment(static_cast<double>(rows));
+}  // stops the server thread before the series go
 
 void Metrics::ObserveRequest(absl::StatusCode code, absl::Duration latency,
                              absl::Duration queue_time, int64_t tokens) {

@@ -57,6 +57,20 @@ class Metrics {
   void SetQueueTokens(int64_t tokens);
   void SetWorkersReady(int workers);
   void SetHeapBytes(int64_t bytes);
+  // Bytes of requests and answers held for calls (MemoryBudget), and its bound.
+  void SetHeldBytes(int64_t bytes);
+  void SetHeldBytesLimit(int64_t bytes);
+  // A call the server closed because its client did not take its answer: reason is
+  // "answer_timeout" or "memory_pressure".
+  void ObserveCallClosed(const char* reason);
+  // A gRPC connection the stream guard shut down: reason "stream_limit" (more open streams
+  // than the bound) or "connection_limit".
+  void ObserveConnectionClosed(const char* reason);
+  // Open gRPC connections (past the HTTP/2 handshake), about once a second.
+  void SetGrpcConnections(int64_t connections);
+  // Rows a batch left out before computing them because their request was cancelled, had
+  // passed its deadline or had already failed.
+  void ObserveSkippedRows(absl::StatusCode code, int64_t rows);
 
  private:
   Metrics() = default;
@@ -91,6 +105,14 @@ class Metrics {
   prometheus::Gauge* queue_tokens_ = nullptr;
   prometheus::Gauge* workers_ready_ = nullptr;
   prometheus::Gauge* heap_bytes_ = nullptr;
+  prometheus::Gauge* held_bytes_ = nullptr;
+  prometheus::Gauge* held_bytes_limit_ = nullptr;
+  prometheus::Counter* closed_answer_timeout_ = nullptr;
+  prometheus::Counter* closed_memory_pressure_ = nullptr;
+  prometheus::Counter* closed_stream_limit_ = nullptr;
+  prometheus::Counter* closed_connection_limit_ = nullptr;
+  prometheus::Gauge* grpc_connections_ = nullptr;
+  std::array<prometheus::Counter*, 3> skipped_rows_{};  // cancelled, deadline, failed
 };
 
 }  // namespace epserve::server

@@ -1,6 +1,10 @@
 #include "server/service.h"
 
+#include <malloc.h>
+
+#include <algorithm>
 #include <deque>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -15,6 +19,8 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::St
   reactor->Finish(ToGrpcStatus(s));
   return reactor;
 }
+
+int64_t NowNs() { return absl::ToUnixNanos(absl::Now()); }
 
 absl::Time DeadlineOf(const grpc::CallbackServerContext& ctx) {
   const auto d = ctx.deadline();
@@ -31,8 +37,101 @@ InferenceService::InferenceService(ServiceOptions options, Batcher& batcher, Met
       batcher_(batcher),
       metrics_(metrics),
       statistics_(statistics),
-      auth_(auth ? std::move(auth) : std::make_shared<const Authenticator>("")) {
+      auth_(auth ? std::move(auth) : std::make_shared<const Authenticator>("")),
+      budget_(options_.max_inflight_bytes) {
   BuildModelConfig();
+  if (metrics_ != nullptr) metrics_->SetHeldBytesLimit(budget_.limit());
+  reaper_ = std::thread([this] { Reap(); });
+}
+
+InferenceService::~InferenceService() {
+  {
+    std::lock_guard<std::mutex> lock(reap_mu_);
+    reap_stop_ = true;
+  }
+  reap_cv_.notify_all();
+  reaper_.join();
+}
+
+void InferenceService::ReleaseHeld(int64_t bytes) {
+  if (bytes == 0) return;
+  budget_.Release(bytes);
+  if (metrics_ != nullptr) metrics_->SetHeldBytes(budget_.used());
+}
+
+void InferenceService::Register(HeldCall* call) {
+  call->peer = call->ctx->peer();
+  std::lock_guard<std::recursive_mutex> lock(calls_mu_);
+  calls_.insert(call);
+  ++calls_by_peer_[call->peer];
+}
+
+void InferenceService::Forget(HeldCall* call) {
+  std::lock_guard<std::recursive_mutex> lock(calls_mu_);
+  if (calls_.erase(call) == 0) return;
+  auto it = calls_by_peer_.find(call->peer);
+  if (it != calls_by_peer_.end() && --it->second == 0) calls_by_peer_.erase(it);
+}
+
+int64_t InferenceService::CallsOf(const std::string& peer) {
+  std::lock_guard<std::recursive_mutex> lock(calls_mu_);
+  auto it = calls_by_peer_.find(peer);
+  return it == calls_by_peer_.end() ? 0 : it->second;
+}
+
+void InferenceService::Reap() {
+  const absl::Duration grace = std::min(absl::Seconds(1), options_.answer_timeout);
+  const int64_t limit = budget_.limit();
+  int64_t high_water = 0;  // most bytes held since memory was last returned to the system
+  absl::Time last_trim = absl::Now();
+  std::unique_lock<std::mutex> lock(reap_mu_);
+  while (!reap_stop_) {
+    reap_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    if (reap_stop_) break;
+    const bool pressure = reap_pressure_ || budget_.used() > limit - limit / 8;
+    reap_pressure_ = false;
+    lock.unlock();
+    const int64_t now = NowNs();
+    {
+      std::lock_guard<std::recursive_mutex> calls(calls_mu_);
+      std::vector<std::pair<int64_t, HeldCall*>> waiting;  // (since, call)
+      for (HeldCall* c : calls_) {
+        const int64_t since = c->answer_waiting_ns.load();
+        if (since != 0) waiting.push_back({since, c});
+      }
+      std::sort(waiting.begin(), waiting.end());
+      // Callbacks of a cancelled call may run right here (Forget on this thread), so the
+      // candidates are picked first and each is checked to be registered before it is
+      // cancelled.
+      int64_t to_free = pressure ? budget_.used() - limit / 2 : 0;
+      for (const auto& [since, c] : waiting) {
+        const absl::Duration waited = absl::Nanoseconds(now - since);
+        const char* reason = nullptr;
+        if (waited >= options_.answer_timeout) {
+          reason = "answer_timeout";
+        } else if (to_free > 0 && waited >= grace) {
+          reason = "memory_pressure";
+        } else {
+          continue;
+        }
+        if (calls_.count(c) == 0) continue;
+        to_free -= c->held.load();
+        if (metrics_ != nullptr) metrics_->ObserveCallClosed(reason);
+        c->ctx->TryCancel();
+      }
+    }
+    // Memory given back: glibc keeps freed request and answer buffers in its arenas; return
+    // them after a burst once most of the peak is released.
+    const int64_t used = budget_.used();
+    high_water = std::max(high_water, used);
+    if (high_water >= (int64_t{16} << 20) && used < high_water / 4 &&
+        absl::Now() - last_trim > absl::Seconds(1)) {
+      malloc_trim(0);
+      last_trim = absl::Now();
+      high_water = used;
+    }
+    lock.lock();
+  }
 }
 
 void InferenceService::BuildModelConfig() {
@@ -137,10 +236,41 @@ grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   resp->set_name("epserve");
   resp->set_version(EPSERVE_VERSION);
-  for (const char* ext : {"model_configuration", "statistics", "schedule_policy"}) {
+  for (const char* ext :
+       {"model_configuration", "statistics", "schedule_policy", "system_shared_memory"}) {
     resp->add_extensions(ext);
   }
   return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryStatusRequest* req,
+    inference::SystemSharedMemoryStatusResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  absl::StatusOr<std::vector<SharedMemoryStatus>> regions = shm_.Status(req->name());
+  if (!regions.ok()) return Reply(ctx, regions.status());
+  for (const SharedMemoryStatus& r : *regions) {
+    auto& out = (*resp->mutable_regions())[r.name];
+    out.set_name(r.name);
+    out.set_key(r.key);
+    out.set_offset(r.offset);
+    out.set_byte_size(r.byte_size);
+  }
+  return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::SystemSharedMemoryRegister(
+    grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* req,
+    inference::SystemSharedMemoryRegisterResponse*) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  return Reply(ctx, shm_.Register(req->name(), req->key(), req->offset(), req->byte_size()));
+}
+
+grpc::ServerUnaryReactor* InferenceService::SystemSharedMemoryUnregister(
+    grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryUnregisterRequest* req,
+    inference::SystemSharedMemoryUnregisterResponse*) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  return Reply(ctx, shm_.Unregister(req->name()));
 }
 
 grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
@@ -196,12 +326,34 @@ grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
 absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
                                       inference::ModelInferResponse* resp, absl::Time start,
                                       absl::Time deadline, std::function<bool()> cancelled,
-                                      std::function<void(absl::Status)> done) {
+                                      std::function<void(absl::Status)> done, int64_t* charged) {
+  *charged = 0;
   if (metrics_ != nullptr) metrics_->RequestStarted();  // every path below observes it once
-  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, options_.signature);
+  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, options_.signature, &shm_);
   absl::Status status = parsed.status();
   if (status.ok() && !ready()) {
     status = absl::UnavailableError("the server is not ready (starting, stopping or unhealthy)");
+  }
+  // The request's message and its answer (the outputs it asks for, or the layer output held
+  // for the routing alone) are charged until the answer is sent.
+  int64_t cost = 0;
+  if (status.ok()) {
+    const int64_t k = options_.top_k;
+    const bool shm_out = parsed->want_output && parsed->output_shm.region != nullptr;
+    cost = static_cast<int64_t>(req.ByteSizeLong()) +
+           parsed->num_tokens * ((shm_out ? 0 : options_.signature.hidden_size * 4) + 8 * k);
+    if (!budget_.TryCharge(cost)) {
+      status = absl::ResourceExhaustedError(absl::StrCat(
+          "the server holds ", budget_.used(), " bytes of requests and answers; this request's ",
+          cost, " more would exceed --max-inflight-bytes=", budget_.limit()));
+      {
+        std::lock_guard<std::mutex> lock(reap_mu_);
+        reap_pressure_ = true;
+      }
+      reap_cv_.notify_one();
+    } else if (metrics_ != nullptr) {
+      metrics_->SetHeldBytes(budget_.used());
+    }
   }
   if (!status.ok()) {
     if (metrics_ != nullptr) {
@@ -215,42 +367,50 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   resp->set_model_version("1");
   resp->set_id(req.id());
   auto task = std::make_shared<InferTask>();
-  // Adds output `name` of `datatype`, shape [T, width], and returns its bytes, sized.
+  // Adds output `name` of `datatype`, shape [T, width], and returns where its bytes go: the
+  // shared memory the request placed it in (its raw_output_contents entry stays empty, so
+  // that entries keep lining up with outputs), or its raw_output_contents entry, sized.
   auto add_output = [&](const char* name, absl::string_view datatype, int64_t width,
-                        size_t element_bytes) {
+                        size_t element_bytes, const ShmPlace& shm) -> char* {
     auto* out = resp->add_outputs();
     out->set_name(name);
     out->set_datatype(std::string(datatype));
     out->add_shape(parsed->num_tokens);
     out->add_shape(width);
     std::string* raw = resp->add_raw_output_contents();
+    if (shm.region != nullptr) {
+      task->regions.push_back(shm.region);
+      return shm.data;
+    }
     raw->resize(static_cast<size_t>(parsed->num_tokens * width) * element_bytes);
-    return raw;
+    return raw->data();
   };
-  const size_t output_bytes =
-      static_cast<size_t>(parsed->num_tokens * h) * ElementBytes(parsed->output_type);
-  std::string* raw = &task->unrequested_output;
+  char* output = nullptr;
   if (parsed->want_output) {
-    raw = add_output(kOutputName, ElementTypeName(parsed->output_type), h,
-                     ElementBytes(parsed->output_type));
+    output = add_output(kOutputName, ElementTypeName(parsed->output_type), h,
+                        ElementBytes(parsed->output_type), parsed->output_shm);
   } else {
-    raw->resize(output_bytes);
+    task->unrequested_output.resize(static_cast<size_t>(parsed->num_tokens * h) *
+                                    ElementBytes(parsed->output_type));
+    output = task->unrequested_output.data();
   }
   const int64_t k = options_.top_k;
   if (parsed->want_topk_ids) {
-    task->topk_ids = reinterpret_cast<int32_t*>(add_output(kTopkIdsName, "INT32", k, 4)->data());
+    task->topk_ids =
+        reinterpret_cast<int32_t*>(add_output(kTopkIdsName, "INT32", k, 4, parsed->topk_ids_shm));
   }
   if (parsed->want_topk_weights) {
-    task->topk_weights =
-        reinterpret_cast<float*>(add_output(kTopkWeightsName, "FP32", k, 4)->data());
+    task->topk_weights = reinterpret_cast<float*>(
+        add_output(kTopkWeightsName, "FP32", k, 4, parsed->topk_weights_shm));
   }
+  if (parsed->input_region != nullptr) task->regions.push_back(parsed->input_region);
 
   task->layer_pos = parsed->layer_pos;
   task->num_tokens = parsed->num_tokens;
   task->priority = parsed->priority;
   task->input = parsed->input;
   task->input_type = parsed->input_type;
-  task->output = raw->data();
+  task->output = output;
   task->output_type = parsed->output_type;
   task->enqueued = start;
   task->deadline = std::min(deadline, start + parsed->timeout);
@@ -262,8 +422,11 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
     statistics_.ObserveRequest(s, total, times);
     done(std::move(s));
   };
+  *charged = cost;  // before the batcher may answer
   status = batcher_.Enqueue(task);
   if (!status.ok()) {
+    *charged = 0;
+    ReleaseHeld(cost);
     if (metrics_ != nullptr) {
       metrics_->ObserveRequest(status.code(), absl::Now() - start, absl::ZeroDuration(), 0);
     }
@@ -272,17 +435,50 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   return status;
 }
 
+// One ModelInfer call: holds its budget until gRPC has sent the answer (or the call ended
+// without it), and is registered so that the reaper can close it when the answer is not
+// taken. Deletes itself in OnDone.
+class InferenceService::UnaryInfer final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryInfer(InferenceService& service, grpc::CallbackServerContext* ctx) : service_(service) {
+    call_.ctx = ctx;
+    service_.Register(&call_);
+  }
+
+  void Start(const inference::ModelInferRequest& req, inference::ModelInferResponse* resp) {
+    const absl::Time start = absl::Now();
+    grpc::CallbackServerContext* ctx = call_.ctx;
+    if (absl::Status s = service_.auth_->Check(*ctx); !s.ok()) return Answer(s);
+    absl::Status s = service_.Submit(
+        req, resp, start, DeadlineOf(*ctx), [ctx] { return ctx->IsCancelled(); },
+        [this](absl::Status status) { Answer(status); }, &charged_);
+    if (!s.ok()) Answer(s);  // (on OK the call may be answered and gone by now)
+  }
+
+  void OnDone() override {
+    service_.Forget(&call_);
+    service_.ReleaseHeld(charged_);
+    delete this;
+  }
+
+ private:
+  void Answer(const absl::Status& status) {
+    call_.held.store(charged_);
+    call_.answer_waiting_ns.store(NowNs());
+    Finish(ToGrpcStatus(status));
+  }
+
+  InferenceService& service_;
+  HeldCall call_;
+  int64_t charged_ = 0;  // set by Submit before the request is queued
+};
+
 grpc::ServerUnaryReactor* InferenceService::ModelInfer(grpc::CallbackServerContext* ctx,
                                                        const inference::ModelInferRequest* req,
                                                        inference::ModelInferResponse* resp) {
-  const absl::Time start = absl::Now();
-  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  absl::Status s = Submit(
-      *req, resp, start, DeadlineOf(*ctx), [ctx] { return ctx->IsCancelled(); },
-      [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
-  if (!s.ok()) reactor->Finish(ToGrpcStatus(s));
-  return reactor;
+  auto* call = new UnaryInfer(*this, ctx);
+  call->Start(*req, resp);
+  return call;
 }
 
 // One ModelStreamInfer call. Reads requests while fewer than max_stream_inflight are
@@ -295,6 +491,8 @@ class InferenceService::StreamInfer final
  public:
   StreamInfer(InferenceService& service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
+    call_.ctx = ctx;
+    service_.Register(&call_);
     if (absl::Status s = service_.auth_->Check(*ctx); !s.ok()) {
       finished_ = true;
       Finish(ToGrpcStatus(s));
@@ -322,10 +520,10 @@ class InferenceService::StreamInfer final
     const absl::Time start = absl::Now();
     grpc::CallbackServerContext* ctx = ctx_;
     absl::Status s = service_.Submit(
-        raw->request, raw->response.mutable_infer_response(), start, DeadlineOf(*ctx),
+        *raw->request, raw->response.mutable_infer_response(), start, DeadlineOf(*ctx),
         [ctx] { return ctx->IsCancelled(); },
-        [this, raw](absl::Status status) { Answer(raw, std::move(status)); });
-    if (!s.ok()) Answer(raw, std::move(s));
+        [this, raw](absl::Status status) { Answer(raw, std::move(status)); }, &raw->charged);
+    if (!s.ok()) Answer(raw, std::move(s));  // (on OK `raw` may be written and gone by now)
     std::lock_guard<std::mutex> lock(mu_);
     if (inflight_ < service_.options_.max_stream_inflight) ReadNext();
   }
@@ -333,6 +531,8 @@ class InferenceService::StreamInfer final
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
+    call_.answer_waiting_ns.store(0);
+    Drop(*written_.front());
     written_.pop_front();
     --inflight_;
     if (!ok) broken_ = true;
@@ -343,26 +543,40 @@ class InferenceService::StreamInfer final
     MaybeFinish();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_.Forget(&call_);
+    delete this;
+  }
 
  private:
   struct Slot {
-    inference::ModelInferRequest request;
+    std::unique_ptr<inference::ModelInferRequest> request =
+        std::make_unique<inference::ModelInferRequest>();
     inference::ModelStreamInferResponse response;
+    int64_t charged = 0;  // budget bytes (set by Submit), released once written or dropped
   };
+
+  // Releases what `slot` holds of the budget.
+  void Drop(Slot& slot) {
+    service_.ReleaseHeld(slot.charged);
+    call_.held.fetch_sub(slot.charged);
+    slot.charged = 0;
+  }
 
   void Answer(Slot* raw, absl::Status status) {
     std::unique_ptr<Slot> slot(raw);
     if (!status.ok()) {
+      const inference::ModelInferRequest& q = *slot->request;
       inference::ModelInferResponse* r = slot->response.mutable_infer_response();
       r->Clear();
-      r->set_model_name(slot->request.model_name());
-      r->set_model_version(slot->request.model_version());
-      r->set_id(slot->request.id());
+      r->set_model_name(Clip(q.model_name()));
+      r->set_model_version(Clip(q.model_version()));
+      if (q.id().size() <= kMaxRequestIdBytes) r->set_id(q.id());
       slot->response.set_error_message(
           absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message()));
     }
-    slot->request.Clear();  // the input is no longer needed
+    slot->request.reset();  // the input is no longer needed: its memory goes now
+    call_.held.fetch_add(slot->charged);
     std::lock_guard<std::mutex> lock(mu_);
     pending_.push_back(std::move(slot));
     Pump();
@@ -373,7 +587,7 @@ class InferenceService::StreamInfer final
     if (reading_ || reads_done_ || finished_) return;
     next_ = std::make_unique<Slot>();
     reading_ = true;
-    StartRead(&next_->request);
+    StartRead(next_->request.get());
   }
 
   void Pump() {  // holds mu_
@@ -381,11 +595,13 @@ class InferenceService::StreamInfer final
       std::unique_ptr<Slot> slot = std::move(pending_.front());
       pending_.pop_front();
       if (broken_ || finished_) {  // nobody to write to: drop the answer
+        Drop(*slot);
         --inflight_;
         continue;
       }
       written_.push_back(std::move(slot));
       writing_ = true;
+      call_.answer_waiting_ns.store(NowNs());
       StartWrite(&written_.back()->response);
     }
   }
@@ -399,6 +615,7 @@ class InferenceService::StreamInfer final
 
   InferenceService& service_;
   grpc::CallbackServerContext* const ctx_;
+  HeldCall call_;
   std::mutex mu_;
   std::unique_ptr<Slot> next_;                 // the read in flight
   std::deque<std::unique_ptr<Slot>> pending_;  // answered, waiting for the write

@@ -1,17 +1,26 @@
 // inference.GRPCInferenceService (KServe v2, Triton's field numbers) over the dynamic
-// batcher. The repository, shared-memory, trace and log RPCs answer UNIMPLEMENTED.
+// batcher, with system shared memory (server/shared_memory.h). The repository, CUDA
+// shared-memory, trace and log RPCs answer UNIMPLEMENTED.
 // Thread-safe: gRPC calls the handlers from its own threads.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "grpc_service.grpc.pb.h"
 #include "server/auth.h"
 #include "server/batcher.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
+#include "server/shared_memory.h"
 #include "server/statistics.h"
 #include "server/validation.h"
 
@@ -28,6 +37,13 @@ struct ServiceOptions {
   // Requests of one ModelStreamInfer stream read but not yet answered; at the bound the
   // server stops reading that stream until an answer is written.
   int max_stream_inflight = 64;
+  // Bytes of requests and answers held for all calls together (MemoryBudget); beyond it new
+  // requests get RESOURCE_EXHAUSTED. Must be > 0.
+  int64_t max_inflight_bytes = int64_t{1} << 30;
+  // An answer the client has not taken within this closes its call (CANCELLED), freeing what
+  // the call holds. While the budget is short, calls whose answer has waited
+  // min(1 s, answer_timeout) are closed first, the longest-waiting first.
+  absl::Duration answer_timeout = absl::Seconds(30);
 };
 
 class InferenceService final : public inference::GRPCInferenceService::CallbackService {
@@ -35,18 +51,26 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   // `batcher`, `metrics` and `statistics` outlive the service; `metrics` may be null.
   InferenceService(ServiceOptions options, Batcher& batcher, Metrics* metrics,
                    Statistics& statistics, std::shared_ptr<const Authenticator> auth);
+  ~InferenceService() override;  // stops the reaper; the gRPC server must be shut down first
 
   // Ready: workers loaded and answering, not shutting down. Live: the process answers.
   void set_ready(bool ready) { ready_.store(ready); }
   bool ready() const { return ready_.load(); }
 
-  // Validates `request`, pre-sizes `response` and queues the request. On OK, `done` is
-  // called exactly once (from a batcher thread) when the response is complete or failed;
-  // `request` and `response` must live until then. On error `done` is not called.
+  // Validates `request`, charges its bytes and its answer's to the memory budget
+  // (*charged), pre-sizes `response` and queues the request. On OK, `done` is called exactly
+  // once (from a batcher thread) when the response is complete or failed; `request` and
+  // `response` must live until then, and the caller releases *charged (ReleaseHeld) once the
+  // answer is sent or dropped. On error nothing is charged and `done` is not called.
   absl::Status Submit(const inference::ModelInferRequest& request,
                       inference::ModelInferResponse* response, absl::Time start,
                       absl::Time deadline, std::function<bool()> cancelled,
-                      std::function<void(absl::Status)> done);
+                      std::function<void(absl::Status)> done, int64_t* charged);
+  void ReleaseHeld(int64_t bytes);
+  int64_t held_bytes() const { return budget_.used(); }
+  // Inference calls the service holds (from their start to gRPC's OnDone) for the connection
+  // to `peer`, as grpc::ServerContext::peer() names it.
+  int64_t CallsOf(const std::string& peer);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
                                        const inference::ServerLiveRequest* req,
@@ -74,6 +98,16 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* ctx,
                                             const inference::ModelStatisticsRequest* req,
                                             inference::ModelStatisticsResponse* resp) override;
+  // Triton's system shared-memory extension (server/shared_memory.h).
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
+      grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryStatusRequest* req,
+      inference::SystemSharedMemoryStatusResponse* resp) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryRegister(
+      grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* req,
+      inference::SystemSharedMemoryRegisterResponse* resp) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(
+      grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryUnregisterRequest* req,
+      inference::SystemSharedMemoryUnregisterResponse* resp) override;
 
 #define EPSERVE_UNIMPLEMENTED_RPC(Name)                                      \
   grpc::ServerUnaryReactor* Name(grpc::CallbackServerContext* ctx,           \
@@ -84,9 +118,6 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   EPSERVE_UNIMPLEMENTED_RPC(RepositoryIndex)
   EPSERVE_UNIMPLEMENTED_RPC(RepositoryModelLoad)
   EPSERVE_UNIMPLEMENTED_RPC(RepositoryModelUnload)
-  EPSERVE_UNIMPLEMENTED_RPC(SystemSharedMemoryStatus)
-  EPSERVE_UNIMPLEMENTED_RPC(SystemSharedMemoryRegister)
-  EPSERVE_UNIMPLEMENTED_RPC(SystemSharedMemoryUnregister)
   EPSERVE_UNIMPLEMENTED_RPC(CudaSharedMemoryStatus)
   EPSERVE_UNIMPLEMENTED_RPC(CudaSharedMemoryRegister)
   EPSERVE_UNIMPLEMENTED_RPC(CudaSharedMemoryUnregister)
@@ -96,6 +127,20 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
 
  private:
   class StreamInfer;
+  class UnaryInfer;
+  // A call that holds budget and may have an answer waiting for its client: what the reaper
+  // looks at. Registered from its start to its OnDone.
+  struct HeldCall {
+    grpc::CallbackServerContext* ctx = nullptr;
+    std::string peer;
+    std::atomic<int64_t> held{0};               // bytes charged, not yet released
+    std::atomic<int64_t> answer_waiting_ns{0};  // since when (unix ns) an answer waits; 0: none
+  };
+  void Register(HeldCall* call);
+  void Forget(HeldCall* call);
+  // The reaper's thread: closes calls whose answer is not taken within answer_timeout, and
+  // under memory pressure the longest-waiting ones; returns freed memory to the system.
+  void Reap();
   absl::Status CheckModel(const std::string& name, const std::string& version) const;
   grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, const char* rpc);
   void BuildModelConfig();
@@ -107,6 +152,18 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   const std::shared_ptr<const Authenticator> auth_;
   inference::ModelConfig model_config_;
   std::atomic<bool> ready_{false};
+  MemoryBudget budget_;
+  SharedMemoryRegistry shm_;
+  // Registered calls. A recursive mutex: the reaper cancels calls while holding it, and gRPC
+  // may run the cancelled call's callbacks (OnDone -> Forget) inline on the reaper's thread.
+  std::recursive_mutex calls_mu_;
+  std::unordered_set<HeldCall*> calls_;                     // guarded by calls_mu_
+  std::unordered_map<std::string, int64_t> calls_by_peer_;  // guarded by calls_mu_
+  std::mutex reap_mu_;
+  std::condition_variable reap_cv_;
+  bool reap_stop_ = false;      // guarded by reap_mu_
+  bool reap_pressure_ = false;  // guarded by reap_mu_: a request did not fit the budget
+  std::thread reaper_;
 };
 
 }  // namespace epserve::server

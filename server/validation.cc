@@ -29,10 +29,56 @@ absl::StatusOr<int64_t> NonNegativeInt(const inference::InferParameter& p, const
   return v;
 }
 
+// The bytes [offset, offset + byte_size) of a registered region that the tensor `what` names
+// with Triton's shared-memory parameters; nullopt-like (region null) when it names none.
+// `bytes` is what the tensor needs: the size given must equal it (`exact`, inputs) or be at
+// least it (outputs).
+absl::StatusOr<ShmPlace> SharedMemoryPlace(
+    const google::protobuf::Map<std::string, inference::InferParameter>& params,
+    const std::string& what, int64_t bytes, bool exact, const SharedMemoryRegistry* shm) {
+  auto region = params.find(kShmRegionParameter);
+  if (region == params.end()) {
+    for (const char* p : {kShmOffsetParameter, kShmByteSizeParameter}) {
+      if (params.count(p) > 0) {
+        return Invalid(what, ": parameter '", p, "' needs '", kShmRegionParameter, "'");
+      }
+    }
+    return ShmPlace{};
+  }
+  if (region->second.parameter_choice_case() != inference::InferParameter::kStringParam) {
+    return Invalid(what, ": parameter '", kShmRegionParameter, "' must be a string_param");
+  }
+  if (shm == nullptr) return Invalid(what, ": shared memory is not served here");
+  auto size_it = params.find(kShmByteSizeParameter);
+  if (size_it == params.end()) {
+    return Invalid(what, ": parameter '", kShmByteSizeParameter, "' is missing");
+  }
+  absl::StatusOr<int64_t> size = NonNegativeInt(size_it->second, kShmByteSizeParameter);
+  if (!size.ok()) return size.status();
+  int64_t offset = 0;
+  if (auto it = params.find(kShmOffsetParameter); it != params.end()) {
+    absl::StatusOr<int64_t> o = NonNegativeInt(it->second, kShmOffsetParameter);
+    if (!o.ok()) return o.status();
+    offset = *o;
+  }
+  if (exact ? *size != bytes : *size < bytes) {
+    return Invalid(what, ": ", kShmByteSizeParameter, " must be ", exact ? "" : "at least ", bytes,
+                   ", got ", *size);
+  }
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> r =
+      shm->Find(region->second.string_param());
+  if (!r.ok())
+    return absl::Status(r.status().code(), absl::StrCat(what, ": ", r.status().message()));
+  absl::StatusOr<char*> data =
+      (*r)->Span(static_cast<uint64_t>(offset), static_cast<uint64_t>(bytes), what);
+  if (!data.ok()) return data.status();
+  return ShmPlace{*std::move(r), *data};
+}
+
 }  // namespace
 
 absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
-                                       const ModelSignature& sig) {
+                                       const ModelSignature& sig, const SharedMemoryRegistry* shm) {
   if (req.model_name() != sig.name) {
     return absl::NotFoundError(absl::StrCat("unknown model '", Clip(req.model_name()),
                                             "'; this server serves '", sig.name, "'"));
@@ -40,6 +86,9 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   if (!req.model_version().empty() && req.model_version() != "1") {
     return absl::NotFoundError(absl::StrCat("unknown version '", Clip(req.model_version()),
                                             "' of model '", sig.name, "'; versions: 1"));
+  }
+  if (req.id().size() > kMaxRequestIdBytes) {
+    return Invalid("id is ", req.id().size(), " bytes; at most ", kMaxRequestIdBytes);
   }
   ParsedInfer out;
   out.layer = sig.layers.front();
@@ -109,11 +158,24 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   const int64_t bytes = elements * static_cast<int64_t>(ElementBytes(*type));
   const bool has_typed = input.has_contents();
   const bool has_raw = req.raw_input_contents_size() > 0;
-  if (has_typed && has_raw) {
+  absl::StatusOr<ShmPlace> in_shm = SharedMemoryPlace(
+      input.parameters(), absl::StrCat("input '", kInputName, "'"), bytes, true, shm);
+  if (!in_shm.ok()) return in_shm.status();
+  if (in_shm->region != nullptr) {
+    if (has_typed || has_raw) {
+      return Invalid("input '", kInputName,
+                     "' is in shared memory and must not also carry contents or "
+                     "raw_input_contents");
+    }
+    out.input = in_shm->data;
+    out.input_region = std::move(in_shm->region);
+  } else if (has_typed && has_raw) {
     return Invalid("input '", kInputName,
                    "' has both contents and raw_input_contents; use exactly one");
   }
-  if (has_raw) {
+  if (out.input_region != nullptr) {
+    // the input is in shared memory
+  } else if (has_raw) {
     if (req.raw_input_contents_size() != 1) {
       return Invalid("raw_input_contents must have one entry per input (1), got ",
                      req.raw_input_contents_size());
@@ -148,9 +210,18 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
       bool& want = ids ? out.want_topk_ids : out.want_topk_weights;
       if (want) return Invalid("output '", Clip(output.name()), "' requested twice");
       want = true;
-      if (output.parameters_size() > 0) {
-        return Invalid("output '", Clip(output.name()), "' takes no parameters");
+      for (const auto& [name, value] : output.parameters()) {
+        if (name != kShmRegionParameter && name != kShmOffsetParameter &&
+            name != kShmByteSizeParameter) {
+          return Invalid("output '", output.name(), "' takes no parameter '", Clip(name),
+                         "' (only shared memory placement)");
+        }
       }
+      absl::StatusOr<ShmPlace> place =
+          SharedMemoryPlace(output.parameters(), absl::StrCat("output '", output.name(), "'"),
+                            tokens * sig.top_k * 4, false, shm);
+      if (!place.ok()) return place.status();
+      (ids ? out.topk_ids_shm : out.topk_weights_shm) = *std::move(place);
       continue;
     }
     if (output.name() != kOutputName) {
@@ -175,6 +246,15 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
                        "' is not supported (the output is not a classification)");
       }
     }
+  }
+  // The output's size depends on its datatype, known only once every parameter is read.
+  for (const auto& output : req.outputs()) {
+    if (output.name() != kOutputName) continue;
+    absl::StatusOr<ShmPlace> place = SharedMemoryPlace(
+        output.parameters(), absl::StrCat("output '", kOutputName, "'"),
+        elements * static_cast<int64_t>(ElementBytes(out.output_type)), false, shm);
+    if (!place.ok()) return place.status();
+    out.output_shm = *std::move(place);
   }
   return out;
 }

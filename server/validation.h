@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "grpc_service.pb.h"
 #include "server/dtype.h"
+#include "server/shared_memory.h"
 
 namespace epserve::server {
 
@@ -22,6 +23,7 @@ struct ModelSignature {
   int64_t max_request_tokens = 0;  // T bound of one request
   uint32_t priority_levels = 1;    // request parameter `priority` in [1, priority_levels]
   uint32_t default_priority = 1;   // the level of a request without one (or with 0)
+  int top_k = 1;                   // width of the topk_ids and topk_weights outputs
 };
 
 inline constexpr char kInputName[] = "hidden_states";
@@ -33,10 +35,24 @@ inline constexpr char kPriorityParameter[] = "priority";
 inline constexpr char kTimeoutParameter[] = "timeout";
 // Parameter of the requested output `moe_output`: its datatype ("FP32", "BF16", "FP16").
 inline constexpr char kDatatypeParameter[] = "datatype";
+// The request id is echoed in the answer (and in each streamed answer): at most this long.
+inline constexpr size_t kMaxRequestIdBytes = 4096;
 
-// A validated request. `input` points into the request (raw or typed contents), so it is
-// valid as long as the request is; it holds num_tokens * H little-endian elements of
-// `input_type`, maybe unaligned.
+// Triton's shared-memory parameters of an input or a requested output.
+inline constexpr char kShmRegionParameter[] = "shared_memory_region";
+inline constexpr char kShmOffsetParameter[] = "shared_memory_offset";
+inline constexpr char kShmByteSizeParameter[] = "shared_memory_byte_size";
+
+// Where an output goes when the request placed it in a shared memory region: `data` is
+// inside `region`, which the holder keeps mapped.
+struct ShmPlace {
+  std::shared_ptr<const SharedMemoryRegion> region;
+  char* data = nullptr;
+};
+
+// A validated request. `input` points into the request (raw or typed contents) or into a
+// shared memory region (input_region, kept mapped while held), so it is valid as long as
+// both are; it holds num_tokens * H little-endian elements of `input_type`, maybe unaligned.
 struct ParsedInfer {
   int layer_pos = 0;  // index into ModelSignature::layers
   int64_t layer = 0;  // the model's own layer index
@@ -51,13 +67,19 @@ struct ParsedInfer {
   bool want_output = true;
   bool want_topk_ids = false;
   bool want_topk_weights = false;
+  std::shared_ptr<const SharedMemoryRegion> input_region;  // set when the input is in one
+  // Set (region non-null) for each output the request placed in shared memory.
+  ShmPlace output_shm, topk_ids_shm, topk_weights_shm;
 };
 
 // Checks, in order: model name and version (NOT_FOUND), the `layer`, `priority` and
 // `timeout` parameters, exactly one input named hidden_states, datatype FP32, BF16 or FP16,
 // shape [T, H] with 1 <= T <= max_request_tokens, contents (raw, or fp32_contents for FP32;
-// not both; sizes matching the shape), requested outputs and their datatype.
+// not both; sizes matching the shape; or a shared memory region, offset and size, looked up
+// in `shm`, which may be null: no shared memory), requested outputs, their datatype and
+// shared memory placement.
 absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& request,
-                                       const ModelSignature& signature);
+                                       const ModelSignature& signature,
+                                       const SharedMemoryRegistry* shm = nullptr);
 
 }  // namespace epserve::server

@@ -1,8 +1,12 @@
 // End to end, the front-end as KServe v2 clients see it: streaming, configuration and
 // statistics, datatypes, dynamic batching under load (batch growth, queue bound, priority,
 // timeouts), health, TLS, mutual TLS and bearer tokens. mpirun epserve on synthetic:tiny.
+#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -14,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "health.grpc.pb.h"
 #include "server/dtype.h"
@@ -455,6 +460,106 @@ TEST(Limits, AFullQueueIsResourceExhaustedAndAcceptedRequestsComplete) {
   grpc::Status s = stub->ModelInfer(&ctx, Request(RandomRows(65, rng), 65), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("must be in [1, 64], got 65"), std::string::npos);
+}
+
+// The value of series `name` (with its labels, exactly as exposed) at `address`/metrics; -1
+// when absent or unreachable.
+double ScrapeValue(const std::string& address, const std::string& name) {
+  const size_t colon = address.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    close(fd);
+    return -1;
+  }
+  const std::string req = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return -1;
+  }
+  std::string body;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, n);
+  close(fd);
+  const size_t at = body.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::stod(body.substr(at + name.size() + 2));
+}
+
+// --max-inflight-bytes bounds what rank 0 holds: a request whose message and answer do not
+// fit is refused with the flag's name, smaller ones pass one after another (each answer
+// releases its bytes), and a stream whose client stops reading is closed at --answer-timeout.
+TEST(Limits, TheMemoryBudgetRefusesWhatDoesNotFitAndFreesWhatIsAnswered) {
+  // tiny: H = 64, a token row is 256 bytes in FP32 each way.
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(
+      3, {"--max-inflight-bytes=65536", "--answer-timeout=1s", "--max-request-tokens=512"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = inference::GRPCInferenceService::NewStub(Channel((*server)->grpc_address()));
+  std::mt19937_64 rng(std::random_device{}());
+  Reference ref;
+  {
+    inference::ModelInferResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(ctx);
+    grpc::Status s = stub->ModelInfer(&ctx, Request(RandomRows(200, rng), 200), &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("--max-inflight-bytes=65536"), std::string::npos)
+        << s.error_message();
+  }
+  for (int i = 0; i < 20; ++i) {
+    std::vector<float> x = RandomRows(96, rng);  // 24 KiB each way: fits, but not twice
+    inference::ModelInferResponse resp;
+    resp.add_raw_output_contents(std::string(96 * 64 * 4, '\xff'));  // poison
+    grpc::ClientContext ctx;
+    SetDeadline(ctx);
+    grpc::Status s = stub->ModelInfer(&ctx, Request(x, 96), &resp);
+    ASSERT_TRUE(s.ok()) << i << ": " << s.error_message();
+    EXPECT_LE(ref.RelError(x, Floats(resp.raw_output_contents(0)).data(), 96), 1e-4);
+  }
+  EXPECT_EQ(ScrapeValue((*server)->metrics_address(), "epserve_held_bytes_limit"), 65536);
+  EXPECT_EQ(ScrapeValue((*server)->metrics_address(), "epserve_held_bytes"), 0);
+}
+
+// A stream whose client stops reading is closed about --answer-timeout after the first answer
+// that could not be written, and what it held is released.
+TEST(Limits, AStreamWhoseAnswersAreNotTakenIsClosedAtTheAnswerTimeout) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(
+      3, {"--answer-timeout=1s", "--max-request-tokens=512", "--max-stream-inflight=200"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = inference::GRPCInferenceService::NewStub(Channel((*server)->grpc_address()));
+  std::mt19937_64 rng(std::random_device{}());
+  grpc::ClientContext ctx;
+  SetDeadline(ctx);
+  auto stream = stub->ModelStreamInfer(&ctx);
+  std::vector<float> x = RandomRows(512, rng);  // 128 KiB answers, 25 MiB in all
+  int written = 0;
+  for (; written < 200; ++written) {
+    if (!stream->Write(Request(x, 512))) break;
+  }
+  const std::string closed = "epserve_grpc_calls_closed_total{reason=\"answer_timeout\"}";
+  double n = 0;
+  for (int i = 0; i < 100 && n < 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    n = ScrapeValue((*server)->metrics_address(), closed);
+  }
+  EXPECT_GE(n, 1) << "no call closed at the answer timeout; " << written << " requests written";
+  stream->WritesDone();
+  inference::ModelStreamInferResponse r;
+  int read = 0;
+  while (stream->Read(&r)) ++read;
+  grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+  EXPECT_LT(read, written);
+  std::cerr << written << " requests written, " << read << " answers read before the server "
+            << "closed the stream\n";
+  double held = -1;
+  for (int i = 0; i < 50 && held != 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    held = ScrapeValue((*server)->metrics_address(), "epserve_held_bytes");
+  }
+  EXPECT_EQ(held, 0) << "what the closed stream held was not released";
 }
 
 // ---------------------------------------------------------------- security

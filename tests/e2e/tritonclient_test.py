@@ -54,6 +54,8 @@ import unittest  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tritonclient.grpc as triton  # noqa: E402
+import tritonclient.utils.shared_memory as shm  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from epserve_cluster import Cluster  # noqa: E402
 
@@ -110,6 +112,134 @@ class TritonClient(unittest.TestCase):
         self.assertLess(np.abs(yb - y32).max() / np.abs(y32).max(), 3e-2)
         stats = self.client.get_inference_statistics("moe", as_json=True)
         self.assertGreaterEqual(int(stats["model_stats"][0]["inference_count"]), 2)
+
+
+class SharedMemory(unittest.TestCase):
+    """Triton's system shared-memory extension through tritonclient.utils.shared_memory."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = Cluster(2, ["--max-batch-tokens=16"])
+        cls.client = triton.InferenceServerClient(cls.cluster.address)
+        cls.rng = np.random.default_rng()
+        cls.handles = []
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.unregister_system_shared_memory()
+        for h in cls.handles:
+            try:
+                shm.destroy_shared_memory_region(h)
+            except (FileNotFoundError, shm.SharedMemoryException):
+                pass  # unlinked by the test
+        cls.client.close()
+        cls.cluster.stop()
+
+    def region(self, name, byte_size):
+        key = f"/epserve_test_{os.getpid()}_{name}"
+        h = shm.create_shared_memory_region(name, key, byte_size)
+        self.handles.append(h)
+        return h, key
+
+    def infer_shm(self, tokens, datatype, in_name, in_size, out_name, out_size, in_offset=0,
+                  out_offset=0):
+        inp = triton.InferInput("hidden_states", [tokens, H], datatype)
+        inp.set_shared_memory(in_name, in_size, in_offset)
+        out = triton.InferRequestedOutput("moe_output")
+        out.set_shared_memory(out_name, out_size, out_offset)
+        return self.client.infer("moe", [inp], outputs=[out])
+
+    def infer_inline(self, raw, tokens, datatype):
+        """The same request with the input inline, raw bytes in and out."""
+        inp = triton.InferInput("hidden_states", [tokens, H], datatype)
+        inp._raw_content = raw  # (set_data_from_numpy would need ml_dtypes for BF16)
+        return self.client.infer("moe", [inp]).get_response().raw_output_contents[0]
+
+    def test_round_trips_are_bit_identical_to_inline(self):
+        for datatype, width in (("FP32", 4), ("FP16", 2), ("BF16", 2)):
+            tokens = 11
+            x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+            if datatype == "FP16":
+                raw = x.astype(np.float16).tobytes()
+            elif datatype == "BF16":
+                raw = (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+            else:
+                raw = x.tobytes()
+            n = tokens * H * width
+            hin, _ = self.region(f"in_{datatype}", n + 64)
+            hout, _ = self.region(f"out_{datatype}", n + 128)
+            shm.set_shared_memory_region(hin, [np.frombuffer(raw, dtype=np.uint8)], offset=64)
+            poison = np.full(n + 128, 0xAB, dtype=np.uint8)
+            shm.set_shared_memory_region(hout, [poison])
+            self.client.register_system_shared_memory(f"in_{datatype}", hin._shm_key, n + 64)
+            self.client.register_system_shared_memory(f"out_{datatype}", hout._shm_key, n + 128)
+            r = self.infer_shm(tokens, datatype, f"in_{datatype}", n, f"out_{datatype}", n,
+                               in_offset=64, out_offset=128)
+            out = r.get_response().outputs[0]
+            self.assertEqual(list(out.shape), [tokens, H])
+            self.assertEqual(out.datatype, datatype)
+            self.assertEqual(len(r.get_response().raw_output_contents[0]), 0)
+            got = shm.get_contents_as_numpy(hout, np.uint8, [n + 128]).tobytes()
+            self.assertEqual(got[:128], bytes([0xAB]) * 128, "bytes before the offset touched")
+            self.assertEqual(got[128:], self.infer_inline(raw, tokens, datatype), datatype)
+
+    def test_bad_regions_are_clear_errors(self):
+        tokens, n = 4, 4 * H * 4
+        h, key = self.region("small", n)
+        shm.set_shared_memory_region(h, [np.zeros(tokens * H, dtype=np.float32)])
+        self.client.register_system_shared_memory("small", key, n)
+        cases = {
+            "too small": dict(in_size=n - 4),  # byte_size not the tensor's
+            "past the end": dict(in_offset=8),
+        }
+        for what, kw in cases.items():
+            args = dict(in_name="small", in_size=n, out_name="small", out_size=n)
+            args.update(kw)
+            with self.assertRaises(InferenceServerException, msg=what) as e:
+                self.infer_shm(tokens, "FP32", **args)
+            self.assertEqual(e.exception.status(), "StatusCode.INVALID_ARGUMENT", what)
+        with self.assertRaises(InferenceServerException) as e:
+            self.infer_shm(tokens, "FP32", "nobody", n, "small", n)
+        self.assertEqual(e.exception.status(), "StatusCode.NOT_FOUND")
+        self.assertIn("no shared memory region 'nobody'", e.exception.message())
+        with self.assertRaises(InferenceServerException) as e:  # no such key
+            self.client.register_system_shared_memory("ghost", "/epserve_no_such_key", 64)
+        self.assertIn("cannot open key", e.exception.message())
+        with self.assertRaises(InferenceServerException) as e:  # bigger than the object
+            self.client.register_system_shared_memory("big", key, n + 1)
+        self.assertIn("past the end", e.exception.message())
+        with self.assertRaises(InferenceServerException) as e:  # the name is taken
+            self.client.register_system_shared_memory("small", key, n)
+        self.assertEqual(e.exception.status(), "StatusCode.ALREADY_EXISTS")
+        status = self.client.get_system_shared_memory_status("small", as_json=True)
+        self.assertEqual(int(status["regions"]["small"]["byte_size"]), n)
+        # The owner shrinks the object: a clear error, the server goes on.
+        shrunk = os.open("/dev/shm" + key, os.O_RDWR)
+        os.ftruncate(shrunk, 16)
+        os.close(shrunk)
+        with self.assertRaises(InferenceServerException) as e:
+            self.infer_shm(tokens, "FP32", "small", n, "small", n)
+        self.assertIn("shrunk", e.exception.message())
+        # Unregistered: its name is unknown again; the server still answers inline.
+        self.client.unregister_system_shared_memory("small")
+        with self.assertRaises(InferenceServerException) as e:
+            self.infer_shm(tokens, "FP32", "small", n, "small", n)
+        self.assertEqual(e.exception.status(), "StatusCode.NOT_FOUND")
+        x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+        self.assertEqual(len(self.infer_inline(x.tobytes(), tokens, "FP32")), n)
+
+    def test_a_region_unlinked_by_its_owner_keeps_working_while_registered(self):
+        tokens, n = 3, 3 * H * 4
+        h, key = self.region("unlinked", 2 * n)
+        x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+        shm.set_shared_memory_region(h, [x])
+        self.client.register_system_shared_memory("unlinked", key, 2 * n)
+        os.unlink("/dev/shm" + key)
+        r = self.infer_shm(tokens, "FP32", "unlinked", n, "unlinked", n, out_offset=n)
+        self.assertEqual(len(r.get_response().raw_output_contents[0]), 0)
+        got = shm.get_contents_as_numpy(h, np.uint8, [2 * n]).tobytes()[n:]
+        self.assertEqual(got, self.infer_inline(x.tobytes(), tokens, "FP32"))
+        self.client.unregister_system_shared_memory("unlinked")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,17 @@ TEST(ParseInfer, HugeClientStringsAreClippedInErrors) {
   EXPECT_EQ(g.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+TEST(ParseInfer, TheRequestIdIsBounded) {
+  inference::ModelInferRequest r = Good(1);
+  r.set_id(std::string(kMaxRequestIdBytes, 'i'));
+  EXPECT_TRUE(ParseInfer(r, Sig()).ok());
+  r.set_id(std::string(1 << 20, 'i'));
+  absl::Status s = ParseInfer(r, Sig()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("id is 1048576 bytes; at most 4096"), std::string::npos)
+      << s.message();
+}
+
 TEST(ParseInfer, TooManyTokensNamesTheBound) {
   absl::Status s = ParseInfer(Good(101), Sig()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

@@ -1,0 +1,107 @@
+#include "server/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace epserve::server {
+namespace {
+
+// A POSIX shared memory object of `bytes` random bytes, unlinked at the end of the test.
+class ShmObject {
+ public:
+  explicit ShmObject(size_t bytes) : key_(absl::StrCat("/epserve_shm_test_", getpid(), "_", n_++)) {
+    fd_ = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd_, 0);
+    EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
+    std::mt19937_64 rng(std::random_device{}());
+    bytes_.resize(bytes);
+    for (char& c : bytes_) c = static_cast<char>(rng());
+    EXPECT_EQ(pwrite(fd_, bytes_.data(), bytes, 0), static_cast<ssize_t>(bytes));
+  }
+  ~ShmObject() {
+    close(fd_);
+    shm_unlink(key_.c_str());
+  }
+  const std::string& key() const { return key_; }
+  const std::string& bytes() const { return bytes_; }
+  void Truncate(size_t bytes) { EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0); }
+
+ private:
+  static inline int n_ = 0;
+  std::string key_, bytes_;
+  int fd_ = -1;
+};
+
+TEST(SharedMemoryRegistry, MapsTheRegisteredBytesAndChecksEveryUse) {
+  ShmObject obj(10000);
+  SharedMemoryRegistry reg;
+  ASSERT_TRUE(reg.Register("r", obj.key(), 4097, 5000).ok());  // not page-aligned
+  auto r = reg.Find("r");
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto span = (*r)->Span(10, 100, "input 'x'");
+  ASSERT_TRUE(span.ok()) << span.status();
+  EXPECT_EQ(std::memcmp(*span, obj.bytes().data() + 4097 + 10, 100), 0);
+  auto past = (*r)->Span(4990, 11, "input 'x'");
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(past.status().message().find("lie outside it (5000 bytes)"), std::string::npos)
+      << past.status();
+  auto status = reg.Status("");
+  ASSERT_TRUE(status.ok());
+  ASSERT_EQ(status->size(), 1u);
+  EXPECT_EQ((*status)[0].offset, 4097u);
+  EXPECT_EQ((*status)[0].key, obj.key());
+  // The owner shrinks the object: uses past its new end are refused, not SIGBUS.
+  obj.Truncate(4097 + 50);
+  EXPECT_TRUE((*r)->Span(0, 50, "input 'x'").ok());
+  auto shrunk = (*r)->Span(0, 51, "input 'x'");
+  EXPECT_NE(shrunk.status().message().find("shrunk by its owner"), std::string::npos)
+      << shrunk.status();
+}
+
+TEST(SharedMemoryRegistry, BadRegistrationsAreClearErrors) {
+  ShmObject obj(4096);
+  SharedMemoryRegistry reg(2);
+  EXPECT_EQ(reg.Register("", obj.key(), 0, 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.Register("a", "", 0, 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.Register("a", obj.key(), 0, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.Register("a", "/epserve_no_such_key", 0, 10).code(), absl::StatusCode::kNotFound);
+  absl::Status past = reg.Register("a", obj.key(), 4000, 97);
+  EXPECT_EQ(past.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(past.message().find("past the end"), std::string::npos) << past;
+  EXPECT_TRUE(reg.Register("a", obj.key(), 0, 10).ok());
+  EXPECT_EQ(reg.Register("a", obj.key(), 0, 10).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(reg.Register("b", obj.key(), 0, 10).ok());
+  EXPECT_EQ(reg.Register("c", obj.key(), 0, 10).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(reg.Find("zzz").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(reg.Status("zzz").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A region in use stays mapped after it is unregistered (and after its object is unlinked):
+// the request holding it finishes with valid memory; new uses no longer find the name.
+TEST(SharedMemoryRegistry, UnregisterWhileInUseKeepsTheMappingForItsUsers) {
+  auto obj = std::make_unique<ShmObject>(8192);
+  const std::string expect = obj->bytes().substr(0, 8192);
+  SharedMemoryRegistry reg;
+  ASSERT_TRUE(reg.Register("r", obj->key(), 0, 8192).ok());
+  auto held = reg.Find("r");
+  ASSERT_TRUE(held.ok());
+  EXPECT_TRUE(reg.Unregister("r").ok());
+  EXPECT_TRUE(reg.Unregister("r").ok());  // unknown names are no error (Triton's rule)
+  EXPECT_EQ(reg.Find("r").status().code(), absl::StatusCode::kNotFound);
+  obj.reset();  // unlinked by its owner
+  auto span = (*held)->Span(0, 8192, "input 'x'");
+  ASSERT_TRUE(span.ok()) << span.status();
+  EXPECT_EQ(std::memcmp(*span, expect.data(), 8192), 0);
+  std::memset(*span, 0x5a, 8192);  // still writable
+}
+
+}  // namespace
+}  // namespace epserve::server
