@@ -14,6 +14,7 @@ PACKAGES=(
   clang libclang-rt-14-dev
   python3-grpcio python3-numpy python3-protobuf python3-venv openssl
   python3-yaml iproute2 bc procps
+  g++-aarch64-linux-gnu
 )
 
 missing=()

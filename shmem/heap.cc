@@ -1,9 +1,12 @@
 #include "shmem/heap.h"
 
-#include <emmintrin.h>
 #include <sched.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -99,13 +102,25 @@ absl::Status SymmetricHeap::TakeLoadError() {
 
 namespace {
 
+// One step of a spin wait: tells the core this is a spin (frees the sibling hyperthread,
+// avoids the memory-order flush on exit) where the instruction set has a way to say so.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#else
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+#endif
+}
+
 // The wait loop shared by both waits: spin, then yield, then sleep with backoff.
 template <typename Load>
 absl::Status WaitLoop(Load load, uint64_t target, absl::Time deadline, absl::string_view what,
                       int index, const WaitOptions& wait) {
   for (int i = 0; i < 256; ++i) {
     if (load() >= target) return absl::OkStatus();
-    _mm_pause();
+    CpuRelax();
   }
   absl::Duration sleep = absl::Microseconds(1);
   const absl::Time start = absl::Now();

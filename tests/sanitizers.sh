@@ -29,5 +29,5 @@ if [ "$which" = thread ] || [ "$which" = all ]; then
   cmake --build "$root/build-tsan" -j "$(nproc)" --target server_test shmem_test
   echo "== TSan: batcher and heap tests"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    ctest --test-dir "$root/build-tsan" -R "^(Batcher|shmem_)" --output-on-failure --timeout 600
+    ctest --test-dir "$root/build-tsan" -R "^(Batcher|shmem_|MemoryBudget)" --output-on-failure --timeout 600
 fi

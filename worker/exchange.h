@@ -77,9 +77,16 @@ struct ExchangeConfig {
   size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype, hidden); }
 };
 
+// Signals (uint64 epochs) of one array sit a cache line apart, so that ranks signalling
+// different entries do not share a line.
+inline constexpr size_t kSignalStride = 64;
+// Offset of signal `index` of the signal array at `base`.
+inline size_t SignalOffset(size_t base, int index) {
+  return base + static_cast<size_t>(index) * kSignalStride;
+}
+
 // Offsets of the exchange's regions in every rank's segment (meaningful on workers).
 struct ExchangeRegions {
-  static constexpr size_t kSignalStride = 64;
   size_t count_flag;     // uint64[W] signals: epoch once src's counts landed
   size_t counts;         // int64[2][W][W][2 + L]: per parity, src, dst: rows, src's tokens,
                          // pairs per local expert of dst (L = most experts of one worker)
@@ -208,9 +215,7 @@ class Exchange {
   absl::Status TakeBadIdError();
   bool OutputInHeap() const;  // the expert step writes straight into the output region
   int rank_of(int worker) const { return config_.first_rank + worker; }
-  size_t signal(size_t base, int index) const {
-    return base + static_cast<size_t>(index) * ExchangeRegions::kSignalStride;
-  }
+  size_t signal(size_t base, int index) const { return SignalOffset(base, index); }
   const int64_t* count_row(int src, int dst) const {
     return &counts_[(static_cast<size_t>(src) * config_.num_workers + dst) * count_stride_];
   }

@@ -64,7 +64,7 @@ template <typename Alloc>
 absl::Status Plan(const ExchangeShape& s, ExchangeLayout& l, Alloc alloc) {
   const size_t w = static_cast<size_t>(s.num_workers);
   const size_t row_bytes = static_cast<size_t>(s.hidden) * sizeof(float);
-  const size_t sig = ExchangeLayout::kSignalStride;
+  const size_t sig = kSignalStride;
   struct Item {
     size_t* offset;
     size_t bytes;

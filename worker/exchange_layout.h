@@ -101,7 +101,6 @@ struct ExchangeLayout {
   // worker <-> worker
   ExchangeRegions exchange;
 
-  static constexpr size_t kSignalStride = 64;
   static constexpr absl::Duration kHeartbeatInterval = absl::Milliseconds(200);
 
   // Reserves the regions in `heap`; every rank must call it with the same shape.
@@ -110,10 +109,8 @@ struct ExchangeLayout {
   // Bytes per rank the layout needs, for sizing the heap.
   static size_t BytesNeeded(const ExchangeShape& shape);
 
-  // Offset of signal `index` of the array at `base`.
-  static size_t Signal(size_t base, int index) {
-    return base + static_cast<size_t>(index) * kSignalStride;
-  }
+  // Offset of signal `index` of the array at `base` (worker::SignalOffset).
+  static size_t Signal(size_t base, int index) { return SignalOffset(base, index); }
 };
 
 }  // namespace epserve::worker

@@ -29,6 +29,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   std::unique_ptr<Worker> w(new Worker(heap, layout, cfg));
   w->rank_ = heap.rank();
   w->me_ = heap.rank() - 1;
+  w->orphan_grace_ = options.orphan_grace;
   absl::StatusOr<std::unique_ptr<Exchange>> exchange =
       Exchange::Create(heap, layout.shape.exchange(), layout.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
@@ -229,7 +230,7 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
     if (absl::IsDeadlineExceeded(wait)) {
       if (stop.load()) {
         if (stop_seen == absl::InfiniteFuture()) stop_seen = absl::Now();
-        if (absl::Now() - stop_seen > absl::Seconds(3)) {
+        if (absl::Now() - stop_seen > orphan_grace_) {
           return absl::AbortedError("stop requested and rank 0 sent no batch; leaving");
         }
       }

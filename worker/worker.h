@@ -84,6 +84,7 @@ class Worker {
   std::vector<Layer> layers_;
 
   // Device buffers, sized for the largest batch.
+  absl::Duration orphan_grace_ = absl::Seconds(3);  // WorkerOptions::orphan_grace
   kernels::Buffer x_local_, ids_, weights_, shared_h_, shared_y_;
   kernels::Buffer x_recv_, row_index_, h_, y_, pair_index_, pair_weight_, out_recv_;
   // Host scratch, sized for the largest batch.
