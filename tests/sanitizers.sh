@@ -18,7 +18,7 @@ if [ "$which" = address ] || [ "$which" = all ]; then
   # The deploy tests are left out: they bound memory, which ASan's quarantine inflates.
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_odr_violation=0 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --test-dir "$root/build-asan" -LE "bench|long|fuzz|python|deploy" --output-on-failure \
+    ctest --test-dir "$root/build-asan" -LE "bench|long|fuzz|python|deploy|portability" --output-on-failure \
       --timeout 1200
 fi
 
