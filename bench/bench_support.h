@@ -46,9 +46,11 @@ inline constexpr char kUnsetMarker[] = "EPSERVE_BENCH_UNSET_OPENBLAS_CORETYPE";
 
 // OpenBLAS reads OPENBLAS_CORETYPE when the library loads (this environment pins it to
 // narrower kernels), so drop it and start the binary again. Call first thing in main().
+// EPSERVE_BENCH_KEEP_CORETYPE=1 keeps it: to time an older CPU's code on a newer one, with
+// PoCL told to build for the same CPU (POCL_LLVM_CPU_NAME=haswell, bench/kernels/RESULTS.md).
 inline void ReexecWithoutCoretype(char** argv) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
-  if (coretype == nullptr) return;
+  if (coretype == nullptr || std::getenv("EPSERVE_BENCH_KEEP_CORETYPE") != nullptr) return;
   setenv(kUnsetMarker, coretype, 1);
   unsetenv("OPENBLAS_CORETYPE");
   execv("/proc/self/exe", argv);
@@ -61,7 +63,11 @@ inline void PrintCoretype() {
     std::printf("OPENBLAS_CORETYPE=%s was unset (re-executed) so OpenBLAS picks its own kernels\n",
                 was);
   } else if (const char* still = std::getenv("OPENBLAS_CORETYPE")) {
-    std::printf("WARNING: OPENBLAS_CORETYPE=%s is still set\n", still);
+    if (std::getenv("EPSERVE_BENCH_KEEP_CORETYPE") != nullptr) {
+      std::printf("OPENBLAS_CORETYPE=%s kept (EPSERVE_BENCH_KEEP_CORETYPE)\n", still);
+    } else {
+      std::printf("WARNING: OPENBLAS_CORETYPE=%s is still set\n", still);
+    }
   } else {
     std::printf("OPENBLAS_CORETYPE is not set; OpenBLAS picks its own kernels\n");
   }

@@ -240,6 +240,12 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
                                                      forced.substr(0, 128),
                                                      "': ", b.status().message()));
     }
+    if (b->vec == 16 && !info_.target_isa.empty() && info_.target_isa != "avx512f") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
+                       "': vec=16 needs 16-lane vectors, and this device's code is built for ",
+                       info_.target_isa, " (8 lanes): use vec=8"));
+    }
     choice.blocking = *b;
     choice.origin = FfnBlockingOrigin::kForced;
   } else if (candidates.size() < 2 || !options_.tune_ffn ||

@@ -186,6 +186,56 @@ bool HostRunsBf16Dot(const DeviceInfo& info) {
 #endif
 }
 
+// The vector extensions the device's compiler targets, read from its predefined macros by a
+// one-work-item kernel; "" where it is not x86 or the probe cannot run (its errors are not
+// the caller's: the reported width then stands).
+constexpr char kTargetProbeSource[] = R"(
+__kernel void target_probe(__global int* out) {
+  int isa = 0;
+#if defined(__x86_64__) || defined(__i386__)
+  isa = 1;
+#endif
+#ifdef __AVX__
+  isa = 2;
+#endif
+#ifdef __AVX2__
+  isa = 3;
+#endif
+#ifdef __AVX512F__
+  isa = 4;
+#endif
+  out[0] = isa;
+}
+)";
+
+std::string ProbeTargetIsa(cl_context context, cl_device_id device, cl_command_queue queue) {
+  constexpr const char* kNames[] = {"", "sse", "avx", "avx2", "avx512f"};
+  cl_int err = CL_SUCCESS;
+  const char* src = kTargetProbeSource;
+  cl_program program = clCreateProgramWithSource(context, 1, &src, nullptr, &err);
+  if (err != CL_SUCCESS) return "";
+  cl_kernel kernel = nullptr;
+  cl_mem out = nullptr;
+  int isa = 0;
+  if (clBuildProgram(program, 1, &device, "", nullptr, nullptr) == CL_SUCCESS &&
+      (kernel = clCreateKernel(program, "target_probe", &err), err == CL_SUCCESS) &&
+      (out = clCreateBuffer(context, CL_MEM_READ_WRITE, sizeof(int), nullptr, &err),
+       err == CL_SUCCESS) &&
+      clSetKernelArg(kernel, 0, sizeof(out), &out) == CL_SUCCESS) {
+    const size_t one = 1;
+    if (clEnqueueNDRangeKernel(queue, kernel, 1, nullptr, &one, nullptr, 0, nullptr, nullptr) !=
+            CL_SUCCESS ||
+        clEnqueueReadBuffer(queue, out, CL_TRUE, 0, sizeof(isa), &isa, 0, nullptr, nullptr) !=
+            CL_SUCCESS) {
+      isa = 0;
+    }
+  }
+  if (out != nullptr) clReleaseMemObject(out);
+  if (kernel != nullptr) clReleaseKernel(kernel);
+  clReleaseProgram(program);
+  return isa >= 0 && isa <= 4 ? kNames[isa] : "";
+}
+
 std::string SourceDir(const RuntimeOptions& options) {
   if (!options.source_dir.empty()) return options.source_dir;
   const char* env = std::getenv("EPSERVE_KERNEL_SOURCES");
@@ -278,9 +328,20 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->programs_ = std::make_unique<Programs>();
   rt->programs_->source_dir = SourceDir(options);
   rt->options_ = options;
+  cl_int err = CL_SUCCESS;
+  CL_CHECK((rt->context_ = clCreateContext(nullptr, 1, &rt->device_, nullptr, nullptr, &err), err));
+  CL_CHECK((rt->queue_ = clCreateCommandQueue(rt->context_, rt->device_, 0, &err), err));
+  if (rt->info_.is_cpu) {
+    rt->info_.target_isa = ProbeTargetIsa(rt->context_, rt->device_, rt->queue_);
+    const std::string& isa = rt->info_.target_isa;
+    if (!isa.empty() && isa != "avx512f") {
+      rt->info_.native_float_width = std::min(rt->info_.native_float_width, isa == "sse" ? 4 : 8);
+    }
+  }
   // mma.sync with BF16 operands needs sm_80; the program is built only where it runs.
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
-  rt->bf16_dot_ = options.bf16_dot && HostRunsBf16Dot(rt->info_);
+  rt->bf16_dot_ = options.bf16_dot && HostRunsBf16Dot(rt->info_) &&
+                  (rt->info_.target_isa.empty() || rt->info_.target_isa == "avx512f");
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
                              {"expert_ffn",
@@ -299,9 +360,6 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
          absl::StrCat("-cl-nv-maxrregcount=", detail::kMmaMaxRegisters, "|-cl-nv-maxrregcount ",
                       detail::kMmaMaxRegisters)});
   }
-  cl_int err = CL_SUCCESS;
-  CL_CHECK((rt->context_ = clCreateContext(nullptr, 1, &rt->device_, nullptr, nullptr, &err), err));
-  CL_CHECK((rt->queue_ = clCreateCommandQueue(rt->context_, rt->device_, 0, &err), err));
   return rt;
 }
 

@@ -34,6 +34,12 @@ struct DeviceInfo {
   // CL_DEVICE_MAX_COMPUTE_UNITS; the FFN blocking's candidates follow from them.
   int native_float_width = 1;
   int compute_units = 1;
+  // What the device's compiler builds for, from its predefined macros (a probe kernel run at
+  // start-up on CPU devices): "avx512f", "avx2", "avx", "sse" on x86, "" elsewhere or where
+  // the probe did not run. PoCL told to build for an older CPU (POCL_LLVM_CPU_NAME=haswell on
+  // an AVX-512 host) still reports the host's vector width; native_float_width is capped to
+  // what the build target has (8 without AVX-512), and the BF16 dot products need avx512f.
+  std::string target_isa;
   std::string Describe() const;  // "0:0 Portable Computing Language / pthread-... (driver 3.1)"
 };
 

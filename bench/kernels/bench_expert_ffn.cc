@@ -165,9 +165,11 @@ int Run(int argc, char** argv) {
   if (!rt.ok()) return Fail(rt.status());
   Runtime& r = **rt;
   std::printf("host %s\n", bench::HostIsa().c_str());
-  std::printf("device: %s (native float vector width %d, %d compute units)\n",
+  std::printf("device: %s (native float vector width %d, %d compute units%s%s)\n",
               r.device_info().Describe().c_str(), r.device_info().native_float_width,
-              r.device_info().compute_units);
+              r.device_info().compute_units,
+              r.device_info().target_isa.empty() ? "" : ", code built for ",
+              r.device_info().target_isa.c_str());
   absl::StatusOr<ExpertWeights> w32 = UploadExperts(r, source, 0, 0, num_experts);
   absl::StatusOr<ExpertWeights> w16 = UploadExperts(r, source, 0, 0, num_experts, DType::kBf16);
   if (!w32.ok() || !w16.ok()) return Fail((w32.ok() ? w16 : w32).status());

@@ -165,6 +165,27 @@ TEST(RuntimeTest, ListsDevicesAndCreatesOnCpu) {
   EXPECT_EQ((*rt2)->device_info().device_name, (*rt)->device_info().device_name);
 }
 
+// The width the blocking follows is the build target's, not only what the driver reports:
+// PoCL told to build for Haswell on an AVX-512 host still reports 16 lanes (ctest
+// kernels_haswell_target_test runs this file so; EPSERVE_EXPECT_TARGET_ISA names the target).
+TEST(RuntimeTest, CpuWidthFollowsTheBuildTarget) {
+  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(TestRuntimeOptions());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const DeviceInfo& info = (*rt)->device_info();
+  if (!info.is_cpu) GTEST_SKIP() << "not a CPU device: " << info.Describe();
+#if defined(__x86_64__)
+  EXPECT_FALSE(info.target_isa.empty()) << "the probe kernel did not run on " << info.Describe();
+#endif
+  if (const char* want = std::getenv("EPSERVE_EXPECT_TARGET_ISA"); want != nullptr) {
+    EXPECT_EQ(info.target_isa, want);
+  }
+  if (!info.target_isa.empty() && info.target_isa != "avx512f") {
+    EXPECT_LE(info.native_float_width, 8);
+    EXPECT_FALSE((*rt)->bf16_dot()) << "BF16 dot products need an AVX-512 build target";
+    for (const FfnBlocking& b : FfnBlockingCandidates(info)) EXPECT_EQ(b.vec, 8) << b.ToString();
+  }
+}
+
 TEST(RuntimeTest, UnmatchedDeviceListsDevicesFound) {
   absl::StatusOr<std::vector<DeviceInfo>> devices = ListDevices();
   ASSERT_TRUE(devices.ok()) << devices.status();
@@ -727,6 +748,16 @@ TEST_F(ExpertFfnTest, EveryBlockingCandidate) {
     absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
     ASSERT_TRUE(rt.ok()) << rt.status();
     rt_ = rt->get();
+    const std::string& isa = R().device_info().target_isa;
+    if (b.vec == 16 && !isa.empty() && isa != "avx512f") {
+      // Such a device refuses the choice with the reason instead of failing to build it.
+      absl::StatusOr<FfnBlocking> refused = R().ChooseFfnBlocking(72, 40, DType::kFp32);
+      ASSERT_FALSE(refused.ok());
+      EXPECT_NE(refused.status().message().find("vec=16 needs 16-lane"), std::string::npos)
+          << refused.status();
+      rt_ = nullptr;
+      continue;
+    }
     CheckShape(/*hidden=*/71, /*ffn=*/37, /*experts=*/4, /*tokens=*/60, kAllTypes, {1, 13, 250});
     CheckShape(/*hidden=*/72, /*ffn=*/40, /*experts=*/3, /*tokens=*/50, kAllTypes,
                {2, 5, 2 * b.row_chunk + 7});
@@ -822,7 +853,7 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   EXPECT_EQ((*plain)->ffn_choices()[0].origin, FfnBlockingOrigin::kDefault);
 
   RuntimeOptions forced = no_tune;
-  forced.ffn_blocking = "vec=16 rows=5 chunk=10";
+  forced.ffn_blocking = "vec=8 rows=5 chunk=10";
   absl::StatusOr<std::unique_ptr<Runtime>> f = Runtime::Create(forced);
   ASSERT_TRUE(f.ok());
   absl::StatusOr<FfnBlocking> fb = (*f)->ChooseFfnBlocking(2048, 768, DType::kFp32);
