@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/log.h"
 #include "server/clip.h"
 #include "server/grpc_status.h"
 
@@ -199,6 +200,105 @@ absl::Status InferenceService::CheckModel(const std::string& name,
   return absl::OkStatus();
 }
 
+absl::Status InferenceService::CheckRepository(const std::string& repository,
+                                               const std::string& model) const {
+  if (!repository.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown repository '", Clip(repository), "'; this server has one, named ''"));
+  }
+  return CheckModel(model, "");
+}
+
+grpc::ServerUnaryReactor* InferenceService::RepositoryIndex(
+    grpc::CallbackServerContext* ctx, const inference::RepositoryIndexRequest* req,
+    inference::RepositoryIndexResponse* resp) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  if (!req->repository_name().empty()) {
+    return Reply(ctx, CheckRepository(req->repository_name(), options_.signature.name));
+  }
+  const bool model_ready = ready() && !unloaded_.load();
+  if (req->ready() && !model_ready) return Reply(ctx, absl::OkStatus());
+  inference::RepositoryIndexResponse::ModelIndex* m = resp->add_models();
+  m->set_name(options_.signature.name);
+  m->set_version("1");
+  m->set_state(model_ready ? "READY" : "UNAVAILABLE");
+  if (unloaded_.load()) {
+    m->set_reason("unloaded by RepositoryModelUnload");
+  } else if (!ready()) {
+    m->set_reason("the server is not ready (starting, stopping or unhealthy)");
+  }
+  return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::RepositoryModelLoad(
+    grpc::CallbackServerContext* ctx, const inference::RepositoryModelLoadRequest* req,
+    inference::RepositoryModelLoadResponse*) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  if (absl::Status s = CheckRepository(req->repository_name(), req->model_name()); !s.ok()) {
+    return Reply(ctx, s);
+  }
+  if (!req->parameters().empty()) {
+    return Reply(ctx,
+                 absl::UnimplementedError(absl::StrCat(
+                     "RepositoryModelLoad with parameter '", Clip(req->parameters().begin()->first),
+                     "': loading other weights into a running service is not implemented; "
+                     "restart the job with the new --checkpoint (a load without parameters "
+                     "puts the loaded weights back into service)")));
+  }
+  if (unloaded_.exchange(false)) {
+    common::LogInfo(
+        absl::StrCat("model '", options_.signature.name, "' loaded again (RepositoryModelLoad)"));
+  }
+  return Reply(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::RepositoryModelUnload(
+    grpc::CallbackServerContext* ctx, const inference::RepositoryModelUnloadRequest* req,
+    inference::RepositoryModelUnloadResponse*) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  if (absl::Status s = CheckRepository(req->repository_name(), req->model_name()); !s.ok()) {
+    return Reply(ctx, s);
+  }
+  if (!unloaded_.exchange(true)) {
+    common::LogInfo(
+        absl::StrCat("model '", options_.signature.name,
+                     "' unloaded (RepositoryModelUnload); requests already accepted are "
+                     "answered, new ones get NOT_FOUND"));
+  }
+  return Reply(ctx, absl::OkStatus());
+}
+
+namespace {
+constexpr char kCudaSharedMemoryUnsupported[] =
+    " is not supported by epserve: the workers run their kernels through OpenCL and take "
+    "rows from rank 0's host memory, so a CUDA IPC handle could not be read without a copy "
+    "through the host; register system shared memory instead (SystemSharedMemoryRegister)";
+}  // namespace
+
+grpc::ServerUnaryReactor* InferenceService::CudaSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest*,
+    inference::CudaSharedMemoryStatusResponse*) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  return Reply(ctx, absl::UnimplementedError(
+                        absl::StrCat("CUDA shared memory", kCudaSharedMemoryUnsupported)));
+}
+
+grpc::ServerUnaryReactor* InferenceService::CudaSharedMemoryRegister(
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest*,
+    inference::CudaSharedMemoryRegisterResponse*) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  return Reply(ctx, absl::UnimplementedError(
+                        absl::StrCat("CUDA shared memory", kCudaSharedMemoryUnsupported)));
+}
+
+grpc::ServerUnaryReactor* InferenceService::CudaSharedMemoryUnregister(
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest*,
+    inference::CudaSharedMemoryUnregisterResponse*) {
+  if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  return Reply(ctx, absl::UnimplementedError(
+                        absl::StrCat("CUDA shared memory", kCudaSharedMemoryUnsupported)));
+}
+
 grpc::ServerUnaryReactor* InferenceService::Unimplemented(grpc::CallbackServerContext* ctx,
                                                           const char* rpc) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
@@ -226,7 +326,7 @@ grpc::ServerUnaryReactor* InferenceService::ModelReady(grpc::CallbackServerConte
                                                        inference::ModelReadyResponse* resp) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   absl::Status s = CheckModel(req->name(), req->version());
-  if (s.ok()) resp->set_ready(ready());
+  if (s.ok()) resp->set_ready(ready() && !unloaded_.load());
   return Reply(ctx, s);
 }
 
@@ -236,8 +336,8 @@ grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   resp->set_name("epserve");
   resp->set_version(EPSERVE_VERSION);
-  for (const char* ext :
-       {"model_configuration", "statistics", "schedule_policy", "system_shared_memory"}) {
+  for (const char* ext : {"model_configuration", "model_repository", "statistics",
+                          "schedule_policy", "system_shared_memory"}) {
     resp->add_extensions(ext);
   }
   return Reply(ctx, absl::OkStatus());
@@ -333,6 +433,11 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   absl::Status status = parsed.status();
   if (status.ok() && !ready()) {
     status = absl::UnavailableError("the server is not ready (starting, stopping or unhealthy)");
+  }
+  if (status.ok() && unloaded_.load()) {
+    status = absl::NotFoundError(absl::StrCat("model '", options_.signature.name,
+                                              "' is unloaded (RepositoryModelUnload); "
+                                              "RepositoryModelLoad puts it back into service"));
   }
   // The request's message and its answer (the outputs it asks for, or the layer output held
   // for the routing alone) are charged until the answer is sent.

@@ -115,12 +115,29 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
                                  inference::Name##Response* resp) override { \
     return Unimplemented(ctx, #Name);                                        \
   }
-  EPSERVE_UNIMPLEMENTED_RPC(RepositoryIndex)
-  EPSERVE_UNIMPLEMENTED_RPC(RepositoryModelLoad)
-  EPSERVE_UNIMPLEMENTED_RPC(RepositoryModelUnload)
-  EPSERVE_UNIMPLEMENTED_RPC(CudaSharedMemoryStatus)
-  EPSERVE_UNIMPLEMENTED_RPC(CudaSharedMemoryRegister)
-  EPSERVE_UNIMPLEMENTED_RPC(CudaSharedMemoryUnregister)
+  // The model repository extension over the one served model: the index, unload (out of
+  // service: ModelReady false, inference NOT_FOUND; the weights stay on the workers) and load
+  // (back into service). Loading other weights (a load with parameters) is refused with
+  // UNIMPLEMENTED: the workers cannot swap weights while serving yet.
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* ctx,
+                                            const inference::RepositoryIndexRequest* req,
+                                            inference::RepositoryIndexResponse* resp) override;
+  grpc::ServerUnaryReactor* RepositoryModelLoad(
+      grpc::CallbackServerContext* ctx, const inference::RepositoryModelLoadRequest* req,
+      inference::RepositoryModelLoadResponse* resp) override;
+  grpc::ServerUnaryReactor* RepositoryModelUnload(
+      grpc::CallbackServerContext* ctx, const inference::RepositoryModelUnloadRequest* req,
+      inference::RepositoryModelUnloadResponse* resp) override;
+  // CUDA shared memory: UNIMPLEMENTED with the reason (kCudaSharedMemoryUnsupported).
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
+      grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest* req,
+      inference::CudaSharedMemoryStatusResponse* resp) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryRegister(
+      grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest* req,
+      inference::CudaSharedMemoryRegisterResponse* resp) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryUnregister(
+      grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest* req,
+      inference::CudaSharedMemoryUnregisterResponse* resp) override;
   EPSERVE_UNIMPLEMENTED_RPC(TraceSetting)
   EPSERVE_UNIMPLEMENTED_RPC(LogSettings)
 #undef EPSERVE_UNIMPLEMENTED_RPC
@@ -142,6 +159,7 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   // under memory pressure the longest-waiting ones; returns freed memory to the system.
   void Reap();
   absl::Status CheckModel(const std::string& name, const std::string& version) const;
+  absl::Status CheckRepository(const std::string& repository, const std::string& model) const;
   grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, const char* rpc);
   void BuildModelConfig();
 
@@ -152,6 +170,7 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   const std::shared_ptr<const Authenticator> auth_;
   inference::ModelConfig model_config_;
   std::atomic<bool> ready_{false};
+  std::atomic<bool> unloaded_{false};  // RepositoryModelUnload took the model out of service
   MemoryBudget budget_;
   SharedMemoryRegistry shm_;
   // Registered calls. A recursive mutex: the reaper cancels calls while holding it, and gRPC

@@ -14,7 +14,18 @@ python3-protobuf, and run it with /usr/bin/python3.
     y = c.infer(x, datatype="BF16")      # sent as BF16, answered in BF16, returned as float32
 
 A Client is thread-safe (one gRPC channel; calls may run concurrently).
+
+On the server's host, rows can travel through system shared memory instead of the gRPC
+message (Triton's extension): the input is written into a POSIX shared-memory region that
+the server reads, and the answer is written by the server into the same region.
+
+    with c.shared_memory_rows(max_tokens=4096, hidden=H, datatype="BF16") as rows:
+        y = c.infer(x, datatype="BF16", shared_memory=rows)   # no rows in the messages
 """
+
+import itertools
+import os
+from multiprocessing import shared_memory as _shm
 
 import grpc
 import numpy as np
@@ -65,6 +76,57 @@ def decode(raw, datatype, shape):
     else:
         raise ValueError(f"unsupported datatype {datatype!r}")
     return out.reshape(shape)
+
+
+_BYTES_PER_VALUE = {"FP32": 4, "BF16": 2, "FP16": 2}
+_region_ids = itertools.count()
+
+
+class SharedMemoryRows:
+    """A POSIX shared-memory object registered with the server under `name`, with room for
+    one request's input rows and its answer (up to `max_tokens` rows of `hidden` values of
+    the widest of `datatype` and `output_datatype`). Made by Client.shared_memory_rows; one
+    request at a time uses it. close() (or leaving the `with` block) unregisters and unlinks
+    it."""
+
+    def __init__(self, client, max_tokens, hidden, datatype="FP32", output_datatype=None):
+        if max_tokens < 1 or hidden < 1:
+            raise ValueError(f"max_tokens and hidden must be >= 1, got {max_tokens}, {hidden}")
+        width = max(_BYTES_PER_VALUE[datatype], _BYTES_PER_VALUE[output_datatype or datatype])
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.half = max_tokens * hidden * width  # input at 0, output at `half`
+        self.shm = _shm.SharedMemory(create=True, size=2 * self.half)
+        self.name = f"epserve-py-{os.getpid()}-{next(_region_ids)}"
+        self._client = client
+        try:
+            client.register_system_shared_memory(self.name, "/" + self.shm.name, 2 * self.half)
+        except BaseException:
+            self.shm.close()
+            self.shm.unlink()
+            raise
+
+    def close(self):
+        if self.shm is None:
+            return
+        try:
+            self._client.unregister_system_shared_memory(self.name)
+        finally:
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def write_input(self, payload):
+        self.shm.buf[:len(payload)] = payload
+
+    def read_output(self, nbytes):
+        return bytes(self.shm.buf[self.half:self.half + nbytes])
 
 
 class Client:
@@ -131,16 +193,73 @@ class Client:
         resp = call(health_pb2.HealthCheckRequest(service=service), timeout=10)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
+    # ---- system shared memory and the model repository
+    def register_system_shared_memory(self, name, key, byte_size, offset=0):
+        self._unary("SystemSharedMemoryRegister",
+                    pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset,
+                                                         byte_size=byte_size),
+                    pb.SystemSharedMemoryRegisterResponse)
+
+    def unregister_system_shared_memory(self, name=""):
+        """Unregisters `name`, or every region when name is ''."""
+        self._unary("SystemSharedMemoryUnregister",
+                    pb.SystemSharedMemoryUnregisterRequest(name=name),
+                    pb.SystemSharedMemoryUnregisterResponse)
+
+    def system_shared_memory_status(self, name=""):
+        """{region name: RegionStatus} of the registered regions (or only `name`)."""
+        return dict(self._unary("SystemSharedMemoryStatus",
+                                pb.SystemSharedMemoryStatusRequest(name=name),
+                                pb.SystemSharedMemoryStatusResponse).regions)
+
+    def shared_memory_rows(self, max_tokens, hidden, datatype="FP32", output_datatype=None):
+        """A registered SharedMemoryRows region for infer(..., shared_memory=region)."""
+        return SharedMemoryRows(self, max_tokens, hidden, datatype, output_datatype)
+
+    def repository_index(self):
+        """[(name, version, state, reason)] of the served model."""
+        resp = self._unary("RepositoryIndex", pb.RepositoryIndexRequest(),
+                           pb.RepositoryIndexResponse)
+        return [(m.name, m.version, m.state, m.reason) for m in resp.models]
+
+    def unload_model(self):
+        """Takes the model out of service (ModelReady false, new requests NOT_FOUND)."""
+        self._unary("RepositoryModelUnload",
+                    pb.RepositoryModelUnloadRequest(model_name=self.model),
+                    pb.RepositoryModelUnloadResponse)
+
+    def load_model(self):
+        """Puts an unloaded model back into service."""
+        self._unary("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=self.model),
+                    pb.RepositoryModelLoadResponse)
+
     # ---- inference
     def request(self, x, *, datatype="FP32", output_datatype=None, layer=None, priority=None,
-                timeout_us=None, request_id=""):
-        """The ModelInferRequest for float32 rows `x` [T, H] sent as `datatype`."""
+                timeout_us=None, request_id="", shared_memory=None):
+        """The ModelInferRequest for float32 rows `x` [T, H] sent as `datatype`. With
+        `shared_memory` (a SharedMemoryRows) the rows are written into the region and the
+        request names it for the input and for moe_output instead of carrying bytes."""
         x = np.asarray(x, dtype=np.float32)
         req = pb.ModelInferRequest(model_name=self.model, id=request_id)
-        req.inputs.add(name=INPUT, datatype=datatype, shape=list(x.shape))
-        req.raw_input_contents.append(encode(x, datatype))
-        if output_datatype is not None:
+        inp = req.inputs.add(name=INPUT, datatype=datatype, shape=list(x.shape))
+        payload = encode(x, datatype)
+        if shared_memory is None:
+            req.raw_input_contents.append(payload)
+        else:
+            region = shared_memory
+            if x.ndim != 2 or x.shape[0] > region.max_tokens or x.shape[1] != region.hidden:
+                raise ValueError(f"x {x.shape} does not fit the region's "
+                                 f"[{region.max_tokens}, {region.hidden}]")
+            region.write_input(payload)
+            inp.parameters["shared_memory_region"].string_param = region.name
+            inp.parameters["shared_memory_byte_size"].int64_param = len(payload)
+            out_bytes = x.size * _BYTES_PER_VALUE[output_datatype or datatype]
             out = req.outputs.add(name=OUTPUT)
+            out.parameters["shared_memory_region"].string_param = region.name
+            out.parameters["shared_memory_byte_size"].int64_param = out_bytes
+            out.parameters["shared_memory_offset"].int64_param = region.half
+        if output_datatype is not None:
+            out = req.outputs[0] if req.outputs else req.outputs.add(name=OUTPUT)
             out.parameters["datatype"].string_param = output_datatype
         if layer is not None:
             req.parameters["layer"].int64_param = layer
@@ -151,19 +270,25 @@ class Client:
         return req
 
     @staticmethod
-    def output(resp):
-        """The float32 array of a ModelInferResponse's moe_output."""
+    def output(resp, shared_memory=None):
+        """The float32 array of a ModelInferResponse's moe_output (read from the region when
+        the request named one)."""
         t = resp.outputs[0]
-        return decode(resp.raw_output_contents[0], t.datatype, tuple(t.shape))
+        shape = tuple(t.shape)
+        if shared_memory is not None:
+            nbytes = int(np.prod(shape)) * _BYTES_PER_VALUE[t.datatype]
+            return decode(shared_memory.read_output(nbytes), t.datatype, shape)
+        return decode(resp.raw_output_contents[0], t.datatype, shape)
 
     def infer(self, x, *, timeout=60.0, **kwargs):
-        """Rows `x` through the served MoE layer; returns float32 [T, H]. Raises InferError."""
+        """Rows `x` through the served MoE layer; returns float32 [T, H]. Raises InferError.
+        kwargs as request(); with shared_memory=region the rows go through the region."""
         try:
             resp = self._unary("ModelInfer", self.request(x, **kwargs), pb.ModelInferResponse,
                                timeout=timeout)
         except grpc.RpcError as e:
             raise InferError(e.code(), e.details(), kwargs.get("request_id", "")) from None
-        return self.output(resp)
+        return self.output(resp, kwargs.get("shared_memory"))
 
     def stream_infer(self, requests, timeout=120.0):
         """Sends ModelInferRequests (see request()) over one ModelStreamInfer stream; yields

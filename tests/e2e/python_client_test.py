@@ -92,6 +92,40 @@ class PythonClient(unittest.TestCase):
         y = self.client.infer(x, datatype="BF16", output_datatype="FP32")
         self.assertLess(np.abs(y - y32).max() / scale, 3e-2)
 
+    def test_shared_memory_answers_match_inline(self):
+        rng = np.random.default_rng()
+        with self.client.shared_memory_rows(max_tokens=24, hidden=H) as region:
+            self.assertIn(region.name, self.client.system_shared_memory_status())
+            for tokens, dt, out_dt in ((24, "FP32", None), (7, "BF16", None),
+                                       (5, "FP16", "FP32"), (1, "BF16", "BF16")):
+                x = rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+                region.shm.buf[:] = b"\xff" * len(region.shm.buf)  # poison: NaN in every dtype
+                y = self.client.infer(x, datatype=dt, output_datatype=out_dt,
+                                      shared_memory=region)
+                inline = self.client.infer(x, datatype=dt, output_datatype=out_dt)
+                np.testing.assert_array_equal(y, inline, err_msg=f"{tokens} {dt} -> {out_dt}")
+            with self.assertRaises(ValueError):  # more rows than the region holds
+                self.client.infer(np.zeros((25, H), np.float32), shared_memory=region)
+            name = region.name
+        self.assertNotIn(name, self.client.system_shared_memory_status())
+
+    def test_unload_and_load_the_model(self):
+        x = np.random.default_rng().uniform(-1, 1, size=(3, H)).astype(np.float32)
+        before = self.client.infer(x)
+        self.assertEqual(self.client.repository_index(), [("moe", "1", "READY", "")])
+        self.client.unload_model()
+        try:
+            self.assertFalse(self.client.model_ready())
+            self.assertEqual(self.client.health(), "SERVING")  # the server is fine
+            self.assertEqual(self.client.repository_index()[0][2], "UNAVAILABLE")
+            with self.assertRaises(InferError) as e:
+                self.client.infer(x)
+            self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        finally:
+            self.client.load_model()
+        self.assertTrue(self.client.model_ready())
+        np.testing.assert_array_equal(self.client.infer(x), before)
+
     def test_errors_name_the_field(self):
         with self.assertRaises(InferError) as e:
             self.client.infer(np.zeros((2, H + 1), np.float32))

@@ -114,6 +114,46 @@ class TritonClient(unittest.TestCase):
         self.assertGreaterEqual(int(stats["model_stats"][0]["inference_count"]), 2)
 
 
+    def test_model_repository_unload_and_load(self):
+        self.assertIn("model_repository", self.client.get_server_metadata().extensions)
+        index = self.client.get_model_repository_index(as_json=True)["models"]
+        self.assertEqual(index, [{"name": "moe", "version": "1", "state": "READY"}])
+        x = np.random.default_rng().uniform(-1, 1, size=(5, H)).astype(np.float32)
+        before = self.infer(x, "FP32").as_numpy("moe_output")
+        self.client.unload_model("moe")
+        try:
+            self.assertFalse(self.client.is_model_ready("moe"))
+            self.assertTrue(self.client.is_server_ready())
+            (entry,) = self.client.get_model_repository_index(as_json=True)["models"]
+            self.assertEqual(entry["state"], "UNAVAILABLE")
+            self.assertIn("RepositoryModelUnload", entry["reason"])
+            with self.assertRaises(InferenceServerException) as e:
+                self.infer(x, "FP32")
+            self.assertEqual(e.exception.status(), "StatusCode.NOT_FOUND")
+            self.assertIn("unloaded", e.exception.message())
+            with self.assertRaises(InferenceServerException) as e:
+                self.client.load_model("moe", config='{"max_batch_size": 4}')
+            self.assertEqual(e.exception.status(), "StatusCode.UNIMPLEMENTED")
+            self.assertIn("parameter 'config'", e.exception.message())
+            with self.assertRaises(InferenceServerException) as e:
+                self.client.unload_model("not-served")
+            self.assertIn("unknown model 'not-served'", e.exception.message())
+        finally:
+            self.client.load_model("moe")
+        self.assertTrue(self.client.is_model_ready("moe"))
+        out = np.full_like(before, np.nan)
+        out[:] = self.infer(x, "FP32").as_numpy("moe_output")
+        np.testing.assert_array_equal(out, before)
+
+    def test_cuda_shared_memory_is_refused_with_the_reason(self):
+        for call in (self.client.get_cuda_shared_memory_status,
+                     lambda: self.client.unregister_cuda_shared_memory("r")):
+            with self.assertRaises(InferenceServerException) as e:
+                call()
+            self.assertEqual(e.exception.status(), "StatusCode.UNIMPLEMENTED")
+            self.assertIn("register system shared memory instead", e.exception.message())
+
+
 class SharedMemory(unittest.TestCase):
     """Triton's system shared-memory extension through tritonclient.utils.shared_memory."""
 

@@ -159,6 +159,11 @@ class LoadAgainstCluster(unittest.TestCase, StepChecks):
                            capture_output=True, text=True, timeout=60)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertIn("output (3, 64) float32", r.stdout)
+        r = subprocess.run(["/usr/bin/python3", os.environ["EPSERVE_PY_EXAMPLE"],
+                            f"--target={self.cluster.address}", "--tokens=5", "--shared-memory"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertEqual(r.stdout.count("identical to the inline answer"), 2, r.stdout)
 
     def test_moe_layer_function(self):
         import numpy as np
