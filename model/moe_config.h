@@ -58,4 +58,9 @@ struct ModelConfig {
   int num_layers = 0;
 };
 
+// OK when `next` can replace `serving` in a running service: the same served layers and the
+// same layer shape and routing (only the weights differ); else FAILED_PRECONDITION naming
+// the first field that differs, with both values.
+absl::Status CheckSameShape(const ModelConfig& serving, const ModelConfig& next);
+
 }  // namespace epserve::model

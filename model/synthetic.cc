@@ -8,6 +8,7 @@
 #include "absl/strings/string_view.h"
 #include "common/status.h"
 #include "model/checkpoint.h"
+#include "model/detail/json.h"
 
 namespace epserve::model {
 namespace {
@@ -124,6 +125,35 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(absl::string_view spec, 
   EPSERVE_ASSIGN_OR_RETURN(ModelConfig config, SyntheticPreset(spec.substr(kSynthetic.size())));
   if (absl::Status s = config.layer.Validate(); !s.ok()) return s;
   return std::make_unique<SyntheticWeights>(std::move(config), seed);
+}
+
+absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view json) {
+  absl::StatusOr<detail::Json> parsed = detail::ParseJson(json);
+  if (!parsed.ok()) return parsed.status();
+  if (!parsed->is_object()) {
+    return absl::InvalidArgumentError(
+        "a model spec is a JSON object: {\"model\": \"<folder or synthetic:preset>\", \"seed\": "
+        "N}");
+  }
+  ModelSpec spec;
+  for (const auto& [key, value] : parsed->members()) {
+    if (key == "model" && value.is_string() && !value.string().empty()) {
+      spec.model = value.string();
+    } else if (key == "seed" && value.is_integer() && value.integer() >= 0) {
+      spec.seed = static_cast<uint64_t>(value.integer());
+    } else if (key == "model" || key == "seed") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model spec member '", key, "' must be ",
+                       key == "model" ? "a non-empty string" : "an integer >= 0"));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("model spec member '", key.substr(0, 64),
+                                                     "' is unknown (members: model, seed)"));
+    }
+  }
+  if (spec.model.empty()) {
+    return absl::InvalidArgumentError("a model spec needs the member 'model'");
+  }
+  return spec;
 }
 
 }  // namespace epserve::model

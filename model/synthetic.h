@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <vector>
@@ -35,5 +36,14 @@ class SyntheticWeights final : public WeightSource {
 // folder (CheckpointWeights::Open; `seed` unused). A folder that does not exist is NOT_FOUND,
 // a malformed or unsupported checkpoint INVALID_ARGUMENT naming the file and the tensor.
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(absl::string_view spec, uint64_t seed);
+
+// Which weights to open: what --model and --seed name.
+struct ModelSpec {
+  std::string model;
+  std::optional<uint64_t> seed;  // unset: the caller's default
+};
+// Parses {"model": "<folder or synthetic:preset>", "seed": <integer >= 0>} (seed optional,
+// no other members); INVALID_ARGUMENT naming the member otherwise.
+absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view json);
 
 }  // namespace epserve::model

@@ -94,10 +94,50 @@ void Batcher::Stop() {
       stopping_ = true;
     }
     cv_.notify_all();
+    barrier_cv_.notify_all();
     form_thread_.join();
     execute_thread_.join();
     complete_thread_.join();
   });
+}
+
+absl::Status Batcher::RunBetweenRequests(std::function<absl::Status()> fn) {
+  std::lock_guard<std::mutex> call(barrier_call_mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  barrier_fn_ = std::move(fn);
+  const uint64_t ticket = barriers_run_ + 1;
+  cv_.notify_all();
+  barrier_cv_.wait(lock, [&] { return barriers_run_ >= ticket || stopping_; });
+  if (barriers_run_ < ticket) {
+    barrier_fn_ = nullptr;
+    return absl::UnavailableError("the server is shutting down");
+  }
+  return barrier_status_;
+}
+
+const InferTask* Batcher::PartlyTaken() const {
+  for (const auto& q : queues_) {
+    for (const auto& t : q) {
+      if (t->rows_taken > 0) return t.get();  // queued, so not all taken
+    }
+  }
+  return nullptr;
+}
+
+void Batcher::MaybeRunBarrier(std::unique_lock<std::mutex>& lock) {
+  if (barrier_fn_ == nullptr || PartlyTaken() != nullptr) return;
+  cv_.wait(lock, [&] { return stopping_ || executor_idle_; });
+  if (stopping_) return;
+  // The executor waits for a batch, and only this thread hands it one.
+  std::function<absl::Status()> fn = std::move(barrier_fn_);
+  barrier_fn_ = nullptr;
+  lock.unlock();
+  absl::Status status = fn();
+  lock.lock();
+  barrier_status_ = std::move(status);
+  ++barriers_run_;
+  barrier_cv_.notify_all();
 }
 
 void Batcher::Fail(InferTask& task, absl::Status status) {
@@ -142,8 +182,16 @@ bool Batcher::TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
   // Wait for a full batch of the head's layer, or until the head has waited long enough.
   // The head is the oldest request of the highest priority level that has one.
   while (true) {
-    cv_.wait(lock, [&] { return stopping_ || head() != nullptr; });
+    cv_.wait(lock, [&] { return stopping_ || head() != nullptr || barrier_fn_ != nullptr; });
     if (stopping_) return false;
+    if (barrier_fn_ != nullptr) {
+      // Only requests already begun are continued; none: an empty batch, and the barrier runs.
+      if (const InferTask* partly = PartlyTaken()) {
+        batch.layer_pos = partly->layer_pos;
+        AppendPieces(batch, to_release);
+      }
+      return true;
+    }
     const InferTask& h = *head();
     const absl::Time flush_at = h.enqueued + options_.max_queue_delay;
     if (queued_rows_[h.layer_pos] >= options_.max_batch_tokens || absl::Now() >= flush_at) break;
@@ -161,8 +209,8 @@ void Batcher::AppendPieces(Batch& batch, std::vector<std::shared_ptr<InferTask>>
   for (auto& q : queues_) {
     for (auto it = q.begin(); it != q.end() && rows < options_.max_batch_tokens;) {
       InferTask& t = **it;
-      if (t.layer_pos != layer_pos) {
-        ++it;
+      if (t.layer_pos != layer_pos || (barrier_fn_ != nullptr && t.rows_taken == 0)) {
+        ++it;  // another layer's, or not begun while a barrier waits for the begun ones
         continue;
       }
       if (absl::Status drop = Dropped(t, now); !drop.ok()) {
@@ -220,6 +268,7 @@ void Batcher::FormLoop() {
     bool running;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      MaybeRunBarrier(lock);
       running = TakePieces(lock, *b, to_release);
       if (!running) {
         for (auto& q : queues_) {
@@ -252,7 +301,8 @@ void Batcher::FormLoop() {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] {
           return stopping_ || executor_idle_ ||
-                 (b->rows < options_.max_batch_tokens && queued_rows_[b->layer_pos] > 0);
+                 (barrier_fn_ == nullptr && b->rows < options_.max_batch_tokens &&
+                  queued_rows_[b->layer_pos] > 0);
         });
         if (stopping_ || executor_idle_) {
           executor_idle_ = false;  // this batch is the executor's next

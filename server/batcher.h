@@ -117,6 +117,13 @@ class Batcher {
 
   int64_t queued_tokens() const;
 
+  // Runs `fn` on the formation thread at a point where the executor is idle and no request
+  // has had some of its rows computed but not all: requests begun are finished first (new
+  // ones wait in the queue meanwhile), so every answer comes from one side of `fn` (a weight
+  // swap). Blocks until `fn` has run and returns its status; UNAVAILABLE when stopping.
+  // Concurrent calls run one after the other.
+  absl::Status RunBetweenRequests(std::function<absl::Status()> fn);
+
  private:
   struct Piece {
     std::shared_ptr<InferTask> task;
@@ -153,6 +160,11 @@ class Batcher {
   };
 
   void FormLoop();
+  // With a barrier pending and no request partly taken: waits for the executor to be idle,
+  // runs the barrier's function (mu_ released meanwhile) and wakes its caller. Holds `lock`.
+  void MaybeRunBarrier(std::unique_lock<std::mutex>& lock);
+  // A queued request some of whose rows are taken but not all; nullptr if none. Holds mu_.
+  const InferTask* PartlyTaken() const;
   void ExecuteLoop();
   void CompleteLoop();
   // Waits until the queue's head may start a batch (a full batch of its layer is queued or
@@ -185,6 +197,12 @@ class Batcher {
   // (so never while a handed-over batch is pending), cleared by the formation thread as it
   // hands one over. Guarded by mu_.
   bool executor_idle_ = false;
+  // RunBetweenRequests: the function waiting to run (null: none), and its result.
+  std::function<absl::Status()> barrier_fn_;  // guarded by mu_
+  uint64_t barriers_run_ = 0;                 // guarded by mu_
+  absl::Status barrier_status_;               // guarded by mu_
+  std::condition_variable barrier_cv_;
+  std::mutex barrier_call_mu_;  // one RunBetweenRequests at a time
   std::vector<std::unique_ptr<Batch>> batches_;
   Channel free_{4};
   Channel ready_{1};

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
 #include "common/log.h"
+#include "common/status.h"
 
 namespace epserve::server {
 namespace {
@@ -144,8 +145,13 @@ absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_add
 absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(const FrontEndOptions& options,
                                                           const model::ModelConfig& model,
                                                           worker::Coordinator& coordinator,
-                                                          int64_t heap_bytes) {
+                                                          int64_t heap_bytes,
+                                                          ModelOpener open_model,
+                                                          uint64_t default_seed) {
   std::unique_ptr<FrontEnd> fe(new FrontEnd(options, &coordinator));
+  fe->model_ = model;
+  fe->open_model_ = std::move(open_model);
+  fe->default_seed_ = default_seed;
   const worker::ExchangeShape& shape = coordinator.shape();
   ServedModel served;
   served.hidden_size = model.layer.hidden_size;
@@ -229,6 +235,11 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   service.answer_timeout = o.answer_timeout;
   service_ =
       std::make_unique<InferenceService>(service, *batcher_, metrics_.get(), statistics_, *auth);
+  if (coordinator_ != nullptr && open_model_) {
+    service_->set_weight_loader([this](const std::string& m, std::optional<uint64_t> seed) {
+      return SwapWeights(m, seed);
+    });
+  }
   health_ = std::make_unique<HealthService>();
 
   if (o.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -325,6 +336,38 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
     return trace.status();
   }
   metrics_->ObserveBatch(*trace, rows, layer_pos);
+  return absl::OkStatus();
+}
+
+absl::Status FrontEnd::SwapWeights(const std::string& model, std::optional<uint64_t> seed) {
+  std::lock_guard<std::mutex> lock(swap_mu_);
+  const uint64_t s = seed.value_or(default_seed_);
+  const absl::Time start = absl::Now();
+  // The cheap checks first, here: the folder opens and has the served shape.
+  {
+    absl::StatusOr<std::unique_ptr<model::WeightSource>> next = open_model_(model, s);
+    if (!next.ok()) return next.status();
+    EPSERVE_RETURN_IF_ERROR(model::CheckSameShape(model_, (*next)->config()));
+  }
+  common::LogInfo(absl::StrCat("loading the weights of ", model.substr(0, 128), " (seed ", s,
+                               ") on every worker"));
+  absl::Status status = batcher_->RunBetweenRequests([&] {
+    return coordinator_->SwapWeights(model, s, absl::Now() + options_.weight_swap_timeout);
+  });
+  const absl::Duration took = absl::Now() - start;
+  metrics_->ObserveWeightSwap(status.code(), took);
+  if (!status.ok()) {
+    if (!coordinator_->healthy()) {
+      SetReady(false);
+      metrics_->SetWorkersReady(0);
+    }
+    common::LogWarning(absl::StrCat("the weights of ", model.substr(0, 128), " were not loaded (",
+                                    absl::FormatDuration(took), "): ", status.ToString()));
+    return status;
+  }
+  model_.source = model;
+  common::LogInfo(absl::StrCat("serving the weights of ", model.substr(0, 128), " (seed ", s,
+                               "), swapped in ", absl::FormatDuration(took)));
   return absl::OkStatus();
 }
 

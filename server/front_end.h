@@ -4,8 +4,11 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -14,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "model/moe_config.h"
+#include "model/weights.h"
 #include "server/auth.h"
 #include "server/batcher.h"
 #include "server/health.h"
@@ -77,6 +81,8 @@ struct FrontEndOptions {
   bool reflection = true;
   // Shutdown and worker waits.
   absl::Duration batch_timeout = absl::Seconds(60);
+  // How long the workers may take to load new weights (RepositoryModelLoad).
+  absl::Duration weight_swap_timeout = absl::Minutes(10);
   absl::Duration drain_timeout = absl::Milliseconds(300);
 };
 
@@ -94,10 +100,17 @@ class FrontEnd {
  public:
   // Binds both addresses, starts serving and writes the ready file. The coordinator's
   // workers must be ready.
+  // `open_model` (may be empty) opens the weights a RepositoryModelLoad names, as the
+  // workers will (worker::WorkerOptions::open_model); `default_seed` is the seed used when
+  // the load names none.
+  using ModelOpener = std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(
+      const std::string& model, uint64_t seed)>;
   static absl::StatusOr<std::unique_ptr<FrontEnd>> Start(const FrontEndOptions& options,
                                                          const model::ModelConfig& model,
                                                          worker::Coordinator& coordinator,
-                                                         int64_t heap_bytes);
+                                                         int64_t heap_bytes,
+                                                         ModelOpener open_model = nullptr,
+                                                         uint64_t default_seed = 0);
   // The same front-end over any executor (benchmarks, tests): `executor` runs each batch.
   static absl::StatusOr<std::unique_ptr<FrontEnd>> StartWithExecutor(const FrontEndOptions& options,
                                                                      const ServedModel& model,
@@ -118,11 +131,19 @@ class FrontEnd {
   absl::Status Init(const ServedModel& model, Batcher::Executor executor);
   absl::Status RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
   void SetReady(bool ready);
+  // RepositoryModelLoad with new weights: checks them here (they open, same shape), then
+  // swaps every worker's weights between requests (Batcher::RunBetweenRequests,
+  // Coordinator::SwapWeights). One at a time.
+  absl::Status SwapWeights(const std::string& model, std::optional<uint64_t> seed);
   // The stall monitor's thread: readiness follows the workers' heartbeats.
   void WatchHeartbeats(int num_workers);
 
   const FrontEndOptions options_;
   worker::Coordinator* const coordinator_;  // null with StartWithExecutor
+  model::ModelConfig model_;                // with a coordinator: what the workers serve
+  ModelOpener open_model_;                  // empty: no weight swaps
+  uint64_t default_seed_ = 0;
+  std::mutex swap_mu_;  // one SwapWeights at a time
   std::unique_ptr<Metrics> metrics_;
   Statistics statistics_;
   std::unique_ptr<Batcher> batcher_;

@@ -164,13 +164,18 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
 
 int Run(int rank, int num_ranks, const Flags& flags) {
   using namespace epserve;
+  // Opens a model as --model and --layers name it: at start, and for weight swaps
+  // (RepositoryModelLoad), on rank 0 to check it and on every worker to load it.
+  auto open_model = [layers = flags.layers](
+                        const std::string& spec,
+                        uint64_t seed) -> absl::StatusOr<std::unique_ptr<model::WeightSource>> {
+    absl::StatusOr<std::unique_ptr<model::WeightSource>> source = model::OpenModel(spec, seed);
+    if (source.ok() && layers != "all") source = model::ServeLayers(*std::move(source), layers);
+    return source;
+  };
   absl::StatusOr<std::unique_ptr<model::WeightSource>> source =
-      model::OpenModel(flags.model, static_cast<uint64_t>(flags.seed));
+      open_model(flags.model, static_cast<uint64_t>(flags.seed));
   if (!source.ok()) return Fail(rank, source.status());
-  if (flags.layers != "all") {
-    source = model::ServeLayers(*std::move(source), flags.layers);
-    if (!source.ok()) return Fail(rank, source.status());
-  }
   const model::ModelConfig& config = (*source)->config();
   const int num_workers = num_ranks - 1;
   if (num_workers < 1) {
@@ -242,7 +247,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe =
-        server::FrontEnd::Start(flags.fe, config, *coordinator, static_cast<int64_t>(heap_bytes));
+        server::FrontEnd::Start(flags.fe, config, *coordinator, static_cast<int64_t>(heap_bytes),
+                                open_model, static_cast<uint64_t>(flags.seed));
     if (!fe.ok()) {
       Log(rank, absl::StrCat("error: ", fe.status().ToString()));
       coordinator->Stop(absl::Now() + absl::Seconds(5)).IgnoreError();
@@ -268,6 +274,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     options.device.ffn_blocking = flags.ffn_blocking;
     options.device.tune_ffn = flags.ffn_tune;
     options.weight_dtype = *weight_dtype;
+    options.open_model = open_model;
     absl::StatusOr<std::unique_ptr<worker::Worker>> w =
         worker::Worker::Create(**heap, *layout, **source, options);
     if (!w.ok()) {

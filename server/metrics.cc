@@ -196,6 +196,19 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
   m->skipped_rows_[0] = &skipped.Add({{"reason", "cancelled"}});
   m->skipped_rows_[1] = &skipped.Add({{"reason", "deadline"}});
   m->skipped_rows_[2] = &skipped.Add({{"reason", "failed"}});
+  auto& swaps = prometheus::BuildCounter()
+                    .Name("epserve_weight_swaps_total")
+                    .Help(
+                        "RepositoryModelLoad calls that replaced the served weights (ok) or "
+                        "left the old ones serving (failed).")
+                    .Register(r);
+  m->swaps_ok_ = &swaps.Add({{"result", "ok"}});
+  m->swaps_failed_ = &swaps.Add({{"result", "failed"}});
+  m->swap_seconds_ = &prometheus::BuildGauge()
+                          .Name("epserve_weight_swap_seconds")
+                          .Help("How long the last weight swap took, checks and loading included.")
+                          .Register(r)
+                          .Add({});
   prometheus::BuildGauge()
       .Name("epserve_build_info")
       .Help("Build information; always 1.")
@@ -251,6 +264,11 @@ void Metrics::ObserveCallClosed(const char* reason) {
 void Metrics::ObserveConnectionClosed(const char* reason) {
   (std::string_view(reason) == "stream_limit" ? closed_stream_limit_ : closed_connection_limit_)
       ->Increment();
+}
+
+void Metrics::ObserveWeightSwap(absl::StatusCode code, absl::Duration took) {
+  (code == absl::StatusCode::kOk ? swaps_ok_ : swaps_failed_)->Increment();
+  swap_seconds_->Set(absl::ToDoubleSeconds(took));
 }
 
 void Metrics::SetGrpcConnections(int64_t connections) {

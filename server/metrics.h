@@ -71,6 +71,8 @@ class Metrics {
   // Rows a batch left out before computing them because their request was cancelled, had
   // passed its deadline or had already failed.
   void ObserveSkippedRows(absl::StatusCode code, int64_t rows);
+  // A weight swap (RepositoryModelLoad with new weights): its outcome and how long it took.
+  void ObserveWeightSwap(absl::StatusCode code, absl::Duration took);
 
  private:
   Metrics() = default;
@@ -111,6 +113,9 @@ class Metrics {
   prometheus::Counter* closed_memory_pressure_ = nullptr;
   prometheus::Counter* closed_stream_limit_ = nullptr;
   prometheus::Counter* closed_connection_limit_ = nullptr;
+  prometheus::Counter* swaps_ok_ = nullptr;
+  prometheus::Counter* swaps_failed_ = nullptr;
+  prometheus::Gauge* swap_seconds_ = nullptr;
   prometheus::Gauge* grpc_connections_ = nullptr;
   std::array<prometheus::Counter*, 3> skipped_rows_{};  // cancelled, deadline, failed
 };

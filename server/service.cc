@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "model/synthetic.h"
 #include "server/clip.h"
 #include "server/grpc_status.h"
 
@@ -46,6 +47,7 @@ InferenceService::InferenceService(ServiceOptions options, Batcher& batcher, Met
 }
 
 InferenceService::~InferenceService() {
+  if (load_thread_.joinable()) load_thread_.join();
   {
     std::lock_guard<std::mutex> lock(reap_mu_);
     reap_stop_ = true;
@@ -237,19 +239,70 @@ grpc::ServerUnaryReactor* InferenceService::RepositoryModelLoad(
   if (absl::Status s = CheckRepository(req->repository_name(), req->model_name()); !s.ok()) {
     return Reply(ctx, s);
   }
-  if (!req->parameters().empty()) {
+  if (req->parameters().empty()) {
+    if (unloaded_.exchange(false)) {
+      common::LogInfo(
+          absl::StrCat("model '", options_.signature.name, "' loaded again (RepositoryModelLoad)"));
+    }
+    return Reply(ctx, absl::OkStatus());
+  }
+  // New weights: `model` (+ `seed`), or Triton's `config` holding them as JSON.
+  model::ModelSpec spec;
+  for (const auto& [key, value] : req->parameters()) {
+    absl::Status bad;
+    if (key == "model" &&
+        value.parameter_choice_case() == inference::ModelRepositoryParameter::kStringParam) {
+      spec.model = value.string_param();
+    } else if (key == "seed" &&
+               value.parameter_choice_case() == inference::ModelRepositoryParameter::kInt64Param &&
+               value.int64_param() >= 0) {
+      spec.seed = static_cast<uint64_t>(value.int64_param());
+    } else if (key == "config" &&
+               value.parameter_choice_case() == inference::ModelRepositoryParameter::kStringParam) {
+      absl::StatusOr<model::ModelSpec> parsed = model::ParseModelSpecJson(value.string_param());
+      if (!parsed.ok()) {
+        return Reply(
+            ctx, absl::InvalidArgumentError(absl::StrCat("RepositoryModelLoad parameter 'config': ",
+                                                         parsed.status().message())));
+      }
+      spec = *std::move(parsed);
+    } else if (key == "model" || key == "seed" || key == "config") {
+      return Reply(ctx, absl::InvalidArgumentError(
+                            absl::StrCat("RepositoryModelLoad parameter '", key, "' must be ",
+                                         key == "seed" ? "an int64 >= 0" : "a string")));
+    } else {
+      return Reply(ctx, absl::UnimplementedError(absl::StrCat(
+                            "RepositoryModelLoad parameter '", Clip(key),
+                            "' is not supported (parameters: model, seed, config); name a "
+                            "checkpoint folder on the server's host with 'model'")));
+    }
+  }
+  if (spec.model.empty()) {
+    return Reply(ctx, absl::InvalidArgumentError(
+                          "RepositoryModelLoad: 'seed' without 'model' (the weights to load)"));
+  }
+  if (!weight_loader_) {
     return Reply(ctx,
-                 absl::UnimplementedError(absl::StrCat(
-                     "RepositoryModelLoad with parameter '", Clip(req->parameters().begin()->first),
-                     "': loading other weights into a running service is not implemented; "
-                     "restart the job with the new --checkpoint (a load without parameters "
-                     "puts the loaded weights back into service)")));
+                 absl::UnimplementedError("this server cannot replace its weights while serving"));
   }
-  if (unloaded_.exchange(false)) {
-    common::LogInfo(
-        absl::StrCat("model '", options_.signature.name, "' loaded again (RepositoryModelLoad)"));
+  std::lock_guard<std::mutex> lock(load_mu_);
+  if (loading_) {
+    return Reply(ctx, absl::AbortedError("another RepositoryModelLoad is replacing the weights; "
+                                         "retry when it has answered"));
   }
-  return Reply(ctx, absl::OkStatus());
+  loading_ = true;
+  if (load_thread_.joinable()) load_thread_.join();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  load_thread_ = std::thread([this, reactor, spec = std::move(spec)] {
+    absl::Status s = weight_loader_(spec.model, spec.seed);
+    if (s.ok()) unloaded_.store(false);
+    {
+      std::lock_guard<std::mutex> done(load_mu_);
+      loading_ = false;
+    }
+    reactor->Finish(ToGrpcStatus(s));
+  });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* InferenceService::RepositoryModelUnload(

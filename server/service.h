@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -52,6 +53,13 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   InferenceService(ServiceOptions options, Batcher& batcher, Metrics* metrics,
                    Statistics& statistics, std::shared_ptr<const Authenticator> auth);
   ~InferenceService() override;  // stops the reaper; the gRPC server must be shut down first
+
+  // Replaces the served weights (FrontEnd::SwapWeights): the model as --model names it, and
+  // the seed (unset: the server's own). Blocks until done.
+  using WeightLoader =
+      std::function<absl::Status(const std::string& model, std::optional<uint64_t> seed)>;
+  // Set before serving starts; without one, a load with parameters answers UNIMPLEMENTED.
+  void set_weight_loader(WeightLoader loader) { weight_loader_ = std::move(loader); }
 
   // Ready: workers loaded and answering, not shutting down. Live: the process answers.
   void set_ready(bool ready) { ready_.store(ready); }
@@ -117,8 +125,9 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   }
   // The model repository extension over the one served model: the index, unload (out of
   // service: ModelReady false, inference NOT_FOUND; the weights stay on the workers) and load
-  // (back into service). Loading other weights (a load with parameters) is refused with
-  // UNIMPLEMENTED: the workers cannot swap weights while serving yet.
+  // (back into service; with the parameter `model` (and `seed`), or `config` holding
+  // {"model": ..., "seed": ...}, new weights of the same shape replace the served ones
+  // between requests, through the weight loader).
   grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* ctx,
                                             const inference::RepositoryIndexRequest* req,
                                             inference::RepositoryIndexResponse* resp) override;
@@ -171,6 +180,12 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   inference::ModelConfig model_config_;
   std::atomic<bool> ready_{false};
   std::atomic<bool> unloaded_{false};  // RepositoryModelUnload took the model out of service
+  WeightLoader weight_loader_;
+  // RepositoryModelLoad with new weights runs on a thread of its own (it takes seconds), one
+  // at a time; the destructor joins it.
+  std::mutex load_mu_;
+  bool loading_ = false;  // guarded by load_mu_
+  std::thread load_thread_;
   MemoryBudget budget_;
   SharedMemoryRegistry shm_;
   // Registered calls. A recursive mutex: the reaper cancels calls while holding it, and gRPC

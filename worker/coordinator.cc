@@ -193,6 +193,54 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   return trace;
 }
 
+absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
+  absl::Status s = Post(op, 0, 0, deadline);
+  if (s.ok()) s = WaitDone(deadline);
+  if (!s.ok()) return Fail(s.ToString());
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(layout_.reports);
+  for (int i = 0; i < layout_.shape.num_workers; ++i) {
+    if (reports[i].status_code != 0) {
+      return absl::Status(
+          static_cast<absl::StatusCode>(reports[i].status_code),
+          std::string(reports[i].message, strnlen(reports[i].message, sizeof(reports[i].message))));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::SwapWeights(const std::string& model, uint64_t seed,
+                                      absl::Time deadline) {
+  if (!healthy_) {
+    return absl::UnavailableError(
+        "the expert workers stopped answering; the service needs a restart");
+  }
+  if (model.empty() || model.size() > ControlMessage::kMaxModel) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model name must be 1 to ", ControlMessage::kMaxModel, " bytes, got ", model.size()));
+  }
+  ControlMessage message{};
+  message.seed = seed;
+  message.model_bytes = static_cast<uint32_t>(model.size());
+  std::memcpy(message.model, model.data(), model.size());
+  for (int w = 0; w < layout_.shape.num_workers; ++w) {
+    absl::Status s = heap_.Put(w + 1, layout_.control, &message, sizeof(message));
+    if (!s.ok()) return Fail(s.ToString());
+  }
+  absl::Status staged = Control(BatchOp::kStage, deadline);
+  if (!healthy_) return staged;
+  if (!staged.ok()) {
+    // Every worker drops what it staged (one that failed has nothing staged).
+    absl::Status discarded = Control(BatchOp::kDiscard, deadline);
+    return discarded.ok() || !healthy_ ? staged : discarded;
+  }
+  absl::Status switched = Control(BatchOp::kSwitch, deadline);
+  if (!switched.ok() && healthy_) {
+    // Some workers may have switched and others not: answers could mix weights.
+    return Fail(absl::StrCat("switching to the new weights failed: ", switched.message()));
+  }
+  return switched;
+}
+
 absl::Status Coordinator::Stop(absl::Time deadline) {
   // Workers still finishing an aborted batch see the stop right after it.
   abort_.store(false);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -59,6 +60,15 @@ class Coordinator {
   absl::StatusOr<BatchTrace> Run(int layer_pos, std::span<const RowChunk> chunks,
                                  absl::Time deadline);
 
+  // Replaces every worker's weights with those of `model` (as --model names it) and `seed`,
+  // all at once: each worker loads the new weights beside the serving ones (kStage); when
+  // every one has, they switch and free the old (kSwitch); when any fails (a bad checkpoint,
+  // a shape that differs from the served model, memory for two copies lacking), every
+  // worker frees what it staged (kDiscard), the old weights go on serving and the first
+  // worker's error comes back. Call between batches, from the thread that runs them. A
+  // worker that does not answer by `deadline` turns the exchange unhealthy (UNAVAILABLE).
+  absl::Status SwapWeights(const std::string& model, uint64_t seed, absl::Time deadline);
+
   // Sends kStop to every worker and waits for them to acknowledge.
   absl::Status Stop(absl::Time deadline);
 
@@ -78,6 +88,9 @@ class Coordinator {
  private:
   absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline);
   absl::Status WaitDone(absl::Time deadline);
+  // Posts a control op (no rows) and waits for every worker: the first error a worker
+  // reports, or Fail when one does not answer.
+  absl::Status Control(BatchOp op, absl::Time deadline);
   // Turns the exchange unhealthy and returns UNAVAILABLE explaining `why`.
   absl::Status Fail(absl::string_view why);
 

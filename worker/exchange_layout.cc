@@ -73,6 +73,7 @@ absl::Status Plan(const ExchangeShape& s, ExchangeLayout& l, Alloc alloc) {
   const Item items[] = {
       {&l.batch_seq, sig, 64},
       {&l.descriptor, sizeof(BatchDescriptor), 64},
+      {&l.control, sizeof(ControlMessage), 64},
       {&l.ready, w * sig, 64},
       {&l.done_seq, w * sig, 64},
       {&l.reports, w * sizeof(WorkerReport), 64},

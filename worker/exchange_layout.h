@@ -58,7 +58,21 @@ struct ExchangeFlags {
   absl::Status Apply(ExchangeShape& shape) const;
 };
 
-enum class BatchOp : int32_t { kRun = 1, kStop = 2 };
+// kRun: a batch. kStop: leave the loop. A weight swap is two-phase so that either every
+// worker switches or none does: kStage loads the weights a ControlMessage names next to the
+// serving ones, then kSwitch makes them the serving ones and frees the old (or kDiscard
+// frees the staged ones, when any worker failed to stage).
+enum class BatchOp : int32_t { kRun = 1, kStop = 2, kStage = 3, kSwitch = 4, kDiscard = 5 };
+
+// Written by rank 0 into each worker's segment before a kStage: the model to load, as
+// --model names it (a checkpoint folder or synthetic:<preset>), and its seed.
+struct ControlMessage {
+  static constexpr size_t kMaxModel = 4080;
+  uint64_t seed;
+  uint32_t model_bytes;
+  uint32_t pad;
+  char model[kMaxModel];
+};
 
 // Written by rank 0 into each worker's segment before it stores batch_seq.
 struct BatchDescriptor {
@@ -85,6 +99,7 @@ struct ExchangeLayout {
   // rank 0 -> worker
   size_t batch_seq;   // uint64 signal
   size_t descriptor;  // BatchDescriptor
+  size_t control;     // ControlMessage (kStage)
   // worker -> rank 0 (meaningful on rank 0's segment)
   size_t ready;          // uint64[W]: worker w stored 1 once its weights are loaded
   size_t done_seq;       // uint64[W] signals, 64 bytes apart

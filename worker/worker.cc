@@ -1,10 +1,13 @@
 #include "worker/worker.h"
 
+#include <malloc.h>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -25,8 +28,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
                                                        const ExchangeLayout& layout,
                                                        const model::WeightSource& source,
                                                        const WorkerOptions& options) {
-  const model::MoeLayerConfig& cfg = source.config().layer;
-  std::unique_ptr<Worker> w(new Worker(heap, layout, cfg));
+  std::unique_ptr<Worker> w(new Worker(heap, layout, source.config(), options));
   w->rank_ = heap.rank();
   w->me_ = heap.rank() - 1;
   w->orphan_grace_ = options.orphan_grace;
@@ -34,41 +36,89 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
       Exchange::Create(heap, layout.shape.exchange(), layout.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
   w->exchange_ = *std::move(exchange);
-  const ExpertPlacement& placement = w->exchange_->placement();
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(options.device);
   if (!rt.ok()) return rt.status();
   w->rt_ = *std::move(rt);
-  for (int layer : source.config().moe_layers) {
-    Layer l;
-    absl::StatusOr<kernels::RouterWeights> router = kernels::UploadRouter(*w->rt_, source, layer);
-    if (!router.ok()) return router.status();
-    l.router = *std::move(router);
-    absl::StatusOr<kernels::ExpertWeights> experts =
-        kernels::UploadExperts(*w->rt_, source, layer, placement.first(w->me_),
-                               placement.count(w->me_), options.weight_dtype);
-    if (!experts.ok()) return experts.status();
-    l.experts = *std::move(experts);
-    if (cfg.shared_ffn_size > 0) {
-      // Split: this worker's slice of the shared expert's intermediate columns.
-      std::unique_ptr<model::WeightSource> slice;
-      if (layout.shape.shared_expert_split) {
-        absl::StatusOr<std::unique_ptr<model::WeightSource>> s =
-            model::SharedExpertSlice(source, w->me_, layout.shape.num_workers);
-        if (!s.ok()) return s.status();
-        slice = *std::move(s);
-      }
-      absl::StatusOr<kernels::ExpertWeights> shared = kernels::UploadSharedExpert(
-          *w->rt_, slice != nullptr ? *slice : source, layer, options.weight_dtype);
-      if (!shared.ok()) return shared.status();
-      l.shared = *std::move(shared);
-    }
-    w->layers_.push_back(std::move(l));
-  }
+  EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source));
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
   const absl::Time warm_start = absl::Now();
   EPSERVE_RETURN_IF_ERROR(w->WarmUp());
   w->warmup_seconds_ = absl::ToDoubleSeconds(absl::Now() - warm_start);
   return w;
+}
+
+absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(const model::WeightSource& source) {
+  const ExpertPlacement& placement = exchange_->placement();
+  std::vector<Layer> layers;
+  for (int layer : source.config().moe_layers) {
+    Layer l;
+    EPSERVE_ASSIGN_OR_RETURN(l.router, kernels::UploadRouter(*rt_, source, layer));
+    EPSERVE_ASSIGN_OR_RETURN(l.experts,
+                             kernels::UploadExperts(*rt_, source, layer, placement.first(me_),
+                                                    placement.count(me_), options_.weight_dtype));
+    if (cfg_.shared_ffn_size > 0) {
+      // Split: this worker's slice of the shared expert's intermediate columns.
+      std::unique_ptr<model::WeightSource> slice;
+      if (layout_.shape.shared_expert_split) {
+        EPSERVE_ASSIGN_OR_RETURN(slice,
+                                 model::SharedExpertSlice(source, me_, layout_.shape.num_workers));
+      }
+      EPSERVE_ASSIGN_OR_RETURN(
+          l.shared, kernels::UploadSharedExpert(*rt_, slice != nullptr ? *slice : source, layer,
+                                                options_.weight_dtype));
+    }
+    layers.push_back(std::move(l));
+  }
+  return layers;
+}
+
+absl::Status Worker::CheckRoomForSecondCopy() const {
+  if (!rt_->device_info().is_cpu) return absl::OkStatus();  // device memory: the upload says
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = -1;
+  while (meminfo >> key) {
+    if (key == "MemAvailable:") {
+      meminfo >> kib;
+      break;
+    }
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  if (kib < 0) return absl::OkStatus();  // not Linux: the upload says
+  const int64_t need = static_cast<int64_t>(weight_bytes());
+  const int64_t have = kib * 1024;
+  // Every worker of the host stages at the same time: leave room for the others' copies.
+  if (need * 5 / 4 > have) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a second copy of this worker's weights (", need, " bytes, +25%) does not fit in ",
+        "the host's available memory (", have, " bytes); the served weights stay"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Stage() {
+  staged_.clear();
+  if (!options_.open_model) {
+    return absl::UnimplementedError("this worker was started without a model loader");
+  }
+  const ControlMessage& msg = *heap_.LocalAs<ControlMessage>(layout_.control);
+  const std::string spec(msg.model, std::min<size_t>(msg.model_bytes, ControlMessage::kMaxModel));
+  absl::StatusOr<std::unique_ptr<model::WeightSource>> source = options_.open_model(spec, msg.seed);
+  if (!source.ok()) return source.status();
+  EPSERVE_RETURN_IF_ERROR(model::CheckSameShape(model_, (*source)->config()));
+  EPSERVE_RETURN_IF_ERROR(CheckRoomForSecondCopy());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::vector<Layer>> layers = LoadLayers(**source);
+  if (!layers.ok()) {
+    return absl::Status(layers.status().code(), absl::StrCat("loading ", spec.substr(0, 128), ": ",
+                                                             layers.status().message()));
+  }
+  staged_ = *std::move(layers);
+  staged_model_ = (*source)->config();
+  common::LogInfo(absl::StrCat("worker ", me_, ": staged the weights of ", spec.substr(0, 128),
+                               " (seed ", msg.seed, ") in ",
+                               absl::FormatDuration(absl::Now() - start)));
+  return absl::OkStatus();
 }
 
 absl::Status Worker::WarmUp() {
@@ -242,7 +292,30 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
     WorkerReport report;
     std::memset(&report, 0, sizeof(report));
     if (desc.op != BatchOp::kStop) {
-      absl::Status s = RunBatch(desc, report);
+      absl::Status s;
+      switch (desc.op) {
+        case BatchOp::kStage:
+          s = Stage();
+          break;
+        case BatchOp::kSwitch:
+          if (staged_.empty()) {
+            s = absl::FailedPreconditionError("kSwitch without staged weights");
+            break;
+          }
+          layers_.swap(staged_);
+          model_ = staged_model_;
+          staged_.clear();  // the old weights' device buffers
+          malloc_trim(0);
+          common::LogInfo(absl::StrCat("worker ", me_, ": serving the weights of ",
+                                       model_.source.substr(0, 128)));
+          break;
+        case BatchOp::kDiscard:
+          staged_.clear();
+          malloc_trim(0);
+          break;
+        default:
+          s = RunBatch(desc, report);
+      }
       if (!s.ok()) {
         report.status_code = static_cast<int32_t>(s.code());
         const std::string msg = absl::StrCat("worker ", me_, " (rank ", rank_, "): ", s.message());

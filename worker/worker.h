@@ -3,7 +3,9 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -26,6 +28,11 @@ struct WorkerOptions {
   // A stop request (e.g. SIGTERM) ends the loop once no batch has come for this long,
   // even if rank 0 never sends kStop (rank 0 gone).
   absl::Duration orphan_grace = absl::Seconds(3);
+  // Opens the model a weight swap names (as --model names one, with the served layers
+  // selected as at start); without it the worker refuses swaps (UNIMPLEMENTED).
+  std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(const std::string& model,
+                                                                     uint64_t seed)>
+      open_model;
 };
 
 class Worker {
@@ -60,8 +67,16 @@ class Worker {
     kernels::ExpertWeights shared;  // num_experts == 0 when the model has none
   };
 
-  Worker(shmem::SymmetricHeap& heap, const ExchangeLayout& layout, const model::MoeLayerConfig& cfg)
-      : heap_(heap), layout_(layout), cfg_(cfg) {}
+  Worker(shmem::SymmetricHeap& heap, const ExchangeLayout& layout, const model::ModelConfig& model,
+         const WorkerOptions& options)
+      : heap_(heap), layout_(layout), model_(model), cfg_(model.layer), options_(options) {}
+
+  // This worker's part of every served layer of `source`, on its device.
+  absl::StatusOr<std::vector<Layer>> LoadLayers(const model::WeightSource& source);
+  // kStage: loads the model the ControlMessage names into staged_ (the serving layers stay).
+  absl::Status Stage();
+  // Host memory a second copy of this worker's weights needs, against what the host has.
+  absl::Status CheckRoomForSecondCopy() const;
 
   class Heart;
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
@@ -76,12 +91,16 @@ class Worker {
 
   shmem::SymmetricHeap& heap_;
   const ExchangeLayout layout_;
+  model::ModelConfig model_;  // of the serving weights (source changes with a swap)
   const model::MoeLayerConfig cfg_;
+  const WorkerOptions options_;
   std::unique_ptr<Exchange> exchange_;
   int me_ = 0;    // worker index
   int rank_ = 0;  // heap rank = me_ + 1
   std::unique_ptr<kernels::Runtime> rt_;
   std::vector<Layer> layers_;
+  std::vector<Layer> staged_;  // a weight swap's new layers between kStage and kSwitch
+  model::ModelConfig staged_model_;
 
   // Device buffers, sized for the largest batch.
   absl::Duration orphan_grace_ = absl::Seconds(3);  // WorkerOptions::orphan_grace

@@ -228,10 +228,16 @@ class Client:
                     pb.RepositoryModelUnloadRequest(model_name=self.model),
                     pb.RepositoryModelUnloadResponse)
 
-    def load_model(self):
-        """Puts an unloaded model back into service."""
-        self._unary("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=self.model),
-                    pb.RepositoryModelLoadResponse)
+    def load_model(self, model=None, seed=None, timeout=600.0):
+        """Puts an unloaded model back into service; with `model` (a checkpoint folder on the
+        server's host, or synthetic:<preset>) and optionally `seed`, replaces the served
+        weights with those, between requests (same shape only). Returns when done."""
+        req = pb.RepositoryModelLoadRequest(model_name=self.model)
+        if model is not None:
+            req.parameters["model"].string_param = model
+        if seed is not None:
+            req.parameters["seed"].int64_param = seed
+        self._unary("RepositoryModelLoad", req, pb.RepositoryModelLoadResponse, timeout=timeout)
 
     # ---- inference
     def request(self, x, *, datatype="FP32", output_datatype=None, layer=None, priority=None,

@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import time
 import unittest
 
 import grpc
@@ -176,6 +177,97 @@ class PythonClient(unittest.TestCase):
         self.assertGreater(s.inference_count, 0)
         self.assertGreater(s.execution_count, 0)
         self.assertEqual(s.inference_stats.queue.count, s.inference_stats.success.count)
+
+
+class WeightSwap(unittest.TestCase):
+    """RepositoryModelLoad with new weights while clients run: every answer is entirely the old
+    weights' or the new ones', none fails, and failed loads leave the served weights."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = Cluster(3, ["--max-batch-tokens=16", "--seed=3"])
+        cls.client = Client(cls.cluster.address)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.cluster.stop()
+
+    def answers(self, xs):
+        return [self.client.infer(x) for x in xs]
+
+    def test_swaps_under_load_give_whole_answers_and_lose_nothing(self):
+        rng = np.random.default_rng()
+        # Requests of 1 to 40 rows: those over 16 span several batches.
+        xs = [rng.uniform(-1, 1, size=(n, H)).astype(np.float32) for n in (1, 5, 16, 23, 40, 9)]
+        self.client.load_model("synthetic:tiny", seed=3)  # the weights it started with
+        old = self.answers(xs)
+        self.client.load_model("synthetic:tiny", seed=11)
+        new = self.answers(xs)
+        for a, b in zip(old, new):
+            self.assertFalse(np.array_equal(a, b))
+        stop = threading.Event()
+        failures, counts = [], {"old": 0, "new": 0}
+        lock = threading.Lock()
+
+        def run():
+            c = Client(self.cluster.address)
+            try:
+                i = 0
+                while not stop.is_set():
+                    j = i % len(xs)
+                    i += 1
+                    try:
+                        y = c.infer(xs[j])
+                    except InferError as e:
+                        with lock:
+                            failures.append(str(e))
+                        continue
+                    which = ("old" if np.array_equal(y, old[j])
+                             else "new" if np.array_equal(y, new[j]) else None)
+                    with lock:
+                        if which is None:
+                            failures.append(f"request {j}: an answer of neither weight set")
+                        else:
+                            counts[which] += 1
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            for seed in (3, 11, 3, 11, 3):
+                time.sleep(0.3)
+                self.client.load_model("synthetic:tiny", seed=seed)
+            time.sleep(0.3)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        print(f"answers during 5 swaps: {counts['old']} old, {counts['new']} new, "
+              f"{len(failures)} failed", file=sys.stderr)
+        self.assertEqual(failures, [])
+        self.assertGreater(counts["old"], 0)
+        self.assertGreater(counts["new"], 0)
+        # The last load was seed 3: the old answers again.
+        for x, y in zip(xs, old):
+            np.testing.assert_array_equal(self.client.infer(x), y)
+
+    def test_failed_loads_leave_the_served_weights(self):
+        x = np.random.default_rng().uniform(-1, 1, size=(7, H)).astype(np.float32)
+        before = self.client.infer(x)
+        cases = [("synthetic:qwen1.5-moe-a2.7b", grpc.StatusCode.FAILED_PRECONDITION,
+                  "hidden_size"),
+                 ("/nonexistent/checkpoint", grpc.StatusCode.NOT_FOUND, "/nonexistent"),
+                 ("synthetic:no-such-preset", grpc.StatusCode.NOT_FOUND, "no-such-preset")]
+        for model, code, words in cases:
+            with self.assertRaises(grpc.RpcError) as e:
+                self.client.load_model(model)
+            self.assertEqual(e.exception.code(), code, e.exception.details())
+            self.assertIn(words, e.exception.details())
+            np.testing.assert_array_equal(self.client.infer(x), before)
+        self.assertTrue(self.client.model_ready())
 
 
 class Token(unittest.TestCase):

@@ -133,8 +133,11 @@ class TritonClient(unittest.TestCase):
             self.assertIn("unloaded", e.exception.message())
             with self.assertRaises(InferenceServerException) as e:
                 self.client.load_model("moe", config='{"max_batch_size": 4}')
+            self.assertEqual(e.exception.status(), "StatusCode.INVALID_ARGUMENT")
+            self.assertIn("'max_batch_size' is unknown", e.exception.message())
+            with self.assertRaises(InferenceServerException) as e:
+                self.client.load_model("moe", files={"file:1/model.safetensors": b"x"})
             self.assertEqual(e.exception.status(), "StatusCode.UNIMPLEMENTED")
-            self.assertIn("parameter 'config'", e.exception.message())
             with self.assertRaises(InferenceServerException) as e:
                 self.client.unload_model("not-served")
             self.assertIn("unknown model 'not-served'", e.exception.message())
@@ -144,6 +147,11 @@ class TritonClient(unittest.TestCase):
         out = np.full_like(before, np.nan)
         out[:] = self.infer(x, "FP32").as_numpy("moe_output")
         np.testing.assert_array_equal(out, before)
+        # New weights through Triton's `config` parameter, then the started ones again.
+        self.client.load_model("moe", config='{"model": "synthetic:tiny", "seed": 5}')
+        self.assertFalse(np.array_equal(self.infer(x, "FP32").as_numpy("moe_output"), before))
+        self.client.load_model("moe", config='{"model": "synthetic:tiny", "seed": 0}')
+        np.testing.assert_array_equal(self.infer(x, "FP32").as_numpy("moe_output"), before)
 
     def test_cuda_shared_memory_is_refused_with_the_reason(self):
         for call in (self.client.get_cuda_shared_memory_status,

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -403,6 +404,70 @@ TEST(Batcher, ReportsEveryBatchToTheObserver) {
     WaitDone(reqs);
   }
   EXPECT_EQ(observed_rows, 35);
+}
+
+// Requests split over several batches while the "weights" (a factor the executor applies)
+// are swapped between requests 10 times: each answer has one factor throughout, every
+// request is answered, and a swap never runs while a batch does.
+TEST(Batcher, RunBetweenRequestsNeverSplitsAnAnswer) {
+  std::atomic<int> factor{1};
+  std::atomic<bool> in_batch{false};
+  std::atomic<int> overlaps{0};
+  Batcher::Executor executor = [&](int, std::span<const worker::RowChunk> chunks) {
+    in_batch.store(true);
+    const float f = static_cast<float>(factor.load());
+    for (const auto& c : chunks) {
+      for (int64_t i = 0; i < c.rows * kHidden; ++i) c.output[i] = f * c.input[i];
+    }
+    absl::SleepFor(absl::Microseconds(200));
+    in_batch.store(false);
+    return absl::OkStatus();
+  };
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  std::mt19937 rng(std::random_device{}());
+  {
+    Batcher b(Options(8, absl::ZeroDuration()), executor);
+    std::atomic<bool> done{false};
+    std::thread client([&] {
+      for (int i = 0; i < 300; ++i) {
+        reqs.push_back(MakeRequest(1 + rng() % 19, 100.0f * (i + 1)));
+        while (!b.Enqueue(reqs.back()->task).ok()) absl::SleepFor(absl::Microseconds(50));
+        if (i % 3 == 0) absl::SleepFor(absl::Microseconds(100));
+      }
+      done.store(true);
+    });
+    for (int swap = 0; swap < 10; ++swap) {
+      absl::SleepFor(absl::Milliseconds(2));
+      ASSERT_TRUE(b.RunBetweenRequests([&] {
+                     if (in_batch.load()) overlaps.fetch_add(1);
+                     factor.fetch_add(1);
+                     return absl::OkStatus();
+                   }).ok());
+    }
+    // The barrier's own status comes back to its caller.
+    EXPECT_EQ(b.RunBetweenRequests([] { return absl::InternalError("no"); }).code(),
+              absl::StatusCode::kInternal);
+    client.join();
+    WaitDone(reqs);
+    b.Stop();
+    EXPECT_EQ(b.RunBetweenRequests([] { return absl::OkStatus(); }).code(),
+              absl::StatusCode::kUnavailable);
+  }
+  EXPECT_EQ(overlaps.load(), 0);
+  EXPECT_EQ(factor.load(), 11);
+  std::set<float> factors_seen;
+  for (const auto& r : reqs) {
+    ASSERT_EQ(r->calls, 1);
+    ASSERT_TRUE(r->status.ok()) << r->status;
+    const float f = r->out[0] / r->in[0];
+    factors_seen.insert(f);
+    for (size_t i = 0; i < r->in.size(); ++i) {
+      ASSERT_EQ(r->out[i], f * r->in[i])
+          << "row " << i / kHidden << " of a " << r->in.size() / kHidden
+          << "-row request has another factor than row 0";
+    }
+  }
+  EXPECT_GE(factors_seen.size(), 3u);  // the swaps happened while requests flowed
 }
 
 }  // namespace

@@ -31,6 +31,9 @@ struct ClusterOptions {
   ExchangeFlags exchange;
   int stalled_rank = -1;  // this worker loads, says it is ready, then sleeps stall_for
   absl::Duration stall_for = absl::ZeroDuration();
+  // WorkerOptions::open_model (weight swaps); empty: the workers refuse swaps.
+  std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(const std::string&, uint64_t)>
+      open_model;
 };
 
 Cluster Start(const ClusterOptions& o, uint64_t seed) {
@@ -61,6 +64,7 @@ void RunCluster(const ClusterOptions& o, const std::function<void(Cluster&, Coor
     EXPECT_TRUE(coordinator.Stop(absl::Now() + absl::Seconds(30)).ok());
   } else {
     WorkerOptions options;
+    options.open_model = o.open_model;
     absl::StatusOr<std::unique_ptr<Worker>> w =
         Worker::Create(*c.heap, c.layout, *c.source, options);
     ASSERT_TRUE(w.ok()) << w.status();
@@ -124,6 +128,58 @@ TEST(WorkerPipeline, BatchesOfEverySizeMatchTheReference) {
         ExpectMatchesReference(*c.source, c.source->config().moe_layers[layer_pos], x, out, tokens);
       }
     }
+  });
+}
+
+// Weight swaps: all workers switch together; when one worker cannot load (here: the last
+// one refuses seed 666), none switches and the served weights go on answering; a model of
+// another shape is refused by every worker; the exchange stays healthy throughout.
+TEST(WorkerPipeline, WeightSwapsAreAllOrNothing) {
+  ClusterOptions o;
+  o.open_model = [](const std::string& spec,
+                    uint64_t seed) -> absl::StatusOr<std::unique_ptr<model::WeightSource>> {
+    int rank = 0, size = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (seed == 666 && rank == size - 1) return absl::DataLossError("seed 666 refused here");
+    return model::OpenModel(spec, seed);
+  };
+  RunCluster(o, [](Cluster& c, Coordinator& coord) {
+    std::mt19937_64 rng(std::random_device{}());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int64_t h = c.source->config().layer.hidden_size;
+    auto run_and_check = [&](const model::WeightSource& expected) {
+      const int64_t tokens = 37;
+      std::vector<float> x(tokens * h), out(tokens * h, NAN);
+      for (float& v : x) v = u(rng);
+      RowChunk chunk{x.data(), out.data(), tokens};
+      absl::StatusOr<BatchTrace> trace =
+          coord.Run(1, std::span<const RowChunk>(&chunk, 1), absl::Now() + absl::Seconds(60));
+      ASSERT_TRUE(trace.ok()) << trace.status();
+      ExpectMatchesReference(expected, expected.config().moe_layers[1], x, out, tokens);
+    };
+    const uint64_t seed = rng() % 1000 + 1000;
+    std::unique_ptr<model::WeightSource> next = *model::OpenModel("synthetic:tiny", seed);
+    ASSERT_TRUE(coord.SwapWeights("synthetic:tiny", seed, absl::Now() + absl::Seconds(60)).ok());
+    run_and_check(*next);
+
+    absl::Status refused =
+        coord.SwapWeights("synthetic:tiny", 666, absl::Now() + absl::Seconds(60));
+    EXPECT_EQ(refused.code(), absl::StatusCode::kDataLoss) << refused;
+    EXPECT_NE(refused.message().find("seed 666 refused here"), std::string::npos) << refused;
+    EXPECT_TRUE(coord.healthy());
+    run_and_check(*next);
+
+    absl::Status shape =
+        coord.SwapWeights("synthetic:tiny-grouped", seed, absl::Now() + absl::Seconds(60));
+    EXPECT_EQ(shape.code(), absl::StatusCode::kFailedPrecondition) << shape;
+    EXPECT_TRUE(coord.healthy());
+    run_and_check(*next);
+
+    // Back to the weights it started with.
+    ASSERT_TRUE(coord.SwapWeights("synthetic:tiny", 0, absl::Now() + absl::Seconds(60)).code() ==
+                absl::StatusCode::kOk);
+    run_and_check(*model::OpenModel("synthetic:tiny", 0).value());
   });
 }
 
