@@ -323,8 +323,10 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
   int64_t rows = 0;
   for (const worker::RowChunk& c : chunks) rows += c.rows;
   metrics_->SetQueueTokens(batcher_->queued_tokens());
+  std::unique_lock<std::mutex> exec(exec_mu_);
   absl::StatusOr<worker::BatchTrace> trace =
       coordinator_->Run(layer_pos, chunks, absl::Now() + options_.batch_timeout);
+  exec.unlock();
   if (!trace.ok()) {
     if (!coordinator_->healthy()) {
       SetReady(false);
@@ -351,9 +353,37 @@ absl::Status FrontEnd::SwapWeights(const std::string& model, std::optional<uint6
   }
   common::LogInfo(absl::StrCat("loading the weights of ", model.substr(0, 128), " (seed ", s,
                                ") on every worker"));
-  absl::Status status = batcher_->RunBetweenRequests([&] {
-    return coordinator_->SwapWeights(model, s, absl::Now() + options_.weight_swap_timeout);
-  });
+  // Loading runs on the workers beside the batches; each coordinator step runs between
+  // batches (exec_mu_), and the switch between requests.
+  const absl::Time deadline = absl::Now() + options_.weight_swap_timeout;
+  auto between_batches = [&](auto step) {
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    return step();
+  };
+  absl::Status status =
+      between_batches([&] { return coordinator_->BeginStage(model, s, deadline); });
+  while (status.ok()) {
+    absl::StatusOr<bool> done = between_batches([&] { return coordinator_->StageDone(); });
+    if (!done.ok()) {
+      status = done.status();
+    } else if (*done) {
+      break;
+    } else if (absl::Now() > deadline) {
+      status = absl::DeadlineExceededError(
+          absl::StrCat("the workers did not load the new weights within ",
+                       absl::FormatDuration(options_.weight_swap_timeout)));
+    } else {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+  if (status.ok()) {
+    status = batcher_->RunBetweenRequests(
+        [&] { return between_batches([&] { return coordinator_->EndStage(true, deadline); }); });
+  } else if (coordinator_->healthy()) {
+    absl::Status discarded =
+        between_batches([&] { return coordinator_->EndStage(false, deadline); });
+    if (!discarded.ok()) status = discarded;
+  }
   const absl::Duration took = absl::Now() - start;
   metrics_->ObserveWeightSwap(status.code(), took);
   if (!status.ok()) {

@@ -131,9 +131,9 @@ class FrontEnd {
   absl::Status Init(const ServedModel& model, Batcher::Executor executor);
   absl::Status RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
   void SetReady(bool ready);
-  // RepositoryModelLoad with new weights: checks them here (they open, same shape), then
-  // swaps every worker's weights between requests (Batcher::RunBetweenRequests,
-  // Coordinator::SwapWeights). One at a time.
+  // RepositoryModelLoad with new weights: checks them here (they open, same shape), has the
+  // workers load them beside the serving ones while batches go on, then switches every
+  // worker between requests (Batcher::RunBetweenRequests). One at a time.
   absl::Status SwapWeights(const std::string& model, std::optional<uint64_t> seed);
   // The stall monitor's thread: readiness follows the workers' heartbeats.
   void WatchHeartbeats(int num_workers);
@@ -144,6 +144,7 @@ class FrontEnd {
   ModelOpener open_model_;                  // empty: no weight swaps
   uint64_t default_seed_ = 0;
   std::mutex swap_mu_;  // one SwapWeights at a time
+  std::mutex exec_mu_;  // held while the coordinator runs a batch or a weight swap's step
   std::unique_ptr<Metrics> metrics_;
   Statistics statistics_;
   std::unique_ptr<Batcher> batcher_;

@@ -208,8 +208,7 @@ absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::SwapWeights(const std::string& model, uint64_t seed,
-                                      absl::Time deadline) {
+absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, absl::Time deadline) {
   if (!healthy_) {
     return absl::UnavailableError(
         "the expert workers stopped answering; the service needs a restart");
@@ -226,19 +225,55 @@ absl::Status Coordinator::SwapWeights(const std::string& model, uint64_t seed,
     absl::Status s = heap_.Put(w + 1, layout_.control, &message, sizeof(message));
     if (!s.ok()) return Fail(s.ToString());
   }
-  absl::Status staged = Control(BatchOp::kStage, deadline);
-  if (!healthy_) return staged;
-  if (!staged.ok()) {
-    // Every worker drops what it staged (one that failed has nothing staged).
-    absl::Status discarded = Control(BatchOp::kDiscard, deadline);
-    return discarded.ok() || !healthy_ ? staged : discarded;
+  absl::Status s = Control(BatchOp::kStage, deadline);
+  stage_seq_ = seq_;
+  return s;
+}
+
+absl::StatusOr<bool> Coordinator::StageDone() {
+  if (stage_seq_ == 0) return absl::FailedPreconditionError("no weight swap under way");
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(layout_.stage_reports);
+  bool all = true;
+  for (int w = 0; w < layout_.shape.num_workers; ++w) {
+    if (heap_.SignalLoad(ExchangeLayout::Signal(layout_.staged, w)) < stage_seq_) {
+      all = false;
+    } else if (reports[w].status_code != 0) {
+      return absl::Status(
+          static_cast<absl::StatusCode>(reports[w].status_code),
+          std::string(reports[w].message, strnlen(reports[w].message, sizeof(reports[w].message))));
+    }
   }
-  absl::Status switched = Control(BatchOp::kSwitch, deadline);
-  if (!switched.ok() && healthy_) {
+  return all;
+}
+
+absl::Status Coordinator::EndStage(bool use_new, absl::Time deadline) {
+  stage_seq_ = 0;
+  absl::Status s = Control(use_new ? BatchOp::kSwitch : BatchOp::kDiscard, deadline);
+  if (use_new && !s.ok() && healthy_) {
     // Some workers may have switched and others not: answers could mix weights.
-    return Fail(absl::StrCat("switching to the new weights failed: ", switched.message()));
+    return Fail(absl::StrCat("switching to the new weights failed: ", s.message()));
   }
-  return switched;
+  return s;
+}
+
+absl::Status Coordinator::SwapWeights(const std::string& model, uint64_t seed,
+                                      absl::Time deadline) {
+  absl::Status s = BeginStage(model, seed, deadline);
+  while (s.ok()) {
+    absl::StatusOr<bool> done = StageDone();
+    if (!done.ok()) {
+      s = done.status();
+    } else if (*done) {
+      return EndStage(true, deadline);
+    } else if (absl::Now() > deadline) {
+      s = absl::DeadlineExceededError("the workers did not load the new weights in time");
+    } else {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+  if (!healthy_) return s;
+  absl::Status discarded = EndStage(false, deadline);
+  return discarded.ok() || !healthy_ ? s : discarded;
 }
 
 absl::Status Coordinator::Stop(absl::Time deadline) {

@@ -61,12 +61,17 @@ class Coordinator {
                                  absl::Time deadline);
 
   // Replaces every worker's weights with those of `model` (as --model names it) and `seed`,
-  // all at once: each worker loads the new weights beside the serving ones (kStage); when
-  // every one has, they switch and free the old (kSwitch); when any fails (a bad checkpoint,
-  // a shape that differs from the served model, memory for two copies lacking), every
-  // worker frees what it staged (kDiscard), the old weights go on serving and the first
-  // worker's error comes back. Call between batches, from the thread that runs them. A
-  // worker that does not answer by `deadline` turns the exchange unhealthy (UNAVAILABLE).
+  // all at once, in three steps that each run between batches (from the thread that runs
+  // them, or with it held off): BeginStage has every worker check the model and start
+  // loading it beside the serving weights while batches go on; StageDone says when every
+  // worker has loaded it (or the first worker's error); EndStage(true) makes the new weights
+  // the serving ones on every worker and frees the old, EndStage(false) frees the new ones
+  // (after any error: the old weights go on serving). A worker that does not answer by
+  // `deadline` turns the exchange unhealthy (UNAVAILABLE).
+  absl::Status BeginStage(const std::string& model, uint64_t seed, absl::Time deadline);
+  absl::StatusOr<bool> StageDone();
+  absl::Status EndStage(bool use_new, absl::Time deadline);
+  // The three steps in a row, polling StageDone every 10 ms (no batches run meanwhile).
   absl::Status SwapWeights(const std::string& model, uint64_t seed, absl::Time deadline);
 
   // Sends kStop to every worker and waits for them to acknowledge.
@@ -97,6 +102,7 @@ class Coordinator {
   shmem::SymmetricHeap& heap_;
   const ExchangeLayout layout_;
   uint64_t seq_ = 0;
+  uint64_t stage_seq_ = 0;  // the kStage's seq of a weight swap under way; 0: none
   std::atomic<bool> healthy_{true};
   // StalledWorkers' view: each worker's last heartbeat and when it last changed.
   std::mutex beat_mu_;

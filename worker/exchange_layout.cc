@@ -79,6 +79,8 @@ absl::Status Plan(const ExchangeShape& s, ExchangeLayout& l, Alloc alloc) {
       {&l.reports, w * sizeof(WorkerReport), 64},
       {&l.expert_tokens, static_cast<size_t>(s.num_experts) * sizeof(int64_t), 64},
       {&l.heartbeats, w * sig, 64},
+      {&l.staged, w * sig, 64},
+      {&l.stage_reports, w * sizeof(WorkerReport), 64},
       {&l.input, static_cast<size_t>(s.max_rows_per_worker()) * row_bytes, 4096},
       {&l.output, static_cast<size_t>(s.max_batch_tokens) * row_bytes, 4096},
       {&l.topk_ids, static_cast<size_t>(s.max_batch_tokens * s.top_k) * sizeof(int32_t), 64},

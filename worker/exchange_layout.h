@@ -59,9 +59,11 @@ struct ExchangeFlags {
 };
 
 // kRun: a batch. kStop: leave the loop. A weight swap is two-phase so that either every
-// worker switches or none does: kStage loads the weights a ControlMessage names next to the
-// serving ones, then kSwitch makes them the serving ones and frees the old (or kDiscard
-// frees the staged ones, when any worker failed to stage).
+// worker switches or none does: kStage checks the model a ControlMessage names and starts
+// loading it beside the serving weights on a thread of the worker's own (batches go on; the
+// worker reports the end of the loading through `staged`), then kSwitch makes the new
+// weights the serving ones and frees the old (or kDiscard frees the new ones, when any
+// worker failed).
 enum class BatchOp : int32_t { kRun = 1, kStop = 2, kStage = 3, kSwitch = 4, kDiscard = 5 };
 
 // Written by rank 0 into each worker's segment before a kStage: the model to load, as
@@ -108,6 +110,10 @@ struct ExchangeLayout {
   // uint64[W], 64 bytes apart: worker w's heartbeat, advanced every kHeartbeatInterval by a
   // thread of its own while it lives (backends with load/store access to rank 0's segment).
   size_t heartbeats;
+  // uint64[W] signals and WorkerReport[W]: worker w's loading of a weight swap's new weights
+  // ended (the kStage's batch seq), with its outcome.
+  size_t staged;
+  size_t stage_reports;
   // data
   size_t input;         // float[max_rows_per_worker][H] (worker segments), written by rank 0
   size_t output;        // float[max_batch_tokens][H] (rank 0's segment), written by owners

@@ -96,29 +96,83 @@ absl::Status Worker::CheckRoomForSecondCopy() const {
   return absl::OkStatus();
 }
 
-absl::Status Worker::Stage() {
-  staged_.clear();
+Worker::~Worker() {
+  if (loader_.joinable()) loader_.join();
+}
+
+absl::Status Worker::Stage(uint64_t seq) {
+  EPSERVE_RETURN_IF_ERROR(EndStage(false));  // a swap rank 0 gave up on
   if (!options_.open_model) {
     return absl::UnimplementedError("this worker was started without a model loader");
   }
   const ControlMessage& msg = *heap_.LocalAs<ControlMessage>(layout_.control);
   const std::string spec(msg.model, std::min<size_t>(msg.model_bytes, ControlMessage::kMaxModel));
-  absl::StatusOr<std::unique_ptr<model::WeightSource>> source = options_.open_model(spec, msg.seed);
+  const uint64_t seed = msg.seed;
+  absl::StatusOr<std::unique_ptr<model::WeightSource>> source = options_.open_model(spec, seed);
   if (!source.ok()) return source.status();
   EPSERVE_RETURN_IF_ERROR(model::CheckSameShape(model_, (*source)->config()));
   EPSERVE_RETURN_IF_ERROR(CheckRoomForSecondCopy());
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::vector<Layer>> layers = LoadLayers(**source);
-  if (!layers.ok()) {
-    return absl::Status(layers.status().code(), absl::StrCat("loading ", spec.substr(0, 128), ": ",
-                                                             layers.status().message()));
-  }
-  staged_ = *std::move(layers);
-  staged_model_ = (*source)->config();
-  common::LogInfo(absl::StrCat("worker ", me_, ": staged the weights of ", spec.substr(0, 128),
-                               " (seed ", msg.seed, ") in ",
-                               absl::FormatDuration(absl::Now() - start)));
+  stage_seq_ = seq;
+  stage_published_ = false;
+  load_done_.store(false);
+  loader_ = std::thread([this, spec, seed, src = *std::move(source)] {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<Layer>> layers = LoadLayers(*src);
+    if (layers.ok()) {
+      staged_ = *std::move(layers);
+      staged_model_ = src->config();
+      common::LogInfo(absl::StrCat(
+          "worker ", me_, ": loaded the weights of ", spec.substr(0, 128), " (seed ", seed, ") in ",
+          absl::FormatDuration(absl::Now() - start), " beside the serving ones"));
+    } else {
+      load_status_ = absl::Status(
+          layers.status().code(),
+          absl::StrCat("loading ", spec.substr(0, 128), ": ", layers.status().message()));
+    }
+    load_done_.store(true, std::memory_order_release);
+  });
   return absl::OkStatus();
+}
+
+absl::Status Worker::PublishStage() {
+  if (stage_seq_ == 0 || stage_published_ || !load_done_.load(std::memory_order_acquire)) {
+    return absl::OkStatus();
+  }
+  WorkerReport report;
+  std::memset(&report, 0, sizeof(report));
+  if (!load_status_.ok()) {
+    report.status_code = static_cast<int32_t>(load_status_.code());
+    const std::string msg =
+        absl::StrCat("worker ", me_, " (rank ", rank_, "): ", load_status_.message());
+    std::strncpy(report.message, msg.c_str(), sizeof(report.message) - 1);
+  }
+  EPSERVE_RETURN_IF_ERROR(
+      heap_.Put(0, layout_.stage_reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
+                sizeof(report)));
+  EPSERVE_RETURN_IF_ERROR(
+      heap_.SignalSet(0, ExchangeLayout::Signal(layout_.staged, me_), stage_seq_));
+  stage_published_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status Worker::EndStage(bool use_new) {
+  if (use_new && (stage_seq_ == 0 || !load_done_.load(std::memory_order_acquire))) {
+    return absl::FailedPreconditionError("kSwitch before the new weights were loaded");
+  }
+  if (loader_.joinable()) loader_.join();
+  absl::Status status = load_status_;
+  if (use_new && status.ok()) {
+    layers_.swap(staged_);
+    model_ = staged_model_;
+    common::LogInfo(
+        absl::StrCat("worker ", me_, ": serving the weights of ", model_.source.substr(0, 128)));
+  }
+  staged_.clear();  // the old weights' device buffers, or the unused new ones
+  stage_seq_ = 0;
+  stage_published_ = false;
+  load_status_ = absl::OkStatus();
+  malloc_trim(0);
+  return use_new ? status : absl::OkStatus();
 }
 
 absl::Status Worker::WarmUp() {
@@ -277,6 +331,7 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   while (true) {
     absl::Status wait = heap_.WaitSignal(
         layout_.batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250), "next batch", -1, idle);
+    EPSERVE_RETURN_IF_ERROR(PublishStage());
     if (absl::IsDeadlineExceeded(wait)) {
       if (stop.load()) {
         if (stop_seen == absl::InfiniteFuture()) stop_seen = absl::Now();
@@ -295,23 +350,13 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
       absl::Status s;
       switch (desc.op) {
         case BatchOp::kStage:
-          s = Stage();
+          s = Stage(seq);
           break;
         case BatchOp::kSwitch:
-          if (staged_.empty()) {
-            s = absl::FailedPreconditionError("kSwitch without staged weights");
-            break;
-          }
-          layers_.swap(staged_);
-          model_ = staged_model_;
-          staged_.clear();  // the old weights' device buffers
-          malloc_trim(0);
-          common::LogInfo(absl::StrCat("worker ", me_, ": serving the weights of ",
-                                       model_.source.substr(0, 128)));
+          s = EndStage(true);
           break;
         case BatchOp::kDiscard:
-          staged_.clear();
-          malloc_trim(0);
+          s = EndStage(false);
           break;
         default:
           s = RunBatch(desc, report);
@@ -329,6 +374,7 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
         heap_.Put(0, layout_.reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
                   sizeof(report)));
     EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, ExchangeLayout::Signal(layout_.done_seq, me_), seq));
+    EPSERVE_RETURN_IF_ERROR(PublishStage());
     if (desc.op == BatchOp::kStop) return absl::OkStatus();
   }
 }

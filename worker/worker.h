@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,6 +40,8 @@ class Worker {
  public:
   // Loads the experts this worker owns of every served layer onto its device.
   // Configuration-time: slow, allocates.
+  ~Worker();  // waits for a weight swap's loading
+
   static absl::StatusOr<std::unique_ptr<Worker>> Create(shmem::SymmetricHeap& heap,
                                                         const ExchangeLayout& layout,
                                                         const model::WeightSource& source,
@@ -73,8 +76,14 @@ class Worker {
 
   // This worker's part of every served layer of `source`, on its device.
   absl::StatusOr<std::vector<Layer>> LoadLayers(const model::WeightSource& source);
-  // kStage: loads the model the ControlMessage names into staged_ (the serving layers stay).
-  absl::Status Stage();
+  // kStage (batch `seq`): checks the model the ControlMessage names, then loads it into
+  // staged_ on loader_ (the serving layers stay and batches go on).
+  absl::Status Stage(uint64_t seq);
+  // Once loader_ has ended: its outcome into rank 0's stage_reports and staged signal (from
+  // the batch thread: the heap is used from one thread).
+  absl::Status PublishStage();
+  // kSwitch / kDiscard: the staged layers become the serving ones, or are freed.
+  absl::Status EndStage(bool use_new);
   // Host memory a second copy of this worker's weights needs, against what the host has.
   absl::Status CheckRoomForSecondCopy() const;
 
@@ -99,8 +108,15 @@ class Worker {
   int rank_ = 0;  // heap rank = me_ + 1
   std::unique_ptr<kernels::Runtime> rt_;
   std::vector<Layer> layers_;
-  std::vector<Layer> staged_;  // a weight swap's new layers between kStage and kSwitch
+  // A weight swap's new layers: loaded by loader_ (which alone touches staged_ while it
+  // runs), made serving by kSwitch.
+  std::vector<Layer> staged_;
   model::ModelConfig staged_model_;
+  std::thread loader_;
+  std::atomic<bool> load_done_{false};
+  absl::Status load_status_;  // written by loader_ before load_done_
+  uint64_t stage_seq_ = 0;    // the kStage's batch seq; 0: no swap under way
+  bool stage_published_ = false;
 
   // Device buffers, sized for the largest batch.
   absl::Duration orphan_grace_ = absl::Seconds(3);  // WorkerOptions::orphan_grace
