@@ -14,7 +14,7 @@ PACKAGES=(
   clang libclang-rt-14-dev
   python3-grpcio python3-numpy python3-protobuf python3-venv openssl
   python3-yaml iproute2 bc procps
-  g++-aarch64-linux-gnu
+  g++-aarch64-linux-gnu qemu-user libabsl-dev:arm64 libgtest-dev:arm64
 )
 
 missing=()
@@ -28,5 +28,11 @@ echo "epserve: installing ${missing[*]}" >&2
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
+# The arm64 libraries of the aarch64 test build (tests/portability/) come from Debian's
+# multiarch: the architecture is added once (on an arm64 host they are the native packages).
+if [[ " ${missing[*]}" == *":arm64"* ]] && [ "$(dpkg --print-architecture)" != arm64 ] &&
+   ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  $SUDO dpkg --add-architecture arm64
+fi
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -3,7 +3,8 @@
 # Graviton, Ampere): a syntax and type check with Debian's cross compiler against the host's
 # architecture-independent headers (abseil, gRPC, protobuf, Open MPI's mpi.h, OpenCL), so an
 # x86-only intrinsic or header outside an architecture guard fails here. It does not link or
-# run (that needs arm64 libraries). Skipped (77) without aarch64-linux-gnu-g++.
+# run; aarch64_run_test.sh does, for the targets that need no OpenCL, MPI or gRPC (there are
+# no arm64 builds of those here). Skipped (77) without aarch64-linux-gnu-g++.
 #   aarch64_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src="$1"; build="$2"
