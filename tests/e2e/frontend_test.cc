@@ -286,8 +286,34 @@ TEST_F(FrontEnd, ConfigMetadataStatisticsAndUnimplemented) {
   {
     inference::RepositoryIndexResponse resp;
     grpc::ClientContext ctx;
-    EXPECT_EQ(stub_->RepositoryIndex(&ctx, {}, &resp).error_code(),
-              grpc::StatusCode::UNIMPLEMENTED);
+    ASSERT_TRUE(stub_->RepositoryIndex(&ctx, {}, &resp).ok());
+    ASSERT_EQ(resp.models_size(), 1);
+    EXPECT_EQ(resp.models(0).name(), "moe");
+    EXPECT_EQ(resp.models(0).state(), "READY");
+  }
+  for (const auto& [model, code] :
+       {std::pair{"synthetic:qwen1.5-moe-a2.7b", grpc::StatusCode::FAILED_PRECONDITION},
+        {"synthetic:tiny", grpc::StatusCode::OK}}) {
+    // Another shape is refused; the served model again (the server's seed, so the weights
+    // the later tests' reference holds) is loaded and swapped in.
+    inference::RepositoryModelLoadRequest req;
+    req.set_model_name("moe");
+    (*req.mutable_parameters())["model"].set_string_param(model);
+    inference::RepositoryModelLoadResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(ctx);
+    EXPECT_EQ(stub_->RepositoryModelLoad(&ctx, req, &resp).error_code(), code) << model;
+    std::vector<float> x = RandomRows(9, rng_);
+    inference::ModelInferResponse answer;
+    grpc::ClientContext infer_ctx;
+    SetDeadline(infer_ctx);
+    ASSERT_TRUE(stub_->ModelInfer(&infer_ctx, Request(x, 9, "after-load"), &answer).ok());
+    EXPECT_LE(ref_.RelError(x, Floats(answer.raw_output_contents(0)).data(), 9), 1e-4);
+  }
+  {
+    inference::TraceSettingResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_EQ(stub_->TraceSetting(&ctx, {}, &resp).error_code(), grpc::StatusCode::UNIMPLEMENTED);
   }
 }
 
