@@ -26,6 +26,7 @@
 #include "shmem/heap.h"
 #include "worker/coordinator.h"
 #include "worker/exchange_layout.h"
+#include "worker/placement.h"
 #include "worker/worker.h"
 
 namespace {
@@ -281,11 +282,11 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       Log(rank, absl::StrCat("error: ", w.status().ToString()));
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    Log(rank, absl::StrCat("worker ", rank - 1, " on ", (*w)->device().Describe(), ": ",
-                           (*w)->weight_bytes(), " weight bytes (expert FFN on ",
+    Log(rank, absl::StrCat("worker ", worker::WorkerOfRank(rank), " on ", (*w)->device().Describe(),
+                           ": ", (*w)->weight_bytes(), " weight bytes (expert FFN on ",
                            (*w)->ffn_kernels(), "), resident ", ResidentBytes(), " bytes"));
-    Log(rank, absl::StrCat("worker ", rank - 1, " FFN blocking: ", (*w)->ffn_blocking(),
-                           "; kernels warmed up in ",
+    Log(rank, absl::StrCat("worker ", worker::WorkerOfRank(rank),
+                           " FFN blocking: ", (*w)->ffn_blocking(), "; kernels warmed up in ",
                            absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
     absl::Status s = (*w)->Serve(g_stop);
     if (!s.ok()) {

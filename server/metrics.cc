@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/status.h"
+#include "worker/placement.h"
 
 namespace epserve::server {
 namespace {
@@ -84,7 +85,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
   for (int w = 0; w < config.num_workers; ++w) {
     for (int s = 0; s < worker::kNumWorkerStages; ++s) {
       m->stage_seconds_[w][s] = &stages.Add(
-          {{"stage", worker::WorkerStageName(s)}, {"rank", absl::StrCat(w + 1)}}, LatencyBuckets());
+          {{"stage", worker::WorkerStageName(s)}, {"rank", absl::StrCat(worker::RankOfWorker(w))}},
+          LatencyBuckets());
     }
   }
   auto& exchange = prometheus::BuildCounter()

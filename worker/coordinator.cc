@@ -1,4 +1,5 @@
 #include "worker/coordinator.h"
+#include "worker/placement.h"
 
 #include <cstdio>
 #include <cstring>
@@ -26,16 +27,16 @@ absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, ab
   const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
   const absl::Time worker_deadline = deadline - std::min(left / 5, absl::Milliseconds(100));
   for (int w = 0; w < num_workers; ++w) {
-    const int64_t begin = total_rows * w / num_workers;
-    const int64_t end = total_rows * (w + 1) / num_workers;
+    const int64_t begin = RowSplit(total_rows, w, num_workers);
+    const int64_t end = RowSplit(total_rows, w + 1, num_workers);
     BatchDescriptor desc{};
     desc.op = op;
     desc.layer_pos = layer_pos;
     desc.row_start = begin;
     desc.num_rows = end - begin;
     desc.deadline_unix_us = absl::ToUnixMicros(worker_deadline);
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(w + 1, layout_.descriptor, &desc, sizeof(desc)));
-    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(w + 1, layout_.batch_seq, seq_));
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), layout_.descriptor, &desc, sizeof(desc)));
+    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), layout_.batch_seq, seq_));
   }
   return absl::OkStatus();
 }
@@ -110,11 +111,11 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   int w = 0;
   for (const RowChunk& c : chunks) {
     for (int64_t done = 0; done < c.rows;) {
-      while (row >= total * (w + 1) / num_workers) ++w;
-      const int64_t begin = total * w / num_workers;
-      const int64_t end = total * (w + 1) / num_workers;
+      while (row >= RowSplit(total, w + 1, num_workers)) ++w;
+      const int64_t begin = RowSplit(total, w, num_workers);
+      const int64_t end = RowSplit(total, w + 1, num_workers);
       const int64_t take = std::min(c.rows - done, end - row);
-      absl::Status s = heap_.Put(w + 1, layout_.input + (row - begin) * row_bytes,
+      absl::Status s = heap_.Put(RankOfWorker(w), layout_.input + (row - begin) * row_bytes,
                                  c.input + done * shape.hidden, take * row_bytes);
       if (!s.ok()) return Fail(s.ToString());
       row += take;
@@ -222,7 +223,7 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
   message.model_bytes = static_cast<uint32_t>(model.size());
   std::memcpy(message.model, model.data(), model.size());
   for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    absl::Status s = heap_.Put(w + 1, layout_.control, &message, sizeof(message));
+    absl::Status s = heap_.Put(RankOfWorker(w), layout_.control, &message, sizeof(message));
     if (!s.ok()) return Fail(s.ToString());
   }
   absl::Status s = Control(BatchOp::kStage, deadline);

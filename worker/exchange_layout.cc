@@ -14,7 +14,7 @@ const char* WorkerStageName(int stage) {
 ExchangeConfig ExchangeShape::exchange() const {
   ExchangeConfig c;
   c.num_workers = num_workers;
-  c.first_rank = 1;
+  c.first_rank = RankOfWorker(0);
   c.num_experts = num_experts;
   c.top_k = top_k;
   c.hidden = hidden;

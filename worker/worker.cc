@@ -30,7 +30,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
                                                        const WorkerOptions& options) {
   std::unique_ptr<Worker> w(new Worker(heap, layout, source.config(), options));
   w->rank_ = heap.rank();
-  w->me_ = heap.rank() - 1;
+  w->me_ = WorkerOfRank(heap.rank());
   w->orphan_grace_ = options.orphan_grace;
   absl::StatusOr<std::unique_ptr<Exchange>> exchange =
       Exchange::Create(heap, layout.shape.exchange(), layout.exchange, w->me_);

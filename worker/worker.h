@@ -105,7 +105,7 @@ class Worker {
   const WorkerOptions options_;
   std::unique_ptr<Exchange> exchange_;
   int me_ = 0;    // worker index
-  int rank_ = 0;  // heap rank = me_ + 1
+  int rank_ = 0;  // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;
   std::vector<Layer> layers_;
   // A weight swap's new layers: loaded by loader_ (which alone touches staged_ while it
