@@ -356,8 +356,9 @@ absl::Status FrontEnd::SwapWeights(const std::string& model, std::optional<uint6
   // Loading runs on the workers beside the batches; each coordinator step runs between
   // batches (exec_mu_), and the switch between requests.
   const absl::Time deadline = absl::Now() + options_.weight_swap_timeout;
-  auto between_batches = [&](auto step) {
+  auto between_batches = [&](auto step) -> decltype(step()) {
     std::lock_guard<std::mutex> exec(exec_mu_);
+    if (stopping_.load()) return absl::UnavailableError("the server is shutting down");
     return step();
   };
   absl::Status status =
@@ -429,6 +430,7 @@ void FrontEnd::WatchHeartbeats(int num_workers) {
 absl::Status FrontEnd::Shutdown() {
   if (shut_down_) return absl::OkStatus();
   shut_down_ = true;
+  stopping_.store(true);
   if (watcher_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(watch_mu_);
@@ -457,9 +459,14 @@ absl::Status FrontEnd::Shutdown() {
   batcher_->Stop();
   stopped.store(true);
   watchdog.join();
-  // Every accepted request has its answer: the workers stop while gRPC flushes.
-  absl::Status s = coordinator_ != nullptr ? coordinator_->Stop(absl::Now() + absl::Seconds(2))
-                                           : absl::OkStatus();
+  // Every accepted request has its answer: the workers stop while gRPC flushes. A weight
+  // swap's step waiting on the workers gives up at once (Abort), and no later one starts.
+  absl::Status s;
+  if (coordinator_ != nullptr) {
+    coordinator_->Abort();
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    s = coordinator_->Stop(absl::Now() + absl::Seconds(2));
+  }
   grpc_shutdown.join();
   return s;
 }

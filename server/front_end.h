@@ -3,6 +3,7 @@
 // coordinator.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -145,6 +146,7 @@ class FrontEnd {
   uint64_t default_seed_ = 0;
   std::mutex swap_mu_;  // one SwapWeights at a time
   std::mutex exec_mu_;  // held while the coordinator runs a batch or a weight swap's step
+  std::atomic<bool> stopping_{false};  // Shutdown began: weight swaps take no further step
   std::unique_ptr<Metrics> metrics_;
   Statistics statistics_;
   std::unique_ptr<Batcher> batcher_;

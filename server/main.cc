@@ -495,8 +495,10 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
 
-  // Rank 0's batcher thread makes the MPI calls of the rma heap while the main thread
-  // waits, so calls never overlap: SERIALIZED is enough.
+  // Rank 0's batcher thread makes the MPI calls of the rma heap, and a weight swap's thread
+  // only while it holds the lock the batches run under (FrontEnd's exec_mu_), as does the
+  // main thread's final stop; the workers' loader threads make none: calls never overlap,
+  // so SERIALIZED is enough.
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
   int rank = 0, num_ranks = 0;
