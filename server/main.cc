@@ -19,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "model/layers.h"
 #include "model/memory.h"
 #include "model/synthetic.h"
@@ -53,7 +54,26 @@ struct Flags {
   bool bf16_dot = true;
   std::string ffn_blocking;
   bool ffn_tune = true;
+  // Parsed as integers, then converted into fe (ApplyParsedFlags).
+  int64_t queue_delay_us = 0;
+  int64_t priority_levels = 0;
+  int64_t default_priority = 0;
 };
+
+// Opens a model as --model and --layers name it: at start, and for weight swaps
+// (RepositoryModelLoad), on rank 0 to check it and on every worker to load it.
+using ModelOpener = epserve::server::FrontEnd::ModelOpener;
+ModelOpener MakeModelOpener(const std::string& layers) {
+  return [layers](const std::string& spec,
+                  uint64_t seed) -> absl::StatusOr<std::unique_ptr<epserve::model::WeightSource>> {
+    absl::StatusOr<std::unique_ptr<epserve::model::WeightSource>> source =
+        epserve::model::OpenModel(spec, seed);
+    if (source.ok() && layers != "all") {
+      source = epserve::model::ServeLayers(*std::move(source), layers);
+    }
+    return source;
+  };
+}
 
 // This worker's index among the workers on its host (0 for the first), which picks its GPU
 // with --device=gpu. Collective over MPI_COMM_WORLD: every rank calls it.
@@ -163,54 +183,138 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
   return status;
 }
 
-int Run(int rank, int num_ranks, const Flags& flags) {
-  using namespace epserve;
-  // Opens a model as --model and --layers name it: at start, and for weight swaps
-  // (RepositoryModelLoad), on rank 0 to check it and on every worker to load it.
-  auto open_model = [layers = flags.layers](
-                        const std::string& spec,
-                        uint64_t seed) -> absl::StatusOr<std::unique_ptr<model::WeightSource>> {
-    absl::StatusOr<std::unique_ptr<model::WeightSource>> source = model::OpenModel(spec, seed);
-    if (source.ok() && layers != "all") source = model::ServeLayers(*std::move(source), layers);
-    return source;
-  };
-  absl::StatusOr<std::unique_ptr<model::WeightSource>> source =
-      open_model(flags.model, static_cast<uint64_t>(flags.seed));
-  if (!source.ok()) return Fail(rank, source.status());
-  const model::ModelConfig& config = (*source)->config();
-  const int num_workers = num_ranks - 1;
+// The exchange's shape for this model and these flags, checked: every rank computes the
+// same one, so all reach the same verdict.
+absl::StatusOr<epserve::worker::ExchangeShape> PlanExchange(
+    const epserve::model::ModelConfig& config, int num_workers, const Flags& flags) {
   if (num_workers < 1) {
-    return Fail(rank, absl::InvalidArgumentError(
-                          "epserve needs at least 2 ranks (rank 0 front-end + workers): "
-                          "mpirun -np 1+W epserve ..."));
+    return absl::InvalidArgumentError(
+        "epserve needs at least 2 ranks (rank 0 front-end + workers): "
+        "mpirun -np 1+W epserve ...");
   }
   if (num_workers > config.layer.num_experts) {
-    return Fail(rank, absl::InvalidArgumentError(absl::StrCat(
-                          num_workers, " workers but the model has only ", config.layer.num_experts,
-                          " experts: launch with mpirun -np <= ", config.layer.num_experts + 1)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(num_workers, " workers but the model has only ", config.layer.num_experts,
+                     " experts: launch with mpirun -np <= ", config.layer.num_experts + 1));
   }
   if (flags.fe.max_batch_tokens < 1) {
-    return Fail(rank, absl::InvalidArgumentError("--max-batch-tokens must be >= 1"));
+    return absl::InvalidArgumentError("--max-batch-tokens must be >= 1");
   }
-  worker::ExchangeShape shape;
+  epserve::worker::ExchangeShape shape;
   shape.num_workers = num_workers;
   shape.num_experts = config.layer.num_experts;
   shape.top_k = config.layer.top_k;
   shape.hidden = config.layer.hidden_size;
   shape.max_batch_tokens = flags.fe.max_batch_tokens;
-  if (absl::Status s = flags.exchange.Apply(shape); !s.ok()) return Fail(rank, s);
+  EPSERVE_RETURN_IF_ERROR(flags.exchange.Apply(shape));
   if (config.layer.shared_ffn_size == 0) shape.shared_expert_split = false;  // nothing to split
+  return shape;
+}
+
+void LogModel(const epserve::model::ModelConfig& config,
+              const epserve::worker::ExchangeShape& shape,
+              const epserve::shmem::SymmetricHeap& heap) {
+  using namespace epserve;
+  Log(0, absl::StrCat("heap ", shmem::HeapBackendName(heap.backend()), ": ",
+                      worker::ExchangeRegions::Describe(shape.exchange())));
+  Log(0, absl::StrCat("model ", config.source, ": H=", config.layer.hidden_size,
+                      " F=", config.layer.expert_ffn_size, " E=", config.layer.num_experts,
+                      " k=", config.layer.top_k, " shared F=", config.layer.shared_ffn_size,
+                      shape.shared_expert_split ? " (split over the workers)" : "", ", ",
+                      config.architecture, " MoE layers ", model::FormatLayers(config.moe_layers),
+                      ", ", shape.num_workers, " worker(s); heap ", heap.bytes_per_rank(),
+                      " bytes per rank"));
+}
+
+// Rank 0: waits for the workers, serves until a stop signal, then drains. The front-end
+// comes back through `front_end` (its teardown is slow and must not hold up the heap's).
+int ServeFrontEnd(const Flags& flags, const epserve::model::ModelConfig& config,
+                  epserve::worker::Coordinator& coordinator, size_t heap_bytes,
+                  ModelOpener open_model, std::unique_ptr<epserve::server::FrontEnd>& front_end) {
+  using namespace epserve;
+  absl::Status s = coordinator.WaitForWorkers(absl::Now() + flags.startup_timeout);
+  if (!s.ok()) {
+    Log(0, absl::StrCat("error: ", s.ToString()));
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe =
+      server::FrontEnd::Start(flags.fe, config, coordinator, static_cast<int64_t>(heap_bytes),
+                              std::move(open_model), static_cast<uint64_t>(flags.seed));
+  if (!fe.ok()) {
+    Log(0, absl::StrCat("error: ", fe.status().ToString()));
+    coordinator.Stop(absl::Now() + absl::Seconds(5)).IgnoreError();
+    return 1;
+  }
+  Log(0, absl::StrCat("serving model '", flags.fe.model_name, "' on ", (*fe)->grpc_address(),
+                      ", metrics on http://", (*fe)->metrics_address(), "/metrics"));
+  while (!g_stop.load()) absl::SleepFor(absl::Milliseconds(20));
+  Log(0, "stopping: answering requests in flight");
+  const absl::Time stop_start = absl::Now();
+  s = (*fe)->Shutdown();
+  if (!s.ok()) Log(0, absl::StrCat("workers did not stop cleanly: ", s.ToString()));
+  Log(0, absl::StrCat("stopped serving in ", absl::FormatDuration(absl::Now() - stop_start)));
+  front_end = *std::move(fe);
+  return 0;
+}
+
+// A worker rank: loads its experts onto its device and serves batches until rank 0 stops it.
+int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& heap,
+                const epserve::worker::ExchangeLayout& layout,
+                const epserve::model::WeightSource& source, epserve::kernels::DType weight_dtype,
+                int local_worker, ModelOpener open_model) {
+  using namespace epserve;
+  worker::WorkerOptions options;
+  options.device.device = flags.device;
+  options.device.local_rank = local_worker;
+  options.device.tensor_cores = flags.tensor_cores;
+  options.device.bf16_dot = flags.bf16_dot;
+  options.device.ffn_blocking = flags.ffn_blocking;
+  options.device.tune_ffn = flags.ffn_tune;
+  options.weight_dtype = weight_dtype;
+  options.open_model = std::move(open_model);
+  absl::StatusOr<std::unique_ptr<worker::Worker>> w =
+      worker::Worker::Create(heap, layout, source, options);
+  if (!w.ok()) {
+    Log(rank, absl::StrCat("error: ", w.status().ToString()));
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  const int me = worker::WorkerOfRank(rank);
+  Log(rank, absl::StrCat("worker ", me, " on ", (*w)->device().Describe(), ": ",
+                         (*w)->weight_bytes(), " weight bytes (expert FFN on ", (*w)->ffn_kernels(),
+                         "), resident ", ResidentBytes(), " bytes"));
+  Log(rank, absl::StrCat("worker ", me, " FFN blocking: ", (*w)->ffn_blocking(),
+                         "; kernels warmed up in ",
+                         absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
+  absl::Status s = (*w)->Serve(g_stop);
+  if (!s.ok()) {
+    Log(rank, s.ToString());
+    return 1;
+  }
+  return 0;
+}
+
+// Every rank: the model, the exchange's plan and the memory check (all ranks reach the same
+// verdict), the heap, then the front-end on rank 0 or a worker on the others.
+int Run(int rank, int num_ranks, const Flags& flags) {
+  using namespace epserve;
+  const ModelOpener open_model = MakeModelOpener(flags.layers);
+  absl::StatusOr<std::unique_ptr<model::WeightSource>> source =
+      open_model(flags.model, static_cast<uint64_t>(flags.seed));
+  if (!source.ok()) return Fail(rank, source.status());
+  const model::ModelConfig& config = (*source)->config();
+  absl::StatusOr<worker::ExchangeShape> shape = PlanExchange(config, num_ranks - 1, flags);
+  if (!shape.ok()) return Fail(rank, shape.status());
   absl::StatusOr<shmem::HeapBackend> backend = shmem::ParseHeapBackend(flags.exchange.heap);
   if (!backend.ok()) return Fail(rank, backend.status());
-  const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(shape);
+  const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(*shape);
   absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
   if (!memory_limit.ok()) return Fail(rank, memory_limit.status());
   absl::StatusOr<kernels::DType> weight_dtype =
       kernels::ParseDType(flags.weight_dtype, "--weight-dtype");
   if (!weight_dtype.ok()) return Fail(rank, weight_dtype.status());
   if (absl::Status s =
-          CheckMemory(config, num_workers, heap_bytes, *memory_limit,
-                      *weight_dtype == kernels::DType::kBf16, shape.shared_expert_split);
+          CheckMemory(config, shape->num_workers, heap_bytes, *memory_limit,
+                      *weight_dtype == kernels::DType::kBf16, shape->shared_expert_split);
       !s.ok()) {
     return Fail(rank, s);
   }
@@ -219,80 +323,22 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
       shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, *backend);
   if (!heap.ok()) return Fail(rank, heap.status());
-  absl::StatusOr<worker::ExchangeLayout> layout = worker::ExchangeLayout::Allocate(**heap, shape);
+  absl::StatusOr<worker::ExchangeLayout> layout = worker::ExchangeLayout::Allocate(**heap, *shape);
   if (!layout.ok()) return Fail(rank, layout.status());
-  if (rank == 0) {
-    Log(rank, absl::StrCat("heap ", shmem::HeapBackendName((*heap)->backend()), ": ",
-                           worker::ExchangeRegions::Describe(shape.exchange())));
-  }
-  if (rank == 0) {
-    Log(rank, absl::StrCat("model ", config.source, ": H=", config.layer.hidden_size,
-                           " F=", config.layer.expert_ffn_size, " E=", config.layer.num_experts,
-                           " k=", config.layer.top_k, " shared F=", config.layer.shared_ffn_size,
-                           shape.shared_expert_split ? " (split over the workers)" : "", ", ",
-                           config.architecture, " MoE layers ",
-                           model::FormatLayers(config.moe_layers), ", ", num_workers,
-                           " worker(s); heap ", (*heap)->bytes_per_rank(), " bytes per rank"));
-  }
+  if (rank == 0) LogModel(config, *shape, **heap);
 
+  // Teardown order: a worker is gone (ServeWorker returned) before the heap; rank 0's
+  // front-end after it (its teardown, the metrics server's threads, is slow, and the heap's
+  // collective free must not wait for it); the coordinator holds nothing of its own.
   int code = 0;
-  // Rank 0's front-end outlives the heap: its teardown (the metrics server's threads) is
-  // slow, and the heap's collective free must not wait for it.
   std::optional<worker::Coordinator> coordinator;
   std::unique_ptr<server::FrontEnd> front_end;
   if (rank == 0) {
     coordinator.emplace(**heap, *layout);
-    absl::Status s = coordinator->WaitForWorkers(absl::Now() + flags.startup_timeout);
-    if (!s.ok()) {
-      Log(rank, absl::StrCat("error: ", s.ToString()));
-      MPI_Abort(MPI_COMM_WORLD, 1);
-    }
-    absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe =
-        server::FrontEnd::Start(flags.fe, config, *coordinator, static_cast<int64_t>(heap_bytes),
-                                open_model, static_cast<uint64_t>(flags.seed));
-    if (!fe.ok()) {
-      Log(rank, absl::StrCat("error: ", fe.status().ToString()));
-      coordinator->Stop(absl::Now() + absl::Seconds(5)).IgnoreError();
-      code = 1;
-    } else {
-      Log(rank, absl::StrCat("serving model '", flags.fe.model_name, "' on ", (*fe)->grpc_address(),
-                             ", metrics on http://", (*fe)->metrics_address(), "/metrics"));
-      while (!g_stop.load()) absl::SleepFor(absl::Milliseconds(20));
-      Log(rank, "stopping: answering requests in flight");
-      const absl::Time stop_start = absl::Now();
-      s = (*fe)->Shutdown();
-      if (!s.ok()) Log(rank, absl::StrCat("workers did not stop cleanly: ", s.ToString()));
-      Log(rank,
-          absl::StrCat("stopped serving in ", absl::FormatDuration(absl::Now() - stop_start)));
-      front_end = *std::move(fe);
-    }
+    code = ServeFrontEnd(flags, config, *coordinator, heap_bytes, open_model, front_end);
   } else {
-    worker::WorkerOptions options;
-    options.device.device = flags.device;
-    options.device.local_rank = local_worker;
-    options.device.tensor_cores = flags.tensor_cores;
-    options.device.bf16_dot = flags.bf16_dot;
-    options.device.ffn_blocking = flags.ffn_blocking;
-    options.device.tune_ffn = flags.ffn_tune;
-    options.weight_dtype = *weight_dtype;
-    options.open_model = open_model;
-    absl::StatusOr<std::unique_ptr<worker::Worker>> w =
-        worker::Worker::Create(**heap, *layout, **source, options);
-    if (!w.ok()) {
-      Log(rank, absl::StrCat("error: ", w.status().ToString()));
-      MPI_Abort(MPI_COMM_WORLD, 1);
-    }
-    Log(rank, absl::StrCat("worker ", worker::WorkerOfRank(rank), " on ", (*w)->device().Describe(),
-                           ": ", (*w)->weight_bytes(), " weight bytes (expert FFN on ",
-                           (*w)->ffn_kernels(), "), resident ", ResidentBytes(), " bytes"));
-    Log(rank, absl::StrCat("worker ", worker::WorkerOfRank(rank),
-                           " FFN blocking: ", (*w)->ffn_blocking(), "; kernels warmed up in ",
-                           absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
-    absl::Status s = (*w)->Serve(g_stop);
-    if (!s.ok()) {
-      Log(rank, s.ToString());
-      code = 1;
-    }
+    code = ServeWorker(rank, flags, **heap, *layout, **source, *weight_dtype, local_worker,
+                       open_model);
   }
   // Leaving: if a peer is gone the collective free below could block; never hang.
   std::thread([rank] {
@@ -306,18 +352,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   return code;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // Buffers of 1 MiB and more (large requests and answers) come from mmap and go back to the
-  // system when freed. A fixed threshold also turns off glibc's adaptive one, which after the
-  // first such free serves them from the heap, where a burst of them stays resident.
-  mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  Flags flags;
-  epserve::common::FlagSet fs(
-      "epserve",
-      "Serves MoE layers over gRPC (KServe v2). Launch as one MPI job:\n"
-      "  mpirun -np 1+W epserve [flags]   (rank 0 front-end, W expert workers)");
+// The job's flags: model, addresses, batching, timeouts, device.
+void RegisterServingFlags(epserve::common::FlagSet& fs, Flags& flags) {
   fs.Add("model", &flags.model,
          "The model: a Hugging Face checkpoint folder (config.json + *.safetensors of Mixtral, "
          "Qwen2/Qwen3-MoE, DeepSeek-V2/V3 or OLMoE) or synthetic:<preset> (tiny, "
@@ -347,9 +383,8 @@ int main(int argc, char** argv) {
          "When set, written once serving: {\"grpc\": host:port, \"metrics\": host:port}");
   fs.Add("max-batch-tokens", &flags.fe.max_batch_tokens,
          "Most token rows in one batch; larger requests are split");
-  absl::Duration queue_delay = flags.fe.max_queue_delay;
-  int64_t queue_delay_us = absl::ToInt64Microseconds(queue_delay);
-  fs.Add("max-queue-delay-us", &queue_delay_us,
+  flags.queue_delay_us = absl::ToInt64Microseconds(flags.fe.max_queue_delay);
+  fs.Add("max-queue-delay-us", &flags.queue_delay_us,
          "Longest a request waits for more rows to fill its batch, in microseconds");
   fs.Add("max-queue-tokens", &flags.fe.max_queue_tokens,
          "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
@@ -365,7 +400,10 @@ int main(int argc, char** argv) {
   fs.Add("device", &flags.device,
          "OpenCL device of each worker: cpu, gpu (with several GPUs on a host, its workers take "
          "them in turn by their order on the host), or <platform>:<device>");
-  // ---- front-end flags (server/: protocol, security, limits) ----
+}
+
+// The front-end's flags (server/: protocol, security, limits).
+void RegisterFrontEndFlags(epserve::common::FlagSet& fs, Flags& flags) {
   epserve::server::FrontEndOptions& fe = flags.fe;
   fs.Add("max-request-tokens", &fe.max_request_tokens,
          "Most token rows in one request; larger ones get INVALID_ARGUMENT");
@@ -378,11 +416,11 @@ int main(int argc, char** argv) {
          "A gRPC connection without a call for this long is closed");
   fs.Add("grpc-max-connection-age", &fe.max_connection_age,
          "A gRPC connection older than this is closed once its calls finish (0: no limit)");
-  int64_t priority_levels = fe.priority_levels;
-  fs.Add("priority-levels", &priority_levels,
+  flags.priority_levels = fe.priority_levels;
+  fs.Add("priority-levels", &flags.priority_levels,
          "Request priority levels (request parameter `priority`, 1 is served first)");
-  int64_t default_priority = fe.default_priority;
-  fs.Add("default-priority", &default_priority,
+  flags.default_priority = fe.default_priority;
+  fs.Add("default-priority", &flags.default_priority,
          "Priority level of a request that names none (or priority 0)");
   fs.Add("max-stream-inflight", &fe.max_stream_inflight,
          "Requests of one ModelStreamInfer stream read but not yet answered; beyond it the "
@@ -424,8 +462,10 @@ int main(int argc, char** argv) {
          "File holding a bearer token; when set, every RPC but health needs the metadata "
          "'authorization: Bearer <token>'");
   fs.Add("grpc-reflection", &fe.reflection, "Serve gRPC server reflection");
-  // ---- end of front-end flags ----
-  // ---- kernel flags ----
+}
+
+// The kernels' flags (weights on the device, FFN kernels).
+void RegisterKernelFlags(epserve::common::FlagSet& fs, Flags& flags) {
   fs.Add("weight-dtype", &flags.weight_dtype,
          "Expert weights (routed and shared) on the workers' devices: fp32 or bf16 (rounded to "
          "nearest even once at load; the router stays fp32, sums are fp32 either way)");
@@ -446,8 +486,10 @@ int main(int argc, char** argv) {
          "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
          "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "
          "the device's default blocking instead");
-  // ---- end of kernel flags ----
-  // ---- exchange flags (shmem/, worker/: heap backend, payload dtypes, capacity) ----
+}
+
+// The exchange's flags (shmem/, worker/: heap backend, payload dtypes, capacity).
+void RegisterExchangeFlags(epserve::common::FlagSet& fs, Flags& flags) {
   fs.Add("heap", &flags.exchange.heap,
          "Symmetric heap backend: shm (shared-memory window, all ranks on one host), rma (MPI "
          "one-sided RMA, any hosts) or auto (shm when every rank shares a host)");
@@ -470,7 +512,49 @@ int main(int argc, char** argv) {
          "own tokens) or split (each worker holds 1/W of its intermediate columns and runs "
          "them on every token of the batch, which then goes to every worker: balanced and "
          "lighter on weight reads for small batches, more rows exchanged for large ones)");
-  // ---- end of exchange flags ----
+}
+
+// Every flag of epserve, bound to its field of `flags`.
+void RegisterFlags(epserve::common::FlagSet& fs, Flags& flags) {
+  RegisterServingFlags(fs, flags);
+  RegisterFrontEndFlags(fs, flags);
+  RegisterKernelFlags(fs, flags);
+  RegisterExchangeFlags(fs, flags);
+}
+
+// The fields parsed in another form than FrontEndOptions keeps them.
+void ApplyParsedFlags(Flags& flags) {
+  flags.fe.max_queue_delay = absl::Microseconds(flags.queue_delay_us);
+  // Out-of-range values stay out of range (FrontEnd::Start names the bound).
+  flags.fe.priority_levels =
+      static_cast<uint32_t>(std::clamp<int64_t>(flags.priority_levels, 0, 1001));
+  flags.fe.default_priority =
+      static_cast<uint32_t>(std::clamp<int64_t>(flags.default_priority, 0, 1002));
+  flags.fe.device = flags.device;
+}
+
+void InstallStopHandlers() {
+  struct sigaction sa {};
+  sa.sa_sigaction = OnSignal;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Buffers of 1 MiB and more (large requests and answers) come from mmap and go back to the
+  // system when freed. A fixed threshold also turns off glibc's adaptive one, which after the
+  // first such free serves them from the heap, where a burst of them stays resident.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  Flags flags;
+  epserve::common::FlagSet fs(
+      "epserve",
+      "Serves MoE layers over gRPC (KServe v2). Launch as one MPI job:\n"
+      "  mpirun -np 1+W epserve [flags]   (rank 0 front-end, W expert workers)");
+  RegisterFlags(fs, flags);
   absl::Status parsed = fs.Parse(argc, argv);
   const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
   const bool first = env_rank == nullptr || absl::string_view(env_rank) == "0";
@@ -482,18 +566,8 @@ int main(int argc, char** argv) {
     if (first) std::fprintf(stderr, "epserve: %s\n", std::string(parsed.message()).c_str());
     return 2;
   }
-  flags.fe.max_queue_delay = absl::Microseconds(queue_delay_us);
-  // Out-of-range values stay out of range (FrontEnd::Start names the bound).
-  flags.fe.priority_levels = static_cast<uint32_t>(std::clamp<int64_t>(priority_levels, 0, 1001));
-  flags.fe.default_priority = static_cast<uint32_t>(std::clamp<int64_t>(default_priority, 0, 1002));
-  flags.fe.device = flags.device;
-
-  struct sigaction sa {};
-  sa.sa_sigaction = OnSignal;
-  sa.sa_flags = SA_SIGINFO;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
+  ApplyParsedFlags(flags);
+  InstallStopHandlers();
 
   // Rank 0's batcher thread makes the MPI calls of the rma heap, and a weight swap's thread
   // only while it holds the lock the batches run under (FrontEnd's exec_mu_), as does the
