@@ -1,6 +1,8 @@
-// The one place where absl::Status becomes grpc::Status (the codes agree numerically).
+// The one place where absl::Status becomes grpc::Status (the codes agree numerically), and
+// the unary reply made of it.
 #pragma once
 
+#include <grpcpp/server_context.h>
 #include <grpcpp/support/status.h>
 
 #include <string>
@@ -16,6 +18,13 @@ inline grpc::Status ToGrpcStatus(const absl::Status& s) {
   std::string message(s.message().substr(0, kMaxMessageBytes));
   if (s.message().size() > kMaxMessageBytes) message += "... (truncated)";
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::move(message));
+}
+
+// Finishes a unary callback call with `s` at once.
+inline grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(s));
+  return reactor;
 }
 
 }  // namespace epserve::server
