@@ -36,13 +36,11 @@ std::string CodeName(absl::StatusCode code) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& config) {
-  std::unique_ptr<Metrics> m(new Metrics());
+// Requests: answers by code, their latency, queueing, batch sizes, tokens.
+void Metrics::RegisterRequestMetrics(const MetricsConfig& config) {
+  Metrics* m = this;
+  prometheus::Registry& r = *registry_;
   const std::string& model_name = config.model_name;
-  m->num_workers_ = config.num_workers;
-  m->registry_ = std::make_shared<prometheus::Registry>();
-  prometheus::Registry& r = *m->registry_;
-
   auto& requests = prometheus::BuildCounter()
                        .Name("epserve_requests_total")
                        .Help("Inference requests answered, by gRPC status code.")
@@ -74,6 +72,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
                     .Help("Token rows answered successfully.")
                     .Register(r)
                     .Add({{"model", model_name}});
+}
+
+// Batches: stage latencies per rank, bytes exchanged, per-expert load and balance.
+void Metrics::RegisterBatchMetrics(const MetricsConfig& config) {
+  Metrics* m = this;
+  prometheus::Registry& r = *registry_;
   auto& stages = prometheus::BuildHistogram()
                      .Name("epserve_stage_duration_seconds")
                      .Help("Duration of each stage of a batch, per rank (0: front-end).")
@@ -119,6 +123,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
     l.window_sum.assign(config.num_experts, 0);
     m->layers_.push_back(std::move(l));
   }
+}
+
+// The server's state: in flight, queued, workers ready, memory.
+void Metrics::RegisterStateMetrics(const MetricsConfig& config) {
+  Metrics* m = this;
+  prometheus::Registry& r = *registry_;
   m->inflight_ = &prometheus::BuildGauge()
                       .Name("epserve_inflight_requests")
                       .Help("Inference requests received and not yet answered.")
@@ -163,6 +173,13 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
                               .Help("The bound of epserve_held_bytes (--max-inflight-bytes).")
                               .Register(r)
                               .Add({});
+}
+
+// What the server did against clients and for operators: calls and connections closed, rows
+// skipped, weight swaps, build.
+void Metrics::RegisterProtectionMetrics(const MetricsConfig& /*config*/) {
+  Metrics* m = this;
+  prometheus::Registry& r = *registry_;
   auto& closed = prometheus::BuildCounter()
                      .Name("epserve_grpc_calls_closed_total")
                      .Help(
@@ -217,7 +234,18 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
       .Register(r)
       .Add({{"version", EPSERVE_VERSION}})
       .Set(1);
+}
 
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& config) {
+  std::unique_ptr<Metrics> m(new Metrics());
+  m->num_workers_ = config.num_workers;
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  prometheus::Registry& r = *m->registry_;
+
+  m->RegisterRequestMetrics(config);
+  m->RegisterBatchMetrics(config);
+  m->RegisterStateMetrics(config);
+  m->RegisterProtectionMetrics(config);
   auto& http_events = prometheus::BuildCounter()
                           .Name("epserve_metrics_http_connections_total")
                           .Help(

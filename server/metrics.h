@@ -76,6 +76,11 @@ class Metrics {
 
  private:
   Metrics() = default;
+  // Start's parts: each registers one family of series into registry_.
+  void RegisterRequestMetrics(const MetricsConfig& config);
+  void RegisterBatchMetrics(const MetricsConfig& config);
+  void RegisterStateMetrics(const MetricsConfig& config);
+  void RegisterProtectionMetrics(const MetricsConfig& config);
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsHttpServer> http_;
   std::array<prometheus::Counter*, kNumHttpEvents> http_events_{};
