@@ -126,6 +126,78 @@ int Millis(absl::Duration d) {
   return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d), INT32_MAX));
 }
 
+MetricsConfig MetricsConfigOf(const FrontEndOptions& o, const ServedModel& model) {
+  MetricsConfig metrics_config;
+  metrics_config.address = o.metrics_address;
+  metrics_config.http = o.metrics_http;
+  metrics_config.model_name = o.model_name;
+  metrics_config.num_workers = model.num_workers;
+  metrics_config.num_experts = model.num_experts;
+  metrics_config.layers = model.layers;
+  metrics_config.queue_capacity_tokens = o.max_queue_tokens;
+  return metrics_config;
+}
+
+BatcherOptions BatcherOptionsOf(const FrontEndOptions& o, const ServedModel& model) {
+  BatcherOptions batcher;
+  batcher.max_batch_tokens = o.max_batch_tokens;
+  batcher.max_queue_delay = o.max_queue_delay;
+  batcher.max_queue_tokens = o.max_queue_tokens;
+  batcher.hidden_size = model.hidden_size;
+  batcher.num_layers = static_cast<int>(model.layers.size());
+  batcher.priority_levels = o.priority_levels;
+  batcher.top_k = model.top_k;
+  return batcher;
+}
+
+ServiceOptions ServiceOptionsOf(const FrontEndOptions& o, const ServedModel& model) {
+  ServiceOptions service;
+  service.signature.name = o.model_name;
+  service.signature.hidden_size = model.hidden_size;
+  service.signature.layers = model.layers;
+  service.signature.max_request_tokens = o.max_request_tokens;
+  service.signature.priority_levels = o.priority_levels;
+  service.signature.default_priority = o.default_priority;
+  service.signature.top_k = model.top_k;
+  service.num_workers = model.num_workers;
+  service.top_k = model.top_k;
+  service.device = o.device;
+  service.max_batch_tokens = o.max_batch_tokens;
+  service.max_queue_delay = o.max_queue_delay;
+  service.max_queue_tokens = o.max_queue_tokens;
+  service.max_stream_inflight = o.max_stream_inflight;
+  service.max_inflight_bytes = EffectiveInflightBytes(o, model.hidden_size);
+  service.answer_timeout = o.answer_timeout;
+  return service;
+}
+
+// Message sizes, connection lifetimes, keepalive policy, streams per connection, handshake
+// timeout and gRPC's memory quota, from the options.
+void ApplyConnectionLimits(grpc::ServerBuilder& builder, const FrontEndOptions& o,
+                           const ServedModel& model) {
+  builder.SetMaxReceiveMessageSize(
+      static_cast<int>(EffectiveMessageBytes(o.max_request_bytes, o, model.hidden_size)));
+  builder.SetMaxSendMessageSize(
+      static_cast<int>(EffectiveMessageBytes(o.max_response_bytes, o, model.hidden_size)));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, Millis(o.max_connection_idle));
+  if (o.max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, Millis(o.max_connection_age));
+  }
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(o.keepalive_time));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, Millis(o.keepalive_timeout));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                             o.keepalive_permit_without_calls ? 1 : 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             Millis(o.http2_min_recv_ping_interval));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, o.http2_max_ping_strikes);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             Millis(o.grpc_handshake_timeout));
+  grpc::ResourceQuota quota("epserve-grpc");
+  quota.Resize(static_cast<size_t>(EffectiveGrpcQuota(o, model.hidden_size)));
+  builder.SetResourceQuota(quota);
+}
+
 }  // namespace
 
 absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_address,
@@ -176,110 +248,8 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::StartWithExecutor(
   return fe;
 }
 
-absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor) {
+void FrontEnd::StartStreamGuard() {
   const FrontEndOptions& o = options_;
-  if (absl::Status s = CheckOptions(o); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<const Authenticator>> auth =
-      Authenticator::FromFile(o.auth_token_file);
-  if (!auth.ok()) return auth.status();
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = Credentials(o);
-  if (!creds.ok()) return creds.status();
-
-  MetricsConfig metrics_config;
-  metrics_config.address = o.metrics_address;
-  metrics_config.http = o.metrics_http;
-  metrics_config.model_name = o.model_name;
-  metrics_config.num_workers = model.num_workers;
-  metrics_config.num_experts = model.num_experts;
-  metrics_config.layers = model.layers;
-  metrics_config.queue_capacity_tokens = o.max_queue_tokens;
-  absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Start(metrics_config);
-  if (!metrics.ok()) return metrics.status();
-  metrics_ = *std::move(metrics);
-
-  BatcherOptions batcher;
-  batcher.max_batch_tokens = o.max_batch_tokens;
-  batcher.max_queue_delay = o.max_queue_delay;
-  batcher.max_queue_tokens = o.max_queue_tokens;
-  batcher.hidden_size = model.hidden_size;
-  batcher.num_layers = static_cast<int>(model.layers.size());
-  batcher.priority_levels = o.priority_levels;
-  batcher.top_k = model.top_k;
-  batcher.on_rows_skipped = [m = metrics_.get()](absl::StatusCode code, int64_t rows) {
-    m->ObserveSkippedRows(code, rows);
-  };
-  batcher_ = std::make_unique<Batcher>(batcher, std::move(executor),
-                                       [this](int64_t rows, absl::Duration in, absl::Duration infer,
-                                              absl::Duration out, absl::Duration respond) {
-                                         statistics_.ObserveBatch(rows, in, infer, out);
-                                         metrics_->ObserveRespond(respond);
-                                         metrics_->SetQueueTokens(batcher_->queued_tokens());
-                                       });
-
-  ServiceOptions service;
-  service.signature.name = o.model_name;
-  service.signature.hidden_size = model.hidden_size;
-  service.signature.layers = model.layers;
-  service.signature.max_request_tokens = o.max_request_tokens;
-  service.signature.priority_levels = o.priority_levels;
-  service.signature.default_priority = o.default_priority;
-  service.signature.top_k = model.top_k;
-  service.num_workers = model.num_workers;
-  service.top_k = model.top_k;
-  service.device = o.device;
-  service.max_batch_tokens = o.max_batch_tokens;
-  service.max_queue_delay = o.max_queue_delay;
-  service.max_queue_tokens = o.max_queue_tokens;
-  service.max_stream_inflight = o.max_stream_inflight;
-  service.max_inflight_bytes = EffectiveInflightBytes(o, model.hidden_size);
-  service.answer_timeout = o.answer_timeout;
-  service_ =
-      std::make_unique<InferenceService>(service, *batcher_, metrics_.get(), statistics_, *auth);
-  if (coordinator_ != nullptr && open_model_) {
-    service_->set_weight_loader([this](const std::string& m, std::optional<uint64_t> seed) {
-      return SwapWeights(m, seed);
-    });
-  }
-  health_ = std::make_unique<HealthService>();
-
-  if (o.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(o.grpc_address, *creds, &port);
-  builder.SetMaxReceiveMessageSize(
-      static_cast<int>(EffectiveMessageBytes(o.max_request_bytes, o, model.hidden_size)));
-  builder.SetMaxSendMessageSize(
-      static_cast<int>(EffectiveMessageBytes(o.max_response_bytes, o, model.hidden_size)));
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, Millis(o.max_connection_idle));
-  if (o.max_connection_age > absl::ZeroDuration()) {
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, Millis(o.max_connection_age));
-  }
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(o.keepalive_time));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, Millis(o.keepalive_timeout));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
-                             o.keepalive_permit_without_calls ? 1 : 0);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                             Millis(o.http2_min_recv_ping_interval));
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, o.http2_max_ping_strikes);
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
-  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                             Millis(o.grpc_handshake_timeout));
-  grpc::ResourceQuota quota("epserve-grpc");
-  quota.Resize(static_cast<size_t>(EffectiveGrpcQuota(o, model.hidden_size)));
-  builder.SetResourceQuota(quota);
-  if ((*auth)->enabled()) {
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back((*auth)->InterceptorFactory());
-    builder.experimental().SetInterceptorCreators(std::move(creators));
-  }
-  builder.RegisterService(service_.get());
-  builder.RegisterService(health_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve gRPC on --grpc-address=", o.grpc_address));
-  }
-  grpc_address_ = absl::StrCat(o.grpc_address.substr(0, o.grpc_address.rfind(':')), ":", port);
   StreamGuardOptions guard;
   guard.max_streams = o.max_concurrent_streams;
   guard.max_connections = o.max_connections;
@@ -298,6 +268,61 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
     return s->CallsOf(peer);
   };
   stream_guard_ = std::make_unique<StreamGuard>(guard, std::move(guard_callbacks));
+}
+
+absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor) {
+  const FrontEndOptions& o = options_;
+  if (absl::Status s = CheckOptions(o); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<const Authenticator>> auth =
+      Authenticator::FromFile(o.auth_token_file);
+  if (!auth.ok()) return auth.status();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = Credentials(o);
+  if (!creds.ok()) return creds.status();
+
+  absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Start(MetricsConfigOf(o, model));
+  if (!metrics.ok()) return metrics.status();
+  metrics_ = *std::move(metrics);
+
+  BatcherOptions batcher = BatcherOptionsOf(o, model);
+  batcher.on_rows_skipped = [m = metrics_.get()](absl::StatusCode code, int64_t rows) {
+    m->ObserveSkippedRows(code, rows);
+  };
+  batcher_ = std::make_unique<Batcher>(batcher, std::move(executor),
+                                       [this](int64_t rows, absl::Duration in, absl::Duration infer,
+                                              absl::Duration out, absl::Duration respond) {
+                                         statistics_.ObserveBatch(rows, in, infer, out);
+                                         metrics_->ObserveRespond(respond);
+                                         metrics_->SetQueueTokens(batcher_->queued_tokens());
+                                       });
+
+  service_ = std::make_unique<InferenceService>(ServiceOptionsOf(o, model), *batcher_,
+                                                metrics_.get(), statistics_, *auth);
+  if (coordinator_ != nullptr && open_model_) {
+    service_->set_weight_loader([this](const std::string& m, std::optional<uint64_t> seed) {
+      return SwapWeights(m, seed);
+    });
+  }
+  health_ = std::make_unique<HealthService>();
+
+  if (o.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.grpc_address, *creds, &port);
+  ApplyConnectionLimits(builder, o, model);
+  if ((*auth)->enabled()) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back((*auth)->InterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
+  builder.RegisterService(service_.get());
+  builder.RegisterService(health_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve gRPC on --grpc-address=", o.grpc_address));
+  }
+  grpc_address_ = absl::StrCat(o.grpc_address.substr(0, o.grpc_address.rfind(':')), ":", port);
+  StartStreamGuard();
   metrics_->SetWorkersReady(model.num_workers);
   SetReady(true);
   if (coordinator_ != nullptr) {

@@ -130,6 +130,8 @@ class FrontEnd {
   FrontEnd(FrontEndOptions options, worker::Coordinator* coordinator)
       : options_(std::move(options)), coordinator_(coordinator) {}
   absl::Status Init(const ServedModel& model, Batcher::Executor executor);
+  // Closes connections beyond the stream and connection bounds (server/stream_guard.h).
+  void StartStreamGuard();
   absl::Status RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
   void SetReady(bool ready);
   // RepositoryModelLoad with new weights: checks them here (they open, same shape), has the
