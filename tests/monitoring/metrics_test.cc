@@ -8,6 +8,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "tests/common/http_get.h"
 #include "tests/e2e/reference.h"
@@ -61,9 +63,20 @@ TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
     grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
     ASSERT_EQ(s.ok(), i < kGood) << s.error_message();
   }
-  const std::string text = HttpGet((*server)->metrics_address(), "/metrics");
-  ASSERT_FALSE(text.empty());
-  const std::map<std::string, double> m = ParseMetrics(text);
+  // A batch's respond stage is recorded just after its requests are answered: scrape until
+  // the last one is (at most 10 s).
+  std::map<std::string, double> m;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(10);;) {
+    const std::string text = HttpGet((*server)->metrics_address(), "/metrics");
+    ASSERT_FALSE(text.empty());
+    m = ParseMetrics(text);
+    if (Sum(m, "epserve_stage_duration_seconds_count", {"stage=\"respond\"", "rank=\"0\""}) ==
+            Sum(m, "epserve_batch_tokens_count") ||
+        absl::Now() > give_up) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   EXPECT_EQ(Sum(m, "epserve_requests_total", {"code=\"OK\""}), kGood);
   EXPECT_EQ(Sum(m, "epserve_requests_total", {"code=\"INVALID_ARGUMENT\""}), kBad);
   EXPECT_EQ(Sum(m, "epserve_requests_total"), kGood + kBad);
