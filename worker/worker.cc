@@ -379,8 +379,73 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   }
 }
 
-absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report) {
+// The route stage (n > 0 rows): this worker's rows through the router; the routing goes to
+// rank 0 too (outputs topk_ids, topk_weights).
+absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, const float* x_in) {
   const int k = cfg_.top_k;
+  const int64_t n = desc.num_rows;
+  const size_t row_bytes = static_cast<size_t>(cfg_.hidden_size) * sizeof(float);
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, x_in, n * row_bytes));
+  EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, n, ids_, weights_));
+  EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
+  EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
+  // The done signal completes these Puts.
+  const size_t routing_bytes = static_cast<size_t>(n * k) * sizeof(int32_t);
+  const size_t at = static_cast<size_t>(desc.row_start * k) * sizeof(int32_t);
+  EPSERVE_RETURN_IF_ERROR(heap_.Put(0, layout_.topk_ids + at, ids_host_.data(), routing_bytes));
+  return heap_.Put(0, layout_.topk_weights + at, weights_host_.data(), routing_bytes);
+}
+
+// The expert step of a batch (Exchange::ExpertStep): the rows this worker received through
+// its experts' FFN and the weighted combine, plus the shared expert's slice when it is split.
+absl::Status Worker::ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
+                                float* out) {
+  const int k = cfg_.top_k;
+  const int64_t hidden = cfg_.hidden_size;
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  if (in.rows == 0) return absl::OkStatus();
+  // BF16 rows go to the device as they came (the FFN widens them exactly); others as fp32,
+  // and so do BF16 rows when the shared expert's slice (FP32 input) runs on them too.
+  kernels::RowFormat x_format;
+  const void* rows = in.Fp32Rows();
+  size_t rows_bytes = in.rows * row_bytes;
+  if (in.dtype == PayloadType::kBf16 && !split_shared) {
+    rows = in.payload;
+    rows_bytes = in.rows * in.row_bytes;
+    x_format = {kernels::DType::kBf16, static_cast<int64_t>(in.row_bytes / sizeof(uint16_t))};
+  } else if (rows == nullptr || !x_recv_host_.empty()) {
+    in.Decode(0, in.rows, x_recv_host_.data());
+    rows = x_recv_host_.data();
+  }
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, rows, rows_bytes));
+  if (in.pairs > 0) {
+    EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, in.pair_row, in.pairs * sizeof(int32_t)));
+  }
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, in.pair, in.rows * k * sizeof(int32_t)));
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_weight_, 0, in.weight, in.rows * k * sizeof(float)));
+  EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_,
+                                             in.expert_offsets, h_, y_, x_format));
+  EPSERVE_RETURN_IF_ERROR(
+      kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows, k, hidden, out_recv_));
+  if (split_shared) {
+    EPSERVE_RETURN_IF_ERROR(
+        kernels::SharedExpertFfn(*rt_, layer.shared, x_recv_, in.rows, shared_h_, shared_y_));
+    EPSERVE_RETURN_IF_ERROR(kernels::AddInto(*rt_, shared_y_, in.rows * hidden, out_recv_));
+  }
+  return rt_->Read(out_recv_, 0, out, in.rows * row_bytes);
+}
+
+// Pairs per local expert in the last batch, into rank 0's expert_tokens.
+absl::Status Worker::PublishExpertLoad(const ExchangeStats& stats) {
+  const ExpertPlacement& placement = exchange_->placement();
+  expert_tokens_.assign(stats.expert_pairs.begin(), stats.expert_pairs.end());
+  expert_tokens_.resize(placement.count(me_), 0);
+  return heap_.Put(
+      0, layout_.expert_tokens + static_cast<size_t>(placement.first(me_)) * sizeof(int64_t),
+      expert_tokens_.data(), expert_tokens_.size() * sizeof(int64_t));
+}
+
+absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report) {
   const int64_t hidden = cfg_.hidden_size;
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
   const int64_t n = desc.num_rows;
@@ -393,21 +458,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   const absl::Time deadline = absl::FromUnixMicros(desc.deadline_unix_us);
   const float* x_in = heap_.LocalAs<float>(layout_.input);
 
-  // ---- route ----
   absl::Time t0 = absl::Now();
-  if (n > 0) {
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, x_in, n * row_bytes));
-    EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, n, ids_, weights_));
-    EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
-    // The routing goes back to rank 0 too (outputs topk_ids, topk_weights); the done signal
-    // completes these Puts.
-    const size_t routing_bytes = static_cast<size_t>(n * k) * sizeof(int32_t);
-    const size_t at = static_cast<size_t>(desc.row_start * k) * sizeof(int32_t);
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(0, layout_.topk_ids + at, ids_host_.data(), routing_bytes));
-    EPSERVE_RETURN_IF_ERROR(
-        heap_.Put(0, layout_.topk_weights + at, weights_host_.data(), routing_bytes));
-  }
+  if (n > 0) EPSERVE_RETURN_IF_ERROR(Route(layer, desc, x_in));
   report.stage_ns[kRoute] = NanosSince(t0);
 
   // ---- exchange: layout, dispatch, expert FFN, combine ----
@@ -428,37 +480,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
       return rt_->Read(shared_y_, 0, y, n * row_bytes);
     };
   }
-  const Exchange::ExpertStep experts = [&](const ReceivedRows& in, float* out) -> absl::Status {
-    if (in.rows == 0) return absl::OkStatus();
-    // BF16 rows go to the device as they came (the FFN widens them exactly); others as fp32,
-    // and so do BF16 rows when the shared expert's slice (FP32 input) runs on them too.
-    kernels::RowFormat x_format;
-    const void* rows = in.Fp32Rows();
-    size_t rows_bytes = in.rows * row_bytes;
-    if (in.dtype == PayloadType::kBf16 && !split_shared) {
-      rows = in.payload;
-      rows_bytes = in.rows * in.row_bytes;
-      x_format = {kernels::DType::kBf16, static_cast<int64_t>(in.row_bytes / sizeof(uint16_t))};
-    } else if (rows == nullptr || !x_recv_host_.empty()) {
-      in.Decode(0, in.rows, x_recv_host_.data());
-      rows = x_recv_host_.data();
-    }
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, rows, rows_bytes));
-    if (in.pairs > 0) {
-      EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, in.pair_row, in.pairs * sizeof(int32_t)));
-    }
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, in.pair, in.rows * k * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_weight_, 0, in.weight, in.rows * k * sizeof(float)));
-    EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_,
-                                               in.expert_offsets, h_, y_, x_format));
-    EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows,
-                                                     k, hidden, out_recv_));
-    if (split_shared) {
-      EPSERVE_RETURN_IF_ERROR(
-          kernels::SharedExpertFfn(*rt_, layer.shared, x_recv_, in.rows, shared_h_, shared_y_));
-      EPSERVE_RETURN_IF_ERROR(kernels::AddInto(*rt_, shared_y_, in.rows * hidden, out_recv_));
-    }
-    return rt_->Read(out_recv_, 0, out, in.rows * row_bytes);
+  const Exchange::ExpertStep experts = [&](const ReceivedRows& in, float* out) {
+    return ExpertStep(layer, split_shared, in, out);
   };
   ExchangeStats stats;
   EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
@@ -467,12 +490,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
     EPSERVE_RETURN_IF_ERROR(heap_.Put(
         0, layout_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));
   }
-  const ExpertPlacement& placement = exchange_->placement();
-  expert_tokens_.assign(stats.expert_pairs.begin(), stats.expert_pairs.end());
-  expert_tokens_.resize(placement.count(me_), 0);
-  EPSERVE_RETURN_IF_ERROR(heap_.Put(
-      0, layout_.expert_tokens + static_cast<size_t>(placement.first(me_)) * sizeof(int64_t),
-      expert_tokens_.data(), expert_tokens_.size() * sizeof(int64_t)));
+  EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(stats));
   report.stage_ns[kLayout] = stats.layout_ns;
   report.stage_ns[kDispatch] = stats.dispatch_ns;
   report.stage_ns[kExpertFfn] = stats.expert_ns;

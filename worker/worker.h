@@ -89,6 +89,12 @@ class Worker {
 
   class Heart;
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
+  // RunBatch's parts: the route stage, the expert step the exchange calls, and the expert
+  // load report to rank 0.
+  absl::Status Route(const Layer& layer, const BatchDescriptor& desc, const float* x_in);
+  absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
+                          float* out);
+  absl::Status PublishExpertLoad(const ExchangeStats& stats);
   absl::Status AllocateBuffers();
   // Runs, on one row of zeros, every device kernel RunBatch can reach for every served layer
   // (router, expert FFN from FP32 and, where rows arrive as BF16, BF16 rows, combine, the
