@@ -162,15 +162,12 @@ class ConfigReader {
   std::string path_;
 };
 
-// Fills config->layer, config->moe_layers, config->num_layers and the routing facts from
-// config.json of `family`.
-absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* config,
-                             CheckpointFacts* facts) {
-  MoeLayerConfig& c = config->layer;
-  int num_layers = 0;
-  EPSERVE_ASSIGN_OR_RETURN(c.hidden_size, r.Count("hidden_size", true, 0));
-  EPSERVE_ASSIGN_OR_RETURN(num_layers, r.Count("num_hidden_layers", true, 0));
-  EPSERVE_ASSIGN_OR_RETURN(c.top_k, r.Count("num_experts_per_tok", true, 0));
+// Reads the keys every family shares: the hidden size, the layer count, top-k, and the FFN
+// form (SwiGLU without biases, the only one served).
+absl::Status ReadCommonKeys(const ConfigReader& r, MoeLayerConfig* c, int* num_layers) {
+  EPSERVE_ASSIGN_OR_RETURN(c->hidden_size, r.Count("hidden_size", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(*num_layers, r.Count("num_hidden_layers", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(c->top_k, r.Count("num_experts_per_tok", true, 0));
   std::string act;
   EPSERVE_ASSIGN_OR_RETURN(act, r.StringOr("hidden_act", "silu"));
   if (act != "silu") {
@@ -182,6 +179,117 @@ absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* 
   EPSERVE_ASSIGN_OR_RETURN(mlp_bias, r.BoolOr("mlp_bias", false));
   if (mlp_bias)
     return r.Error("mlp_bias", "is true; expert projections with biases are not supported");
+  return absl::OkStatus();
+}
+
+// Qwen2-MoE and Qwen3-MoE: the experts, which of the `num_layers` layers are sparse
+// (decoder_sparse_step, mlp_only_layers) and Qwen2's gated shared expert.
+absl::Status ReadQwenMoeKeys(const ConfigReader& r, Family family, int num_layers,
+                             MoeLayerConfig* c, std::vector<bool>* is_moe) {
+  EPSERVE_ASSIGN_OR_RETURN(c->num_experts, r.Count("num_experts", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(c->expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(c->norm_topk_prob, r.BoolOr("norm_topk_prob", false));
+  int step = 1;
+  EPSERVE_ASSIGN_OR_RETURN(step, r.Count("decoder_sparse_step", false, 1));
+  std::vector<int64_t> mlp_only;
+  EPSERVE_ASSIGN_OR_RETURN(mlp_only, r.IntListOr("mlp_only_layers"));
+  for (int l = 0; l < num_layers; ++l) {
+    const bool listed = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
+    (*is_moe)[l] = !listed && (l + 1) % step == 0;
+  }
+  if (family == kQwen2Moe) {
+    int64_t shared = 0;
+    EPSERVE_ASSIGN_OR_RETURN(shared, r.IntOr("shared_expert_intermediate_size", 5632));
+    if (shared < 0) return r.Error("shared_expert_intermediate_size", "must be >= 0");
+    c->shared_ffn_size = shared;
+    c->shared_expert_gate = shared > 0;
+  }
+  return absl::OkStatus();
+}
+
+// DeepSeek's gate (V3 when `v3`, else V2): softmax with greedy top-k, or sigmoid with
+// grouped top-k (noaux_tc); any other pair of scoring_func and topk_method is an error.
+// Needs c->top_k and c->num_experts read.
+absl::Status ReadDeepseekRouting(const ConfigReader& r, bool v3, MoeLayerConfig* c,
+                                 CheckpointFacts* facts) {
+  bool norm = false;
+  double scale = 1.0;
+  EPSERVE_ASSIGN_OR_RETURN(norm, r.BoolOr("norm_topk_prob", v3));
+  EPSERVE_ASSIGN_OR_RETURN(scale, r.NumberOr("routed_scaling_factor", v3 ? 2.5 : 1.0));
+  EPSERVE_ASSIGN_OR_RETURN(facts->scoring_func,
+                           r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax"));
+  EPSERVE_ASSIGN_OR_RETURN(facts->topk_method,
+                           r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy"));
+  int64_t n_group = 0, topk_group = 0;
+  EPSERVE_ASSIGN_OR_RETURN(n_group, r.IntOr("n_group", v3 ? 8 : 1));
+  EPSERVE_ASSIGN_OR_RETURN(topk_group, r.IntOr("topk_group", v3 ? 4 : n_group));
+  // DeepSeek's reference renormalises only for k > 1.
+  norm = norm && c->top_k > 1;
+  const std::string& scoring = facts->scoring_func;
+  const std::string& method = facts->topk_method;
+  if (scoring == "softmax" && (method == "greedy" || method == "group_limited_greedy")) {
+    // group_limited_greedy keeps the topk_group groups with the largest max-probability
+    // expert; it only equals plain top-k when every group is kept.
+    if (method == "group_limited_greedy" && n_group > 1 && topk_group < n_group) {
+      return r.Error(
+          "topk_method",
+          absl::StrCat("is \"group_limited_greedy\" with n_group=", n_group,
+                       ", topk_group=", topk_group,
+                       ": softmax routing limited to the best groups by max score is not supported "
+                       "(supported: greedy; sigmoid + noaux_tc)"));
+    }
+    c->routing = RoutingKind::kSoftmaxTopK;
+    c->norm_topk_prob = norm;
+    // DeepSeek-V2's gate either renormalises or scales by routed_scaling_factor.
+    c->routed_scaling_factor = norm ? 1.0f : static_cast<float>(scale);
+  } else if (scoring == "sigmoid" && method == "noaux_tc") {
+    c->routing = RoutingKind::kSigmoidGroupedTopK;
+    c->norm_topk_prob = norm;
+    c->routed_scaling_factor = static_cast<float>(scale);
+    if (n_group < 1 || n_group > c->num_experts)
+      return r.Error("n_group", "must be in [1, n_routed_experts]");
+    if (topk_group < 1 || topk_group > n_group)
+      return r.Error("topk_group", "must be in [1, n_group]");
+    c->n_group = static_cast<int>(n_group);
+    c->topk_group = static_cast<int>(topk_group);
+  } else {
+    return r.Error(
+        "scoring_func",
+        absl::StrCat("is \"", scoring, "\" with topk_method \"", method,
+                     "\": supported are softmax with greedy, and sigmoid with noaux_tc"));
+  }
+  return absl::OkStatus();
+}
+
+// DeepSeek-V2 and V3: the routed and shared experts (the shared ones fused into
+// shared_ffn_size), which of the `num_layers` layers are sparse (first_k_dense_replace,
+// moe_layer_freq), then the gate.
+absl::Status ReadDeepseekKeys(const ConfigReader& r, Family family, int num_layers,
+                              MoeLayerConfig* c, CheckpointFacts* facts,
+                              std::vector<bool>* is_moe) {
+  const bool v3 = family == kDeepseekV3;
+  EPSERVE_ASSIGN_OR_RETURN(c->num_experts, r.Count("n_routed_experts", true, 0));
+  EPSERVE_ASSIGN_OR_RETURN(c->expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
+  int64_t n_shared = 0;
+  EPSERVE_ASSIGN_OR_RETURN(n_shared, r.IntOr("n_shared_experts", v3 ? 1 : 2));
+  if (n_shared < 0) return r.Error("n_shared_experts", "must be >= 0");
+  facts->n_shared_experts = static_cast<int>(n_shared);
+  c->shared_ffn_size = n_shared * c->expert_ffn_size;
+  int64_t first_dense = 0;
+  int freq = 1;
+  EPSERVE_ASSIGN_OR_RETURN(first_dense, r.IntOr("first_k_dense_replace", v3 ? 3 : 0));
+  EPSERVE_ASSIGN_OR_RETURN(freq, r.Count("moe_layer_freq", false, 1));
+  for (int l = 0; l < num_layers; ++l) (*is_moe)[l] = l >= first_dense && l % freq == 0;
+  return ReadDeepseekRouting(r, v3, c, facts);
+}
+
+// Fills config->layer, config->moe_layers, config->num_layers and the routing facts from
+// config.json of `family`.
+absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* config,
+                             CheckpointFacts* facts) {
+  MoeLayerConfig& c = config->layer;
+  int num_layers = 0;
+  EPSERVE_RETURN_IF_ERROR(ReadCommonKeys(r, &c, &num_layers));
   std::vector<bool> is_moe(num_layers, true);
   facts->scoring_func = "softmax";
 
@@ -200,90 +308,13 @@ absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* 
       break;
     }
     case kQwen2Moe:
-    case kQwen3Moe: {
-      EPSERVE_ASSIGN_OR_RETURN(c.num_experts, r.Count("num_experts", true, 0));
-      EPSERVE_ASSIGN_OR_RETURN(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
-      EPSERVE_ASSIGN_OR_RETURN(c.norm_topk_prob, r.BoolOr("norm_topk_prob", false));
-      int step = 1;
-      EPSERVE_ASSIGN_OR_RETURN(step, r.Count("decoder_sparse_step", false, 1));
-      std::vector<int64_t> mlp_only;
-      EPSERVE_ASSIGN_OR_RETURN(mlp_only, r.IntListOr("mlp_only_layers"));
-      for (int l = 0; l < num_layers; ++l) {
-        const bool listed = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
-        is_moe[l] = !listed && (l + 1) % step == 0;
-      }
-      if (family == kQwen2Moe) {
-        int64_t shared = 0;
-        EPSERVE_ASSIGN_OR_RETURN(shared, r.IntOr("shared_expert_intermediate_size", 5632));
-        if (shared < 0) return r.Error("shared_expert_intermediate_size", "must be >= 0");
-        c.shared_ffn_size = shared;
-        c.shared_expert_gate = shared > 0;
-      }
+    case kQwen3Moe:
+      EPSERVE_RETURN_IF_ERROR(ReadQwenMoeKeys(r, family, num_layers, &c, &is_moe));
       break;
-    }
     case kDeepseekV2:
-    case kDeepseekV3: {
-      const bool v3 = family == kDeepseekV3;
-      EPSERVE_ASSIGN_OR_RETURN(c.num_experts, r.Count("n_routed_experts", true, 0));
-      EPSERVE_ASSIGN_OR_RETURN(c.expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
-      int64_t n_shared = 0;
-      EPSERVE_ASSIGN_OR_RETURN(n_shared, r.IntOr("n_shared_experts", v3 ? 1 : 2));
-      if (n_shared < 0) return r.Error("n_shared_experts", "must be >= 0");
-      facts->n_shared_experts = static_cast<int>(n_shared);
-      c.shared_ffn_size = n_shared * c.expert_ffn_size;
-      int64_t first_dense = 0;
-      int freq = 1;
-      EPSERVE_ASSIGN_OR_RETURN(first_dense, r.IntOr("first_k_dense_replace", v3 ? 3 : 0));
-      EPSERVE_ASSIGN_OR_RETURN(freq, r.Count("moe_layer_freq", false, 1));
-      for (int l = 0; l < num_layers; ++l) is_moe[l] = l >= first_dense && l % freq == 0;
-      bool norm = false;
-      double scale = 1.0;
-      EPSERVE_ASSIGN_OR_RETURN(norm, r.BoolOr("norm_topk_prob", v3));
-      EPSERVE_ASSIGN_OR_RETURN(scale, r.NumberOr("routed_scaling_factor", v3 ? 2.5 : 1.0));
-      EPSERVE_ASSIGN_OR_RETURN(facts->scoring_func,
-                               r.StringOr("scoring_func", v3 ? "sigmoid" : "softmax"));
-      EPSERVE_ASSIGN_OR_RETURN(facts->topk_method,
-                               r.StringOr("topk_method", v3 ? "noaux_tc" : "greedy"));
-      int64_t n_group = 0, topk_group = 0;
-      EPSERVE_ASSIGN_OR_RETURN(n_group, r.IntOr("n_group", v3 ? 8 : 1));
-      EPSERVE_ASSIGN_OR_RETURN(topk_group, r.IntOr("topk_group", v3 ? 4 : n_group));
-      // DeepSeek's reference renormalises only for k > 1.
-      norm = norm && c.top_k > 1;
-      const std::string& scoring = facts->scoring_func;
-      const std::string& method = facts->topk_method;
-      if (scoring == "softmax" && (method == "greedy" || method == "group_limited_greedy")) {
-        // group_limited_greedy keeps the topk_group groups with the largest max-probability
-        // expert; it only equals plain top-k when every group is kept.
-        if (method == "group_limited_greedy" && n_group > 1 && topk_group < n_group) {
-          return r.Error(
-              "topk_method",
-              absl::StrCat(
-                  "is \"group_limited_greedy\" with n_group=", n_group, ", topk_group=", topk_group,
-                  ": softmax routing limited to the best groups by max score is not supported "
-                  "(supported: greedy; sigmoid + noaux_tc)"));
-        }
-        c.routing = RoutingKind::kSoftmaxTopK;
-        c.norm_topk_prob = norm;
-        // DeepSeek-V2's gate either renormalises or scales by routed_scaling_factor.
-        c.routed_scaling_factor = norm ? 1.0f : static_cast<float>(scale);
-      } else if (scoring == "sigmoid" && method == "noaux_tc") {
-        c.routing = RoutingKind::kSigmoidGroupedTopK;
-        c.norm_topk_prob = norm;
-        c.routed_scaling_factor = static_cast<float>(scale);
-        if (n_group < 1 || n_group > c.num_experts)
-          return r.Error("n_group", "must be in [1, n_routed_experts]");
-        if (topk_group < 1 || topk_group > n_group)
-          return r.Error("topk_group", "must be in [1, n_group]");
-        c.n_group = static_cast<int>(n_group);
-        c.topk_group = static_cast<int>(topk_group);
-      } else {
-        return r.Error(
-            "scoring_func",
-            absl::StrCat("is \"", scoring, "\" with topk_method \"", method,
-                         "\": supported are softmax with greedy, and sigmoid with noaux_tc"));
-      }
+    case kDeepseekV3:
+      EPSERVE_RETURN_IF_ERROR(ReadDeepseekKeys(r, family, num_layers, &c, facts, &is_moe));
       break;
-    }
   }
   config->num_layers = num_layers;
   config->moe_layers.clear();
@@ -297,6 +328,40 @@ absl::Status ReadModelConfig(const ConfigReader& r, Family family, ModelConfig* 
   if (absl::Status s = c.Validate(); !s.ok())
     return absl::InvalidArgumentError(absl::StrCat(r.path(), ": ", s.message()));
   return absl::OkStatus();
+}
+
+// The family of config.json: its model_type when known, else its first known architecture.
+// Records model_type and architectures in `facts` either way.
+absl::StatusOr<const FamilyInfo*> FindFamily(const ConfigReader& r, CheckpointFacts* facts) {
+  EPSERVE_ASSIGN_OR_RETURN(facts->model_type, r.StringOr("model_type", ""));
+  EPSERVE_ASSIGN_OR_RETURN(facts->architectures, r.StringListOr("architectures"));
+  const FamilyInfo* family = nullptr;
+  for (const FamilyInfo& f : kFamilies)
+    if (facts->model_type == f.model_type) family = &f;
+  for (const std::string& arch : facts->architectures)
+    for (const FamilyInfo& f : kFamilies)
+      if (family == nullptr && arch == f.architecture) family = &f;
+  if (family == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(r.path(), ": unsupported architecture (model_type \"", facts->model_type,
+                     "\", architectures [", absl::StrJoin(facts->architectures, ", "),
+                     "]); supported: ", SupportedList()));
+  }
+  return family;
+}
+
+// An error naming the quantization method when config.json (`root`, read from `path`) has a
+// quantization_config.
+absl::Status RefuseQuantized(const Json& root, const std::string& path) {
+  const Json* q = root.Find("quantization_config");
+  if (q == nullptr || q->is_null()) return absl::OkStatus();
+  const Json* method = q->is_object() ? q->Find("quant_method") : nullptr;
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": quantized checkpoints are not supported (quantization_config",
+                   method != nullptr && method->is_string()
+                       ? absl::StrCat(".quant_method \"", method->string(), "\"")
+                       : "",
+                   "); use an F32, BF16 or F16 checkpoint"));
 }
 
 bool SafeRelativePath(absl::string_view p) {
@@ -319,79 +384,63 @@ absl::StatusOr<std::unique_ptr<CheckpointWeights>> CheckpointWeights::Open(
   const std::string config_path = folder + "/config.json";
   EPSERVE_ASSIGN_OR_RETURN(Json root, ReadJson(config_path));
   ConfigReader r(root, config_path);
-
-  // The family: model_type when known, else the first known architecture.
-  EPSERVE_ASSIGN_OR_RETURN(w->facts_.model_type, r.StringOr("model_type", ""));
-  EPSERVE_ASSIGN_OR_RETURN(w->facts_.architectures, r.StringListOr("architectures"));
-  const FamilyInfo* family = nullptr;
-  for (const FamilyInfo& f : kFamilies)
-    if (w->facts_.model_type == f.model_type) family = &f;
-  for (const std::string& arch : w->facts_.architectures)
-    for (const FamilyInfo& f : kFamilies)
-      if (family == nullptr && arch == f.architecture) family = &f;
-  if (family == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(config_path, ": unsupported architecture (model_type \"", w->facts_.model_type,
-                     "\", architectures [", absl::StrJoin(w->facts_.architectures, ", "),
-                     "]); supported: ", SupportedList()));
-  }
-  if (r.Has("quantization_config")) {
-    const Json& q = *root.Find("quantization_config");
-    const Json* method = q.is_object() ? q.Find("quant_method") : nullptr;
-    return absl::InvalidArgumentError(
-        absl::StrCat(config_path, ": quantized checkpoints are not supported (quantization_config",
-                     method != nullptr && method->is_string()
-                         ? absl::StrCat(".quant_method \"", method->string(), "\"")
-                         : "",
-                     "); use an F32, BF16 or F16 checkpoint"));
-  }
+  EPSERVE_ASSIGN_OR_RETURN(const FamilyInfo* family, FindFamily(r, &w->facts_));
+  EPSERVE_RETURN_IF_ERROR(RefuseQuantized(root, config_path));
   w->family_ = family->family;
   w->config_.source = folder;
   w->config_.architecture = family->model_type;
-  if (absl::Status s = ReadModelConfig(r, family->family, &w->config_, &w->facts_); !s.ok())
-    return s;
+  EPSERVE_RETURN_IF_ERROR(ReadModelConfig(r, family->family, &w->config_, &w->facts_));
+  EPSERVE_RETURN_IF_ERROR(w->OpenFiles());
+  EPSERVE_RETURN_IF_ERROR(w->Index());
+  return w;
+}
 
-  // The safetensors files.
+absl::Status CheckpointWeights::OpenFiles() {
+  const std::string& folder = facts_.folder;
   const std::string index_path = folder + "/model.safetensors.index.json";
   const std::string single_path = folder + "/model.safetensors";
   if (FileExists(index_path)) {
-    w->index_file_ = "model.safetensors.index.json";
-    EPSERVE_ASSIGN_OR_RETURN(Json index, ReadJson(index_path));
-    const Json* map = index.Find("weight_map");
-    if (map == nullptr || !map->is_object())
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": no \"weight_map\" object"));
-    std::map<std::string, const SafetensorsFile*> opened;
-    for (const auto& [tensor, file] : map->members()) {
-      if (!file.is_string() || !SafeRelativePath(file.string())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            index_path, ": tensor '", tensor, "': weight_map entry is not a file in the folder"));
-      }
-      auto it = opened.find(file.string());
-      if (it == opened.end()) {
-        absl::StatusOr<std::unique_ptr<SafetensorsFile>> f =
-            SafetensorsFile::Open(folder + "/" + file.string());
-        if (!f.ok()) {
-          return absl::Status(f.status().code(),
-                              absl::StrCat(f.status().message(), " (listed in ", index_path,
-                                           " for tensor '", tensor, "')"));
-        }
-        w->facts_.files.push_back(file.string());
-        it = opened.emplace(file.string(), f->get()).first;
-        w->files_.push_back(*std::move(f));
-      }
-      w->weight_map_[tensor] = it->second;
-    }
-  } else if (FileExists(single_path)) {
+    index_file_ = "model.safetensors.index.json";
+    return OpenIndexedFiles(index_path);
+  }
+  if (FileExists(single_path)) {
     EPSERVE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f,
                              SafetensorsFile::Open(single_path));
-    w->facts_.files.push_back("model.safetensors");
-    w->files_.push_back(std::move(f));
-  } else {
-    return absl::NotFoundError(absl::StrCat(
-        folder, ": neither model.safetensors nor model.safetensors.index.json is there"));
+    facts_.files.push_back("model.safetensors");
+    files_.push_back(std::move(f));
+    return absl::OkStatus();
   }
-  if (absl::Status s = w->Index(); !s.ok()) return s;
-  return w;
+  return absl::NotFoundError(absl::StrCat(
+      folder, ": neither model.safetensors nor model.safetensors.index.json is there"));
+}
+
+absl::Status CheckpointWeights::OpenIndexedFiles(const std::string& index_path) {
+  EPSERVE_ASSIGN_OR_RETURN(Json index, ReadJson(index_path));
+  const Json* map = index.Find("weight_map");
+  if (map == nullptr || !map->is_object())
+    return absl::InvalidArgumentError(absl::StrCat(index_path, ": no \"weight_map\" object"));
+  std::map<std::string, const SafetensorsFile*> opened;
+  for (const auto& [tensor, file] : map->members()) {
+    if (!file.is_string() || !SafeRelativePath(file.string())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          index_path, ": tensor '", tensor, "': weight_map entry is not a file in the folder"));
+    }
+    auto it = opened.find(file.string());
+    if (it == opened.end()) {
+      absl::StatusOr<std::unique_ptr<SafetensorsFile>> f =
+          SafetensorsFile::Open(facts_.folder + "/" + file.string());
+      if (!f.ok()) {
+        return absl::Status(f.status().code(),
+                            absl::StrCat(f.status().message(), " (listed in ", index_path,
+                                         " for tensor '", tensor, "')"));
+      }
+      facts_.files.push_back(file.string());
+      it = opened.emplace(file.string(), f->get()).first;
+      files_.push_back(*std::move(f));
+    }
+    weight_map_[tensor] = it->second;
+  }
+  return absl::OkStatus();
 }
 
 std::string CheckpointWeights::TensorName(int layer, TensorKind kind, int expert) const {

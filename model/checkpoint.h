@@ -73,6 +73,10 @@ class CheckpointWeights final : public WeightSource {
     std::vector<Ref> gate, up, down;  // per expert
   };
   CheckpointWeights() = default;
+  // Steps of Open, in order: OpenFiles maps the safetensors files of facts_.folder (through
+  // OpenIndexedFiles when sharded), Index finds every served tensor in them and checks it.
+  absl::Status OpenFiles();
+  absl::Status OpenIndexedFiles(const std::string& index_path);
   absl::Status Index();
   const Ref* Lookup(int layer, TensorKind kind, int expert, absl::Status* error) const;
 
