@@ -76,8 +76,7 @@ int64_t InferenceService::CallsOf(const std::string& peer) {
 void InferenceService::Reap() {
   const absl::Duration grace = std::min(absl::Seconds(1), options_.answer_timeout);
   const int64_t limit = budget_.limit();
-  int64_t high_water = 0;  // most bytes held since memory was last returned to the system
-  absl::Time last_trim = absl::Now();
+  absl::Time last_look = absl::Now();
   std::unique_lock<std::mutex> lock(reap_mu_);
   while (!reap_stop_) {
     reap_cv_.wait_for(lock, std::chrono::milliseconds(100));
@@ -114,15 +113,14 @@ void InferenceService::Reap() {
         c->ctx->TryCancel();
       }
     }
-    // Memory given back: glibc keeps freed request and answer buffers in its arenas; return
-    // them after a burst once most of the peak is released.
-    const int64_t used = budget_.used();
-    high_water = std::max(high_water, used);
-    if (high_water >= (int64_t{16} << 20) && used < high_water / 4 &&
-        absl::Now() - last_trim > absl::Seconds(1)) {
-      malloc_trim(0);
-      last_trim = absl::Now();
-      high_water = used;
+    // Memory given back: glibc keeps freed buffers in its arenas (request and answer buffers
+    // under 1 MiB, and gRPC's own: a message refused at its size bound, the streams of a
+    // burst, which the budget never sees); once a second, while its arenas hold 32 MiB or
+    // more of free chunks, their pages go back to the system (a trim of pages already given
+    // back costs a walk of the free lists, well under a millisecond).
+    if (absl::Now() - last_look >= absl::Seconds(1)) {
+      last_look = absl::Now();
+      if (mallinfo2().fordblks >= (size_t{32} << 20)) malloc_trim(0);
     }
     lock.lock();
   }

@@ -478,6 +478,64 @@ def huge_strings(server):
     return out
 
 
+# ---- what each attack must show beyond the common checks (figures, counter deltas) ----
+
+def all_closed(figures, _):
+    """Every connection of the attack was closed by the server within the attack."""
+    n, closed = figures["connections"], figures["closed_by_server"]
+    return [] if closed == n else [f"the server closed {closed} of {n} connections"]
+
+
+def counted(prefix, at_least):
+    """The server's counter `prefix` (summed over its labels) grew by `at_least(figures)`."""
+    def check(figures, delta):
+        want, got = at_least(figures), counter(delta, prefix)
+        return [] if got >= want else [f"{prefix} grew by {got:.0f}, expected >= {want}"]
+    return check
+
+
+def both(*checks):
+    return lambda figures, delta: [f for c in checks for f in c(figures, delta)]
+
+
+def cancelled_rows_skipped(figures, delta):
+    """Calls that reached the server and were cancelled while queued leave before compute:
+    with at least 10 calls answered CANCELLED, some of their rows were skipped."""
+    cancelled = counter(delta, 'epserve_requests_total{code="CANCELLED"')
+    skipped = counter(delta, 'epserve_rows_skipped_total{reason="cancelled"')
+    if cancelled >= 10 and skipped == 0:
+        return [f"{cancelled:.0f} calls answered CANCELLED and no row skipped before compute"]
+    return []
+
+
+def bounded_errors(figures, _):
+    """1 MiB strings: the request id is INVALID_ARGUMENT, the model name NOT_FOUND, and neither
+    message echoes the string."""
+    out = []
+    for key, code in (("id", "INVALID_ARGUMENT"), ("name", "NOT_FOUND")):
+        got, size = figures.get(f"{key}_code"), figures.get(f"{key}_message_bytes", 1 << 30)
+        if got != code or size > 1024:
+            out.append(f"1 MiB {key}: {got} with a {size}-byte message, expected {code} "
+                       f"within 1 KiB")
+    return out
+
+
+CHECKS = {
+    "idle_connections": all_closed,
+    "slowloris_grpc": all_closed,
+    "slowloris_metrics": both(all_closed, counted(
+        'epserve_metrics_http_connections_total{event="header_timeout"',
+        lambda f: f["connections"])),
+    "idle_http2_connections": counted(
+        'epserve_grpc_connections_closed_total{reason="connection_limit"', lambda f: 1),
+    "settings_never_acked": counted(
+        'epserve_grpc_connections_closed_total{reason="stream_limit"', lambda f: 1),
+    "cancel_storm": cancelled_rows_skipped,
+    "garbage": all_closed,
+    "huge_strings": bounded_errors,
+}
+
+
 # ---- the suite ----
 
 def main():
@@ -490,6 +548,8 @@ def main():
     p.add_argument("--form", choices=["short", "full"], default="short")
     p.add_argument("--rss-budget-mib", type=float, required=True,
                    help="rank 0's resident memory may grow at most this much over idle")
+    p.add_argument("--rss-after-mib", type=float, default=64,
+                   help="rank 0's resident memory 3 s after each attack: at most this over idle")
     p.add_argument("--latency-factor", type=float, default=1.5)
     p.add_argument("--only", default="", help="comma-separated attack names")
     p.add_argument("--json", default="")
@@ -571,6 +631,10 @@ def main():
         if w.peak > idle_rss + args.rss_budget_mib:
             failures.append(f"{name}: rank 0 RSS peak {w.peak:.0f} MiB > idle {idle_rss:.0f} + "
                             f"budget {args.rss_budget_mib:.0f}")
+        if rss_after > idle_rss + args.rss_after_mib:
+            failures.append(f"{name}: rank 0 RSS {rss_after:.0f} MiB after the attack > idle "
+                            f"{idle_rss:.0f} + {args.rss_after_mib:.0f}")
+        failures += [f"{name}: {f}" for f in CHECKS.get(name, lambda fig, d: [])(figures, delta)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"without_attacks": base, "idle_rss_mib": idle_rss, "attacks": results}, f,

@@ -4,7 +4,8 @@
 # that never read their answers, a 1 GiB message, a client that never acknowledges SETTINGS,
 # garbage bytes, 1 MiB strings. Each attack runs while epserve-verify checks every answer;
 # /metrics must keep answering within 1 s and rank 0's resident memory must stay within the
-# stated bound over idle. $1: short (default) or full (label long, EPSERVE_LONG_TESTS=1).
+# stated bound over idle. $1: short (default) or full (label long, EPSERVE_LONG_TESTS=1);
+# EPSERVE_HOSTILE_ONLY=name,name runs only those attacks.
 set -euo pipefail
 form="${1:-short}"
 if [ "$form" = full ] && [ -z "${EPSERVE_LONG_TESTS:-}" ]; then
@@ -30,5 +31,5 @@ rank0=$(rank_pid $supervisor 0)
 EPSERVE_PROTO_PY="$EPSERVE_PROTO_PY" /usr/bin/python3 "$root/tests/deploy/hostile.py" \
   --grpc=127.0.0.1:$port --metrics=127.0.0.1:$metrics_port --rank0-pid=$rank0 \
   --verify="$EPSERVE_VERIFY" --form=$form --rss-budget-mib=$budget_mib \
-  --json="$dir/hostile.json" | tee "$dir/hostile.log" || fail "hostile clients: see above"
+  --json="$dir/hostile.json" ${EPSERVE_HOSTILE_ONLY:+--only=$EPSERVE_HOSTILE_ONLY} | tee "$dir/hostile.log" || fail "hostile clients: see above"
 [ "$(rank_pid $supervisor 0)" = "$rank0" ] || fail "rank 0 changed: the job was restarted"
