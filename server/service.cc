@@ -175,6 +175,8 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   resp->set_model_version("1");
   resp->set_id(req.id());
   auto task = std::make_shared<InferTask>();
+  // The shared memory regions the request reads or writes (kept mapped by the task).
+  std::vector<std::shared_ptr<const SharedMemoryRegion>> used;
   // Adds output `name` of `datatype`, shape [T, width], and returns where its bytes go: the
   // shared memory the request placed it in (its raw_output_contents entry stays empty, so
   // that entries keep lining up with outputs), or its raw_output_contents entry, sized.
@@ -187,7 +189,7 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
     out->add_shape(width);
     std::string* raw = resp->add_raw_output_contents();
     if (shm.region != nullptr) {
-      task->regions.push_back(shm.region);
+      used.push_back(shm.region);
       return shm.data;
     }
     raw->resize(static_cast<size_t>(parsed->num_tokens * width) * element_bytes);
@@ -211,7 +213,8 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
     task->topk_weights = reinterpret_cast<float*>(
         add_output(kTopkWeightsName, "FP32", k, 4, parsed->topk_weights_shm));
   }
-  if (parsed->input_region != nullptr) task->regions.push_back(parsed->input_region);
+  if (parsed->input_region != nullptr) used.push_back(parsed->input_region);
+  task->regions.assign(used.begin(), used.end());
 
   task->layer_pos = parsed->layer_pos;
   task->num_tokens = parsed->num_tokens;
@@ -223,8 +226,13 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   task->enqueued = start;
   task->deadline = std::min(deadline, start + parsed->timeout);
   task->cancelled = std::move(cancelled);
-  task->done = [this, start, tokens = parsed->num_tokens, done = std::move(done)](
-                   absl::Status s, const TaskTimes& times) {
+  task->done = [this, start, tokens = parsed->num_tokens, used = std::move(used),
+                done = std::move(done)](absl::Status s, const TaskTimes& times) {
+    // A region its owner shrank while the batcher read or wrote it (shared_memory.h): the
+    // rows are not what the client meant, so the answer is an error.
+    for (const auto& region : used) {
+      if (s.ok()) s = region->CheckIntact("a tensor in shared memory");
+    }
     const absl::Duration total = absl::Now() - start;
     if (metrics_ != nullptr) metrics_->ObserveRequest(s.code(), total, times.queue, tokens);
     statistics_.ObserveRequest(s, total, times);

@@ -6,8 +6,17 @@
 // A region stays mapped while any request uses it, even after it is unregistered. Every use
 // is checked against the registered size and, since the owner may shrink the object under us
 // (a read past its end would be SIGBUS), against the object's current size. Thread-safe.
+//
+// An owner may still shrink the object after a request was checked and before the batcher
+// reads or writes its rows. Rank 0 must not die of that: a SIGBUS handler (installed with the
+// first registration, chaining to the one before it for every other address) recognises a
+// fault inside a registered mapping, maps anonymous zero pages over the rest of that mapping,
+// so that the access goes on harmlessly, and marks the region faulted(). A faulted region is
+// refused from then on, and every request that used it is answered with an error instead of
+// the rows it could not read or write (InferenceService checks faulted() before it answers).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -36,6 +45,16 @@ class SharedMemoryRegion {
   // it and inside the object as it is now; INVALID_ARGUMENT naming `what` otherwise.
   absl::StatusOr<char*> Span(uint64_t at, uint64_t bytes, const std::string& what) const;
 
+  // True once an access past the object's end has faulted (the owner shrank it while it was
+  // in use): what was read from the region since may be zeros, and what was written may be
+  // lost. Safe to call from any thread.
+  bool faulted() const { return faulted_.load(std::memory_order_acquire); }
+  // For a request that has used the region, checked when it is answered: INVALID_ARGUMENT
+  // naming `what` when the region faulted or its object is now smaller than the region (a
+  // shrink within the last page faults no access, but the bytes past the end read as zeros
+  // and writes there are lost).
+  absl::Status CheckIntact(const std::string& what) const;
+
  private:
   friend class SharedMemoryRegistry;
   SharedMemoryRegion() = default;
@@ -44,7 +63,9 @@ class SharedMemoryRegion {
   int fd_ = -1;
   void* map_ = nullptr;  // page-aligned mapping that covers the region
   size_t map_bytes_ = 0;
-  char* data_ = nullptr;  // the region's first byte
+  char* data_ = nullptr;                      // the region's first byte
+  int guard_slot_ = -1;                       // its entry in the SIGBUS handler's table of mappings
+  mutable std::atomic<bool> faulted_{false};  // set by the SIGBUS handler
 };
 
 struct SharedMemoryStatus {

@@ -8,6 +8,7 @@ index cannot be reached, the test prints why and exits 77, which ctest reports a
 import os
 import subprocess
 import sys
+import time
 
 SKIP = 77
 
@@ -288,6 +289,95 @@ class SharedMemory(unittest.TestCase):
         got = shm.get_contents_as_numpy(h, np.uint8, [2 * n]).tobytes()[n:]
         self.assertEqual(got, self.infer_inline(x.tobytes(), tokens, "FP32"))
         self.client.unregister_system_shared_memory("unlinked")
+
+    def queued_behind_work(self, tokens, in_name, out_name, n, change):
+        """Sends a shared-memory request behind 8 inline requests of 8192 tokens (4096 batches
+        of 16 rows), calls `change()` 0.2 s later, while it is accepted and still queued, and
+        returns its result or its error; None when it was answered before the change."""
+        big = self.rng.uniform(-1, 1, size=(8192, H)).astype(np.float32)
+        done = []
+        for _ in range(8):
+            inp = triton.InferInput("hidden_states", [8192, H], "FP32")
+            inp.set_data_from_numpy(big)
+            self.client.async_infer("moe", [inp], lambda result, error: done.append(error))
+        inp = triton.InferInput("hidden_states", [tokens, H], "FP32")
+        inp.set_shared_memory(in_name, n)
+        out = triton.InferRequestedOutput("moe_output")
+        out.set_shared_memory(out_name, n)
+        answer = []
+        self.client.async_infer("moe", [inp], lambda result, error: answer.append((result, error)),
+                                outputs=[out])
+        t0 = time.time()
+        time.sleep(0.2)
+        too_late = bool(answer)
+        change()
+        deadline = time.time() + 60
+        while (not answer or len(done) < 8) and time.time() < deadline:
+            time.sleep(0.01)
+        print(f"(queued request answered {time.time() - t0:.2f} s after it was sent)",
+              flush=True)
+        self.assertEqual(done, [None] * 8, "the inline requests ahead")
+        self.assertTrue(answer, "no answer within 60 s")
+        return None if too_late else answer[0]
+
+    def test_unregistered_and_unlinked_while_queued_still_answers(self):
+        tokens, n = 5, 5 * H * 4
+        for attempt in range(3):
+            name = f"queued_{attempt}"
+            h, key = self.region(name, 2 * n)
+            x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+            shm.set_shared_memory_region(h, [x, np.full(tokens * H, np.nan, np.float32)])
+            self.client.register_system_shared_memory(name, key, 2 * n)
+
+            def change():
+                self.client.unregister_system_shared_memory(name)
+                os.unlink("/dev/shm" + key)
+            answered = self.queued_behind_work(tokens, name, name, n, change)
+            if answered is None:
+                continue  # answered before the change: try again
+            result, error = answered
+            if error is not None and error.status() == "StatusCode.NOT_FOUND":
+                continue  # unregistered before the server had the request: try again
+            self.assertIsNone(error)
+            # (the output went to the region's first n bytes, over the input: read it back)
+            got = shm.get_contents_as_numpy(h, np.uint8, [n]).tobytes()
+            self.assertEqual(got, self.infer_inline(x.tobytes(), tokens, "FP32"))
+            return
+        self.fail("3 tries: the request was never still queued when its region was unregistered")
+
+    def test_a_region_shrunk_while_queued_is_an_error_not_a_crash(self):
+        # 4 pages: the accesses past the new end of the object fault (SIGBUS but for the
+        # server's handler), except within its first page (zeros, no fault)
+        tokens, n = 64, 64 * H * 4
+        for attempt in range(3):
+            name = f"shrinking_{attempt}"
+            h, key = self.region(name, n)
+            shm.set_shared_memory_region(h, [self.rng.uniform(-1, 1, size=(tokens, H))
+                                             .astype(np.float32)])
+            self.client.register_system_shared_memory(name, key, n)
+
+            def change():
+                fd = os.open("/dev/shm" + key, os.O_RDWR)
+                os.ftruncate(fd, 16)
+                os.close(fd)
+            answered = self.queued_behind_work(tokens, name, name, n, change)
+            if answered is not None:
+                break
+            self.client.unregister_system_shared_memory(name)  # answered first: try again
+        else:
+            self.fail("3 tries: the request was never still queued when its region shrank")
+        result, error = answered
+        self.assertIsNotNone(error, "an answer from a region its owner had shrunk")
+        self.assertEqual(error.status(), "StatusCode.INVALID_ARGUMENT")
+        self.assertIn("shrunk by its owner while in use", error.message())
+        # Rank 0 lives on: the region is refused from now on, other requests are answered.
+        with self.assertRaises(InferenceServerException) as e:
+            self.infer_shm(tokens, "FP32", name, n, name, n)
+        self.assertIn("shrunk", e.exception.message())
+        self.client.unregister_system_shared_memory(name)
+        x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+        self.assertEqual(len(self.infer_inline(x.tobytes(), tokens, "FP32")), n)
+        self.assertTrue(self.client.is_server_ready())
 
 
 if __name__ == "__main__":
