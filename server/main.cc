@@ -26,7 +26,7 @@
 #include "server/front_end.h"
 #include "shmem/heap.h"
 #include "worker/coordinator.h"
-#include "worker/exchange_layout.h"
+#include "worker/heap_regions.h"
 #include "worker/placement.h"
 #include "worker/worker.h"
 
@@ -77,15 +77,16 @@ ModelOpener MakeModelOpener(const std::string& layers) {
 
 // This worker's index among the workers on its host (0 for the first), which picks its GPU
 // with --device=gpu. Collective over MPI_COMM_WORLD: every rank calls it.
-int NodeLocalWorkerIndex(int rank) {
+absl::StatusOr<int> NodeLocalWorkerIndex(int rank) {
   MPI_Comm node = MPI_COMM_NULL;
   MPI_Comm workers = MPI_COMM_NULL;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-  MPI_Comm_split(node, rank > 0 ? 1 : 0, rank, &workers);
+  EPSERVE_MPI_CHECK(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+  EPSERVE_MPI_CHECK(MPI_Comm_split(node, rank > 0 ? 1 : 0, rank, &workers));
   int index = 0;
-  MPI_Comm_rank(workers, &index);
-  MPI_Comm_free(&workers);
-  MPI_Comm_free(&node);
+  EPSERVE_MPI_CHECK(MPI_Comm_rank(workers, &index));
+  EPSERVE_MPI_CHECK(MPI_Comm_free(&workers));
+  EPSERVE_MPI_CHECK(MPI_Comm_free(&node));
   return index;
 }
 
@@ -142,20 +143,21 @@ absl::StatusOr<int64_t> ParseMemoryLimit(const std::string& text) {
 absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_workers,
                          size_t heap_bytes, int64_t limit, bool bf16_weights, bool shared_split) {
   MPI_Comm node;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  EPSERVE_MPI_CHECK(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   int node_size = 0, world_rank = 0;
-  MPI_Comm_size(node, &node_size);
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  EPSERVE_MPI_CHECK(MPI_Comm_size(node, &node_size));
+  EPSERVE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   std::vector<int> local(node_size);
-  MPI_Allgather(&world_rank, 1, MPI_INT, local.data(), 1, MPI_INT, node);
-  MPI_Comm_free(&node);
+  EPSERVE_MPI_CHECK(MPI_Allgather(&world_rank, 1, MPI_INT, local.data(), 1, MPI_INT, node));
+  EPSERVE_MPI_CHECK(MPI_Comm_free(&node));
   int64_t need = static_cast<int64_t>(heap_bytes) * node_size;
   std::string parts;
   absl::Status status;
   for (int r : local) {
     if (r == 0) continue;  // the front-end holds no expert weights
-    absl::StatusOr<epserve::model::RankMemory> m =
-        epserve::model::EstimateRankBytes(config, num_workers, r - 1, shared_split);
+    absl::StatusOr<epserve::model::RankMemory> m = epserve::model::EstimateRankBytes(
+        config, num_workers, epserve::worker::WorkerOfRank(r), shared_split);
     if (!m.ok()) {
       status = m.status();
       break;
@@ -176,7 +178,7 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
                      ": use more workers or hosts, fewer --layers, or a larger limit"));
   }
   int bad = status.ok() ? 0 : 1, any_bad = 0;
-  MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  EPSERVE_MPI_CHECK(MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
   if (status.ok() && any_bad) {
     return absl::ResourceExhaustedError("another host's ranks would exceed --memory-limit");
   }
@@ -259,7 +261,7 @@ int ServeFrontEnd(const Flags& flags, const epserve::model::ModelConfig& config,
 
 // A worker rank: loads its experts onto its device and serves batches until rank 0 stops it.
 int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& heap,
-                const epserve::worker::ExchangeLayout& layout,
+                const epserve::worker::HeapRegions& regions,
                 const epserve::model::WeightSource& source, epserve::kernels::DType weight_dtype,
                 int local_worker, ModelOpener open_model) {
   using namespace epserve;
@@ -273,7 +275,7 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
   absl::StatusOr<std::unique_ptr<worker::Worker>> w =
-      worker::Worker::Create(heap, layout, source, options);
+      worker::Worker::Create(heap, regions, source, options);
   if (!w.ok()) {
     Log(rank, absl::StrCat("error: ", w.status().ToString()));
     MPI_Abort(MPI_COMM_WORLD, 1);
@@ -302,11 +304,12 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       open_model(flags.model, static_cast<uint64_t>(flags.seed));
   if (!source.ok()) return Fail(rank, source.status());
   const model::ModelConfig& config = (*source)->config();
-  absl::StatusOr<worker::ExchangeShape> shape = PlanExchange(config, num_ranks - 1, flags);
+  absl::StatusOr<worker::ExchangeShape> shape =
+      PlanExchange(config, worker::NumWorkers(num_ranks), flags);
   if (!shape.ok()) return Fail(rank, shape.status());
   absl::StatusOr<shmem::HeapBackend> backend = shmem::ParseHeapBackend(flags.exchange.heap);
   if (!backend.ok()) return Fail(rank, backend.status());
-  const size_t heap_bytes = worker::ExchangeLayout::BytesNeeded(*shape);
+  const size_t heap_bytes = worker::HeapRegions::BytesNeeded(*shape);
   absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
   if (!memory_limit.ok()) return Fail(rank, memory_limit.status());
   absl::StatusOr<kernels::DType> weight_dtype =
@@ -319,12 +322,13 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     return Fail(rank, s);
   }
 
-  const int local_worker = NodeLocalWorkerIndex(rank);
+  const absl::StatusOr<int> local_worker = NodeLocalWorkerIndex(rank);
+  if (!local_worker.ok()) return Fail(rank, local_worker.status());
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
       shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, *backend);
   if (!heap.ok()) return Fail(rank, heap.status());
-  absl::StatusOr<worker::ExchangeLayout> layout = worker::ExchangeLayout::Allocate(**heap, *shape);
-  if (!layout.ok()) return Fail(rank, layout.status());
+  absl::StatusOr<worker::HeapRegions> regions = worker::HeapRegions::Allocate(**heap, *shape);
+  if (!regions.ok()) return Fail(rank, regions.status());
   if (rank == 0) LogModel(config, *shape, **heap);
 
   // Teardown order: a worker is gone (ServeWorker returned) before the heap; rank 0's
@@ -334,10 +338,10 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   std::optional<worker::Coordinator> coordinator;
   std::unique_ptr<server::FrontEnd> front_end;
   if (rank == 0) {
-    coordinator.emplace(**heap, *layout);
+    coordinator.emplace(**heap, *regions);
     code = ServeFrontEnd(flags, config, *coordinator, heap_bytes, open_model, front_end);
   } else {
-    code = ServeWorker(rank, flags, **heap, *layout, **source, *weight_dtype, local_worker,
+    code = ServeWorker(rank, flags, **heap, *regions, **source, *weight_dtype, *local_worker,
                        open_model);
   }
   // Leaving: if a peer is gone the collective free below could block; never hang.
@@ -542,6 +546,18 @@ void InstallStopHandlers() {
   sigaction(SIGINT, &sa, nullptr);
 }
 
+// Starts MPI: the thread level it `provided`, this process's rank and the job's ranks.
+// Rank 0's batcher thread makes the MPI calls of the rma heap, and a weight swap's thread
+// only while it holds the lock the batches run under (FrontEnd's exec_mu_), as does the
+// main thread's final stop; the workers' loader threads make none: calls never overlap,
+// so SERIALIZED is enough.
+absl::Status StartMpi(int& argc, char**& argv, int& provided, int& rank, int& num_ranks) {
+  EPSERVE_MPI_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided));
+  EPSERVE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  EPSERVE_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &num_ranks));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -569,19 +585,15 @@ int main(int argc, char** argv) {
   ApplyParsedFlags(flags);
   InstallStopHandlers();
 
-  // Rank 0's batcher thread makes the MPI calls of the rma heap, and a weight swap's thread
-  // only while it holds the lock the batches run under (FrontEnd's exec_mu_), as does the
-  // main thread's final stop; the workers' loader threads make none: calls never overlap,
-  // so SERIALIZED is enough.
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
-  int rank = 0, num_ranks = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &num_ranks);
+  int provided = 0, rank = 0, num_ranks = 0;
+  if (absl::Status s = StartMpi(argc, argv, provided, rank, num_ranks); !s.ok()) {
+    std::fprintf(stderr, "epserve: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
   epserve::common::SetLogRank(rank);
   if (provided < MPI_THREAD_SERIALIZED) {
     if (rank == 0) std::fprintf(stderr, "epserve: this MPI library lacks MPI_THREAD_SERIALIZED\n");
-    MPI_Finalize();
+    EPSERVE_MPI_CHECK_LOG(MPI_Finalize());
     return 1;
   }
   const int code = Run(rank, num_ranks, flags);
@@ -592,6 +604,6 @@ int main(int argc, char** argv) {
     std::fflush(nullptr);
     std::_Exit(code);
   }
-  MPI_Finalize();
+  EPSERVE_MPI_CHECK_LOG(MPI_Finalize());
   return code;
 }

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/log.h"
 #include "shmem/detail/backends.h"
 
 namespace epserve::shmem {
@@ -19,12 +20,18 @@ absl::Status MpiError(int code, const char* call, const char* file, int line) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  // The rank, where MPI can still tell it (between MPI_Init and MPI_Finalize); else -1.
   int rank = -1;
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (initialized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int initialized = 0, finalized = 0;
+  if (MPI_Initialized(&initialized) != MPI_SUCCESS) initialized = 0;
+  if (MPI_Finalized(&finalized) != MPI_SUCCESS) finalized = 1;
+  if (initialized && !finalized && MPI_Comm_rank(MPI_COMM_WORLD, &rank) != MPI_SUCCESS) rank = -1;
   return absl::InternalError(absl::StrCat(call, " failed on rank ", rank, " at ", file, ":", line,
                                           ": ", absl::string_view(text, len)));
+}
+
+void LogMpiError(int code, const char* call, const char* file, int line) {
+  common::LogError(std::string(MpiError(code, call, file, line).message()));
 }
 
 absl::StatusOr<HeapBackend> ParseHeapBackend(absl::string_view name) {
@@ -53,18 +60,18 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> SymmetricHeap::Create(MPI_Comm co
   MPI_Comm dup = MPI_COMM_NULL;
   EPSERVE_MPI_CHECK(MPI_Comm_dup(comm, &dup));
   int num_ranks = 0;
-  MPI_Comm_size(dup, &num_ranks);
+  EPSERVE_MPI_CHECK(MPI_Comm_size(dup, &num_ranks));
   // Whether every rank shares this host: the same answer on every rank.
   MPI_Comm node = MPI_COMM_NULL;
   EPSERVE_MPI_CHECK(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   int node_size = 0;
-  MPI_Comm_size(node, &node_size);
-  MPI_Comm_free(&node);
+  EPSERVE_MPI_CHECK(MPI_Comm_size(node, &node_size));
+  EPSERVE_MPI_CHECK(MPI_Comm_free(&node));
   int all_local = node_size == num_ranks ? 1 : 0;
   EPSERVE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_local, 1, MPI_INT, MPI_MIN, dup));
   if (backend == HeapBackend::kAuto) backend = all_local ? HeapBackend::kShm : HeapBackend::kRma;
   if (backend == HeapBackend::kShm && !all_local) {
-    MPI_Comm_free(&dup);
+    EPSERVE_MPI_CHECK_LOG(MPI_Comm_free(&dup));  // the error below is the one to return
     return absl::FailedPreconditionError(
         absl::StrCat("--heap=shm needs all ", num_ranks, " ranks on one host, but only ", node_size,
                      " share this one; use --heap=rma or --heap=auto"));
@@ -76,7 +83,7 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> SymmetricHeap::Create(MPI_Comm co
 }
 
 SymmetricHeap::~SymmetricHeap() {
-  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (comm_ != MPI_COMM_NULL) EPSERVE_MPI_CHECK_LOG(MPI_Comm_free(&comm_));
 }
 
 absl::StatusOr<size_t> SymmetricHeap::Allocate(size_t bytes, size_t align) {

@@ -31,6 +31,14 @@ absl::Status MpiError(int code, const char* call, const char* file, int line);
     if (int mpi_rc_ = (call); mpi_rc_ != MPI_SUCCESS)                        \
       return ::epserve::shmem::MpiError(mpi_rc_, #call, __FILE__, __LINE__); \
   } while (0)
+// For an MPI call whose caller cannot return a Status (a destructor, teardown) or goes on
+// regardless (a hint): logs the failure (common/log.h) as MpiError words it, and goes on.
+void LogMpiError(int code, const char* call, const char* file, int line);
+#define EPSERVE_MPI_CHECK_LOG(call)                                      \
+  do {                                                                   \
+    if (int mpi_rc_ = (call); mpi_rc_ != MPI_SUCCESS)                    \
+      ::epserve::shmem::LogMpiError(mpi_rc_, #call, __FILE__, __LINE__); \
+  } while (0)
 
 enum class HeapBackend { kAuto, kShm, kRma };
 // "auto", "shm" or "rma"; anything else is INVALID_ARGUMENT naming `--heap`.

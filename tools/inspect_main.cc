@@ -15,6 +15,7 @@
 #include "model/layers.h"
 #include "model/memory.h"
 #include "model/synthetic.h"
+#include "worker/placement.h"
 
 namespace {
 
@@ -100,8 +101,8 @@ void Describe(const model::WeightSource& source, const std::vector<int>& served,
     if (!m.ok()) return;
     total_fp32 += m->fp32_bytes();
     total_bf16 += m->bf16_bytes();
-    const std::string who = absl::StrCat("worker ", w, " (rank ", w + 1, "): experts ",
-                                         Range(m->first_expert, m->num_experts));
+    const std::string who = absl::StrCat("worker ", w, " (rank ", worker::RankOfWorker(w),
+                                         "): experts ", Range(m->first_expert, m->num_experts));
     std::printf("  %-36s FP32 %-10s BF16 %s\n", who.c_str(),
                 model::FormatBytes(m->fp32_bytes()).c_str(),
                 model::FormatBytes(m->bf16_bytes()).c_str());

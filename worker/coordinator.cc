@@ -9,19 +9,31 @@
 #include "common/status.h"
 
 namespace epserve::worker {
+namespace {
+
+// What a worker wrote into its report's message (not NUL-terminated when full).
+std::string ReportMessage(const WorkerReport& report) {
+  return std::string(report.message, strnlen(report.message, sizeof(report.message)));
+}
+
+absl::Status ReportStatus(const WorkerReport& report) {
+  return absl::Status(static_cast<absl::StatusCode>(report.status_code), ReportMessage(report));
+}
+
+}  // namespace
 
 absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
   shmem::WaitOptions wait;
   wait.max_sleep = absl::Milliseconds(5);
-  for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(ExchangeLayout::Signal(layout_.ready, w), 1, deadline,
+  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.ready, w), 1, deadline,
                                              "weights loaded by worker", w, wait));
   }
   return absl::OkStatus();
 }
 
 absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline) {
-  const int num_workers = layout_.shape.num_workers;
+  const int num_workers = regions_.shape.num_workers;
   ++seq_;
   // Workers give up a little before rank 0 does, so their reports arrive in time.
   const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
@@ -35,8 +47,8 @@ absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, ab
     desc.row_start = begin;
     desc.num_rows = end - begin;
     desc.deadline_unix_us = absl::ToUnixMicros(worker_deadline);
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), layout_.descriptor, &desc, sizeof(desc)));
-    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), layout_.batch_seq, seq_));
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.descriptor, &desc, sizeof(desc)));
+    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), regions_.batch_seq, seq_));
   }
   return absl::OkStatus();
 }
@@ -47,16 +59,16 @@ absl::Status Coordinator::WaitDone(absl::Time deadline) {
   // A batch runs for milliseconds to seconds; polling every 50 us throughout cost rank 0
   // about 8% of a core (20,000 wake-ups a second) on the cores the workers compute on.
   wait.sleep_fraction = 1.0 / 64;
-  for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(ExchangeLayout::Signal(layout_.done_seq, w), seq_,
+  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.done_seq, w), seq_,
                                              deadline, "the end of the batch on worker", w, wait));
   }
   return absl::OkStatus();
 }
 
 int Coordinator::StalledWorkers(absl::Duration timeout) {
-  const int w = layout_.shape.num_workers;
-  uint64_t* beats = heap_.DirectAs<uint64_t>(0, layout_.heartbeats);
+  const int w = regions_.shape.num_workers;
+  uint64_t* beats = heap_.DirectAs<uint64_t>(0, regions_.heartbeats);
   if (beats == nullptr || heap_.backend() != shmem::HeapBackend::kShm) return -1;
   std::lock_guard<std::mutex> lock(beat_mu_);
   const absl::Time now = absl::Now();
@@ -67,7 +79,7 @@ int Coordinator::StalledWorkers(absl::Duration timeout) {
   int stalled = 0;
   for (int i = 0; i < w; ++i) {
     const uint64_t beat =
-        std::atomic_ref<uint64_t>(beats[ExchangeLayout::Signal(0, i) / sizeof(uint64_t)])
+        std::atomic_ref<uint64_t>(beats[HeapRegions::Signal(0, i) / sizeof(uint64_t)])
             .load(std::memory_order_relaxed);
     if (beat != last_beat_[i]) {
       last_beat_[i] = beat;
@@ -93,9 +105,7 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
     return absl::UnavailableError(
         "the expert workers stopped answering; the service needs a restart");
   }
-  const ExchangeShape& shape = layout_.shape;
-  const int num_workers = shape.num_workers;
-  const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
+  const ExchangeShape& shape = regions_.shape;
   int64_t total = 0;
   for (const RowChunk& c : chunks) total += c.rows;
   if (total < 1 || total > shape.max_batch_tokens) {
@@ -105,8 +115,28 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   deadline = std::min(deadline, absl::Now() + shape.exchange_timeout);
   BatchTrace trace;
 
-  // Scatter: batch row r goes to worker w with begin(w) <= r < end(w).
   absl::Time t0 = absl::Now();
+  absl::Status s = Scatter(chunks, total);
+  if (!s.ok()) return Fail(s.ToString());
+  trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
+
+  s = Post(BatchOp::kRun, layer_pos, total, deadline);
+  if (!s.ok()) return Fail(s.ToString());
+  s = WaitDone(deadline);
+  if (!s.ok()) return FailBatch(s);
+  EPSERVE_RETURN_IF_ERROR(CollectReports(trace));
+
+  t0 = absl::Now();
+  Gather(chunks);
+  trace.gather_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
+  return trace;
+}
+
+absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t total) {
+  const ExchangeShape& shape = regions_.shape;
+  const int num_workers = shape.num_workers;
+  const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
+  // Batch row r goes to worker w with begin(w) <= r < end(w).
   int64_t row = 0;
   int w = 0;
   for (const RowChunk& c : chunks) {
@@ -115,96 +145,87 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
       const int64_t begin = RowSplit(total, w, num_workers);
       const int64_t end = RowSplit(total, w + 1, num_workers);
       const int64_t take = std::min(c.rows - done, end - row);
-      absl::Status s = heap_.Put(RankOfWorker(w), layout_.input + (row - begin) * row_bytes,
-                                 c.input + done * shape.hidden, take * row_bytes);
-      if (!s.ok()) return Fail(s.ToString());
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.input + (row - begin) * row_bytes,
+                                        c.input + done * shape.hidden, take * row_bytes));
       row += take;
       done += take;
     }
   }
-  trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
+  return absl::OkStatus();
+}
 
-  absl::Status s = Post(BatchOp::kRun, layer_pos, total, deadline);
-  if (!s.ok()) return Fail(s.ToString());
-  s = WaitDone(deadline);
-  // What every worker that finished reports.
-  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(layout_.reports);
-  auto report_done = [&](int i) {
-    return heap_.SignalLoad(ExchangeLayout::Signal(layout_.done_seq, i)) >= seq_;
-  };
-  auto report_text = [&](int i) {
-    return std::string(reports[i].message, strnlen(reports[i].message, sizeof(reports[i].message)));
-  };
-  if (!s.ok()) {
-    if (absl::IsCancelled(s)) {
-      healthy_ = false;
-      return s;
-    }
-    std::string why = std::string(s.message());
-    for (int i = 0; i < num_workers; ++i) {
-      if (!report_done(i)) {
-        absl::StrAppend(&why, "; worker ", i, " (rank ", i + 1, ") did not finish");
-      } else if (reports[i].status_code != 0) {
-        absl::StrAppend(&why, "; ", report_text(i));
-      }
-    }
-    return Fail(why);
+absl::Status Coordinator::FailBatch(const absl::Status& wait) {
+  if (absl::IsCancelled(wait)) {
+    healthy_ = false;
+    return wait;
   }
-  trace.stage_ns.resize(num_workers);
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
+  std::string why = std::string(wait.message());
+  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+    if (heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) < seq_) {
+      absl::StrAppend(&why, "; worker ", w, " (rank ", RankOfWorker(w), ") did not finish");
+    } else if (reports[w].status_code != 0) {
+      absl::StrAppend(&why, "; ", ReportMessage(reports[w]));
+    }
+  }
+  return Fail(why);
+}
+
+absl::Status Coordinator::CollectReports(BatchTrace& trace) {
+  const ExchangeShape& shape = regions_.shape;
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
+  trace.stage_ns.resize(shape.num_workers);
   const ExchangeConfig exchange = shape.exchange();
   const size_t dispatch_row_bytes = exchange.dispatch_row_bytes();
   const size_t combine_row_bytes = exchange.combine_row_bytes();
   std::string timeouts;
   absl::Status first_error;
-  for (int i = 0; i < num_workers; ++i) {
-    const WorkerReport& report = reports[i];
+  for (int w = 0; w < shape.num_workers; ++w) {
+    const WorkerReport& report = reports[w];
     if (report.status_code != 0) {
-      const auto code = static_cast<absl::StatusCode>(report.status_code);
-      if (code == absl::StatusCode::kDeadlineExceeded) {
-        absl::StrAppend(&timeouts, timeouts.empty() ? "" : "; ", report_text(i));
+      if (static_cast<absl::StatusCode>(report.status_code) ==
+          absl::StatusCode::kDeadlineExceeded) {
+        absl::StrAppend(&timeouts, timeouts.empty() ? "" : "; ", ReportMessage(report));
       } else if (first_error.ok()) {
-        first_error = absl::Status(code, report_text(i));
+        first_error = ReportStatus(report);
       }
       continue;
     }
-    std::copy(std::begin(report.stage_ns), std::end(report.stage_ns), trace.stage_ns[i].begin());
+    std::copy(std::begin(report.stage_ns), std::end(report.stage_ns), trace.stage_ns[w].begin());
     trace.dispatch_bytes += report.rows_received * static_cast<int64_t>(dispatch_row_bytes);
     trace.combine_bytes += report.rows_received * static_cast<int64_t>(combine_row_bytes);
   }
   if (!timeouts.empty()) return Fail(timeouts);
   if (!first_error.ok()) return first_error;
-  const int64_t* expert_tokens = heap_.LocalAs<int64_t>(layout_.expert_tokens);
+  const int64_t* expert_tokens = heap_.LocalAs<int64_t>(regions_.expert_tokens);
   trace.expert_tokens.assign(expert_tokens, expert_tokens + shape.num_experts);
+  return absl::OkStatus();
+}
 
-  // Gather.
-  t0 = absl::Now();
-  const float* out = heap_.LocalAs<float>(layout_.output);
-  const int32_t* ids = heap_.LocalAs<int32_t>(layout_.topk_ids);
-  const float* weights = heap_.LocalAs<float>(layout_.topk_weights);
+void Coordinator::Gather(std::span<const RowChunk> chunks) {
+  const ExchangeShape& shape = regions_.shape;
+  const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
+  const size_t k = static_cast<size_t>(shape.top_k);
+  const float* out = heap_.LocalAs<float>(regions_.output);
+  const int32_t* ids = heap_.LocalAs<int32_t>(regions_.topk_ids);
+  const float* weights = heap_.LocalAs<float>(regions_.topk_weights);
   for (const RowChunk& c : chunks) {
     std::memcpy(c.output, out, c.rows * row_bytes);
     out += c.rows * shape.hidden;
-    const size_t k = static_cast<size_t>(shape.top_k);
     if (c.topk_ids != nullptr) std::memcpy(c.topk_ids, ids, c.rows * k * sizeof(int32_t));
     if (c.topk_weights != nullptr) std::memcpy(c.topk_weights, weights, c.rows * k * sizeof(float));
     ids += c.rows * k;
     weights += c.rows * k;
   }
-  trace.gather_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
-  return trace;
 }
 
 absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
   absl::Status s = Post(op, 0, 0, deadline);
   if (s.ok()) s = WaitDone(deadline);
   if (!s.ok()) return Fail(s.ToString());
-  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(layout_.reports);
-  for (int i = 0; i < layout_.shape.num_workers; ++i) {
-    if (reports[i].status_code != 0) {
-      return absl::Status(
-          static_cast<absl::StatusCode>(reports[i].status_code),
-          std::string(reports[i].message, strnlen(reports[i].message, sizeof(reports[i].message))));
-    }
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
+  for (int i = 0; i < regions_.shape.num_workers; ++i) {
+    if (reports[i].status_code != 0) return ReportStatus(reports[i]);
   }
   return absl::OkStatus();
 }
@@ -222,8 +243,8 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
   message.seed = seed;
   message.model_bytes = static_cast<uint32_t>(model.size());
   std::memcpy(message.model, model.data(), model.size());
-  for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    absl::Status s = heap_.Put(RankOfWorker(w), layout_.control, &message, sizeof(message));
+  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+    absl::Status s = heap_.Put(RankOfWorker(w), regions_.control, &message, sizeof(message));
     if (!s.ok()) return Fail(s.ToString());
   }
   absl::Status s = Control(BatchOp::kStage, deadline);
@@ -233,15 +254,13 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
 
 absl::StatusOr<bool> Coordinator::StageDone() {
   if (stage_seq_ == 0) return absl::FailedPreconditionError("no weight swap under way");
-  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(layout_.stage_reports);
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.stage_reports);
   bool all = true;
-  for (int w = 0; w < layout_.shape.num_workers; ++w) {
-    if (heap_.SignalLoad(ExchangeLayout::Signal(layout_.staged, w)) < stage_seq_) {
+  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+    if (heap_.SignalLoad(HeapRegions::Signal(regions_.staged, w)) < stage_seq_) {
       all = false;
     } else if (reports[w].status_code != 0) {
-      return absl::Status(
-          static_cast<absl::StatusCode>(reports[w].status_code),
-          std::string(reports[w].message, strnlen(reports[w].message, sizeof(reports[w].message))));
+      return ReportStatus(reports[w]);
     }
   }
   return all;

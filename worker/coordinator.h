@@ -15,7 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "shmem/heap.h"
-#include "worker/exchange_layout.h"
+#include "worker/heap_regions.h"
 
 namespace epserve::worker {
 
@@ -44,8 +44,8 @@ struct RowChunk {
 // Not thread-safe: one thread runs batches, one at a time.
 class Coordinator {
  public:
-  Coordinator(shmem::SymmetricHeap& heap, const ExchangeLayout& layout)
-      : heap_(heap), layout_(layout) {}
+  Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions)
+      : heap_(heap), regions_(regions) {}
 
   // Waits until every worker has loaded its weights.
   absl::Status WaitForWorkers(absl::Time deadline);
@@ -82,13 +82,13 @@ class Coordinator {
 
   bool healthy() const { return healthy_.load(); }
 
-  // Workers whose heartbeat (ExchangeLayout::heartbeats) has not advanced for `timeout`, as
+  // Workers whose heartbeat (HeapRegions::heartbeats) has not advanced for `timeout`, as
   // of this call; -1 where the heap gives rank 0 no load/store view of its segment for the
   // workers to beat into (the rma backend: not monitored). Thread-safe, and independent of
   // Run: a stopped (SIGSTOP) or wedged worker shows here within `timeout` even while no
   // batch runs, or while one waits for it.
   int StalledWorkers(absl::Duration timeout);
-  const ExchangeShape& shape() const { return layout_.shape; }
+  const ExchangeShape& shape() const { return regions_.shape; }
 
  private:
   absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline);
@@ -98,9 +98,19 @@ class Coordinator {
   absl::Status Control(BatchOp op, absl::Time deadline);
   // Turns the exchange unhealthy and returns UNAVAILABLE explaining `why`.
   absl::Status Fail(absl::string_view why);
+  // Run's steps. Scatter puts the rows of `chunks` (`total` in all) into the workers' input
+  // regions, split by RowSplit. FailBatch answers a failed wait for the batch's end: CANCELLED
+  // as it is (shutdown, the exchange turns unhealthy), else Fail naming each worker that did
+  // not finish and each finished worker's error. CollectReports reads the workers' reports
+  // into `trace`: Fail when any timed out, else the first other error as it is. Gather copies
+  // the output rows and their routing out of rank 0's segment into `chunks`.
+  absl::Status Scatter(std::span<const RowChunk> chunks, int64_t total);
+  absl::Status FailBatch(const absl::Status& wait);
+  absl::Status CollectReports(BatchTrace& trace);
+  void Gather(std::span<const RowChunk> chunks);
 
   shmem::SymmetricHeap& heap_;
-  const ExchangeLayout layout_;
+  const HeapRegions regions_;
   uint64_t seq_ = 0;
   uint64_t stage_seq_ = 0;  // the kStage's seq of a weight swap under way; 0: none
   std::atomic<bool> healthy_{true};

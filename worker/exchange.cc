@@ -11,104 +11,7 @@ namespace {
 
 int64_t NanosSince(absl::Time start) { return absl::ToInt64Nanoseconds(absl::Now() - start); }
 
-int MaxLocalExperts(const ExchangeConfig& c) {
-  return (c.num_experts + c.num_workers - 1) / c.num_workers;
-}
-
 }  // namespace
-
-absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name) {
-  if (name == "fail") return OverflowPolicy::kFail;
-  if (name == "split") return OverflowPolicy::kSplit;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--recv-overflow must be fail or split, got '", name, "'"));
-}
-
-const char* OverflowPolicyName(OverflowPolicy policy) {
-  return policy == OverflowPolicy::kFail ? "fail" : "split";
-}
-
-// ---- config and regions ----
-
-absl::Status ExchangeConfig::Validate() const {
-  if (num_workers < 1 || num_workers > num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("the exchange needs 1 <= workers (", num_workers,
-                                                   ") <= experts (", num_experts, ")"));
-  }
-  if (top_k < 1 || top_k > num_experts) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k ", top_k, " outside [1, ", num_experts, "]"));
-  }
-  if (hidden < 1 || max_send_tokens < 1 || max_recv_tokens < 0 || first_rank < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bad exchange shape: hidden ", hidden, ", max_send_tokens ", max_send_tokens,
-                     ", max_recv_tokens ", max_recv_tokens, ", first_rank ", first_rank));
-  }
-  if (overflow == OverflowPolicy::kSplit && recv_capacity() < num_workers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--recv-overflow=split needs --max-recv-tokens-per-rank >= the number of workers (",
-        num_workers, "), got ", recv_capacity()));
-  }
-  return absl::OkStatus();
-}
-
-int64_t ExchangeConfig::recv_capacity() const {
-  const int64_t most = max_send_tokens * num_workers;
-  return max_recv_tokens > 0 ? std::min(max_recv_tokens, most) : most;
-}
-
-absl::StatusOr<ExchangeRegions> ExchangeRegions::Plan(const ExchangeConfig& c,
-                                                      const Allocator& alloc) {
-  EPSERVE_RETURN_IF_ERROR(c.Validate());
-  ExchangeRegions r{};
-  const size_t w = static_cast<size_t>(c.num_workers);
-  const size_t cap = static_cast<size_t>(c.recv_capacity());
-  const size_t k = static_cast<size_t>(c.top_k);
-  const size_t stride = 2 + static_cast<size_t>(MaxLocalExperts(c));
-  struct Item {
-    size_t* offset;
-    size_t bytes;
-    size_t align;
-  };
-  const Item items[] = {
-      {&r.count_flag, w * kSignalStride, 64},
-      {&r.counts, 2 * w * w * stride * sizeof(int64_t), 64},
-      {&r.dispatch_flag, w * kSignalStride, 64},
-      {&r.combine_flag, w * kSignalStride, 64},
-      {&r.recv_rows, cap * c.dispatch_row_bytes(), 4096},
-      {&r.recv_token, cap * sizeof(int32_t), 64},
-      {&r.recv_pair, cap * k * sizeof(int32_t), 64},
-      {&r.recv_weight, cap * k * sizeof(float), 64},
-      {&r.pair_row, cap * k * sizeof(int32_t), 64},
-      {&r.combine_rows, cap * c.combine_row_bytes(), 4096},
-  };
-  for (const Item& item : items) {
-    absl::StatusOr<size_t> offset = alloc(item.bytes, item.align);
-    if (!offset.ok()) return offset.status();
-    *item.offset = *offset;
-  }
-  return r;
-}
-
-size_t ExchangeRegions::BytesNeeded(const ExchangeConfig& config) {
-  size_t next = 0;
-  Plan(config, [&](size_t bytes, size_t align) -> absl::StatusOr<size_t> {
-    const size_t offset = (next + align - 1) / align * align;
-    next = offset + bytes;
-    return offset;
-  }).IgnoreError();
-  return next;
-}
-
-std::string ExchangeRegions::Describe(const ExchangeConfig& c) {
-  const int64_t cap = c.recv_capacity();
-  return absl::StrCat("exchange: receive ", cap, " rows x ", c.dispatch_row_bytes(), " B (",
-                      PayloadTypeName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(),
-                      " B, combine ", cap, " rows x ", c.combine_row_bytes(), " B (",
-                      PayloadTypeName(c.combine_dtype), ") = ", cap * c.combine_row_bytes(),
-                      " B, metadata ", cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
-                      OverflowPolicyName(c.overflow), "; ", BytesNeeded(c), " B per rank in all");
-}
 
 // ---- ReceivedRows ----
 
@@ -158,8 +61,8 @@ Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config,
       regions_(regions),
       placement_(std::move(placement)),
       me_(me),
-      num_local_max_(MaxLocalExperts(config)),
-      count_stride_(2 + static_cast<size_t>(MaxLocalExperts(config))) {
+      num_local_max_(config.max_local_experts()),
+      count_stride_(2 + static_cast<size_t>(config.max_local_experts())) {
   const size_t w = static_cast<size_t>(config.num_workers);
   counts_.resize(w * w * count_stride_);
   my_counts_.resize(w * count_stride_);
@@ -181,36 +84,47 @@ int64_t Exchange::rows_sent() const {
   return rows;
 }
 
-absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Time deadline) {
-  const int num_workers = config_.num_workers;
-  const int k = config_.top_k;
+absl::StatusOr<int64_t> Exchange::CountAndNotify(int64_t n, const int32_t* ids,
+                                                 absl::Time deadline) {
   if (n < 0 || n > config_.max_send_tokens) {
     return absl::InternalError(
         absl::StrCat(n, " tokens outside [0, ", config_.max_send_tokens, "]"));
   }
   ++epoch_;
   n_ = n;
-  ids_ = ids;
+  ids_ = CheckedIds(n, ids);
+  CountSends();
+  EPSERVE_RETURN_IF_ERROR(ShareCounts(deadline));
+  return ComputeOffsets();
+}
+
+const int32_t* Exchange::CheckedIds(int64_t n, const int32_t* ids) {
   // An expert id out of range is a bug upstream; the pass still runs (with expert 0 in its
   // place) so that peers are not left waiting, and Run reports it afterwards.
-  for (int64_t i = 0; i < n * k; ++i) {
+  const int64_t size = n * config_.top_k;
+  for (int64_t i = 0; i < size; ++i) {
     if (ids[i] >= 0 && ids[i] < config_.num_experts) continue;
     if (bad_id_.ok())
       bad_id_ = absl::InternalError(absl::StrCat("router produced expert id ", ids[i]));
-    ids_copy_.assign(ids, ids + n * k);
+    ids_copy_.assign(ids, ids + size);
     for (int32_t& e : ids_copy_) {
       if (e < 0 || e >= config_.num_experts) e = 0;
     }
-    ids_ = ids = ids_copy_.data();
-    break;
+    return ids_copy_.data();
   }
+  return ids;
+}
+
+void Exchange::CountSends() {
+  const int num_workers = config_.num_workers;
+  const int k = config_.top_k;
   std::fill(my_counts_.begin(), my_counts_.end(), 0);
-  slot_.assign(static_cast<size_t>(n) * num_workers, -1);
-  pair_local_.resize(static_cast<size_t>(n) * k);
-  for (int64_t t = 0; t < n; ++t) {
+  slot_.assign(static_cast<size_t>(n_) * num_workers, -1);
+  pair_local_.resize(static_cast<size_t>(n_) * k);
+  for (int64_t t = 0; t < n_; ++t) {
     int64_t* slot = &slot_[t * num_workers];
     for (int j = 0; j < k; ++j) {
-      const int32_t e = ids[t * k + j];
+      const int32_t e = ids_[t * k + j];
       const int d = placement_.owner(e);
       int64_t* mine = &my_counts_[d * count_stride_];
       if (slot[d] < 0) slot[d] = mine[0]++;
@@ -222,8 +136,11 @@ absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Ti
       }
     }
   }
-  for (int d = 0; d < num_workers; ++d) my_counts_[d * count_stride_ + 1] = n;
+  for (int d = 0; d < num_workers; ++d) my_counts_[d * count_stride_ + 1] = n_;
+}
 
+absl::Status Exchange::ShareCounts(absl::Time deadline) {
+  const int num_workers = config_.num_workers;
   // Notify: my row of the matrix into every worker's segment, then its count signal.
   const size_t parity = epoch_ & 1;
   const size_t block = static_cast<size_t>(num_workers) * count_stride_ * sizeof(int64_t);
@@ -238,7 +155,11 @@ absl::StatusOr<int64_t> Exchange::Layout(int64_t n, const int32_t* ids, absl::Ti
   }
   std::memcpy(counts_.data(), heap_.Local(regions_.counts + parity * num_workers * block),
               num_workers * block);
+  return absl::OkStatus();
+}
 
+int64_t Exchange::ComputeOffsets() {
+  const int num_workers = config_.num_workers;
   // Prefix sums: where my rows and pairs land in every receiver, where peers' rows land
   // in mine, where the parts of my tokens come back.
   int64_t max_recv = 0;
@@ -561,7 +482,7 @@ absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const 
   const int64_t hidden = config_.hidden;
   const int64_t capacity = config_.recv_capacity();
   absl::Time t0 = absl::Now();
-  absl::StatusOr<int64_t> max_recv = Layout(n, ids, deadline);
+  absl::StatusOr<int64_t> max_recv = CountAndNotify(n, ids, deadline);
   if (!max_recv.ok()) return max_recv.status();
   if (stats != nullptr) stats->layout_ns += NanosSince(t0);
   token_base_ = 0;
@@ -586,7 +507,7 @@ absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const 
     const int64_t begin = std::min(n, r * per_round);
     const int64_t count = std::min(n, begin + per_round) - begin;
     t0 = absl::Now();
-    max_recv = Layout(count, ids + begin * k, deadline);
+    max_recv = CountAndNotify(count, ids + begin * k, deadline);
     if (!max_recv.ok()) return max_recv.status();
     if (stats != nullptr) {
       stats->layout_ns += NanosSince(t0);

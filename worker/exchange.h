@@ -1,13 +1,14 @@
-// The expert-parallel exchange among W workers through the symmetric heap: layout/notify,
+// The expert-parallel exchange among W workers through the symmetric heap: count/notify,
 // dispatch, combine. One Exchange per worker rank; every worker of a batch runs the same
 // sequence of calls. No OpenCL here: the expert step between dispatch and combine is the
 // caller's (worker.cc runs the FFN kernels; tests and benchmarks run plain functions).
 //
 // One pass (a batch, or one round of a split batch):
-//   Layout    each worker counts, per destination worker d and per local expert of d, the
+//   Count     each worker counts, per destination worker d and per local expert of d, the
 //             rows and (token, expert) pairs it sends, and writes its counts into every
 //             worker's segment; after the W count signals every worker knows the whole
-//             matrix and hence, by prefix sums, where each of its rows and pairs lands.
+//             matrix and hence, by prefix sums, where each of its rows and pairs lands
+//             (CountAndNotify; the stage metrics call `layout`).
 //   Dispatch  each token row is stored once per destination worker (encoded in the
 //             dispatch dtype) into that worker's receive buffer, sender-major, with the
 //             token's metadata: its index at the owner, per choice j the expert-major pair
@@ -73,6 +74,8 @@ struct ExchangeConfig {
 
   absl::Status Validate() const;
   int64_t recv_capacity() const;
+  // L: the most experts one worker owns (ExpertPlacement::Contiguous).
+  int max_local_experts() const { return (num_experts + num_workers - 1) / num_workers; }
   size_t dispatch_row_bytes() const { return PayloadRowBytes(dispatch_dtype, hidden); }
   size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype, hidden); }
 };
@@ -135,7 +138,7 @@ struct ReceivedRows {
 };
 
 struct ExchangeStats {
-  int64_t layout_ns = 0;
+  int64_t layout_ns = 0;    // CountAndNotify, the `layout` stage
   int64_t dispatch_ns = 0;  // including waiting for peers' rows
   int64_t expert_ns = 0;    // the caller's step
   int64_t combine_ns = 0;   // including waiting for parts and the owner's sum
@@ -172,9 +175,11 @@ class Exchange {
                    const std::function<absl::Status()>& overlap = {});
 
   // ---- the stages of one pass, for tests and benchmarks (Run calls them) ----
-  // Counts and exchanges the layout of tokens [0, n). Returns the most rows any worker
-  // would receive in this pass.
-  absl::StatusOr<int64_t> Layout(int64_t n, const int32_t* ids, absl::Time deadline);
+  // The counting step of a pass (the `layout` stage of metrics): counts the rows and pairs
+  // of tokens [0, n) per destination, puts the counts into every worker's segment and
+  // signals it, waits for every worker's counts and computes, by prefix sums, where each
+  // row and pair lands. Returns the most rows any worker would receive in this pass.
+  absl::StatusOr<int64_t> CountAndNotify(int64_t n, const int32_t* ids, absl::Time deadline);
   // Sends rows x [n][hidden] with `weights` and waits for every peer's rows.
   absl::Status Dispatch(const float* x, const float* weights, absl::Time deadline);
   const ReceivedRows& received() const { return received_; }
@@ -196,10 +201,22 @@ class Exchange {
  private:
   Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config, const ExchangeRegions& regions,
            ExpertPlacement placement, int me);
-  // Dispatch, the expert step (when set), combine and reduce of the pass laid out last.
+  // Dispatch, the expert step (when set), combine and reduce of the pass counted last.
   absl::Status RunPass(const float* x, const float* weights, float* y, bool accumulate,
                        const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
                        const std::function<absl::Status()>* overlap);
+  // CountAndNotify's steps. `ids`, or a copy with out-of-range ids replaced by expert 0
+  // (the error is kept for Run to return).
+  const int32_t* CheckedIds(int64_t n, const int32_t* ids);
+  // My rows and pairs per destination (my_counts_), each token's stream position per
+  // destination (slot_) and each pair's index among mine to its expert (pair_local_).
+  void CountSends();
+  // Puts my counts into every worker's segment, signals it, waits for every worker's counts
+  // and copies the matrix (counts_).
+  absl::Status ShareCounts(absl::Time deadline);
+  // Prefix sums over the matrix (row_base_, pair_base_, source_begin_, expert_offsets_,
+  // combine_base_); returns the most rows any worker receives.
+  int64_t ComputeOffsets();
   // Dispatch's two ways of sending: stores straight into peers' segments (backends with
   // load/store access), or rows encoded once into staging and put (the others).
   void DispatchDirect(const float* x, const float* weights);

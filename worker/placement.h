@@ -14,6 +14,8 @@ namespace epserve::worker {
 inline constexpr int kFirstWorkerRank = 1;
 constexpr int RankOfWorker(int worker) { return kFirstWorkerRank + worker; }
 constexpr int WorkerOfRank(int rank) { return rank - kFirstWorkerRank; }
+// Workers in a job of `num_ranks` ranks (the front-end is not one).
+constexpr int NumWorkers(int num_ranks) { return num_ranks - kFirstWorkerRank; }
 
 // How a batch's rows are split over the workers: worker w takes rows
 // [RowSplit(total, w, W), RowSplit(total, w + 1, W)), sizes differing by at most one.

@@ -25,15 +25,15 @@ int64_t NanosSince(absl::Time start) { return absl::ToInt64Nanoseconds(absl::Now
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& heap,
-                                                       const ExchangeLayout& layout,
+                                                       const HeapRegions& regions,
                                                        const model::WeightSource& source,
                                                        const WorkerOptions& options) {
-  std::unique_ptr<Worker> w(new Worker(heap, layout, source.config(), options));
+  std::unique_ptr<Worker> w(new Worker(heap, regions, source.config(), options));
   w->rank_ = heap.rank();
   w->me_ = WorkerOfRank(heap.rank());
   w->orphan_grace_ = options.orphan_grace;
   absl::StatusOr<std::unique_ptr<Exchange>> exchange =
-      Exchange::Create(heap, layout.shape.exchange(), layout.exchange, w->me_);
+      Exchange::Create(heap, regions.shape.exchange(), regions.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
   w->exchange_ = *std::move(exchange);
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(options.device);
@@ -59,9 +59,9 @@ absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(const model::Weigh
     if (cfg_.shared_ffn_size > 0) {
       // Split: this worker's slice of the shared expert's intermediate columns.
       std::unique_ptr<model::WeightSource> slice;
-      if (layout_.shape.shared_expert_split) {
+      if (regions_.shape.shared_expert_split) {
         EPSERVE_ASSIGN_OR_RETURN(slice,
-                                 model::SharedExpertSlice(source, me_, layout_.shape.num_workers));
+                                 model::SharedExpertSlice(source, me_, regions_.shape.num_workers));
       }
       EPSERVE_ASSIGN_OR_RETURN(
           l.shared, kernels::UploadSharedExpert(*rt_, slice != nullptr ? *slice : source, layer,
@@ -105,7 +105,7 @@ absl::Status Worker::Stage(uint64_t seq) {
   if (!options_.open_model) {
     return absl::UnimplementedError("this worker was started without a model loader");
   }
-  const ControlMessage& msg = *heap_.LocalAs<ControlMessage>(layout_.control);
+  const ControlMessage& msg = *heap_.LocalAs<ControlMessage>(regions_.control);
   const std::string spec(msg.model, std::min<size_t>(msg.model_bytes, ControlMessage::kMaxModel));
   const uint64_t seed = msg.seed;
   absl::StatusOr<std::unique_ptr<model::WeightSource>> source = options_.open_model(spec, seed);
@@ -147,10 +147,10 @@ absl::Status Worker::PublishStage() {
     std::strncpy(report.message, msg.c_str(), sizeof(report.message) - 1);
   }
   EPSERVE_RETURN_IF_ERROR(
-      heap_.Put(0, layout_.stage_reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
-                sizeof(report)));
+      heap_.Put(0, regions_.stage_reports + static_cast<size_t>(me_) * sizeof(WorkerReport),
+                &report, sizeof(report)));
   EPSERVE_RETURN_IF_ERROR(
-      heap_.SignalSet(0, ExchangeLayout::Signal(layout_.staged, me_), stage_seq_));
+      heap_.SignalSet(0, HeapRegions::Signal(regions_.staged, me_), stage_seq_));
   stage_published_ = true;
   return absl::OkStatus();
 }
@@ -191,7 +191,7 @@ absl::Status Worker::WarmUp() {
       rt_->Write(pair_weight_, 0, weight.data(), weight.size() * sizeof(float)));
   // Rows reach the expert FFN as FP32, or as BF16 where they are dispatched so and the shared
   // expert's slice does not need them widened (RunBatch's expert step).
-  const bool bf16_rows = layout_.shape.dispatch_dtype == PayloadType::kBf16;
+  const bool bf16_rows = regions_.shape.dispatch_dtype == PayloadType::kBf16;
   for (const Layer& layer : layers_) {
     EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, 1, ids_, weights_));
     std::vector<int64_t> offsets(static_cast<size_t>(layer.experts.num_experts) + 1, 1);
@@ -236,7 +236,7 @@ size_t Worker::weight_bytes() const {
 }
 
 absl::Status Worker::AllocateBuffers() {
-  const ExchangeShape& s = layout_.shape;
+  const ExchangeShape& s = regions_.shape;
   const ExchangeConfig config = s.exchange();
   const size_t f = sizeof(float);
   const size_t h = static_cast<size_t>(cfg_.hidden_size);
@@ -280,7 +280,7 @@ absl::Status Worker::AllocateBuffers() {
       (config.dispatch_dtype == PayloadType::kFp32 && config.dispatch_row_bytes() != h * f)) {
     x_recv_host_.resize(r * h);
   }
-  if (heap_.Direct(0, layout_.output) == nullptr) y_host_.resize(n * h);
+  if (heap_.Direct(0, regions_.output) == nullptr) y_host_.resize(n * h);
   return absl::OkStatus();
 }
 
@@ -297,7 +297,7 @@ class Worker::Heart {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
         std::atomic_ref<uint64_t>(*beat).store(++n, std::memory_order_relaxed);
-        cv_.wait_for(lock, absl::ToChronoNanoseconds(ExchangeLayout::kHeartbeatInterval));
+        cv_.wait_for(lock, absl::ToChronoNanoseconds(HeapRegions::kHeartbeatInterval));
       }
     });
   }
@@ -319,18 +319,17 @@ class Worker::Heart {
 };
 
 absl::Status Worker::Serve(const std::atomic<bool>& stop) {
-  const Heart heart(
-      heap_.backend() == shmem::HeapBackend::kShm
-          ? heap_.DirectAs<uint64_t>(0, ExchangeLayout::Signal(layout_.heartbeats, me_))
-          : nullptr);
-  EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, ExchangeLayout::Signal(layout_.ready, me_), 1));
+  const Heart heart(heap_.backend() == shmem::HeapBackend::kShm
+                        ? heap_.DirectAs<uint64_t>(0, HeapRegions::Signal(regions_.heartbeats, me_))
+                        : nullptr);
+  EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, HeapRegions::Signal(regions_.ready, me_), 1));
   uint64_t seq = 0;
   absl::Time stop_seen = absl::InfiniteFuture();
   shmem::WaitOptions idle;
   idle.max_sleep = absl::Microseconds(200);
   while (true) {
     absl::Status wait = heap_.WaitSignal(
-        layout_.batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250), "next batch", -1, idle);
+        regions_.batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250), "next batch", -1, idle);
     EPSERVE_RETURN_IF_ERROR(PublishStage());
     if (absl::IsDeadlineExceeded(wait)) {
       if (stop.load()) {
@@ -342,8 +341,8 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
       continue;
     }
     EPSERVE_RETURN_IF_ERROR(wait);
-    seq = heap_.SignalLoad(layout_.batch_seq);
-    const BatchDescriptor desc = *heap_.LocalAs<BatchDescriptor>(layout_.descriptor);
+    seq = heap_.SignalLoad(regions_.batch_seq);
+    const BatchDescriptor desc = *heap_.LocalAs<BatchDescriptor>(regions_.descriptor);
     WorkerReport report;
     std::memset(&report, 0, sizeof(report));
     if (desc.op != BatchOp::kStop) {
@@ -371,9 +370,9 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
       }
     }
     EPSERVE_RETURN_IF_ERROR(
-        heap_.Put(0, layout_.reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
+        heap_.Put(0, regions_.reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
                   sizeof(report)));
-    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, ExchangeLayout::Signal(layout_.done_seq, me_), seq));
+    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, HeapRegions::Signal(regions_.done_seq, me_), seq));
     EPSERVE_RETURN_IF_ERROR(PublishStage());
     if (desc.op == BatchOp::kStop) return absl::OkStatus();
   }
@@ -392,8 +391,8 @@ absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, cons
   // The done signal completes these Puts.
   const size_t routing_bytes = static_cast<size_t>(n * k) * sizeof(int32_t);
   const size_t at = static_cast<size_t>(desc.row_start * k) * sizeof(int32_t);
-  EPSERVE_RETURN_IF_ERROR(heap_.Put(0, layout_.topk_ids + at, ids_host_.data(), routing_bytes));
-  return heap_.Put(0, layout_.topk_weights + at, weights_host_.data(), routing_bytes);
+  EPSERVE_RETURN_IF_ERROR(heap_.Put(0, regions_.topk_ids + at, ids_host_.data(), routing_bytes));
+  return heap_.Put(0, regions_.topk_weights + at, weights_host_.data(), routing_bytes);
 }
 
 // The expert step of a batch (Exchange::ExpertStep): the rows this worker received through
@@ -441,7 +440,7 @@ absl::Status Worker::PublishExpertLoad(const ExchangeStats& stats) {
   expert_tokens_.assign(stats.expert_pairs.begin(), stats.expert_pairs.end());
   expert_tokens_.resize(placement.count(me_), 0);
   return heap_.Put(
-      0, layout_.expert_tokens + static_cast<size_t>(placement.first(me_)) * sizeof(int64_t),
+      0, regions_.expert_tokens + static_cast<size_t>(placement.first(me_)) * sizeof(int64_t),
       expert_tokens_.data(), expert_tokens_.size() * sizeof(int64_t));
 }
 
@@ -450,24 +449,24 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
   const int64_t n = desc.num_rows;
   if (desc.layer_pos < 0 || desc.layer_pos >= static_cast<int>(layers_.size()) || n < 0 ||
-      n > layout_.shape.max_rows_per_worker()) {
+      n > regions_.shape.max_rows_per_worker()) {
     return absl::InternalError(
         absl::StrCat("bad batch descriptor: layer_pos ", desc.layer_pos, ", rows ", n));
   }
   const Layer& layer = layers_[desc.layer_pos];
   const absl::Time deadline = absl::FromUnixMicros(desc.deadline_unix_us);
-  const float* x_in = heap_.LocalAs<float>(layout_.input);
+  const float* x_in = heap_.LocalAs<float>(regions_.input);
 
   absl::Time t0 = absl::Now();
   if (n > 0) EPSERVE_RETURN_IF_ERROR(Route(layer, desc, x_in));
   report.stage_ns[kRoute] = NanosSince(t0);
 
-  // ---- exchange: layout, dispatch, expert FFN, combine ----
+  // ---- exchange: count/notify (the `layout` stage), dispatch, expert FFN, combine ----
   // Output rows go straight into rank 0's segment when it is load/store.
-  float* y = heap_.DirectAs<float>(0, layout_.output);
+  float* y = heap_.DirectAs<float>(0, regions_.output);
   y = y != nullptr ? y + desc.row_start * hidden : y_host_.data();
   const bool has_shared = layer.shared.num_experts > 0;
-  const bool split_shared = has_shared && layout_.shape.shared_expert_split;
+  const bool split_shared = has_shared && regions_.shape.shared_expert_split;
   const bool owner_shared = has_shared && !split_shared;
   // The whole shared expert runs on the owner's own rows while peers dispatch; a slice of it
   // runs in the expert step on every received row.
@@ -488,7 +487,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
                                          owner_shared, experts, deadline, &stats, shared));
   if (y == y_host_.data() && n > 0) {
     EPSERVE_RETURN_IF_ERROR(heap_.Put(
-        0, layout_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));
+        0, regions_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));
   }
   EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(stats));
   report.stage_ns[kLayout] = stats.layout_ns;

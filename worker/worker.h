@@ -1,4 +1,4 @@
-// An expert worker: the per-rank EP pipeline (route, layout/notify, dispatch, expert FFN,
+// An expert worker: the per-rank EP pipeline (route, count/notify, dispatch, expert FFN,
 // combine) and its batch loop. One per worker rank; driven by one thread.
 #pragma once
 
@@ -17,7 +17,7 @@
 #include "model/weights.h"
 #include "shmem/heap.h"
 #include "worker/exchange.h"
-#include "worker/exchange_layout.h"
+#include "worker/heap_regions.h"
 #include "worker/placement.h"
 
 namespace epserve::worker {
@@ -43,7 +43,7 @@ class Worker {
   ~Worker();  // waits for a weight swap's loading
 
   static absl::StatusOr<std::unique_ptr<Worker>> Create(shmem::SymmetricHeap& heap,
-                                                        const ExchangeLayout& layout,
+                                                        const HeapRegions& regions,
                                                         const model::WeightSource& source,
                                                         const WorkerOptions& options);
 
@@ -70,9 +70,9 @@ class Worker {
     kernels::ExpertWeights shared;  // num_experts == 0 when the model has none
   };
 
-  Worker(shmem::SymmetricHeap& heap, const ExchangeLayout& layout, const model::ModelConfig& model,
+  Worker(shmem::SymmetricHeap& heap, const HeapRegions& regions, const model::ModelConfig& model,
          const WorkerOptions& options)
-      : heap_(heap), layout_(layout), model_(model), cfg_(model.layer), options_(options) {}
+      : heap_(heap), regions_(regions), model_(model), cfg_(model.layer), options_(options) {}
 
   // This worker's part of every served layer of `source`, on its device.
   absl::StatusOr<std::vector<Layer>> LoadLayers(const model::WeightSource& source);
@@ -105,7 +105,7 @@ class Worker {
   absl::Status WarmUp();
 
   shmem::SymmetricHeap& heap_;
-  const ExchangeLayout layout_;
+  const HeapRegions regions_;
   model::ModelConfig model_;  // of the serving weights (source changes with a swap)
   const model::MoeLayerConfig cfg_;
   const WorkerOptions options_;

@@ -12,7 +12,7 @@
 //              rows it sends to other ranks; a token's row for its own rank need not move),
 //              and sum each token's parts (one per rank its experts live on) into its output
 //              row, as the owner's sum does. alltoallv / floor ("reach") is the most any
-//              exchange could gain over Alltoallv on this machine before its layout and
+//              exchange could gain over Alltoallv on this machine before its counting and
 //              signals: where it is below a target, no exchange reaches the target here.
 // Times are per batch: back-to-back batches, the slowest rank's mean.
 //   mpirun -np 2 bench_exchange [--heap=shm|rma] [--dtype=fp32|bf16|fp8] [--quick]
@@ -106,11 +106,11 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
   std::vector<float> x(tokens * hidden), y(tokens * hidden);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 1000) / 1000.0f;
 
-  // The exchange: layout, dispatch, identity experts, combine, the owner's sum.
+  // The exchange: counts (CountAndNotify), dispatch, identity experts, combine, the owner's sum.
   double expert_s = 0;
   auto exchange = [&] {
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
-    absl::StatusOr<int64_t> most = (*ex)->Layout(tokens, ids.data(), deadline);
+    absl::StatusOr<int64_t> most = (*ex)->CountAndNotify(tokens, ids.data(), deadline);
     if (!most.ok()) Fatal(most.status());
     absl::Status s = (*ex)->Dispatch(x.data(), weights.data(), deadline);
     if (!s.ok()) Fatal(s);

@@ -13,7 +13,7 @@ class ShmHeap final : public SymmetricHeap {
  public:
   static absl::StatusOr<std::unique_ptr<SymmetricHeap>> Create(MPI_Comm comm, size_t bytes);
   ~ShmHeap() override {
-    if (win_ != MPI_WIN_NULL) MPI_Win_free(&win_);
+    if (win_ != MPI_WIN_NULL) EPSERVE_MPI_CHECK_LOG(MPI_Win_free(&win_));
   }
 
   void* Direct(int rank, size_t offset) const override {
@@ -51,11 +51,12 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> ShmHeap::Create(MPI_Comm comm, si
   EPSERVE_MPI_CHECK(MPI_Comm_size(comm, &heap->num_ranks_));
   MPI_Info info;
   EPSERVE_MPI_CHECK(MPI_Info_create(&info));
-  MPI_Info_set(info, "alloc_shared_noncontig", "true");
+  // A hint: without it every rank still reaches the collective allocation below.
+  EPSERVE_MPI_CHECK_LOG(MPI_Info_set(info, "alloc_shared_noncontig", "true"));
   void* local = nullptr;
   const int rc =
       MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, comm, &local, &heap->win_);
-  MPI_Info_free(&info);
+  EPSERVE_MPI_CHECK_LOG(MPI_Info_free(&info));
   EPSERVE_MPI_CHECK(rc);
   heap->bytes_per_rank_ = bytes;
   heap->local_ = static_cast<char*>(local);

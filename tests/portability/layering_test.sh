@@ -20,10 +20,12 @@ declare -A allowed=(
   [server]="common model shmem worker"  # worker's protocol headers only, checked below
   [server/main]="common model shmem kernels worker"
   [client]="common model"
-  [tools]="common model"
+  [tools]="common model worker"   # worker/placement.h only (header-only), checked below
 )
 # The worker's own files, which the front-end library must not include (they need OpenCL).
 worker_only='worker/worker\.h'
+# What tools may read of worker/: the rank mapping, constexpr in its header (no MPI linked).
+tools_worker='worker/placement\.h'
 
 failed=0
 fail() { echo "layering: $*"; failed=$((failed + 1)); }
@@ -53,6 +55,9 @@ for file in $(ls common/*.{h,cc} common/detail/*.{h,cc} model/*.{h,cc} model/det
     fi
     if [ "$key" = server ] && [[ "$inc" =~ $worker_only ]]; then
       fail "$file includes $inc: the front-end library uses the exchange protocol, not the worker"
+    fi
+    if [ "$key" = tools ] && [ "$other" = worker ] && ! [[ "$inc" =~ ^${tools_worker}$ ]]; then
+      fail "$file includes $inc: tools read only worker/placement.h of worker/"
     fi
   done < <(grep -E '^#include "' "$file" || true)
   if [ "$folder" != kernels ] && grep -qE '^#include <CL/' "$file"; then

@@ -11,6 +11,7 @@
 #include "model/reference.h"
 #include "model/synthetic.h"
 #include "worker/coordinator.h"
+#include "worker/placement.h"
 #include "worker/worker.h"
 
 namespace epserve::worker {
@@ -21,7 +22,7 @@ struct Cluster {
   int num_ranks = 0;
   std::unique_ptr<model::WeightSource> source;
   std::unique_ptr<shmem::SymmetricHeap> heap;
-  ExchangeLayout layout;
+  HeapRegions regions;
 };
 
 struct ClusterOptions {
@@ -42,13 +43,13 @@ Cluster Start(const ClusterOptions& o, uint64_t seed) {
   MPI_Comm_size(MPI_COMM_WORLD, &c.num_ranks);
   c.source = *model::OpenModel("synthetic:" + o.preset, seed);
   const model::MoeLayerConfig& cfg = c.source->config().layer;
-  ExchangeShape shape{c.num_ranks - 1, cfg.num_experts, cfg.top_k, cfg.hidden_size,
+  ExchangeShape shape{NumWorkers(c.num_ranks), cfg.num_experts, cfg.top_k, cfg.hidden_size,
                       o.max_batch_tokens};
   absl::Status applied = o.exchange.Apply(shape);
   EXPECT_TRUE(applied.ok()) << applied;
   c.heap =
-      *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeLayout::BytesNeeded(shape), o.backend);
-  c.layout = *ExchangeLayout::Allocate(*c.heap, shape);
+      *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, HeapRegions::BytesNeeded(shape), o.backend);
+  c.regions = *HeapRegions::Allocate(*c.heap, shape);
   return c;
 }
 
@@ -58,7 +59,7 @@ void RunCluster(const ClusterOptions& o, const std::function<void(Cluster&, Coor
   MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
   Cluster c = Start(o, seed);
   if (c.rank == 0) {
-    Coordinator coordinator(*c.heap, c.layout);
+    Coordinator coordinator(*c.heap, c.regions);
     ASSERT_TRUE(coordinator.WaitForWorkers(absl::Now() + absl::Seconds(120)).ok());
     body(c, coordinator);
     EXPECT_TRUE(coordinator.Stop(absl::Now() + absl::Seconds(30)).ok());
@@ -66,11 +67,12 @@ void RunCluster(const ClusterOptions& o, const std::function<void(Cluster&, Coor
     WorkerOptions options;
     options.open_model = o.open_model;
     absl::StatusOr<std::unique_ptr<Worker>> w =
-        Worker::Create(*c.heap, c.layout, *c.source, options);
+        Worker::Create(*c.heap, c.regions, *c.source, options);
     ASSERT_TRUE(w.ok()) << w.status();
     if (c.rank == o.stalled_rank) {
       // Ready as far as rank 0 knows, then stuck for a while.
-      ASSERT_TRUE(c.heap->SignalSet(0, ExchangeLayout::Signal(c.layout.ready, c.rank - 1), 1).ok());
+      ASSERT_TRUE(
+          c.heap->SignalSet(0, HeapRegions::Signal(c.regions.ready, WorkerOfRank(c.rank)), 1).ok());
       absl::SleepFor(o.stall_for);
     }
     std::atomic<bool> stop{false};

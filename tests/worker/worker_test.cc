@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "worker/exchange_layout.h"
+#include "worker/heap_regions.h"
 #include "worker/payload.h"
 #include "worker/placement.h"
 
@@ -37,7 +37,7 @@ TEST(ExpertPlacement, MoreWorkersThanExpertsIsAClearError) {
   EXPECT_NE(p.status().message().find("num_experts=8"), absl::string_view::npos) << p.status();
 }
 
-TEST(ExchangeLayout, HeapSizeFollowsCapacityAndDtypes) {
+TEST(HeapRegions, HeapSizeFollowsCapacityAndDtypes) {
   ExchangeShape s;
   s.num_workers = 3;
   s.num_experts = 8;
@@ -48,7 +48,7 @@ TEST(ExchangeLayout, HeapSizeFollowsCapacityAndDtypes) {
   const ExchangeConfig c = s.exchange();
   EXPECT_EQ(c.first_rank, 1);
   EXPECT_EQ(c.recv_capacity(), 100);  // a receiver gets each token at most once
-  const size_t bytes = ExchangeLayout::BytesNeeded(s);
+  const size_t bytes = HeapRegions::BytesNeeded(s);
   const size_t row = 64 * sizeof(float);
   // input + output + receive + combine (one per received row) rows, plus metadata and
   // alignment.
@@ -61,7 +61,7 @@ TEST(ExchangeLayout, HeapSizeFollowsCapacityAndDtypes) {
   small.dispatch_dtype = PayloadType::kFp8;
   small.combine_dtype = PayloadType::kBf16;
   EXPECT_EQ(small.exchange().recv_capacity(), 20);
-  EXPECT_LT(ExchangeLayout::BytesNeeded(small), bytes - 80 * row);
+  EXPECT_LT(HeapRegions::BytesNeeded(small), bytes - 80 * row);
   EXPECT_NE(ExchangeRegions::Describe(small.exchange()).find("fp8"), std::string::npos);
 }
 

@@ -1,4 +1,4 @@
-#include "worker/exchange_layout.h"
+#include "worker/heap_regions.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -61,7 +61,7 @@ namespace {
 
 // Runs the same sequence of allocations on a real heap or on a size counter.
 template <typename Alloc>
-absl::Status Plan(const ExchangeShape& s, ExchangeLayout& l, Alloc alloc) {
+absl::Status Plan(const ExchangeShape& s, HeapRegions& l, Alloc alloc) {
   const size_t w = static_cast<size_t>(s.num_workers);
   const size_t row_bytes = static_cast<size_t>(s.hidden) * sizeof(float);
   const size_t sig = kSignalStride;
@@ -99,17 +99,17 @@ absl::Status Plan(const ExchangeShape& s, ExchangeLayout& l, Alloc alloc) {
 
 }  // namespace
 
-absl::StatusOr<ExchangeLayout> ExchangeLayout::Allocate(shmem::SymmetricHeap& heap,
-                                                        const ExchangeShape& shape) {
-  ExchangeLayout l{};
+absl::StatusOr<HeapRegions> HeapRegions::Allocate(shmem::SymmetricHeap& heap,
+                                                  const ExchangeShape& shape) {
+  HeapRegions l{};
   l.shape = shape;
   EPSERVE_RETURN_IF_ERROR(
       Plan(shape, l, [&](size_t bytes, size_t align) { return heap.Allocate(bytes, align); }));
   return l;
 }
 
-size_t ExchangeLayout::BytesNeeded(const ExchangeShape& shape) {
-  ExchangeLayout l{};
+size_t HeapRegions::BytesNeeded(const ExchangeShape& shape) {
+  HeapRegions l{};
   size_t next = 0;
   Plan(shape, l, [&](size_t bytes, size_t align) -> absl::StatusOr<size_t> {
     const size_t offset = (next + align - 1) / align * align;

@@ -1,5 +1,6 @@
-// Where the front-end and the workers meet in the symmetric heap. Rank 0 is the
-// front-end; worker w is rank w + 1. Every rank computes the same layout from the same
+// Where the front-end and the workers meet in the symmetric heap: HeapRegions, the offset of
+// each region in every rank's segment. Rank 0 is the front-end; worker w is rank
+// RankOfWorker(w) (worker/placement.h). Every rank computes the same regions from the same
 // ExchangeShape, so every offset below is valid on every rank.
 #pragma once
 
@@ -16,7 +17,10 @@
 
 namespace epserve::worker {
 
-// The stages a worker times for each batch, in order.
+// The stages a worker times for each batch, in order. kLayout, named "layout" in metrics
+// (the Prometheus `stage` label, kept for dashboards and recorded series), is the counting
+// step: Exchange::CountAndNotify, which counts, exchanges the count matrix and computes
+// where every row lands (ExchangeStats::layout_ns).
 enum WorkerStage { kRoute = 0, kLayout, kDispatch, kExpertFfn, kCombine, kNumWorkerStages };
 const char* WorkerStageName(int stage);
 
@@ -95,8 +99,8 @@ struct WorkerReport {
   int64_t pairs;
 };
 
-// Offsets into each rank's segment.
-struct ExchangeLayout {
+// Offsets of the regions in each rank's segment (the worker-to-worker ones in `exchange`).
+struct HeapRegions {
   ExchangeShape shape;
   // rank 0 -> worker
   size_t batch_seq;   // uint64 signal
@@ -125,9 +129,9 @@ struct ExchangeLayout {
   static constexpr absl::Duration kHeartbeatInterval = absl::Milliseconds(200);
 
   // Reserves the regions in `heap`; every rank must call it with the same shape.
-  static absl::StatusOr<ExchangeLayout> Allocate(shmem::SymmetricHeap& heap,
-                                                 const ExchangeShape& shape);
-  // Bytes per rank the layout needs, for sizing the heap.
+  static absl::StatusOr<HeapRegions> Allocate(shmem::SymmetricHeap& heap,
+                                              const ExchangeShape& shape);
+  // Bytes per rank the regions need, for sizing the heap.
   static size_t BytesNeeded(const ExchangeShape& shape);
 
   // Offset of signal `index` of the array at `base` (worker::SignalOffset).
