@@ -248,7 +248,7 @@ std::string DescribeRun(const Flags& f, const LoadOptions& o) {
   return absl::StrCat(
       "epserve-load: target ", f.target, o.token.empty() ? "" : " (token)",
       f.tls || !f.tls_ca.empty() ? " (TLS)" : "", ", model \"", o.request.model_name, "\", hidden ",
-      o.request.hidden_size, ", ", DtypeName(o.request.dtype), ", tokens ",
+      o.request.hidden_size, ", ", common::KServeName(o.request.dtype), ", tokens ",
       FormatTokenRange(o.tokens), ", layer ",
       o.request.layer.has_value() ? absl::StrCat(*o.request.layer) : std::string("-"), ", ",
       o.stream ? absl::StrCat("stream x", o.num_streams) : std::string("unary"), ", warmup ",
@@ -329,7 +329,7 @@ int Main(int argc, char** argv) {
     }
     options.request.layer = layer;
   }
-  absl::StatusOr<Dtype> dtype = ParseDtype(f.dtype);
+  absl::StatusOr<common::ElementType> dtype = ParseDtype(f.dtype);
   if (!dtype.ok()) return bad_usage(dtype.status().message());
   options.request.dtype = *dtype;
   absl::StatusOr<TokenRange> tokens = ParseTokenRange(f.tokens);
@@ -459,7 +459,7 @@ int Main(int argc, char** argv) {
     absl::StatusOr<std::unique_ptr<SharedMemorySlots>> made =
         SharedMemorySlots::Create(*shm_stub, options.token, slots,
                                   options.tokens.max_tokens * options.request.hidden_size *
-                                      DtypeBytes(options.request.dtype));
+                                      common::ElementBytes(options.request.dtype));
     if (!made.ok()) {
       std::cerr << "epserve-load: --shared-memory: " << made.status().message() << "\n";
       return kExitCannotStart;
@@ -499,7 +499,7 @@ int Main(int argc, char** argv) {
   if (!f.plot.empty()) {
     const std::string title = absl::StrCat(
         "epserve-load: ", f.model, ", ", FormatTokenRange(options.tokens), " tokens/request, ",
-        DtypeName(options.request.dtype), options.stream ? ", stream" : "");
+        common::KServeName(options.request.dtype), options.stream ? ", stream" : "");
     std::ofstream out(f.plot);
     out << PlotSvg(reports, title);
     if (!out) {

@@ -15,25 +15,16 @@ namespace epserve::client {
 static_assert(std::endian::native == std::endian::little,
               "raw tensor contents are little-endian; big-endian hosts need a byte swap");
 
-absl::string_view DtypeName(Dtype dtype) {
-  switch (dtype) {
-    case Dtype::kFp32:
-      return "FP32";
-    case Dtype::kBf16:
-      return "BF16";
-    case Dtype::kFp16:
-      return "FP16";
-  }
-  return "FP32";
-}
-
-absl::StatusOr<Dtype> ParseDtype(absl::string_view text) {
+absl::StatusOr<common::ElementType> ParseDtype(absl::string_view text) {
   const std::string upper = absl::AsciiStrToUpper(text);
-  for (Dtype d : {Dtype::kFp32, Dtype::kBf16, Dtype::kFp16}) {
-    if (upper == DtypeName(d)) return d;
+  for (common::ElementType d : kRequestDtypes) {
+    if (upper == common::KServeName(d)) return d;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("dtype: '", text, "' is none of FP32, BF16, FP16"));
+      absl::StrCat("dtype: '", text, "' is none of ",
+                   absl::StrJoin(kRequestDtypes, ", ", [](std::string* out, common::ElementType d) {
+                     absl::StrAppend(out, common::KServeName(d));
+                   })));
 }
 
 absl::StatusOr<TokenRange> ParseTokenRange(absl::string_view text) {
@@ -129,13 +120,13 @@ void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string
   }
   inference::ModelInferRequest::InferInputTensor* input = request->add_inputs();
   input->set_name(std::string(kInputName));
-  input->set_datatype(std::string(DtypeName(tmpl.dtype)));
+  input->set_datatype(std::string(common::KServeName(tmpl.dtype)));
   input->add_shape(tokens);
   input->add_shape(tmpl.hidden_size);
   request->add_outputs()->set_name(std::string(kOutputName));
 
   const int64_t num_elements = tokens * tmpl.hidden_size;
-  const int64_t element_bytes = DtypeBytes(tmpl.dtype);
+  const int64_t element_bytes = static_cast<int64_t>(common::ElementBytes(tmpl.dtype));
   std::string* raw = request->add_raw_input_contents();
   raw->resize(static_cast<size_t>(num_elements * element_bytes));
   if (values != nullptr) values->resize(static_cast<size_t>(num_elements));
@@ -157,10 +148,10 @@ void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string
     } else {
       rng.FillUniformSigned(scratch, n);
     }
-    if (tmpl.dtype == Dtype::kFp32) {
+    if (tmpl.dtype == common::ElementType::kFp32) {
       std::memcpy(dst + done * 4, scratch, static_cast<size_t>(n * 4));
     } else {
-      const bool bf16 = tmpl.dtype == Dtype::kBf16;
+      const bool bf16 = tmpl.dtype == common::ElementType::kBf16;
       for (int64_t i = 0; i < n; ++i) {
         narrow[i] = bf16 ? FloatToBf16(scratch[i]) : FloatToFp16(scratch[i]);
         scratch[i] = bf16 ? Bf16ToFloat(narrow[i]) : Fp16ToFloat(narrow[i]);
@@ -172,8 +163,8 @@ void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string
 }
 
 absl::Status CheckInferResponse(const inference::ModelInferResponse& response, int64_t tokens,
-                                int64_t hidden_size, absl::string_view id, Dtype dtype,
-                                bool in_shared_memory) {
+                                int64_t hidden_size, absl::string_view id,
+                                common::ElementType dtype, bool in_shared_memory) {
   if (!response.id().empty() && response.id() != id) {
     return absl::DataLossError(
         absl::StrCat("response id '", response.id(), "' for request id '", id, "'"));
@@ -190,9 +181,9 @@ absl::Status CheckInferResponse(const inference::ModelInferResponse& response, i
         absl::StrCat("no output '", kOutputName, "' among ", response.outputs_size(), " outputs"));
   }
   const auto& output = response.outputs(index);
-  if (output.datatype() != DtypeName(dtype)) {
+  if (output.datatype() != common::KServeName(dtype)) {
     return absl::DataLossError(absl::StrCat(kOutputName, " datatype '", output.datatype(),
-                                            "', expected ", DtypeName(dtype)));
+                                            "', expected ", common::KServeName(dtype)));
   }
   if (output.shape_size() != 2 || output.shape(0) != tokens || output.shape(1) != hidden_size) {
     return absl::DataLossError(absl::StrCat(kOutputName, " shape [",
@@ -212,7 +203,8 @@ absl::Status CheckInferResponse(const inference::ModelInferResponse& response, i
     return absl::DataLossError(absl::StrCat(kOutputName, " has no raw_output_contents entry (",
                                             response.raw_output_contents_size(), " entries)"));
   }
-  const size_t expected_bytes = static_cast<size_t>(tokens * hidden_size * DtypeBytes(dtype));
+  const size_t expected_bytes =
+      static_cast<size_t>(tokens * hidden_size * common::ElementBytes(dtype));
   if (response.raw_output_contents(index).size() != expected_bytes) {
     return absl::DataLossError(absl::StrCat(kOutputName, " raw contents are ",
                                             response.raw_output_contents(index).size(),
@@ -221,7 +213,7 @@ absl::Status CheckInferResponse(const inference::ModelInferResponse& response, i
   return absl::OkStatus();
 }
 
-void DecodeOutput(const inference::ModelInferResponse& response, Dtype dtype,
+void DecodeOutput(const inference::ModelInferResponse& response, common::ElementType dtype,
                   std::vector<float>* out) {
   int index = 0;
   for (int i = 0; i < response.outputs_size(); ++i) {
@@ -230,17 +222,17 @@ void DecodeOutput(const inference::ModelInferResponse& response, Dtype dtype,
   DecodeOutputBytes(response.raw_output_contents(index), dtype, out);
 }
 
-void DecodeOutputBytes(absl::string_view raw, Dtype dtype, std::vector<float>* out) {
-  const size_t count = raw.size() / static_cast<size_t>(DtypeBytes(dtype));
+void DecodeOutputBytes(absl::string_view raw, common::ElementType dtype, std::vector<float>* out) {
+  const size_t count = raw.size() / static_cast<size_t>(common::ElementBytes(dtype));
   out->resize(count);
-  if (dtype == Dtype::kFp32) {
+  if (dtype == common::ElementType::kFp32) {
     std::memcpy(out->data(), raw.data(), count * sizeof(float));
     return;
   }
   for (size_t i = 0; i < count; ++i) {
     uint16_t bits;
     std::memcpy(&bits, raw.data() + 2 * i, 2);
-    (*out)[i] = dtype == Dtype::kBf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+    (*out)[i] = dtype == common::ElementType::kBf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
   }
 }
 

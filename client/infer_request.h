@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/element_type.h"
 #include "common/half.h"
 #include "grpc_service.pb.h"
 
@@ -28,13 +29,14 @@ inline constexpr absl::string_view kTimeoutParameter = "timeout";
 // The datatype ModelMetadata reports for hidden_states (the server also takes BF16, FP16).
 inline constexpr absl::string_view kDatatype = "FP32";
 
-// Element type of the tensors a request carries. Conversions from float round to nearest
-// even (the server's rule); NaN stays NaN.
-enum class Dtype { kFp32, kBf16, kFp16 };
-absl::string_view DtypeName(Dtype dtype);  // "FP32", "BF16", "FP16"
-// Accepts the names above in any case. INVALID_ARGUMENT listing them otherwise.
-absl::StatusOr<Dtype> ParseDtype(absl::string_view text);
-inline int64_t DtypeBytes(Dtype dtype) { return dtype == Dtype::kFp32 ? 4 : 2; }
+// Element types of the tensors a request carries (common/element_type.h), named by their
+// KServe datatype strings. Conversions from float round to nearest even (the server's rule);
+// NaN stays NaN.
+inline constexpr common::ElementType kRequestDtypes[] = {
+    common::ElementType::kFp32, common::ElementType::kBf16, common::ElementType::kFp16};
+// One of kRequestDtypes by its KServe name in any case ("bf16", "FP16"). INVALID_ARGUMENT
+// listing them otherwise.
+absl::StatusOr<common::ElementType> ParseDtype(absl::string_view text);
 using common::Bf16ToFloat;  // common/half.h
 using common::FloatToBf16;
 using common::FloatToFp16;
@@ -80,8 +82,9 @@ struct RequestTemplate {
   std::string model_name;
   int64_t hidden_size = 0;       // H
   std::optional<int64_t> layer;  // sent as the int64 parameter "layer" when set
-  Dtype dtype = Dtype::kFp32;    // of hidden_states, hence of moe_output
-  int64_t timeout_us = 0;        // > 0: sent as the int64 parameter "timeout"
+  // Of hidden_states, hence of moe_output: one of kRequestDtypes.
+  common::ElementType dtype = common::ElementType::kFp32;
+  int64_t timeout_us = 0;  // > 0: sent as the int64 parameter "timeout"
   // Fills a request's [tokens, H] values (e.g. SkewedRows::Fill, rows aimed at experts);
   // empty: uniform in [-1, 1). Called from several sending threads at once.
   std::function<void(FastRng& rng, float* dst, int64_t tokens)> fill_rows;
@@ -96,19 +99,20 @@ void BuildInferRequest(const RequestTemplate& tmpl, int64_t tokens, absl::string
                        std::vector<float>* values = nullptr);
 
 // OK if `response` carries output "moe_output" of `dtype`, shape [tokens, hidden_size],
-// with exactly tokens * hidden_size * DtypeBytes(dtype) bytes in its raw_output_contents
+// with exactly tokens * hidden_size * ElementBytes(dtype) bytes in its raw_output_contents
 // entry, and echoes `id` when it sets one. Otherwise DATA_LOSS saying what was wrong.
 // With `in_shared_memory` the output's bytes are in the client's shared memory region and
 // its raw_output_contents entry must be empty or absent.
 absl::Status CheckInferResponse(const inference::ModelInferResponse& response, int64_t tokens,
                                 int64_t hidden_size, absl::string_view id,
-                                Dtype dtype = Dtype::kFp32, bool in_shared_memory = false);
+                                common::ElementType dtype = common::ElementType::kFp32,
+                                bool in_shared_memory = false);
 
 // The values of a response's "moe_output" (already accepted by CheckInferResponse with
 // the same `dtype`) as floats, into `out` (resized).
-void DecodeOutput(const inference::ModelInferResponse& response, Dtype dtype,
+void DecodeOutput(const inference::ModelInferResponse& response, common::ElementType dtype,
                   std::vector<float>* out);
 // The same for an output's bytes wherever they are (e.g. a shared memory region).
-void DecodeOutputBytes(absl::string_view raw, Dtype dtype, std::vector<float>* out);
+void DecodeOutputBytes(absl::string_view raw, common::ElementType dtype, std::vector<float>* out);
 
 }  // namespace epserve::client

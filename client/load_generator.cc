@@ -217,8 +217,9 @@ absl::Status LoadGenerator::Validate(const StepSpec& step) const {
   }
   // A tensor must fit one protobuf bytes field (< 2 GiB).
   constexpr int64_t kMaxPayloadBytes = (int64_t{1} << 31) - (int64_t{1} << 20);
-  if (o.tokens.max_tokens >
-      kMaxPayloadBytes / DtypeBytes(o.request.dtype) / o.request.hidden_size) {
+  if (o.tokens.max_tokens > kMaxPayloadBytes /
+                                static_cast<int64_t>(common::ElementBytes(o.request.dtype)) /
+                                o.request.hidden_size) {
     return absl::InvalidArgumentError(absl::StrCat("tokens: ", o.tokens.max_tokens,
                                                    " rows of hidden size ", o.request.hidden_size,
                                                    " exceed the 2 GiB limit of one message"));
@@ -720,7 +721,7 @@ class StepRun {
         DecodeOutputBytes(
             absl::string_view(shm->at(shm->output_offset(call.slot)),
                               static_cast<size_t>(call.tokens * options_.request.hidden_size *
-                                                  DtypeBytes(options_.request.dtype))),
+                                                  common::ElementBytes(options_.request.dtype))),
             options_.request.dtype, &output);
       } else {
         DecodeOutput(call.response, options_.request.dtype, &output);

@@ -14,21 +14,24 @@
 
 namespace epserve::client {
 
-double DefaultTolerance(Dtype dtype) {
+double DefaultTolerance(common::ElementType dtype) {
   switch (dtype) {
-    case Dtype::kFp32:
+    case common::ElementType::kFp32:
       return 1e-4;
-    case Dtype::kBf16:
+    case common::ElementType::kBf16:
       return 1e-2;
-    case Dtype::kFp16:
+    case common::ElementType::kFp16:
       return 2e-3;
+    case common::ElementType::kFp8E4m3:  // no request dtype (kRequestDtypes)
+      break;
   }
   return 1e-4;
 }
 
 absl::StatusOr<std::unique_ptr<Verifier>> Verifier::Create(absl::string_view spec, uint64_t seed,
                                                            std::optional<int64_t> layer,
-                                                           Dtype dtype, double tolerance) {
+                                                           common::ElementType dtype,
+                                                           double tolerance) {
   if (!absl::StartsWith(spec, "synthetic:")) {
     return absl::InvalidArgumentError(
         absl::StrCat("verify-model: '", spec, "' is not synthetic:<preset>; presets: ",

@@ -19,7 +19,7 @@ namespace epserve::client {
 // The tolerance on max|answer - reference| / max|reference| over a request's rows, per
 // datatype of the answer: FP32 1e-4; BF16 and FP16 add their rounding of the output
 // (2^-8 and 2^-11 relative) with margin.
-double DefaultTolerance(Dtype dtype);
+double DefaultTolerance(common::ElementType dtype);
 
 // Routing decisions closer than this to a tie (model::Routing::margins) may go either way
 // in FP32 arithmetic; such rows are not compared.
@@ -32,7 +32,8 @@ class Verifier {
   // the layer requests name (nullopt: the first MoE layer, as the server does). Loads the
   // whole layer into host memory. `tolerance` <= 0 means DefaultTolerance(dtype).
   static absl::StatusOr<std::unique_ptr<Verifier>> Create(absl::string_view spec, uint64_t seed,
-                                                          std::optional<int64_t> layer, Dtype dtype,
+                                                          std::optional<int64_t> layer,
+                                                          common::ElementType dtype,
                                                           double tolerance);
 
   int64_t hidden_size() const { return config_.hidden_size; }

@@ -1,23 +1,27 @@
-// Element types of weights and activations on the device. Whatever the element type, the
-// kernels accumulate in FP32. Pure functions, thread-safe.
+// Element types of weights and activation rows on the device: common::ElementType's FP32 and
+// BF16 (kKernelTypes); the entry points refuse the others (CheckKernelType). Whatever the
+// element type, the kernels accumulate in FP32. Pure functions, thread-safe.
 #pragma once
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 
-#include "absl/status/statusor.h"
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/element_type.h"
 #include "common/half.h"
 
 namespace epserve::kernels {
 
-enum class DType { kFp32, kBf16 };
+// The element types the kernels take, for weights (--weight-dtype) and activation rows.
+inline constexpr common::ElementType kKernelTypes[] = {common::ElementType::kFp32,
+                                                       common::ElementType::kBf16};
 
-// "fp32", "bf16"; INVALID_ARGUMENT naming `what` (e.g. "--weight-dtype") otherwise.
-absl::StatusOr<DType> ParseDType(absl::string_view name, absl::string_view what);
-const char* DTypeName(DType type);
-inline size_t DTypeBytes(DType type) { return type == DType::kBf16 ? 2 : 4; }
+// OK for a type of kKernelTypes; else INVALID_ARGUMENT "<what> must be fp32 or bf16, got '...'".
+inline absl::Status CheckKernelType(common::ElementType type, absl::string_view what) {
+  return common::CheckElementType(type, what, kKernelTypes);
+}
 
 // FP32 <-> BF16 (common/half.h).
 using common::Bf16ToFloat;

@@ -74,7 +74,8 @@ absl::StatusOr<double> RunCase(Runtime& rt, const ExpertWeights& w, const TuneCa
 
 // Weights of kTuneExperts experts in candidate b's layout, every value small and finite.
 absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int64_t hidden,
-                                          int64_t ffn, DType dtype, uint32_t fp32_pattern) {
+                                          int64_t ffn, common::ElementType dtype,
+                                          uint32_t fp32_pattern) {
   ExpertWeights w;
   w.num_experts = kTuneExperts;
   w.hidden = hidden;
@@ -83,8 +84,8 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
   w.blocking = b;
   const int64_t pw = b.panel_cols();
   // BF16 weights: two 0.0078125 values a word; FP32: the pattern given.
-  const uint32_t pattern = dtype == DType::kBf16 ? 0x3c003c00u : fp32_pattern;
-  const size_t elem = DTypeBytes(dtype);
+  const uint32_t pattern = dtype == common::ElementType::kBf16 ? 0x3c003c00u : fp32_pattern;
+  const size_t elem = common::ElementBytes(dtype);
   EPSERVE_ASSIGN_OR_RETURN(
       Buffer gate_up,
       Filled(rt, detail::GateUpFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern));
@@ -101,7 +102,8 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
 // in the machine's load hits every candidate alike; the fastest run of each counts. Returns
 // the index of the candidate with the lowest score and writes the times to `log`.
 absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
-                                      int64_t hidden, int64_t ffn, DType dtype, std::string* log) {
+                                      int64_t hidden, int64_t ffn, common::ElementType dtype,
+                                      std::string* log) {
   int64_t max_rows = 0;
   for (const TuneCase& c : kTuneCases) max_rows = std::max(max_rows, c.rows_per_expert * c.experts);
   const uint32_t x_pattern = 0x3c23d70a;  // 0.01f
@@ -215,10 +217,12 @@ std::string FfnChoice::Describe() const {
     how = absl::StrFormat("tuned now in %.2f s", seconds);
   }
   return absl::StrCat(blocking.ToString(), " (", how, ") for H=", hidden, " F=", ffn, " ",
-                      DTypeName(dtype), " weights");
+                      common::FlagName(dtype), " weights");
 }
 
-absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t ffn, DType dtype) {
+absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t ffn,
+                                                       common::ElementType dtype) {
+  EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
   for (const FfnChoice& c : ffn_choices()) {
     if (c.hidden == hidden && c.ffn == ffn && c.dtype == dtype) return c.blocking;
   }
@@ -249,7 +253,8 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
     choice.blocking = *b;
     choice.origin = FfnBlockingOrigin::kForced;
   } else if (candidates.size() < 2 || !options_.tune_ffn ||
-             3 * hidden * ffn * static_cast<int64_t>(DTypeBytes(dtype)) < kMinTunedExpertBytes) {
+             3 * hidden * ffn * static_cast<int64_t>(common::ElementBytes(dtype)) <
+                 kMinTunedExpertBytes) {
     choice.blocking = default_ffn_blocking_;
     choice.origin = FfnBlockingOrigin::kDefault;
   } else {
@@ -258,8 +263,9 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
     std::string cache_path;
     CacheLock lock;
     if (!cache_dir_.empty()) {
-      const std::string what = absl::StrCat("ffn-blocking H=", hidden, " F=", ffn, " ",
-                                            DTypeName(dtype), " ", JoinCandidates(candidates));
+      const std::string what =
+          absl::StrCat("ffn-blocking H=", hidden, " F=", ffn, " ", common::FlagName(dtype), " ",
+                       JoinCandidates(candidates));
       cache_path = detail::ProgramCachePath(
           cache_dir_, "ffn-blocking", detail::ProgramCacheKey(FfnProgramKeySource(), what, info_));
       cache_path.replace(cache_path.size() - 4, 4, ".txt");  // ".bin" -> ".txt"

@@ -50,7 +50,7 @@ absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_
   EPSERVE_ASSIGN_OR_RETURN(Buffer groups,
                            UploadGroups(rt, offsets, w.blocking.row_chunk, &num_groups));
   if (num_groups == 0) return absl::OkStatus();
-  const char* w_name = w.dtype == DType::kBf16 ? "_wbf16" : "_wf32";
+  const char* w_name = w.dtype == common::ElementType::kBf16 ? "_wbf16" : "_wf32";
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up,
                            rt.FfnKernel(absl::StrCat("ffn_gate_up", w_name), w.blocking));
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel down,
@@ -109,11 +109,12 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
   tiles.groups = std::move(groups);
   if (tiles.num_groups == 0) return tiles;
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(gather_kernel));
-  const cl_long x_rows = RowsInBuffer(x, DTypeBytes(x_format.dtype), w.hidden, x_format.row_stride);
-  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, x, cl_int{x_format.dtype == DType::kBf16 ? 1 : 0}, x_rows,
-                                  cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0},
-                                  static_cast<cl_int>(rows), static_cast<cl_int>(w.hidden),
-                                  static_cast<cl_int>(x_values), y));
+  const cl_long x_rows =
+      RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
+  EPSERVE_RETURN_IF_ERROR(SetArgs(
+      kernel, x, cl_int{x_format.dtype == common::ElementType::kBf16 ? 1 : 0}, x_rows,
+      cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0}, static_cast<cl_int>(rows),
+      static_cast<cl_int>(w.hidden), static_cast<cl_int>(x_values), y));
   // One work-item per row (1-D), or per 8 values of a row (2-D, rows in dimension 1).
   static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
   EPSERVE_RETURN_IF_ERROR(
@@ -219,6 +220,7 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
 absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                        const Buffer& row_index, std::span<const int64_t> expert_offsets,
                        Buffer& h_scratch, Buffer& y, RowFormat x_format) {
+  EPSERVE_RETURN_IF_ERROR(CheckKernelType(x_format.dtype, "x's element type"));
   if (x_format.row_stride == 0) x_format.row_stride = w.hidden;
   if (x_format.row_stride < w.hidden) {
     return absl::InvalidArgumentError(absl::StrCat("x row stride ", x_format.row_stride,
@@ -243,7 +245,7 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   const int64_t rows = expert_offsets.back();
   EPSERVE_RETURN_IF_ERROR(NeedIntRange(rows, "expert_offsets.back()"));
   if (rows == 0) return absl::OkStatus();
-  EPSERVE_RETURN_IF_ERROR(NeedBytes(x, w.hidden * DTypeBytes(x_format.dtype), "x"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(x, w.hidden * common::ElementBytes(x_format.dtype), "x"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(row_index, rows * sizeof(int32_t), "row_index"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, rows * w.ffn * sizeof(float), "h_scratch"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * w.hidden * sizeof(float), "y"));
@@ -253,7 +255,7 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   if (w.bf16_dot) {
     return RunFfnDot(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
   }
-  if (x_format.dtype == DType::kBf16) {
+  if (x_format.dtype == common::ElementType::kBf16) {
     // Widened and gathered into y, which gate_up reads before down overwrites it.
     EPSERVE_RETURN_IF_ERROR(
         GatherBf16Rows(rt, x, w.hidden, x_format.row_stride, row_index, rows, y));
@@ -276,7 +278,7 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   EPSERVE_RETURN_IF_ERROR(NeedBytes(y, n * w.hidden * sizeof(float), "y"));
   const int64_t offsets[2] = {0, n};
   const Buffer no_index;
-  const RowFormat x_format = {DType::kFp32, w.hidden};
+  const RowFormat x_format = {common::ElementType::kFp32, w.hidden};
   EPSERVE_RETURN_IF_ERROR(
       w.tensor_cores
           ? RunFfnMma(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)

@@ -28,22 +28,23 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 
 // Experts [first_expert, first_expert + num_experts) of one layer (or the shared expert,
 // num_experts = 1), in the layout the FFN kernels read. Filled straight from the source,
-// without a second host copy of the whole set. With dtype kBf16 the gate, up and down
-// projections are stored as BF16, each value rounded to nearest even (FloatToBf16) once at
-// upload; the shared expert's sigmoid gate stays FP32. BF16 weights on a runtime with
-// tensor_cores() take the tensor-core layout (when H and F are not tiny, see
-// detail::MmaFitsCallerBuffers): the FFN then also rounds its activations x and the
-// intermediate h = silu(gate x) * up x to BF16 (nearest even) before each GEMM, as BF16 GEMM
-// libraries do; sums stay FP32. BF16 weights on a runtime with bf16_dot() (x86 CPUs with
-// AVX512-BF16) take the pair-panel layout and round x and h the same way.
+// without a second host copy of the whole set. The dtype is one of kKernelTypes (others are
+// INVALID_ARGUMENT). With dtype kBf16 the gate, up and down projections are stored as BF16,
+// each value rounded to nearest even (FloatToBf16) once at upload; the shared expert's
+// sigmoid gate stays FP32. BF16 weights on a runtime with tensor_cores() take the tensor-core
+// layout (when H and F are not tiny, see detail::MmaFitsCallerBuffers): the FFN then also
+// rounds its activations x and the intermediate h = silu(gate x) * up x to BF16 (nearest even)
+// before each GEMM, as BF16 GEMM libraries do; sums stay FP32. BF16 weights on a runtime with
+// bf16_dot() (x86 CPUs with AVX512-BF16) take the pair-panel layout and round x and h the
+// same way.
 struct ExpertWeights {
   int first_expert = 0;
   int num_experts = 0;
-  int64_t hidden = 0;          // H
-  int64_t ffn = 0;             // F of these experts
-  DType dtype = DType::kFp32;  // of gate_up and down
-  bool tensor_cores = false;   // the tensor-core layout and kernels (BF16 x and h)
-  bool bf16_dot = false;       // the pair-panel layout and BF16 dot-product kernels (BF16 x, h)
+  int64_t hidden = 0;                                      // H
+  int64_t ffn = 0;                                         // F of these experts
+  common::ElementType dtype = common::ElementType::kFp32;  // of gate_up and down
+  bool tensor_cores = false;  // the tensor-core layout and kernels (BF16 x and h)
+  bool bf16_dot = false;      // the pair-panel layout and BF16 dot-product kernels (BF16 x, h)
   // The portable kernels' blocking (neither tensor_cores nor bf16_dot), chosen at upload by
   // Runtime::ChooseFfnBlocking; the panel layout follows it.
   FfnBlocking blocking;
@@ -58,10 +59,11 @@ const char* FfnKernelsName(const ExpertWeights& w);
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, int first_expert, int num_experts,
-                                            DType dtype = DType::kFp32);
+                                            common::ElementType dtype = common::ElementType::kFp32);
 // The shared expert of the layer (config().layer.shared_ffn_size > 0).
-absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
-                                                 int layer, DType dtype = DType::kFp32);
+absl::StatusOr<ExpertWeights> UploadSharedExpert(
+    Runtime& rt, const model::WeightSource& source, int layer,
+    common::ElementType dtype = common::ElementType::kFp32);
 
 // ---- route ----
 
@@ -72,11 +74,11 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
 
 // ---- expert FFN ----
 
-// How the rows of an activation buffer are stored: element type, and the distance from one
-// row to the next in elements (0: the row length, i.e. packed rows). BF16 values are widened
-// to FP32 exactly.
+// How the rows of an activation buffer are stored: element type (one of kKernelTypes; others
+// are INVALID_ARGUMENT), and the distance from one row to the next in elements (0: the row
+// length, i.e. packed rows). BF16 values are widened to FP32 exactly.
 struct RowFormat {
-  DType dtype = DType::kFp32;
+  common::ElementType dtype = common::ElementType::kFp32;
   int64_t row_stride = 0;
 };
 

@@ -75,7 +75,7 @@ struct RuntimeOptions {
 struct FfnChoice {
   int64_t hidden = 0;
   int64_t ffn = 0;
-  DType dtype = DType::kFp32;
+  common::ElementType dtype = common::ElementType::kFp32;
   FfnBlocking blocking;
   FfnBlockingOrigin origin = FfnBlockingOrigin::kDefault;
   double seconds = 0;  // spent choosing (tuning, or reading the cache)
@@ -143,7 +143,8 @@ class Runtime {
   // The blocking of the portable FFN kernels for experts of this shape and weight dtype on
   // this device: made on first use of the shape as kernels/ffn_blocking.h says (which may
   // time kernels on the device for a second or two), the same afterwards.
-  absl::StatusOr<FfnBlocking> ChooseFfnBlocking(int64_t hidden, int64_t ffn, DType dtype);
+  absl::StatusOr<FfnBlocking> ChooseFfnBlocking(int64_t hidden, int64_t ffn,
+                                                common::ElementType dtype);
   // Every choice made so far, for logs.
   const std::vector<FfnChoice>& ffn_choices() const;
   // The blocking taken without tuning (the first of FfnBlockingCandidates(device_info())).

@@ -191,7 +191,8 @@ absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int laye
 
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
                                         FfnKinds kinds, int first, int count, int64_t ffn,
-                                        DType dtype) {
+                                        common::ElementType dtype) {
+  EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
   const model::MoeLayerConfig& cfg = source.config().layer;
   const int64_t hidden = cfg.hidden_size;
   EPSERVE_RETURN_IF_ERROR(NeedIntRange(hidden, "hidden_size"));
@@ -203,9 +204,9 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.ffn = ffn;
   w.dtype = dtype;
   // The layout, hence the element counts, follows from the dtype and the device.
-  w.tensor_cores =
-      dtype == DType::kBf16 && rt.tensor_cores() && detail::MmaFitsCallerBuffers(hidden, ffn);
-  w.bf16_dot = dtype == DType::kBf16 && !w.tensor_cores && rt.bf16_dot();
+  w.tensor_cores = dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
+                   detail::MmaFitsCallerBuffers(hidden, ffn);
+  w.bf16_dot = dtype == common::ElementType::kBf16 && !w.tensor_cores && rt.bf16_dot();
   if (!w.tensor_cores && !w.bf16_dot) {
     EPSERVE_ASSIGN_OR_RETURN(FfnBlocking blocking, rt.ChooseFfnBlocking(hidden, ffn, dtype));
     w.blocking = blocking;
@@ -217,7 +218,7 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   const int64_t down_values = w.tensor_cores ? detail::MmaDownValuesPerExpert(hidden, ffn)
                               : w.bf16_dot   ? detail::DownDotValuesPerExpert(hidden, ffn)
                                              : detail::DownFloatsPerExpert(hidden, ffn, pw);
-  const size_t elem = DTypeBytes(dtype);
+  const size_t elem = common::ElementBytes(dtype);
   EPSERVE_ASSIGN_OR_RETURN(Buffer gate_up, rt.Allocate(gate_up_values * count * elem));
   EPSERVE_ASSIGN_OR_RETURN(Buffer down, rt.Allocate(down_values * count * elem));
   w.gate_up = std::move(gate_up);
@@ -226,7 +227,7 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
     EPSERVE_RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
   } else if (w.bf16_dot) {
     EPSERVE_RETURN_IF_ERROR(FillFfnDot(rt, source, layer, kinds, w));
-  } else if (dtype == DType::kBf16) {
+  } else if (dtype == common::ElementType::kBf16) {
     EPSERVE_RETURN_IF_ERROR(FillFfn<uint16_t>(rt, source, layer, kinds, w));
   } else {
     EPSERVE_RETURN_IF_ERROR(FillFfn<float>(rt, source, layer, kinds, w));
@@ -270,7 +271,7 @@ const char* FfnKernelsName(const ExpertWeights& w) {
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, int first_expert, int num_experts,
-                                            DType dtype) {
+                                            common::ElementType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   EPSERVE_RETURN_IF_ERROR(cfg.Validate());
   if (first_expert < 0 || num_experts < 0 || first_expert + num_experts > cfg.num_experts) {
@@ -284,7 +285,7 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
 }
 
 absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
-                                                 int layer, DType dtype) {
+                                                 int layer, common::ElementType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   EPSERVE_RETURN_IF_ERROR(cfg.Validate());
   if (cfg.shared_ffn_size <= 0) {

@@ -246,12 +246,12 @@ void Batcher::StageInputs(Batch& b, size_t first) {
   for (size_t i = first; i < b.pieces.size(); ++i) {
     const Piece& p = b.pieces[i];
     const InferTask& t = *p.task;
-    if (t.input_type != ElementType::kFp32) {
+    if (t.input_type != common::ElementType::kFp32) {
       if (b.input_staging.empty()) b.input_staging.resize(options_.max_batch_tokens * h);
-      ToFp32(t.input_type, t.input + p.row * h * ElementBytes(t.input_type),
+      ToFp32(t.input_type, t.input + p.row * h * common::ElementBytes(t.input_type),
              b.input_staging.data() + p.at * h, p.rows * h);
     }
-    if (t.output_type != ElementType::kFp32 && b.output_staging.empty()) {
+    if (t.output_type != common::ElementType::kFp32 && b.output_staging.empty()) {
       b.output_staging.resize(options_.max_batch_tokens * h);
     }
   }
@@ -345,10 +345,10 @@ void Batcher::ExecuteLoop() {
         p.skipped = true;
         continue;
       }
-      const float* in = t.input_type == ElementType::kFp32
+      const float* in = t.input_type == common::ElementType::kFp32
                             ? reinterpret_cast<const float*>(t.input + p.row * h * sizeof(float))
                             : b->input_staging.data() + p.at * h;
-      float* out = t.output_type == ElementType::kFp32
+      float* out = t.output_type == common::ElementType::kFp32
                        ? reinterpret_cast<float*>(t.output + p.row * h * sizeof(float))
                        : b->output_staging.data() + p.at * h;
       const int64_t k = options_.top_k;
@@ -376,9 +376,9 @@ void Batcher::CompleteLoop() {
       if (p.skipped) continue;
       if (!b->status.ok()) {
         Fail(t, b->status);
-      } else if (t.output_type != ElementType::kFp32 && !t.failed.load()) {
+      } else if (t.output_type != common::ElementType::kFp32 && !t.failed.load()) {
         FromFp32(t.output_type, b->output_staging.data() + p.at * h,
-                 t.output + p.row * h * ElementBytes(t.output_type), p.rows * h);
+                 t.output + p.row * h * common::ElementBytes(t.output_type), p.rows * h);
       }
     }
     b->output_time = absl::Now() - t0;

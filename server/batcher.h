@@ -47,9 +47,9 @@ struct InferTask {
   int64_t num_tokens = 0;
   uint32_t priority = 1;        // 1 is served first; at most BatcherOptions::priority_levels
   const char* input = nullptr;  // num_tokens * H elements of input_type, maybe unaligned
-  ElementType input_type = ElementType::kFp32;
+  common::ElementType input_type = common::ElementType::kFp32;
   char* output = nullptr;  // num_tokens * H elements of output_type
-  ElementType output_type = ElementType::kFp32;
+  common::ElementType output_type = common::ElementType::kFp32;
   // Optional routing outputs, num_tokens * k each, owned like `output`.
   int32_t* topk_ids = nullptr;
   float* topk_weights = nullptr;

@@ -1,29 +1,13 @@
 #include "server/dtype.h"
 
-#include <bit>
-#include <cmath>
+#include <cstdint>
 #include <cstring>
+
+#include "common/half.h"
 
 namespace epserve::server {
 
-std::optional<ElementType> ParseElementType(absl::string_view datatype) {
-  if (datatype == "FP32") return ElementType::kFp32;
-  if (datatype == "BF16") return ElementType::kBf16;
-  if (datatype == "FP16") return ElementType::kFp16;
-  return std::nullopt;
-}
-
-const char* ElementTypeName(ElementType type) {
-  switch (type) {
-    case ElementType::kFp32:
-      return "FP32";
-    case ElementType::kBf16:
-      return "BF16";
-    case ElementType::kFp16:
-      return "FP16";
-  }
-  return "?";
-}
+using common::ElementType;
 
 void ToFp32(ElementType type, const char* src, float* dst, size_t count) {
   if (type == ElementType::kFp32) {

@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/element_type.h"
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -262,8 +263,9 @@ int ServeFrontEnd(const Flags& flags, const epserve::model::ModelConfig& config,
 // A worker rank: loads its experts onto its device and serves batches until rank 0 stops it.
 int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& heap,
                 const epserve::worker::HeapRegions& regions,
-                const epserve::model::WeightSource& source, epserve::kernels::DType weight_dtype,
-                int local_worker, ModelOpener open_model) {
+                const epserve::model::WeightSource& source,
+                epserve::common::ElementType weight_dtype, int local_worker,
+                ModelOpener open_model) {
   using namespace epserve;
   worker::WorkerOptions options;
   options.device.device = flags.device;
@@ -312,12 +314,12 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   const size_t heap_bytes = worker::HeapRegions::BytesNeeded(*shape);
   absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
   if (!memory_limit.ok()) return Fail(rank, memory_limit.status());
-  absl::StatusOr<kernels::DType> weight_dtype =
-      kernels::ParseDType(flags.weight_dtype, "--weight-dtype");
+  absl::StatusOr<common::ElementType> weight_dtype =
+      common::ParseFlagName(flags.weight_dtype, "--weight-dtype", kernels::kKernelTypes);
   if (!weight_dtype.ok()) return Fail(rank, weight_dtype.status());
   if (absl::Status s =
           CheckMemory(config, shape->num_workers, heap_bytes, *memory_limit,
-                      *weight_dtype == kernels::DType::kBf16, shape->shared_expert_split);
+                      *weight_dtype == common::ElementType::kBf16, shape->shared_expert_split);
       !s.ok()) {
     return Fail(rank, s);
   }

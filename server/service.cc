@@ -197,7 +197,7 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   };
   char* output = nullptr;
   if (parsed->want_output) {
-    output = add_output(kOutputName, ElementTypeName(parsed->output_type), h,
+    output = add_output(kOutputName, common::KServeName(parsed->output_type), h,
                         ElementBytes(parsed->output_type), parsed->output_shm);
   } else {
     task->unrequested_output.resize(static_cast<size_t>(parsed->num_tokens * h) *

@@ -133,11 +133,11 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   if (req.inputs_size() != 1)
     return Invalid("input '", kInputName, "' given ", req.inputs_size(), " times");
   const auto& input = req.inputs(0);
-  std::optional<ElementType> type = ParseElementType(input.datatype());
-  if (!type) {
-    return Invalid("input '", kInputName, "' datatype must be FP32, BF16 or FP16, got '",
-                   Clip(input.datatype()), "'");
-  }
+  // Clipped first: a datatype past kMaxQuotedBytes is no datatype anyway, and the error quotes
+  // it bounded.
+  absl::StatusOr<common::ElementType> type = common::ParseKServeName(
+      Clip(input.datatype()), absl::StrCat("input '", kInputName, "' datatype"), kRequestTypes);
+  if (!type.ok()) return type.status();
   out.input_type = *type;
   out.output_type = *type;
   if (input.shape_size() != 2) {
@@ -155,7 +155,7 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   }
   out.num_tokens = tokens;
   const int64_t elements = tokens * sig.hidden_size;
-  const int64_t bytes = elements * static_cast<int64_t>(ElementBytes(*type));
+  const int64_t bytes = elements * static_cast<int64_t>(common::ElementBytes(*type));
   const bool has_typed = input.has_contents();
   const bool has_raw = req.raw_input_contents_size() > 0;
   absl::StatusOr<ShmPlace> in_shm = SharedMemoryPlace(
@@ -187,7 +187,7 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     }
     out.input = raw.data();
   } else if (has_typed) {
-    if (*type != ElementType::kFp32) {
+    if (*type != common::ElementType::kFp32) {
       return Invalid("input '", kInputName, "' of datatype ", Clip(input.datatype()),
                      " must travel in raw_input_contents (contents has no field for it)");
     }
@@ -232,13 +232,15 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     out.want_output = true;
     for (const auto& [name, value] : output.parameters()) {
       if (name == kDatatypeParameter) {
-        std::optional<ElementType> want =
+        const absl::string_view datatype =
             value.parameter_choice_case() == inference::InferParameter::kStringParam
-                ? ParseElementType(value.string_param())
-                : std::nullopt;
-        if (!want) {
+                ? absl::string_view(value.string_param())
+                : absl::string_view();  // parses as no type
+        absl::StatusOr<common::ElementType> want =
+            common::ParseKServeName(datatype, "datatype", kRequestTypes);
+        if (!want.ok()) {
           return Invalid("parameter 'datatype' of output '", kOutputName,
-                         "' must be a string_param FP32, BF16 or FP16");
+                         "' must be a string_param ", common::KServeNames(kRequestTypes));
         }
         out.output_type = *want;
       } else if (name == "classification") {
@@ -252,7 +254,7 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     if (output.name() != kOutputName) continue;
     absl::StatusOr<ShmPlace> place = SharedMemoryPlace(
         output.parameters(), absl::StrCat("output '", kOutputName, "'"),
-        elements * static_cast<int64_t>(ElementBytes(out.output_type)), false, shm);
+        elements * static_cast<int64_t>(common::ElementBytes(out.output_type)), false, shm);
     if (!place.ok()) return place.status();
     out.output_shm = *std::move(place);
   }

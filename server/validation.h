@@ -58,8 +58,9 @@ struct ParsedInfer {
   int64_t layer = 0;  // the model's own layer index
   int64_t num_tokens = 0;
   const char* input = nullptr;
-  ElementType input_type = ElementType::kFp32;
-  ElementType output_type = ElementType::kFp32;       // the input's unless the request asks
+  common::ElementType input_type = common::ElementType::kFp32;
+  common::ElementType output_type =
+      common::ElementType::kFp32;                     // the input's unless the request asks
   uint32_t priority = 1;                              // 1 is served first
   absl::Duration timeout = absl::InfiniteDuration();  // request parameter `timeout`
   // Outputs to answer: moe_output unless the request names others; topk_ids (INT32 [T, k])

@@ -16,7 +16,8 @@ int64_t NanosSince(absl::Time start) { return absl::ToInt64Nanoseconds(absl::Now
 // ---- ReceivedRows ----
 
 void ReceivedRows::Decode(int64_t first_row, int64_t num_rows, float* dst) const {
-  if (dtype == PayloadType::kFp32 && row_bytes == static_cast<size_t>(hidden) * sizeof(float)) {
+  if (dtype == common::ElementType::kFp32 &&
+      row_bytes == static_cast<size_t>(hidden) * sizeof(float)) {
     std::memcpy(dst, Row(first_row), static_cast<size_t>(num_rows) * row_bytes);
     return;
   }
@@ -223,7 +224,7 @@ void Exchange::DispatchDirect(const float* x, const float* weights) {
   const int num_workers = config_.num_workers;
   const int k = config_.top_k;
   const int64_t hidden = config_.hidden;
-  const PayloadType dtype = config_.dispatch_dtype;
+  const common::ElementType dtype = config_.dispatch_dtype;
   const size_t row_bytes = config_.dispatch_row_bytes();
   for (int64_t t = 0; t < n_; ++t) {
     const int64_t* slot = &slot_[t * num_workers];
@@ -234,7 +235,7 @@ void Exchange::DispatchDirect(const float* x, const float* weights) {
       const int rank = rank_of(d);
       const int64_t row = row_base_[d] + slot[d];
       void* dst = heap_.Direct(rank, regions_.recv_rows + row * row_bytes);
-      if (dtype == PayloadType::kFp32) {
+      if (dtype == common::ElementType::kFp32) {
         std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
       } else if (first == nullptr) {
         EncodeRow(dtype, src, hidden, dst);
@@ -256,14 +257,14 @@ absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
   const int num_workers = config_.num_workers;
   const int k = config_.top_k;
   const int64_t hidden = config_.hidden;
-  const PayloadType dtype = config_.dispatch_dtype;
+  const common::ElementType dtype = config_.dispatch_dtype;
   const size_t row_bytes = config_.dispatch_row_bytes();
   const int64_t streams = combine_base_[num_workers];  // my rows to all destinations
   stage_token_.resize(streams);
   stage_pair_.resize(streams * k);
   stage_weight_.resize(streams * k);
   stage_pair_row_.resize(static_cast<size_t>(n_) * k);
-  if (dtype != PayloadType::kFp32) stage_rows_.resize(static_cast<size_t>(n_) * row_bytes);
+  if (dtype != common::ElementType::kFp32) stage_rows_.resize(static_cast<size_t>(n_) * row_bytes);
   // Runs of my pairs per (d, e) in stage_pair_row_.
   std::vector<int64_t> run_base(static_cast<size_t>(num_workers) * num_local_max_ + 1, 0);
   for (int d = 0, i = 0; d < num_workers; ++d) {
@@ -273,7 +274,7 @@ absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
   }
   for (int64_t t = 0; t < n_; ++t) {
     const int64_t* slot = &slot_[t * num_workers];
-    if (dtype != PayloadType::kFp32) {
+    if (dtype != common::ElementType::kFp32) {
       EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
     }
     for (int d = 0; d < num_workers; ++d) {
@@ -286,7 +287,7 @@ absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
                     stage_pair_row_[run_base[d * num_local_max_ + le] + local] =
                         static_cast<int32_t>(row);
                   });
-      const bool fp32 = dtype == PayloadType::kFp32;
+      const bool fp32 = dtype == common::ElementType::kFp32;
       const void* src = fp32 ? static_cast<const void*>(x + t * hidden)
                              : static_cast<const void*>(&stage_rows_[t * row_bytes]);
       EPSERVE_RETURN_IF_ERROR(
@@ -389,7 +390,7 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
 }
 
 bool Exchange::OutputInHeap() const {
-  return config_.combine_dtype == PayloadType::kFp32 &&
+  return config_.combine_dtype == common::ElementType::kFp32 &&
          config_.combine_row_bytes() == static_cast<size_t>(config_.hidden) * sizeof(float);
 }
 
@@ -425,7 +426,7 @@ absl::Status Exchange::Combine(const float* out) {
 absl::Status Exchange::Reduce(float* y, bool accumulate, absl::Time deadline) {
   const int num_workers = config_.num_workers;
   const int64_t hidden = config_.hidden;
-  const PayloadType dtype = config_.combine_dtype;
+  const common::ElementType dtype = config_.combine_dtype;
   const size_t row_bytes = config_.combine_row_bytes();
   for (int d = 0; d < num_workers; ++d) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.combine_flag, d), epoch_, deadline,

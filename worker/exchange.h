@@ -64,8 +64,8 @@ struct ExchangeConfig {
   // Receive capacity: most rows one worker receives in one pass. 0: the most it can ever
   // receive, max_send_tokens * num_workers (never overflows).
   int64_t max_recv_tokens = 0;
-  PayloadType dispatch_dtype = PayloadType::kFp32;
-  PayloadType combine_dtype = PayloadType::kFp32;
+  common::ElementType dispatch_dtype = common::ElementType::kFp32;
+  common::ElementType combine_dtype = common::ElementType::kFp32;
   OverflowPolicy overflow = OverflowPolicy::kFail;
   // Every token goes to every worker, also to those that own none of its experts (which
   // receive it with no pairs): for work every worker does on every token, such as a slice
@@ -116,7 +116,7 @@ struct ExchangeRegions {
 struct ReceivedRows {
   int64_t rows = 0;   // received rows, sender-major
   int64_t pairs = 0;  // (row, local expert) pairs
-  PayloadType dtype = PayloadType::kFp32;
+  common::ElementType dtype = common::ElementType::kFp32;
   size_t row_bytes = 0;
   int64_t hidden = 0;
   int top_k = 0;
@@ -131,7 +131,7 @@ struct ReceivedRows {
   const void* Row(int64_t r) const { return static_cast<const char*>(payload) + r * row_bytes; }
   // fp32 payload: the rows themselves; else nullptr.
   const float* Fp32Rows() const {
-    return dtype == PayloadType::kFp32 ? static_cast<const float*>(payload) : nullptr;
+    return dtype == common::ElementType::kFp32 ? static_cast<const float*>(payload) : nullptr;
   }
   void Decode(int64_t first_row, int64_t num_rows, float* dst) const;
   int Source(int64_t r) const;  // sending worker of row r

@@ -34,6 +34,8 @@ absl::Status ExchangeConfig::Validate() const {
         absl::StrCat("bad exchange shape: hidden ", hidden, ", max_send_tokens ", max_send_tokens,
                      ", max_recv_tokens ", max_recv_tokens, ", first_rank ", first_rank));
   }
+  EPSERVE_RETURN_IF_ERROR(CheckPayloadType(dispatch_dtype, "the dispatch dtype"));
+  EPSERVE_RETURN_IF_ERROR(CheckPayloadType(combine_dtype, "the combine dtype"));
   if (overflow == OverflowPolicy::kSplit && recv_capacity() < num_workers) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--recv-overflow=split needs --max-recv-tokens-per-rank >= the number of workers (",
@@ -93,9 +95,9 @@ size_t ExchangeRegions::BytesNeeded(const ExchangeConfig& config) {
 std::string ExchangeRegions::Describe(const ExchangeConfig& c) {
   const int64_t cap = c.recv_capacity();
   return absl::StrCat("exchange: receive ", cap, " rows x ", c.dispatch_row_bytes(), " B (",
-                      PayloadTypeName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(),
+                      common::FlagName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(),
                       " B, combine ", cap, " rows x ", c.combine_row_bytes(), " B (",
-                      PayloadTypeName(c.combine_dtype), ") = ", cap * c.combine_row_bytes(),
+                      common::FlagName(c.combine_dtype), ") = ", cap * c.combine_row_bytes(),
                       " B, metadata ", cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
                       OverflowPolicyName(c.overflow), "; ", BytesNeeded(c), " B per rank in all");
 }

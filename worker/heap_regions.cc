@@ -34,7 +34,7 @@ absl::Status ExchangeFlags::Apply(ExchangeShape& shape) const {
   EPSERVE_ASSIGN_OR_RETURN(shape.dispatch_dtype,
                            ParsePayloadType(dispatch_dtype, "dispatch-dtype"));
   EPSERVE_ASSIGN_OR_RETURN(shape.combine_dtype, ParsePayloadType(combine_dtype, "combine-dtype"));
-  if (shape.combine_dtype == PayloadType::kFp8) {
+  if (shape.combine_dtype == common::ElementType::kFp8E4m3) {
     return absl::InvalidArgumentError("--combine-dtype must be fp32 or bf16, got 'fp8'");
   }
   EPSERVE_ASSIGN_OR_RETURN(shape.overflow, ParseOverflowPolicy(recv_overflow));

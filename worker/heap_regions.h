@@ -31,8 +31,8 @@ struct ExchangeShape {
   int64_t hidden = 1;
   int64_t max_batch_tokens = 1;
   // The worker-to-worker exchange (see worker/exchange.h).
-  PayloadType dispatch_dtype = PayloadType::kFp32;
-  PayloadType combine_dtype = PayloadType::kFp32;
+  common::ElementType dispatch_dtype = common::ElementType::kFp32;
+  common::ElementType combine_dtype = common::ElementType::kFp32;
   int64_t max_recv_tokens_per_rank = 0;  // 0: max_batch_tokens (never overflows)
   OverflowPolicy overflow = OverflowPolicy::kFail;
   // The shared expert is split across the workers by intermediate columns, each worker

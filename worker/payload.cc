@@ -21,24 +21,14 @@
 
 namespace epserve::worker {
 
-absl::StatusOr<PayloadType> ParsePayloadType(absl::string_view name, absl::string_view flag) {
-  if (name == "fp32") return PayloadType::kFp32;
-  if (name == "bf16") return PayloadType::kBf16;
-  if (name == "fp8") return PayloadType::kFp8;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", flag, " must be fp32, bf16 or fp8, got '", name, "'"));
+using common::ElementType;
+
+absl::StatusOr<ElementType> ParsePayloadType(absl::string_view name, absl::string_view flag) {
+  return common::ParseFlagName(name, absl::StrCat("--", flag), kPayloadTypes);
 }
 
-const char* PayloadTypeName(PayloadType type) {
-  switch (type) {
-    case PayloadType::kFp32:
-      return "fp32";
-    case PayloadType::kBf16:
-      return "bf16";
-    case PayloadType::kFp8:
-      return "fp8";
-  }
-  return "unknown";
+absl::Status CheckPayloadType(ElementType type, absl::string_view what) {
+  return common::CheckElementType(type, what, kPayloadTypes);
 }
 
 namespace {
@@ -92,37 +82,44 @@ uint8_t FloatToFp8E4m3(float x) {
 
 float Fp8E4m3ToFloat(uint8_t bits) { return Fp8Table()[bits]; }
 
-size_t PayloadRowBytes(PayloadType type, int64_t hidden) {
+namespace {
+
+// Bytes of a row's scales and values, before padding; 0 for a type not of kPayloadTypes.
+size_t UsedBytes(ElementType type, int64_t hidden) {
   const size_t h = static_cast<size_t>(hidden);
   switch (type) {
-    case PayloadType::kFp32:
-      return RoundUp16(h * sizeof(float));
-    case PayloadType::kBf16:
-      return RoundUp16(h * sizeof(uint16_t));
-    case PayloadType::kFp8:
-      return RoundUp16(static_cast<size_t>(NumBlocks(hidden)) * sizeof(float) + h);
+    case ElementType::kFp32:
+      return h * sizeof(float);
+    case ElementType::kBf16:
+      return h * sizeof(uint16_t);
+    case ElementType::kFp8E4m3:
+      return static_cast<size_t>(NumBlocks(hidden)) * sizeof(float) + h;
+    case ElementType::kFp16:  // not a payload type
+      break;
   }
   return 0;
 }
 
-EPSERVE_ROW_CODEC void EncodeRow(PayloadType type, const float* src, int64_t hidden, void* dst) {
+}  // namespace
+
+size_t PayloadRowBytes(ElementType type, int64_t hidden) {
+  return RoundUp16(UsedBytes(type, hidden));
+}
+
+EPSERVE_ROW_CODEC void EncodeRow(ElementType type, const float* src, int64_t hidden, void* dst) {
   // Padding is zeroed, so that an encoded row is a function of its values only.
-  const size_t used =
-      type == PayloadType::kFp32 ? static_cast<size_t>(hidden) * sizeof(float)
-      : type == PayloadType::kBf16
-          ? static_cast<size_t>(hidden) * sizeof(uint16_t)
-          : static_cast<size_t>(NumBlocks(hidden)) * sizeof(float) + static_cast<size_t>(hidden);
+  const size_t used = UsedBytes(type, hidden);
   std::memset(static_cast<char*>(dst) + used, 0, PayloadRowBytes(type, hidden) - used);
   switch (type) {
-    case PayloadType::kFp32:
+    case ElementType::kFp32:
       std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
       return;
-    case PayloadType::kBf16: {
+    case ElementType::kBf16: {
       uint16_t* out = static_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < hidden; ++i) out[i] = FloatToBf16(src[i]);
       return;
     }
-    case PayloadType::kFp8: {
+    case ElementType::kFp8E4m3: {
       const int64_t blocks = NumBlocks(hidden);
       float* scales = static_cast<float*>(dst);
       uint8_t* out = static_cast<uint8_t*>(dst) + blocks * sizeof(float);
@@ -141,6 +138,8 @@ EPSERVE_ROW_CODEC void EncodeRow(PayloadType type, const float* src, int64_t hid
       }
       return;
     }
+    case ElementType::kFp16:  // not a payload type: a row of 0 bytes
+      return;
   }
 }
 
@@ -148,19 +147,19 @@ namespace {
 
 // Calls store(i, value) for each of the row's `hidden` decoded values.
 template <typename Store>
-void ForEachDecoded(PayloadType type, const void* src, int64_t hidden, Store&& store) {
+void ForEachDecoded(ElementType type, const void* src, int64_t hidden, Store&& store) {
   switch (type) {
-    case PayloadType::kFp32: {
+    case ElementType::kFp32: {
       const float* in = static_cast<const float*>(src);
       for (int64_t i = 0; i < hidden; ++i) store(i, in[i]);
       return;
     }
-    case PayloadType::kBf16: {
+    case ElementType::kBf16: {
       const uint16_t* in = static_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < hidden; ++i) store(i, Bf16ToFloat(in[i]));
       return;
     }
-    case PayloadType::kFp8: {
+    case ElementType::kFp8E4m3: {
       const int64_t blocks = NumBlocks(hidden);
       const float* scales = static_cast<const float*>(src);
       const uint8_t* in = static_cast<const uint8_t*>(src) + blocks * sizeof(float);
@@ -168,25 +167,27 @@ void ForEachDecoded(PayloadType type, const void* src, int64_t hidden, Store&& s
       for (int64_t i = 0; i < hidden; ++i) store(i, table[in[i]] * scales[i / kFp8BlockSize]);
       return;
     }
+    case ElementType::kFp16:  // not a payload type: a row of 0 bytes
+      return;
   }
 }
 
 }  // namespace
 
-EPSERVE_ROW_CODEC void DecodeRow(PayloadType type, const void* src, int64_t hidden, float* dst) {
-  if (type == PayloadType::kFp32) {
+EPSERVE_ROW_CODEC void DecodeRow(ElementType type, const void* src, int64_t hidden, float* dst) {
+  if (type == ElementType::kFp32) {
     std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
     return;
   }
   ForEachDecoded(type, src, hidden, [dst](int64_t i, float v) { dst[i] = v; });
 }
 
-EPSERVE_ROW_CODEC void AccumulateRow(PayloadType type, const void* src, int64_t hidden,
+EPSERVE_ROW_CODEC void AccumulateRow(ElementType type, const void* src, int64_t hidden,
                                      float* dst) {
   ForEachDecoded(type, src, hidden, [dst](int64_t i, float v) { dst[i] += v; });
 }
 
-EPSERVE_ROW_CODEC void SumRows(PayloadType type, const void* const* parts, int num_parts,
+EPSERVE_ROW_CODEC void SumRows(ElementType type, const void* const* parts, int num_parts,
                                int64_t hidden, float* dst, bool accumulate) {
   // Whole-row passes into dst (a row stays in L1), each a plain loop the compiler vectorizes:
   // the first part decoded (unless accumulating), then each further part added, in order.

@@ -191,7 +191,7 @@ absl::Status Worker::WarmUp() {
       rt_->Write(pair_weight_, 0, weight.data(), weight.size() * sizeof(float)));
   // Rows reach the expert FFN as FP32, or as BF16 where they are dispatched so and the shared
   // expert's slice does not need them widened (RunBatch's expert step).
-  const bool bf16_rows = regions_.shape.dispatch_dtype == PayloadType::kBf16;
+  const bool bf16_rows = regions_.shape.dispatch_dtype == common::ElementType::kBf16;
   for (const Layer& layer : layers_) {
     EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, 1, ids_, weights_));
     std::vector<int64_t> offsets(static_cast<size_t>(layer.experts.num_experts) + 1, 1);
@@ -200,7 +200,7 @@ absl::Status Worker::WarmUp() {
       EPSERVE_RETURN_IF_ERROR(
           kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_));
       if (bf16_rows) {
-        const kernels::RowFormat bf16 = {kernels::DType::kBf16, hidden};
+        const kernels::RowFormat bf16 = {common::ElementType::kBf16, hidden};
         EPSERVE_RETURN_IF_ERROR(
             kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_, bf16));
       }
@@ -275,9 +275,10 @@ absl::Status Worker::AllocateBuffers() {
   }
   ids_host_.resize(n * k);
   weights_host_.resize(n * k);
-  if (config.dispatch_dtype == PayloadType::kFp8 ||
-      (config.dispatch_dtype == PayloadType::kBf16 && split) ||
-      (config.dispatch_dtype == PayloadType::kFp32 && config.dispatch_row_bytes() != h * f)) {
+  if (config.dispatch_dtype == common::ElementType::kFp8E4m3 ||
+      (config.dispatch_dtype == common::ElementType::kBf16 && split) ||
+      (config.dispatch_dtype == common::ElementType::kFp32 &&
+       config.dispatch_row_bytes() != h * f)) {
     x_recv_host_.resize(r * h);
   }
   if (heap_.Direct(0, regions_.output) == nullptr) y_host_.resize(n * h);
@@ -408,10 +409,10 @@ absl::Status Worker::ExpertStep(const Layer& layer, bool split_shared, const Rec
   kernels::RowFormat x_format;
   const void* rows = in.Fp32Rows();
   size_t rows_bytes = in.rows * row_bytes;
-  if (in.dtype == PayloadType::kBf16 && !split_shared) {
+  if (in.dtype == common::ElementType::kBf16 && !split_shared) {
     rows = in.payload;
     rows_bytes = in.rows * in.row_bytes;
-    x_format = {kernels::DType::kBf16, static_cast<int64_t>(in.row_bytes / sizeof(uint16_t))};
+    x_format = {common::ElementType::kBf16, static_cast<int64_t>(in.row_bytes / sizeof(uint16_t))};
   } else if (rows == nullptr || !x_recv_host_.empty()) {
     in.Decode(0, in.rows, x_recv_host_.data());
     rows = x_recv_host_.data();

@@ -25,7 +25,7 @@ namespace epserve::worker {
 struct WorkerOptions {
   kernels::RuntimeOptions device;
   // Element type of the expert weights (routed and shared) on the device; the router stays FP32.
-  kernels::DType weight_dtype = kernels::DType::kFp32;
+  common::ElementType weight_dtype = common::ElementType::kFp32;
   // A stop request (e.g. SIGTERM) ends the loop once no batch has come for this long,
   // even if rank 0 never sends kStop (rank 0 gone).
   absl::Duration orphan_grace = absl::Seconds(3);

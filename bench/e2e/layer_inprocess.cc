@@ -33,6 +33,7 @@
 
 #include "absl/status/status.h"
 #include "bench/bench_support.h"
+#include "common/element_type.h"
 #include "common/flags.h"
 #include "common/status.h"
 #include "kernels/dtype.h"
@@ -50,7 +51,7 @@ using kernels::Buffer;
 class InProcessLayer {
  public:
   static absl::StatusOr<std::unique_ptr<InProcessLayer>> Create(
-      const model::WeightSource& source, int layer, int64_t max_tokens, kernels::DType dtype,
+      const model::WeightSource& source, int layer, int64_t max_tokens, common::ElementType dtype,
       const kernels::RuntimeOptions& rto) {
     auto l = std::unique_ptr<InProcessLayer>(new InProcessLayer());
     l->cfg_ = source.config().layer;
@@ -192,7 +193,8 @@ int Run(int argc, char** argv) {
       fs, argc, argv, [&] { return AllPositive(token_counts); },
       "every --tokens entry must be >= 1");
   if (code >= 0) return code;
-  absl::StatusOr<kernels::DType> dtype = kernels::ParseDType(weight_dtype, "--weight-dtype");
+  absl::StatusOr<common::ElementType> dtype =
+      common::ParseFlagName(weight_dtype, "--weight-dtype", kernels::kKernelTypes);
   auto source = model::OpenModel(model_spec, static_cast<uint64_t>(seed));
   if (!dtype.ok() || !source.ok()) {
     std::fprintf(stderr, "%s\n",
@@ -238,7 +240,7 @@ int Run(int argc, char** argv) {
 
   if (read_bandwidth) {
     const model::MoeLayerConfig& c = config.layer;
-    const int64_t elem = kernels::DTypeBytes(*dtype);
+    const int64_t elem = common::ElementBytes(*dtype);
     const int64_t bytes = c.num_experts * h * 4 + c.top_k * 3 * h * c.expert_ffn_size * elem +
                           3 * h * c.shared_ffn_size * elem;
     const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -269,7 +271,7 @@ int Run(int argc, char** argv) {
         "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%d,"
         "\"weight_dtype\":\"%s\",\"resident_median_ms\":%.4f}\n",
         static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, reps,
-        kernels::DTypeName(*dtype), resident * 1e3);
+        std::string(common::FlagName(*dtype)).c_str(), resident * 1e3);
     std::fflush(stdout);
   }
   return 0;

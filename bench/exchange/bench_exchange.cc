@@ -38,7 +38,7 @@ namespace {
 
 struct Args {
   shmem::HeapBackend backend = shmem::HeapBackend::kShm;
-  worker::PayloadType dtype = worker::PayloadType::kFp32;
+  common::ElementType dtype = common::ElementType::kFp32;
   bool quick = false;
 };
 
@@ -82,8 +82,8 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
   c.hidden = hidden;
   c.max_send_tokens = tokens;
   c.dispatch_dtype = args.dtype;
-  c.combine_dtype = args.dtype == worker::PayloadType::kFp32 ? worker::PayloadType::kFp32
-                                                             : worker::PayloadType::kBf16;
+  c.combine_dtype = args.dtype == common::ElementType::kFp32 ? common::ElementType::kFp32
+                                                             : common::ElementType::kBf16;
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap = shmem::SymmetricHeap::Create(
       MPI_COMM_WORLD, worker::ExchangeRegions::BytesNeeded(c), args.backend);
   if (!heap.ok()) Fatal(heap.status());
@@ -194,7 +194,7 @@ Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hid
         std::memcpy(b.data(), a.data(), cross_sent);
         const void* const* parts = part_ptrs.data();
         for (int64_t t = 0; t < tokens; ++t) {
-          worker::SumRows(worker::PayloadType::kFp32, parts, part_count[t], hidden,
+          worker::SumRows(common::ElementType::kFp32, parts, part_count[t], hidden,
                           y.data() + t * hidden, false);
           parts += part_count[t];
         }
@@ -226,7 +226,7 @@ int main(int argc, char** argv) {
       if (!b.ok()) Fatal(b.status());
       args.backend = *b;
     } else if (a.rfind("--dtype=", 0) == 0) {
-      absl::StatusOr<worker::PayloadType> t = worker::ParsePayloadType(a.substr(8), "dtype");
+      absl::StatusOr<common::ElementType> t = worker::ParsePayloadType(a.substr(8), "dtype");
       if (!t.ok()) Fatal(t.status());
       args.dtype = *t;
     } else {
@@ -240,8 +240,8 @@ int main(int argc, char** argv) {
         "btl_vader_single_copy_mechanism=%s\n"
         "# bytes = rows dispatched + rows returned by the busiest rank (fp32 rows); "
         "GB/s = bytes / time; ratios from this run\n",
-        ranks, shmem::HeapBackendName(args.backend), worker::PayloadTypeName(args.dtype),
-        mech != nullptr ? mech : "default");
+        ranks, shmem::HeapBackendName(args.backend),
+        std::string(common::FlagName(args.dtype)).c_str(), mech != nullptr ? mech : "default");
     std::printf(
         "| ranks | tokens/rank | hidden | top-k | MB/rank | dispatch+combine us | GB/s | "
         "memcpy us | GB/s | vs memcpy | alltoallv us | GB/s | vs alltoallv | expert write us | "

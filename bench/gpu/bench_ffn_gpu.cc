@@ -31,8 +31,8 @@
 namespace epserve::bench {
 namespace {
 
+using common::ElementType;
 using kernels::Buffer;
-using kernels::DType;
 
 // Median seconds of fn() (which ends with a device finish, returning its status) after two
 // warm-up calls: at least 5 timed runs, more while under min_seconds, at most 200.
@@ -61,8 +61,9 @@ absl::Status BenchShape(const std::string& shape, const std::vector<int64_t>& ro
   const int64_t max_rows = experts * *std::max_element(rows_list.begin(), rows_list.end());
   std::fprintf(stderr, "%s: uploading %d experts (H=%lld F=%lld)\n", shape.c_str(), experts,
                static_cast<long long>(h), static_cast<long long>(f));
-  EPSERVE_ASSIGN_OR_RETURN(kernels::ExpertWeights w,
-                           kernels::UploadExperts(rt, source, layer, 0, experts, DType::kBf16));
+  EPSERVE_ASSIGN_OR_RETURN(
+      kernels::ExpertWeights w,
+      kernels::UploadExperts(rt, source, layer, 0, experts, ElementType::kBf16));
   EPSERVE_ASSIGN_OR_RETURN(kernels::RouterWeights router, kernels::UploadRouter(rt, source, layer));
 
   std::mt19937 rng(11);
@@ -141,7 +142,7 @@ absl::Status BenchShape(const std::string& shape, const std::vector<int64_t>& ro
   // The portable kernels on the same device, for comparison.
   EPSERVE_ASSIGN_OR_RETURN(
       kernels::ExpertWeights pw,
-      kernels::UploadExperts(portable_rt, source, layer, 0, experts, DType::kBf16));
+      kernels::UploadExperts(portable_rt, source, layer, 0, experts, ElementType::kBf16));
   const int64_t pmax = experts * *std::max_element(portable_rows.begin(), portable_rows.end());
   EPSERVE_ASSIGN_OR_RETURN(
       Buffer px,

@@ -39,6 +39,7 @@ namespace epserve::kernels {
 namespace {
 
 using bench::NowSeconds;
+using common::ElementType;
 
 // Timing of the variants of one case, with this benchmark's repetition counts; `settle` runs
 // before each timed call.
@@ -171,7 +172,8 @@ int Run(int argc, char** argv) {
               r.device_info().target_isa.empty() ? "" : ", code built for ",
               r.device_info().target_isa.c_str());
   absl::StatusOr<ExpertWeights> w32 = UploadExperts(r, source, 0, 0, num_experts);
-  absl::StatusOr<ExpertWeights> w16 = UploadExperts(r, source, 0, 0, num_experts, DType::kBf16);
+  absl::StatusOr<ExpertWeights> w16 =
+      UploadExperts(r, source, 0, 0, num_experts, ElementType::kBf16);
   if (!w32.ok() || !w16.ok()) return Fail((w32.ok() ? w16 : w32).status());
   std::printf("BF16 weights run on: %s\n", FfnKernelsName(*w16));
   for (const FfnChoice& c : r.ffn_choices()) {
@@ -187,7 +189,7 @@ int Run(int argc, char** argv) {
     absl::StatusOr<std::unique_ptr<Runtime>> created = Runtime::Create(fma_options);
     if (!created.ok()) return Fail(created.status());
     fma_rt = *std::move(created);
-    w16_fma = UploadExperts(*fma_rt, source, 0, 0, num_experts, DType::kBf16);
+    w16_fma = UploadExperts(*fma_rt, source, 0, 0, num_experts, ElementType::kBf16);
     if (!w16_fma.ok()) return Fail(w16_fma.status());
   }
   // Host weights for OpenBLAS, Hugging Face layout: gate_up[e] = [gate; up] ([2F, H]), so that
@@ -255,7 +257,7 @@ int Run(int argc, char** argv) {
       return y;
     };
     const RowFormat fp32_rows;
-    const RowFormat bf16_rows{DType::kBf16, 0};
+    const RowFormat bf16_rows{ElementType::kBf16, 0};
 
     // (a) OpenBLAS at its best: per expert, the gate+up GEMM [rows x 2F x H] and the down GEMM
     // [rows x H x F] on contiguous inputs, nothing else.

@@ -105,9 +105,12 @@ TEST(Dtype, Bf16RoundsToNearestEvenAndParses) {
   EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 0x1p-8f)), 1.0f);
   EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 3 * 0x1p-8f)), 1.0f + 0x1p-6f);
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
-  EXPECT_EQ(*ParseDtype("bf16"), Dtype::kBf16);
-  EXPECT_EQ(*ParseDtype("FP16"), Dtype::kFp16);
-  EXPECT_FALSE(ParseDtype("int8").ok());
+  EXPECT_EQ(*ParseDtype("bf16"), common::ElementType::kBf16);
+  EXPECT_EQ(*ParseDtype("FP16"), common::ElementType::kFp16);
+  EXPECT_EQ(ParseDtype("int8").status().message(), "dtype: 'int8' is none of FP32, BF16, FP16");
+  EXPECT_FALSE(ParseDtype("fp8").ok());  // not a request dtype
+  // A value outside the enum is named as none, not as FP32.
+  EXPECT_NE(common::KServeName(static_cast<common::ElementType>(99)), "FP32");
 }
 
 TEST(BuildInferRequest, EncodesTheDatatypeAndReportsTheValuesSent) {
@@ -115,25 +118,25 @@ TEST(BuildInferRequest, EncodesTheDatatypeAndReportsTheValuesSent) {
   tmpl.model_name = "m";
   tmpl.hidden_size = 8;
   tmpl.timeout_us = 500;
-  for (Dtype d : {Dtype::kFp32, Dtype::kBf16, Dtype::kFp16}) {
+  for (common::ElementType d : kRequestDtypes) {
     tmpl.dtype = d;
     FastRng rng(1, 2);
     inference::ModelInferRequest req;
     std::vector<float> values;
     BuildInferRequest(tmpl, 3, "id", rng, &req, &values);
     ASSERT_EQ(values.size(), 24u);
-    EXPECT_EQ(req.inputs(0).datatype(), DtypeName(d));
+    EXPECT_EQ(req.inputs(0).datatype(), common::KServeName(d));
     EXPECT_EQ(req.parameters().at("timeout").int64_param(), 500);
     const std::string& raw = req.raw_input_contents(0);
-    ASSERT_EQ(raw.size(), 24u * DtypeBytes(d));
+    ASSERT_EQ(raw.size(), 24u * common::ElementBytes(d));
     for (size_t i = 0; i < values.size(); ++i) {
       float decoded;
-      if (d == Dtype::kFp32) {
+      if (d == common::ElementType::kFp32) {
         std::memcpy(&decoded, raw.data() + 4 * i, 4);
       } else {
         uint16_t bits;
         std::memcpy(&bits, raw.data() + 2 * i, 2);
-        decoded = d == Dtype::kBf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+        decoded = d == common::ElementType::kBf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
       }
       EXPECT_EQ(decoded, values[i]);
       EXPECT_GE(values[i], -1.0f);
@@ -143,13 +146,15 @@ TEST(BuildInferRequest, EncodesTheDatatypeAndReportsTheValuesSent) {
     inference::ModelInferResponse resp;
     auto* out = resp.add_outputs();
     out->set_name("moe_output");
-    out->set_datatype(std::string(DtypeName(d)));
+    out->set_datatype(std::string(common::KServeName(d)));
     out->add_shape(3);
     out->add_shape(8);
     resp.add_raw_output_contents(raw);
     EXPECT_TRUE(CheckInferResponse(resp, 3, 8, "id", d).ok());
-    EXPECT_FALSE(
-        CheckInferResponse(resp, 3, 8, "id", d == Dtype::kFp32 ? Dtype::kBf16 : Dtype::kFp32).ok());
+    EXPECT_FALSE(CheckInferResponse(resp, 3, 8, "id",
+                                    d == common::ElementType::kFp32 ? common::ElementType::kBf16
+                                                                    : common::ElementType::kFp32)
+                     .ok());
     std::vector<float> decoded;
     DecodeOutput(resp, d, &decoded);
     EXPECT_EQ(decoded, values);
@@ -235,7 +240,7 @@ TEST(SplitBetween, TakesMeansOfTheDifferences) {
 
 TEST(Verifier, AcceptsTheReferenceAndRejectsAPerturbedAnswer) {
   absl::StatusOr<std::unique_ptr<Verifier>> v =
-      Verifier::Create("synthetic:tiny", 0, std::nullopt, Dtype::kFp32, 0);
+      Verifier::Create("synthetic:tiny", 0, std::nullopt, common::ElementType::kFp32, 0);
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_EQ((*v)->hidden_size(), 64);
   EXPECT_DOUBLE_EQ((*v)->tolerance(), 1e-4);
@@ -253,8 +258,9 @@ TEST(Verifier, AcceptsTheReferenceAndRejectsAPerturbedAnswer) {
   const absl::Status s = (*v)->Check(x.data(), y.data(), n);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(s.message().find("row 3"), std::string::npos) << s;
-  EXPECT_FALSE(Verifier::Create("/no/such/folder", 0, std::nullopt, Dtype::kFp32, 0).ok());
-  EXPECT_FALSE(Verifier::Create("synthetic:tiny", 0, 7, Dtype::kFp32, 0).ok());
+  EXPECT_FALSE(
+      Verifier::Create("/no/such/folder", 0, std::nullopt, common::ElementType::kFp32, 0).ok());
+  EXPECT_FALSE(Verifier::Create("synthetic:tiny", 0, 7, common::ElementType::kFp32, 0).ok());
 }
 
 TEST(ExpertSkew, ParsesTheFormsAndNamesTheBound) {

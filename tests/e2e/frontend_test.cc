@@ -29,7 +29,7 @@ namespace epserve::testing {
 namespace {
 
 using Stub = inference::GRPCInferenceService::Stub;
-using server::ElementType;
+using common::ElementType;
 
 std::shared_ptr<grpc::Channel> Channel(
     const std::string& address,
@@ -144,8 +144,8 @@ TEST_F(FrontEnd, Bf16AndFp16InAndOut) {
                         Case{"FP32", "FP16", 4e-3}}) {
     const int64_t tokens = 21;  // two batches of 16 rows
     std::vector<float> x = RandomRows(tokens, rng_);
-    const ElementType in = *server::ParseElementType(c.in);
-    std::string raw(x.size() * server::ElementBytes(in), '\0');
+    const ElementType in = *common::ParseKServeName(c.in, "datatype", server::kRequestTypes);
+    std::string raw(x.size() * common::ElementBytes(in), '\0');
     server::FromFp32(in, x.data(), raw.data(), x.size());
     server::ToFp32(in, raw.data(), x.data(), x.size());  // the input the server sees
     inference::ModelInferRequest req = Request(x, tokens, c.in);
@@ -163,8 +163,8 @@ TEST_F(FrontEnd, Bf16AndFp16InAndOut) {
     ASSERT_TRUE(s.ok()) << s.error_message();
     const std::string want = *c.out ? c.out : c.in;
     EXPECT_EQ(resp.outputs(0).datatype(), want);
-    const ElementType out_type = *server::ParseElementType(want);
-    ASSERT_EQ(resp.raw_output_contents(0).size(), x.size() * server::ElementBytes(out_type));
+    const ElementType out_type = *common::ParseKServeName(want, "datatype", server::kRequestTypes);
+    ASSERT_EQ(resp.raw_output_contents(0).size(), x.size() * common::ElementBytes(out_type));
     std::vector<float> out(x.size());
     server::ToFp32(out_type, resp.raw_output_contents(0).data(), out.data(), out.size());
     EXPECT_LE(ref_.RelError(x, out.data(), tokens), c.tolerance) << c.in << " -> " << want;

@@ -42,6 +42,8 @@
 namespace epserve::kernels {
 namespace {
 
+using common::ElementType;
+
 constexpr double kMaxRelErrorFp32 = 1e-5;
 constexpr double kMaxRelErrorBf16 = 1e-2;
 // Tensor-core and dot-product FFN against a reference that rounds x and h to BF16 as they do: the
@@ -347,13 +349,18 @@ TEST(DTypeTest, Bf16RoundsToNearestEven) {
 }
 
 TEST(DTypeTest, ParsesNames) {
-  EXPECT_EQ(*ParseDType("fp32", "--weight-dtype"), DType::kFp32);
-  EXPECT_EQ(*ParseDType("bf16", "--weight-dtype"), DType::kBf16);
-  absl::StatusOr<DType> bad = ParseDType("fp16", "--weight-dtype");
+  auto parse = [](absl::string_view name) {
+    return common::ParseFlagName(name, "--weight-dtype", kKernelTypes);
+  };
+  EXPECT_EQ(*parse("fp32"), ElementType::kFp32);
+  EXPECT_EQ(*parse("bf16"), ElementType::kBf16);
+  absl::StatusOr<ElementType> bad = parse("fp16");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("--weight-dtype"), std::string::npos) << bad.status();
-  EXPECT_STREQ(DTypeName(DType::kBf16), "bf16");
+  EXPECT_EQ(bad.status().message(), "--weight-dtype must be fp32 or bf16, got 'fp16'");
+  EXPECT_EQ(common::FlagName(ElementType::kBf16), "bf16");
+  EXPECT_TRUE(CheckKernelType(ElementType::kBf16, "w").ok());
+  EXPECT_EQ(CheckKernelType(ElementType::kFp8E4m3, "w").code(), absl::StatusCode::kInvalidArgument);
 }
 
 // ---- route ----
@@ -504,14 +511,14 @@ std::vector<uint16_t> Bf16Rows(const std::vector<float>& x, int64_t hidden, int6
 
 // Element types of one FFN run, and the padding after each row of x (in values).
 struct FfnTypes {
-  DType weights = DType::kFp32;
-  DType x = DType::kFp32;
+  ElementType weights = ElementType::kFp32;
+  ElementType x = ElementType::kFp32;
   int64_t x_pad = 0;
 };
 
 std::string Describe(FfnTypes t) {
-  return absl::StrCat("weights ", DTypeName(t.weights), ", x ", DTypeName(t.x), " padded by ",
-                      t.x_pad);
+  return absl::StrCat("weights ", common::FlagName(t.weights), ", x ", common::FlagName(t.x),
+                      " padded by ", t.x_pad);
 }
 
 class ExpertFfnTest : public Seeded {
@@ -538,10 +545,11 @@ class ExpertFfnTest : public Seeded {
     if (!w.ok()) return {};
     EXPECT_EQ(w->dtype, types.weights);
     // BF16 weights take the tensor-core kernels wherever the runtime has them.
-    EXPECT_EQ(w->tensor_cores, types.weights == DType::kBf16 && R().tensor_cores() &&
+    EXPECT_EQ(w->tensor_cores, types.weights == ElementType::kBf16 && R().tensor_cores() &&
                                    detail::MmaFitsCallerBuffers(h, f));
     // Elsewhere the BF16 dot products where the runtime has them.
-    EXPECT_EQ(w->bf16_dot, types.weights == DType::kBf16 && !w->tensor_cores && R().bf16_dot());
+    EXPECT_EQ(w->bf16_dot,
+              types.weights == ElementType::kBf16 && !w->tensor_cores && R().bf16_dot());
     // The portable kernels run with the blocking the runtime chose for the shape.
     if (!w->tensor_cores && !w->bf16_dot) {
       absl::StatusOr<FfnBlocking> chosen = R().ChooseFfnBlocking(h, f, types.weights);
@@ -556,8 +564,8 @@ class ExpertFfnTest : public Seeded {
     std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(tokens - 1));
     for (int32_t& r : row_index) r = token(rng_);
     const RowFormat x_format{types.x, h + types.x_pad};
-    const Buffer xb = types.x == DType::kBf16 ? Upload(Bf16Rows(x, h, x_format.row_stride))
-                                              : Upload(PaddedRows(x, h, x_format.row_stride));
+    const Buffer xb = types.x == ElementType::kBf16 ? Upload(Bf16Rows(x, h, x_format.row_stride))
+                                                    : Upload(PaddedRows(x, h, x_format.row_stride));
     Buffer ib = Upload(row_index);
     Buffer hb = Poisoned(pairs * f);
     Buffer yb = Poisoned(pairs * h);
@@ -566,15 +574,15 @@ class ExpertFfnTest : public Seeded {
     const std::vector<float> y = Download<float>(yb, pairs * h);
     const std::string what =
         absl::StrCat("H=", h, " F=", f, " experts=", count, " pairs=", pairs, " ", Describe(types));
-    if (types.weights == DType::kFp32 && types.x == DType::kFp32) {
+    if (types.weights == ElementType::kFp32 && types.x == ElementType::kFp32) {
       EXPECT_LE(RelError(y, ReferenceFfn(gate, up, down, h, f, x, row_index, offsets)),
                 kMaxRelErrorFp32)
           << what;
       return y;
     }
     // The same values the device holds: FP32 accumulation error only.
-    auto stored = [&](DType t, std::vector<float> v) {
-      return t == DType::kBf16 ? RoundedToBf16(std::move(v)) : v;
+    auto stored = [&](ElementType t, std::vector<float> v) {
+      return t == ElementType::kBf16 ? RoundedToBf16(std::move(v)) : v;
     };
     std::vector<std::vector<float>> gate_s(count), up_s(count), down_s(count);
     for (int e = 0; e < count; ++e) {
@@ -620,10 +628,10 @@ class ExpertFfnTest : public Seeded {
   }
 };
 
-const FfnTypes kAllTypes[] = {{DType::kFp32, DType::kFp32, 0},
-                              {DType::kBf16, DType::kFp32, 5},
-                              {DType::kFp32, DType::kBf16, 8},
-                              {DType::kBf16, DType::kBf16, 0}};
+const FfnTypes kAllTypes[] = {{ElementType::kFp32, ElementType::kFp32, 0},
+                              {ElementType::kBf16, ElementType::kFp32, 5},
+                              {ElementType::kFp32, ElementType::kBf16, 8},
+                              {ElementType::kBf16, ElementType::kBf16, 0}};
 
 TEST_F(ExpertFfnTest, TinyPresetsAllExperts) {
   for (const char* preset : {"tiny", "tiny-grouped", "tiny-topk-softmax"}) {
@@ -650,9 +658,9 @@ TEST_F(ExpertFfnTest, Bf16WeightsAndActivations) {
 TEST_F(ExpertFfnTest, Bf16WeightsTakeHalfTheBytes) {
   const model::SyntheticWeights source = Preset("tiny", seed_);
   absl::StatusOr<ExpertWeights> fp32 = UploadExperts(Rt(), source, 0, 0, 3);
-  absl::StatusOr<ExpertWeights> bf16 = UploadExperts(Rt(), source, 0, 0, 3, DType::kBf16);
+  absl::StatusOr<ExpertWeights> bf16 = UploadExperts(Rt(), source, 0, 0, 3, ElementType::kBf16);
   ASSERT_TRUE(fp32.ok() && bf16.ok());
-  EXPECT_EQ(bf16->dtype, DType::kBf16);
+  EXPECT_EQ(bf16->dtype, ElementType::kBf16);
   if (bf16->tensor_cores) {
     // Tiled BF16 with K padded to the tile (H = 64, F = 32 here).
     const int64_t h = 64, f = 32;
@@ -697,7 +705,8 @@ TEST(MmaLayoutTest, TiledOffsetIsABijectionWithContiguousSlices) {
 // one expert. Runs on every device (the portable kernels where there are no tensor cores).
 TEST_F(ExpertFfnTest, TensorCoreTilesAndPadding) {
   // K pads to 224, down rows to 256; F pads to 192.
-  const FfnTypes types[] = {{DType::kBf16, DType::kFp32, 3}, {DType::kBf16, DType::kBf16, 6}};
+  const FfnTypes types[] = {{ElementType::kBf16, ElementType::kFp32, 3},
+                            {ElementType::kBf16, ElementType::kBf16, 6}};
   CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
 }
 
@@ -751,7 +760,7 @@ TEST_F(ExpertFfnTest, EveryBlockingCandidate) {
     const std::string& isa = R().device_info().target_isa;
     if (b.vec == 16 && !isa.empty() && isa != "avx512f") {
       // Such a device refuses the choice with the reason instead of failing to build it.
-      absl::StatusOr<FfnBlocking> refused = R().ChooseFfnBlocking(72, 40, DType::kFp32);
+      absl::StatusOr<FfnBlocking> refused = R().ChooseFfnBlocking(72, 40, ElementType::kFp32);
       ASSERT_FALSE(refused.ok());
       EXPECT_NE(refused.status().message().find("vec=16 needs 16-lane"), std::string::npos)
           << refused.status();
@@ -819,12 +828,12 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   if (FfnBlockingCandidates((*cold)->device_info()).size() < 2) {
     GTEST_SKIP() << "the device has one candidate: nothing to tune";
   }
-  absl::StatusOr<FfnBlocking> first = (*cold)->ChooseFfnBlocking(2048, 768, DType::kFp32);
+  absl::StatusOr<FfnBlocking> first = (*cold)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_EQ((*cold)->ffn_choices().size(), 1u);
   EXPECT_EQ((*cold)->ffn_choices()[0].origin, FfnBlockingOrigin::kTuned);
   // The same shape again on the same runtime: no second choice.
-  ASSERT_TRUE((*cold)->ChooseFfnBlocking(2048, 768, DType::kFp32).ok());
+  ASSERT_TRUE((*cold)->ChooseFfnBlocking(2048, 768, ElementType::kFp32).ok());
   EXPECT_EQ((*cold)->ffn_choices().size(), 1u);
   int txt = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -834,12 +843,12 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
 
   absl::StatusOr<std::unique_ptr<Runtime>> warm = Runtime::Create(options);
   ASSERT_TRUE(warm.ok()) << warm.status();
-  absl::StatusOr<FfnBlocking> second = (*warm)->ChooseFfnBlocking(2048, 768, DType::kFp32);
+  absl::StatusOr<FfnBlocking> second = (*warm)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(second.ok());
   EXPECT_EQ(*second, *first);
   EXPECT_EQ((*warm)->ffn_choices()[0].origin, FfnBlockingOrigin::kCache);
   // Another dtype is another shape class: tuned on its own.
-  ASSERT_TRUE((*warm)->ChooseFfnBlocking(2048, 768, DType::kBf16).ok());
+  ASSERT_TRUE((*warm)->ChooseFfnBlocking(2048, 768, ElementType::kBf16).ok());
   EXPECT_EQ((*warm)->ffn_choices()[1].origin, FfnBlockingOrigin::kTuned);
 
   RuntimeOptions no_tune = options;
@@ -847,7 +856,7 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   no_tune.cache_dir = (dir / "other").string();
   absl::StatusOr<std::unique_ptr<Runtime>> plain = Runtime::Create(no_tune);
   ASSERT_TRUE(plain.ok());
-  absl::StatusOr<FfnBlocking> d = (*plain)->ChooseFfnBlocking(2048, 768, DType::kFp32);
+  absl::StatusOr<FfnBlocking> d = (*plain)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(*d, (*plain)->default_ffn_blocking());
   EXPECT_EQ((*plain)->ffn_choices()[0].origin, FfnBlockingOrigin::kDefault);
@@ -856,19 +865,19 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   forced.ffn_blocking = "vec=8 rows=5 chunk=10";
   absl::StatusOr<std::unique_ptr<Runtime>> f = Runtime::Create(forced);
   ASSERT_TRUE(f.ok());
-  absl::StatusOr<FfnBlocking> fb = (*f)->ChooseFfnBlocking(2048, 768, DType::kFp32);
+  absl::StatusOr<FfnBlocking> fb = (*f)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(fb.ok());
   EXPECT_EQ(fb->rows, 5);
   EXPECT_EQ((*f)->ffn_choices()[0].origin, FfnBlockingOrigin::kForced);
   // A shape too small to be worth timing takes the default, with tuning on.
   absl::StatusOr<std::unique_ptr<Runtime>> small = Runtime::Create(options);
   ASSERT_TRUE(small.ok());
-  ASSERT_TRUE((*small)->ChooseFfnBlocking(64, 32, DType::kFp32).ok());
+  ASSERT_TRUE((*small)->ChooseFfnBlocking(64, 32, ElementType::kFp32).ok());
   EXPECT_EQ((*small)->ffn_choices()[0].origin, FfnBlockingOrigin::kDefault);
   forced.ffn_blocking = "rows=99";
   absl::StatusOr<std::unique_ptr<Runtime>> bad = Runtime::Create(forced);
   ASSERT_TRUE(bad.ok());
-  EXPECT_EQ((*bad)->ChooseFfnBlocking(2048, 768, DType::kFp32).status().code(),
+  EXPECT_EQ((*bad)->ChooseFfnBlocking(2048, 768, ElementType::kFp32).status().code(),
             absl::StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
@@ -880,8 +889,8 @@ TEST_F(ExpertFfnTest, QwenShapeFewRows) {
   // 3 local experts, experts 1 and 2 empty (RandomOffsets), 23 rows on expert 0:
   // one full register block and a remainder.
   Check(source, 17, 3, 9, 23);
-  Check(source, 17, 3, 9, 23, {DType::kBf16, DType::kFp32, 0});
-  Check(source, 40, 3, 1, 1, {DType::kBf16, DType::kBf16, 8});
+  Check(source, 17, 3, 9, 23, {ElementType::kBf16, ElementType::kFp32, 0});
+  Check(source, 40, 3, 1, 1, {ElementType::kBf16, ElementType::kBf16, 8});
 }
 
 TEST_F(ExpertFfnTest, BitIdenticalAcrossRuns) {
@@ -918,19 +927,24 @@ TEST_F(ExpertFfnTest, RejectsBadOffsets) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   }
   const std::vector<int64_t> fine = {0, 2, 4};
-  absl::Status s = ExpertFfn(Rt(), *w, x, idx, fine, h, y, {DType::kBf16, 63});
+  absl::Status s = ExpertFfn(Rt(), *w, x, idx, fine, h, y, {ElementType::kBf16, 63});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // Element types the kernels do not take are refused, not read as FP32.
+  s = ExpertFfn(Rt(), *w, x, idx, fine, h, y, {ElementType::kFp16, 0});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(UploadExperts(Rt(), source, 0, 0, 2, ElementType::kFp16).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // ---- shared expert ----
 
 // (preset, weight dtype).
-using PresetAndDType = std::tuple<std::string, DType>;
+using PresetAndDType = std::tuple<std::string, ElementType>;
 
 std::string PresetAndDTypeName(const ::testing::TestParamInfo<PresetAndDType>& param_info) {
   std::string name = std::get<0>(param_info.param);
   std::replace(name.begin(), name.end(), '-', '_');
-  return absl::StrCat(name, "_", DTypeName(std::get<1>(param_info.param)));
+  return absl::StrCat(name, "_", common::FlagName(std::get<1>(param_info.param)));
 }
 
 class SharedExpertTest : public Seeded, public ::testing::WithParamInterface<PresetAndDType> {};
@@ -969,14 +983,15 @@ TEST_P(SharedExpertTest, MatchesReference) {
                              ref.data() + i * h, scale);
     }
     EXPECT_LE(RelError(Download<float>(yb, n * h), ref),
-              dtype == DType::kBf16 ? kMaxRelErrorBf16 : kMaxRelErrorFp32);
+              dtype == ElementType::kBf16 ? kMaxRelErrorBf16 : kMaxRelErrorFp32);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, SharedExpertTest,
                          ::testing::Combine(::testing::Values("tiny",
                                                               "tiny-grouped"),  // gated, ungated
-                                            ::testing::Values(DType::kFp32, DType::kBf16)),
+                                            ::testing::Values(ElementType::kFp32,
+                                                              ElementType::kBf16)),
                          PresetAndDTypeName);
 
 // ---- combine ----
@@ -1072,8 +1087,8 @@ TEST_P(LayerTest, ComposesToReferenceForward) {
   Buffer ib = Upload(row_index);
   Buffer hb = Poisoned(n * std::max(k * cfg.expert_ffn_size, cfg.shared_ffn_size));
   Buffer yb = Poisoned(y_rows * h);
-  if (dtype == DType::kBf16) {
-    const RowFormat format{DType::kBf16, h + 24};
+  if (dtype == ElementType::kBf16) {
+    const RowFormat format{ElementType::kBf16, h + 24};
     Buffer x16 = Upload(Bf16Rows(x, h, format.row_stride));
     ASSERT_TRUE(ExpertFfn(Rt(), *ew, x16, ib, offsets, hb, yb, format).ok());
   } else {
@@ -1105,14 +1120,14 @@ TEST_P(LayerTest, ComposesToReferenceForward) {
   ASSERT_GT(got_checked.size(), static_cast<size_t>(n * h / 2));
   // The reference output is itself rounded to float, so allow that on top of FP32 error.
   EXPECT_LE(RelError(got_checked, ref_checked),
-            dtype == DType::kBf16 ? kMaxRelErrorBf16 : 2 * kMaxRelErrorFp32);
+            dtype == ElementType::kBf16 ? kMaxRelErrorBf16 : 2 * kMaxRelErrorFp32);
 }
 
-INSTANTIATE_TEST_SUITE_P(Presets, LayerTest,
-                         ::testing::Combine(::testing::Values("tiny", "tiny-grouped",
-                                                              "tiny-topk-softmax"),
-                                            ::testing::Values(DType::kFp32, DType::kBf16)),
-                         PresetAndDTypeName);
+INSTANTIATE_TEST_SUITE_P(
+    Presets, LayerTest,
+    ::testing::Combine(::testing::Values("tiny", "tiny-grouped", "tiny-topk-softmax"),
+                       ::testing::Values(ElementType::kFp32, ElementType::kBf16)),
+    PresetAndDTypeName);
 
 }  // namespace
 }  // namespace epserve::kernels

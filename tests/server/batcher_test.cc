@@ -14,6 +14,8 @@
 namespace epserve::server {
 namespace {
 
+using common::ElementType;
+
 constexpr int64_t kHidden = 4;
 
 // A request whose rows are its own row indices plus an offset, answered by an executor

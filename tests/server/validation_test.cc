@@ -3,11 +3,15 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
+#include "common/half.h"
 #include "gtest/gtest.h"
 #include "server/grpc_status.h"
 
 namespace epserve::server {
 namespace {
+
+using common::ElementType;
 
 ModelSignature Sig() { return ModelSignature{"moe", 4, {3, 7}, 100}; }
 
@@ -113,7 +117,17 @@ TEST(ParseInfer, Bf16AndFp16InputsAndTheOutputDatatype) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->output_type, ElementType::kFp32);
   (*out->mutable_parameters())["datatype"].set_string_param("INT8");
-  EXPECT_EQ(ParseInfer(r, Sig()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ParseInfer(r, Sig()).status().message(),
+      "parameter 'datatype' of output 'moe_output' must be a string_param FP32, BF16 or FP16");
+  // No spelling of a type the front-end does not take (nor of "no type") is a datatype.
+  for (const char* bad : {"fp32", "FP8", "fp8", "<invalid>", ""}) {
+    r = Good(2);
+    r.mutable_inputs(0)->set_datatype(bad);
+    EXPECT_EQ(
+        ParseInfer(r, Sig()).status().message(),
+        absl::StrCat("input 'hidden_states' datatype must be FP32, BF16 or FP16, got '", bad, "'"));
+  }
   r = Good(2);
   r.mutable_inputs(0)->set_datatype("FP16");
   r.set_raw_input_contents(0, std::string(16, '\0'));

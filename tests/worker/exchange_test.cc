@@ -22,13 +22,13 @@ enum class Routing { kUniform, kSkewed };
 
 struct Case {
   shmem::HeapBackend backend;
-  PayloadType dispatch;
-  PayloadType combine;
+  common::ElementType dispatch;
+  common::ElementType combine;
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& p) {
   return absl::StrCat(shmem::HeapBackendName(p.param.backend), "_",
-                      PayloadTypeName(p.param.dispatch), "_", PayloadTypeName(p.param.combine));
+                      common::FlagName(p.param.dispatch), "_", common::FlagName(p.param.combine));
 }
 
 uint64_t Mix(uint64_t x) {
@@ -155,7 +155,7 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
         }
         EncodeRow(c.dispatch_dtype, batches[src].x(t), c.hidden, expect_row.data());
         const size_t compare =
-            c.dispatch_dtype == PayloadType::kFp32 ? c.hidden * sizeof(float) : row_bytes;
+            c.dispatch_dtype == common::ElementType::kFp32 ? c.hidden * sizeof(float) : row_bytes;
         wrong_rows += std::memcmp(in.Row(r), expect_row.data(), compare) != 0;
         for (int j = 0; j < c.top_k; ++j) {
           const int e = batches[src].ids(t)[j];
@@ -344,12 +344,13 @@ TEST_P(ExchangeTest, OverflowSplitServesEveryTokenInRounds) {
 
 INSTANTIATE_TEST_SUITE_P(
     Backends, ExchangeTest,
-    ::testing::Values(Case{shmem::HeapBackend::kShm, PayloadType::kFp32, PayloadType::kFp32},
-                      Case{shmem::HeapBackend::kRma, PayloadType::kFp32, PayloadType::kFp32},
-                      Case{shmem::HeapBackend::kShm, PayloadType::kBf16, PayloadType::kBf16},
-                      Case{shmem::HeapBackend::kRma, PayloadType::kBf16, PayloadType::kFp32},
-                      Case{shmem::HeapBackend::kShm, PayloadType::kFp8, PayloadType::kFp32},
-                      Case{shmem::HeapBackend::kRma, PayloadType::kFp8, PayloadType::kBf16}),
+    ::testing::Values(
+        Case{shmem::HeapBackend::kShm, common::ElementType::kFp32, common::ElementType::kFp32},
+        Case{shmem::HeapBackend::kRma, common::ElementType::kFp32, common::ElementType::kFp32},
+        Case{shmem::HeapBackend::kShm, common::ElementType::kBf16, common::ElementType::kBf16},
+        Case{shmem::HeapBackend::kRma, common::ElementType::kBf16, common::ElementType::kFp32},
+        Case{shmem::HeapBackend::kShm, common::ElementType::kFp8E4m3, common::ElementType::kFp32},
+        Case{shmem::HeapBackend::kRma, common::ElementType::kFp8E4m3, common::ElementType::kBf16}),
     CaseName);
 
 // A peer that stops taking part: every other rank's wait ends with DEADLINE_EXCEEDED by

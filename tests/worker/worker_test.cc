@@ -58,8 +58,8 @@ TEST(HeapRegions, HeapSizeFollowsCapacityAndDtypes) {
   // A smaller capacity and narrower payloads shrink the heap.
   ExchangeShape small = s;
   small.max_recv_tokens_per_rank = 20;
-  small.dispatch_dtype = PayloadType::kFp8;
-  small.combine_dtype = PayloadType::kBf16;
+  small.dispatch_dtype = common::ElementType::kFp8E4m3;
+  small.combine_dtype = common::ElementType::kBf16;
   EXPECT_EQ(small.exchange().recv_capacity(), 20);
   EXPECT_LT(HeapRegions::BytesNeeded(small), bytes - 80 * row);
   EXPECT_NE(ExchangeRegions::Describe(small.exchange()).find("fp8"), std::string::npos);
@@ -166,7 +166,7 @@ TEST(Payload, RowsRoundTripWithinTheirTolerance) {
     std::normal_distribution<float> normal(0.0f, 3.0f);
     for (float& v : x) v = normal(rng);
     x[0] = 0.0f;
-    for (PayloadType type : {PayloadType::kFp32, PayloadType::kBf16, PayloadType::kFp8}) {
+    for (common::ElementType type : kPayloadTypes) {
       const size_t bytes = PayloadRowBytes(type, hidden);
       EXPECT_EQ(bytes % 16, 0u);
       std::vector<unsigned char> row(bytes + 1, 0xAB);
@@ -182,18 +182,21 @@ TEST(Payload, RowsRoundTripWithinTheirTolerance) {
         for (int64_t i = b; i < std::min(hidden, b + kFp8BlockSize); ++i) {
           const float err = std::fabs(y[i] - x[i]);
           switch (type) {
-            case PayloadType::kFp32:
+            case common::ElementType::kFp32:
               ASSERT_EQ(y[i], x[i]);
               break;
-            case PayloadType::kBf16:
+            case common::ElementType::kBf16:
               ASSERT_LE(err, std::fabs(x[i]) * std::ldexp(1.0f, -8)) << i;
               break;
-            case PayloadType::kFp8:
+            case common::ElementType::kFp8E4m3:
               // Half a step of 3 mantissa bits relative to the value, or of the subnormal
               // step relative to the block's scale.
               ASSERT_LE(
                   err, std::max(std::fabs(x[i]) / 16, amax / 448 * std::ldexp(1.0f, -10)) * 1.0001f)
                   << "hidden " << hidden << " i " << i;
+              break;
+            case common::ElementType::kFp16:
+              ADD_FAILURE() << "fp16 is not a payload type";
               break;
           }
           ASSERT_EQ(acc[i], 1.0f + y[i]);
@@ -203,10 +206,22 @@ TEST(Payload, RowsRoundTripWithinTheirTolerance) {
   }
 }
 
+TEST(Payload, TakesItsTypesOnly) {
+  EXPECT_EQ(*ParsePayloadType("fp8", "dispatch-dtype"), common::ElementType::kFp8E4m3);
+  absl::StatusOr<common::ElementType> bad = ParsePayloadType("fp16", "dispatch-dtype");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(), "--dispatch-dtype must be fp32, bf16 or fp8, got 'fp16'");
+  EXPECT_EQ(PayloadRowBytes(common::ElementType::kFp16, 64), 0u);
+  ExchangeConfig c;
+  EXPECT_TRUE(c.Validate().ok());
+  c.combine_dtype = common::ElementType::kFp16;
+  EXPECT_EQ(c.Validate().message(), "the combine dtype must be fp32, bf16 or fp8, got 'fp16'");
+}
+
 TEST(Payload, SumRowsEqualsDecodeThenAccumulate) {
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 2.0f);
-  for (PayloadType type : {PayloadType::kFp32, PayloadType::kBf16, PayloadType::kFp8}) {
+  for (common::ElementType type : kPayloadTypes) {
     for (int64_t hidden : {5, 130, 300}) {
       for (int parts : {0, 1, 3}) {
         for (bool accumulate : {false, true}) {
@@ -230,7 +245,7 @@ TEST(Payload, SumRowsEqualsDecodeThenAccumulate) {
           }
           SumRows(type, ptrs.data(), parts, hidden, got.data(), accumulate);
           ASSERT_EQ(std::memcmp(expect.data(), got.data(), hidden * sizeof(float)), 0)
-              << PayloadTypeName(type) << " hidden " << hidden << " parts " << parts;
+              << common::FlagName(type) << " hidden " << hidden << " parts " << parts;
         }
       }
     }
@@ -241,10 +256,10 @@ TEST(Payload, Fp8BlockWithInfinitySaturatesInsteadOfPoisoningTheBlock) {
   std::vector<float> x(128, 1.0f);
   x[5] = INFINITY;
   x[6] = -INFINITY;
-  std::vector<unsigned char> row(PayloadRowBytes(PayloadType::kFp8, 128));
-  EncodeRow(PayloadType::kFp8, x.data(), 128, row.data());
+  std::vector<unsigned char> row(PayloadRowBytes(common::ElementType::kFp8E4m3, 128));
+  EncodeRow(common::ElementType::kFp8E4m3, x.data(), 128, row.data());
   std::vector<float> y(128);
-  DecodeRow(PayloadType::kFp8, row.data(), 128, y.data());
+  DecodeRow(common::ElementType::kFp8E4m3, row.data(), 128, y.data());
   EXPECT_EQ(y[0], 1.0f);
   EXPECT_EQ(y[5], 1.0f);
   EXPECT_EQ(y[6], -1.0f);
