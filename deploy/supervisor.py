@@ -443,7 +443,8 @@ class Supervisor:
         restarted (a reason). Liveness is rank 0's gRPC health (SERVING while every worker is
         loaded and answering), asked through epserve-health: a slow or crowded /metrics
         endpoint never restarts a serving job. Without the probe (or with TLS and no
-        health_tls_ca) it falls back to epserve_workers_ready on /metrics."""
+        health_tls_ca) it falls back to epserve_workers_ready on /metrics, where only a
+        scrape reporting no ready worker counts, never one that goes unanswered."""
         s = self.settings
         check = None
         bad_since = None
@@ -498,9 +499,12 @@ class Supervisor:
                else "gRPC uses TLS and health_tls_ca is not set"))
 
         def by_metrics():
+            # Only a scrape that says no worker is ready counts against the job: a slow or
+            # crowded /metrics endpoint (idle connections, a scanner) says nothing of the
+            # service, and a dead rank 0 ends mpirun, which the loop sees as "exited".
             workers = workers_ready(url, timeout)
             if workers is None:
-                return None, f"no answer from {url}"
+                return True, f"no answer from {url} (not counted against the job)"
             return workers > 0, f"epserve_workers_ready {workers:g}"
         return by_metrics
 
