@@ -165,7 +165,11 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
     const std::string why =
         absl::StrCat("shared memory region '", Clip(name), "': cannot open key '", Clip(key),
                      "': ", std::strerror(err));
-    return err == ENOENT ? absl::NotFoundError(why) : absl::InvalidArgumentError(why);
+    if (err == ENOENT) return absl::NotFoundError(why);
+    // The server opens the object with its own credentials: one it may not read and write
+    // (another user's, or read-only) is refused as the operating system refuses it.
+    if (err == EACCES) return absl::PermissionDeniedError(why);
+    return absl::InvalidArgumentError(why);
   }
   struct stat st {};
   if (fstat(region->fd_, &st) != 0 || offset > static_cast<uint64_t>(st.st_size) ||
