@@ -145,6 +145,25 @@ TEST(SharedMemoryRegistry, ShrunkWhileInUseFaultsTheRegionNotTheProcess) {
   EXPECT_EQ(std::memcmp(*fine, other.bytes().data(), page - 1), 0);
 }
 
+// The server opens a key with its own credentials: an object it may not open for reading and
+// writing is PERMISSION_DENIED. (Run as another user in a child, since root may open anything.)
+TEST(SharedMemoryRegistry, AnObjectTheServerMayNotOpenIsPermissionDenied) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching to another user needs root";
+  ShmObject obj(4096);  // mode 0600, this user's
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    SharedMemoryRegistry reg;
+    _exit(reg.Register("r", obj.key(), 0, 16).code() == absl::StatusCode::kPermissionDenied ? 0
+                                                                                            : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: not PERMISSION_DENIED, 2: could not switch users";
+}
+
 // The handler only repairs registered mappings: any other SIGBUS still ends the process.
 TEST(SharedMemoryRegistryDeathTest, OtherFaultsStillEndTheProcess) {
   ShmObject obj(4096), mapped(8192);
