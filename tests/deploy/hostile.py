@@ -33,9 +33,12 @@ sys.path.insert(0, os.environ.get("EPSERVE_PROTO_PY", ""))
 import grpc_service_pb2 as pb  # noqa: E402
 
 SERVICE = "/inference.GRPCInferenceService/"
-# Attacks whose client sends requests as fast as the server takes them: on a host whose
-# cores the attacking client shares with the server, the measuring client's latency follows
-# the CPU they take, so its p50 is printed but not held to --latency-factor.
+# The attacker's nice value while it attacks (see main).
+ATTACKER_NICE = 10
+# Attacks whose client sends requests as fast as the server takes them: the requests they get
+# accepted are load, whose queueing the measuring client shares, and on a 2-core host the
+# server's own work on them (accepting, refusing, closing) takes the cores the workers compute
+# on; their p50 is held to --flood-latency-factor instead (1.6-1.9x was seen on Zen 5).
 FLOODS = {"non_reading_streams", "many_non_reading_streams", "cancel_storm", "huge_message"}
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -551,6 +554,7 @@ def main():
     p.add_argument("--rss-after-mib", type=float, default=64,
                    help="rank 0's resident memory 3 s after each attack: at most this over idle")
     p.add_argument("--latency-factor", type=float, default=1.5)
+    p.add_argument("--flood-latency-factor", type=float, default=3.0)
     p.add_argument("--only", default="", help="comma-separated attack names")
     p.add_argument("--json", default="")
     args = p.parse_args()
@@ -598,7 +602,14 @@ def main():
         with Watch(server) as w:
             t = threading.Thread(target=lambda: measured.update(verify(args, secs)))
             t.start()
-            figures = attacks[name]()
+            # The attacking thread (and the threads and processes it starts) yields the cores
+            # it shares with the server to the measuring client: what the client's latency
+            # shows is then the server's doing, not the attacker's own CPU.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ATTACKER_NICE)
+            try:
+                figures = attacks[name]()
+            finally:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
             t.join()
         time.sleep(3.0)  # let the server finish reaping and return memory
         after = server.metrics()
@@ -621,8 +632,9 @@ def main():
               f"peak {r['rss_mib_peak']} -> {r['rss_mib_after']} MiB", flush=True)
         if measured.get("exit") != 0 or measured.get("wrong"):
             failures.append(f"{name}: the measuring client saw {measured}")
-        if name not in FLOODS and not p50 <= args.latency_factor * base_p50 + 0.5:
-            failures.append(f"{name}: p50 {p50:.2f} ms > {args.latency_factor} x {base_p50:.2f}")
+        factor = args.flood_latency_factor if name in FLOODS else args.latency_factor
+        if not p50 <= factor * base_p50 + 0.5:
+            failures.append(f"{name}: p50 {p50:.2f} ms > {factor} x {base_p50:.2f} + 0.5")
         if w.failed_scrapes or w.worst_scrape > 1.0:
             failures.append(f"{name}: /metrics failed {w.failed_scrapes} scrapes, slowest "
                             f"{w.worst_scrape:.2f} s")
