@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status.h"
 
 namespace epserve::server {
 namespace {
@@ -102,6 +103,97 @@ Answer Respond(absl::string_view request_head, const std::function<std::string()
 
 absl::Status Errno(absl::string_view what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// INVALID_ARGUMENT naming the flag of the first option out of its bounds.
+absl::Status CheckOptions(const MetricsHttpOptions& options) {
+  if (options.max_connections < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-max-connections must be >= 1, got ", options.max_connections));
+  }
+  for (const auto& [flag, value] : {std::pair{"--metrics-header-timeout", options.header_timeout},
+                                    {"--metrics-idle-timeout", options.idle_timeout},
+                                    {"--metrics-write-timeout", options.write_timeout}}) {
+    if (value <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, " must be > 0"));
+    }
+  }
+  if (options.max_header_bytes < 64 || options.max_pending_bytes < 1) {
+    return absl::InvalidArgumentError(
+        "metrics server: max_header_bytes must be >= 64 and max_pending_bytes >= 1");
+  }
+  return absl::OkStatus();
+}
+
+// --metrics-address split at its last colon.
+struct HostPort {
+  std::string prefix;  // what precedes the port, as given ("[::1]", "0.0.0.0", "")
+  std::string host;    // the prefix without an IPv6 literal's brackets
+  int port = -1;       // 0: any free port
+};
+
+absl::StatusOr<HostPort> ParseAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  HostPort a;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &a.port) ||
+      a.port < 0 || a.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--metrics-address='", address,
+                                                   "' is not host:port with a port in [0, 65535]"));
+  }
+  a.prefix = address.substr(0, colon);
+  a.host = a.prefix;
+  if (a.host.size() >= 2 && a.host.front() == '[' && a.host.back() == ']') {
+    a.host = a.host.substr(1, a.host.size() - 2);
+  }
+  return a;
+}
+
+// Each connection is a descriptor: makes room for the bound (the soft limit is often 1024),
+// as far as the hard limit allows.
+void RaiseOpenFileLimit(int max_connections) {
+  rlimit lim{};
+  const rlim_t want = static_cast<rlim_t>(max_connections) + 256;
+  if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < want) {
+    lim.rlim_cur = std::min(want, lim.rlim_max);
+    setrlimit(RLIMIT_NOFILE, &lim);
+  }
+}
+
+// A non-blocking listening socket on `a`; the caller owns it. `address` (the flag's value)
+// names it in errors.
+absl::StatusOr<int> Listen(const HostPort& a, const std::string& address) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(a.host.empty() ? nullptr : a.host.c_str(), std::to_string(a.port).c_str(), &hints,
+                  &found) != 0 ||
+      found == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-address='", address, "': cannot resolve '", a.host, "'"));
+  }
+  const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      bind(fd, found->ai_addr, found->ai_addrlen) != 0 || listen(fd, 1024) != 0) {
+    const absl::Status st =
+        Errno(absl::StrCat("cannot serve metrics on --metrics-address=", address));
+    if (fd >= 0) ::close(fd);
+    freeaddrinfo(found);
+    return st;
+  }
+  freeaddrinfo(found);
+  return fd;
+}
+
+// The port the socket `fd` is bound to (the one picked for port 0).
+int BoundPort(int fd) {
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  return bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                     : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
 }
 
 }  // namespace
@@ -319,74 +411,19 @@ struct MetricsHttpServer::Loop {
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const MetricsHttpOptions& options, std::function<std::string()> render,
     std::function<void(HttpEvent)> on_event) {
-  if (options.max_connections < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--metrics-max-connections must be >= 1, got ", options.max_connections));
-  }
-  for (const auto& [flag, value] : {std::pair{"--metrics-header-timeout", options.header_timeout},
-                                    {"--metrics-idle-timeout", options.idle_timeout},
-                                    {"--metrics-write-timeout", options.write_timeout}}) {
-    if (value <= absl::ZeroDuration()) {
-      return absl::InvalidArgumentError(absl::StrCat(flag, " must be > 0"));
-    }
-  }
-  if (options.max_header_bytes < 64 || options.max_pending_bytes < 1) {
-    return absl::InvalidArgumentError(
-        "metrics server: max_header_bytes must be >= 64 and max_pending_bytes >= 1");
-  }
-  const size_t colon = options.address.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || !absl::SimpleAtoi(options.address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--metrics-address='", options.address,
-                                                   "' is not host:port with a port in [0, 65535]"));
-  }
-  std::string host = options.address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  // Each connection is a descriptor: make room for the bound (the soft limit is often 1024).
-  rlimit lim{};
-  const rlim_t want = static_cast<rlim_t>(options.max_connections) + 256;
-  if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < want) {
-    lim.rlim_cur = std::min(want, lim.rlim_max);
-    setrlimit(RLIMIT_NOFILE, &lim);
-  }
+  EPSERVE_RETURN_IF_ERROR(CheckOptions(options));
+  absl::StatusOr<HostPort> address = ParseAddress(options.address);
+  if (!address.ok()) return address.status();
+  RaiseOpenFileLimit(options.max_connections);
 
   std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer());
   s->options_ = options;
   s->render_ = std::move(render);
   s->on_event_ = std::move(on_event);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.empty() ? nullptr : host.c_str(), std::to_string(port).c_str(), &hints,
-                  &found) != 0 ||
-      found == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--metrics-address='", options.address, "': cannot resolve '", host, "'"));
-  }
-  const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  const int one = 1;
-  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
-      bind(fd, found->ai_addr, found->ai_addrlen) != 0 || listen(fd, 1024) != 0) {
-    const absl::Status st =
-        Errno(absl::StrCat("cannot serve metrics on --metrics-address=", options.address));
-    if (fd >= 0) ::close(fd);
-    freeaddrinfo(found);
-    return st;
-  }
-  freeaddrinfo(found);
-  s->listen_fd_ = fd;
-  sockaddr_storage bound{};
-  socklen_t len = sizeof(bound);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  const int bound_port = bound.ss_family == AF_INET6
-                             ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                             : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-  s->bound_address_ = absl::StrCat(options.address.substr(0, colon), ":", bound_port);
+  absl::StatusOr<int> fd = Listen(*address, options.address);
+  if (!fd.ok()) return fd.status();
+  s->listen_fd_ = *fd;
+  s->bound_address_ = absl::StrCat(address->prefix, ":", BoundPort(*fd));
   s->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   s->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (s->wake_fd_ < 0 || s->epoll_fd_ < 0) return Errno("metrics server: eventfd/epoll");

@@ -21,6 +21,53 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& ctx) {
                                                            : absl::FromChrono(d);
 }
 
+using Regions = std::vector<std::shared_ptr<const SharedMemoryRegion>>;
+
+// Adds output `name` of `datatype`, shape [num_tokens, width], to `resp` and returns where its
+// bytes go: the shared memory the request placed it in (appended to `used`; its
+// raw_output_contents entry stays empty, so that entries keep lining up with outputs), or its
+// raw_output_contents entry, sized.
+char* AddOutput(const char* name, absl::string_view datatype, int64_t num_tokens, int64_t width,
+                size_t element_bytes, const ShmPlace& shm, inference::ModelInferResponse* resp,
+                Regions* used) {
+  auto* out = resp->add_outputs();
+  out->set_name(name);
+  out->set_datatype(std::string(datatype));
+  out->add_shape(num_tokens);
+  out->add_shape(width);
+  std::string* raw = resp->add_raw_output_contents();
+  if (shm.region != nullptr) {
+    used->push_back(shm.region);
+    return shm.data;
+  }
+  raw->resize(static_cast<size_t>(num_tokens * width) * element_bytes);
+  return raw->data();
+}
+
+// The outputs `parsed` asks for, added to `resp` in the order moe_output, topk_ids,
+// topk_weights (`hidden` and `top_k` wide), and where the task writes them: task->output
+// (into task->unrequested_output when moe_output is not asked for), topk_ids, topk_weights.
+void AddOutputs(const ParsedInfer& parsed, int64_t hidden, int64_t top_k,
+                inference::ModelInferResponse* resp, InferTask* task, Regions* used) {
+  const int64_t t = parsed.num_tokens;
+  if (parsed.want_output) {
+    task->output = AddOutput(kOutputName, common::KServeName(parsed.output_type), t, hidden,
+                             ElementBytes(parsed.output_type), parsed.output_shm, resp, used);
+  } else {
+    task->unrequested_output.resize(static_cast<size_t>(t * hidden) *
+                                    ElementBytes(parsed.output_type));
+    task->output = task->unrequested_output.data();
+  }
+  if (parsed.want_topk_ids) {
+    task->topk_ids = reinterpret_cast<int32_t*>(
+        AddOutput(kTopkIdsName, "INT32", t, top_k, 4, parsed.topk_ids_shm, resp, used));
+  }
+  if (parsed.want_topk_weights) {
+    task->topk_weights = reinterpret_cast<float*>(
+        AddOutput(kTopkWeightsName, "FP32", t, top_k, 4, parsed.topk_weights_shm, resp, used));
+  }
+}
+
 }  // namespace
 
 InferenceService::InferenceService(ServiceOptions options, Batcher& batcher, Metrics* metrics,
@@ -126,93 +173,66 @@ void InferenceService::Reap() {
   }
 }
 
+absl::StatusOr<ParsedInfer> InferenceService::Admit(const inference::ModelInferRequest& req,
+                                                    int64_t* cost) {
+  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, options_.signature, &shm_);
+  if (!parsed.ok()) return parsed.status();
+  if (!ready()) {
+    return absl::UnavailableError("the server is not ready (starting, stopping or unhealthy)");
+  }
+  if (unloaded_.load()) {
+    return absl::NotFoundError(absl::StrCat("model '", options_.signature.name,
+                                            "' is unloaded (RepositoryModelUnload); "
+                                            "RepositoryModelLoad puts it back into service"));
+  }
+  // The request's message and its answer (the outputs it asks for, or the layer output held
+  // for the routing alone) are charged until the answer is sent.
+  const int64_t k = options_.top_k;
+  const bool shm_out = parsed->want_output && parsed->output_shm.region != nullptr;
+  const int64_t bytes =
+      static_cast<int64_t>(req.ByteSizeLong()) +
+      parsed->num_tokens * ((shm_out ? 0 : options_.signature.hidden_size * 4) + 8 * k);
+  if (!budget_.TryCharge(bytes)) {
+    absl::Status full = absl::ResourceExhaustedError(absl::StrCat(
+        "the server holds ", budget_.used(), " bytes of requests and answers; this request's ",
+        bytes, " more would exceed --max-inflight-bytes=", budget_.limit()));
+    {
+      std::lock_guard<std::mutex> lock(reap_mu_);
+      reap_pressure_ = true;
+    }
+    reap_cv_.notify_one();
+    return full;
+  }
+  if (metrics_ != nullptr) metrics_->SetHeldBytes(budget_.used());
+  *cost = bytes;
+  return parsed;
+}
+
 absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
                                       inference::ModelInferResponse* resp, absl::Time start,
                                       absl::Time deadline, std::function<bool()> cancelled,
                                       std::function<void(absl::Status)> done, int64_t* charged) {
   *charged = 0;
   if (metrics_ != nullptr) metrics_->RequestStarted();  // every path below observes it once
-  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, options_.signature, &shm_);
-  absl::Status status = parsed.status();
-  if (status.ok() && !ready()) {
-    status = absl::UnavailableError("the server is not ready (starting, stopping or unhealthy)");
-  }
-  if (status.ok() && unloaded_.load()) {
-    status = absl::NotFoundError(absl::StrCat("model '", options_.signature.name,
-                                              "' is unloaded (RepositoryModelUnload); "
-                                              "RepositoryModelLoad puts it back into service"));
-  }
-  // The request's message and its answer (the outputs it asks for, or the layer output held
-  // for the routing alone) are charged until the answer is sent.
   int64_t cost = 0;
-  if (status.ok()) {
-    const int64_t k = options_.top_k;
-    const bool shm_out = parsed->want_output && parsed->output_shm.region != nullptr;
-    cost = static_cast<int64_t>(req.ByteSizeLong()) +
-           parsed->num_tokens * ((shm_out ? 0 : options_.signature.hidden_size * 4) + 8 * k);
-    if (!budget_.TryCharge(cost)) {
-      status = absl::ResourceExhaustedError(absl::StrCat(
-          "the server holds ", budget_.used(), " bytes of requests and answers; this request's ",
-          cost, " more would exceed --max-inflight-bytes=", budget_.limit()));
-      {
-        std::lock_guard<std::mutex> lock(reap_mu_);
-        reap_pressure_ = true;
-      }
-      reap_cv_.notify_one();
-    } else if (metrics_ != nullptr) {
-      metrics_->SetHeldBytes(budget_.used());
-    }
-  }
-  if (!status.ok()) {
+  absl::StatusOr<ParsedInfer> parsed = Admit(req, &cost);
+  if (!parsed.ok()) {
     if (metrics_ != nullptr) {
-      metrics_->ObserveRequest(status.code(), absl::Now() - start, absl::ZeroDuration(), 0);
+      metrics_->ObserveRequest(parsed.status().code(), absl::Now() - start, absl::ZeroDuration(),
+                               0);
     }
-    if (!absl::IsNotFound(status)) statistics_.ObserveRequest(status, absl::Now() - start, {});
-    return status;
+    if (!absl::IsNotFound(parsed.status())) {
+      statistics_.ObserveRequest(parsed.status(), absl::Now() - start, {});
+    }
+    return parsed.status();
   }
-  const int64_t h = options_.signature.hidden_size;
   resp->set_model_name(options_.signature.name);
   resp->set_model_version("1");
   resp->set_id(req.id());
   auto task = std::make_shared<InferTask>();
   // The shared memory regions the request reads or writes (kept mapped by the task).
   std::vector<std::shared_ptr<const SharedMemoryRegion>> used;
-  // Adds output `name` of `datatype`, shape [T, width], and returns where its bytes go: the
-  // shared memory the request placed it in (its raw_output_contents entry stays empty, so
-  // that entries keep lining up with outputs), or its raw_output_contents entry, sized.
-  auto add_output = [&](const char* name, absl::string_view datatype, int64_t width,
-                        size_t element_bytes, const ShmPlace& shm) -> char* {
-    auto* out = resp->add_outputs();
-    out->set_name(name);
-    out->set_datatype(std::string(datatype));
-    out->add_shape(parsed->num_tokens);
-    out->add_shape(width);
-    std::string* raw = resp->add_raw_output_contents();
-    if (shm.region != nullptr) {
-      used.push_back(shm.region);
-      return shm.data;
-    }
-    raw->resize(static_cast<size_t>(parsed->num_tokens * width) * element_bytes);
-    return raw->data();
-  };
-  char* output = nullptr;
-  if (parsed->want_output) {
-    output = add_output(kOutputName, common::KServeName(parsed->output_type), h,
-                        ElementBytes(parsed->output_type), parsed->output_shm);
-  } else {
-    task->unrequested_output.resize(static_cast<size_t>(parsed->num_tokens * h) *
-                                    ElementBytes(parsed->output_type));
-    output = task->unrequested_output.data();
-  }
-  const int64_t k = options_.top_k;
-  if (parsed->want_topk_ids) {
-    task->topk_ids =
-        reinterpret_cast<int32_t*>(add_output(kTopkIdsName, "INT32", k, 4, parsed->topk_ids_shm));
-  }
-  if (parsed->want_topk_weights) {
-    task->topk_weights = reinterpret_cast<float*>(
-        add_output(kTopkWeightsName, "FP32", k, 4, parsed->topk_weights_shm));
-  }
+  AddOutputs(*parsed, options_.signature.hidden_size, options_.top_k, resp, task.get(), &used);
   if (parsed->input_region != nullptr) used.push_back(parsed->input_region);
   task->regions.assign(used.begin(), used.end());
 
@@ -221,7 +241,6 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   task->priority = parsed->priority;
   task->input = parsed->input;
   task->input_type = parsed->input_type;
-  task->output = output;
   task->output_type = parsed->output_type;
   task->enqueued = start;
   task->deadline = std::min(deadline, start + parsed->timeout);
@@ -239,7 +258,7 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
     done(std::move(s));
   };
   *charged = cost;  // before the batcher may answer
-  status = batcher_.Enqueue(task);
+  absl::Status status = batcher_.Enqueue(task);
   if (!status.ok()) {
     *charged = 0;
     ReleaseHeld(cost);

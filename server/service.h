@@ -167,6 +167,9 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   // The reaper's thread: closes calls whose answer is not taken within answer_timeout, and
   // under memory pressure the longest-waiting ones; returns freed memory to the system.
   void Reap();
+  // Parses `request` and admits it: the server ready, the model in service, the bytes of the
+  // request and its answer charged to the budget (*cost). On error nothing is charged.
+  absl::StatusOr<ParsedInfer> Admit(const inference::ModelInferRequest& request, int64_t* cost);
   absl::Status CheckModel(const std::string& name, const std::string& version) const;
   absl::Status CheckRepository(const std::string& repository, const std::string& model) const;
   grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, const char* rpc);

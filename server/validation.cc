@@ -4,10 +4,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 #include "server/clip.h"
 
 namespace epserve::server {
 namespace {
+
+using Parameters = google::protobuf::Map<std::string, inference::InferParameter>;
+using RequestedOutput = inference::ModelInferRequest::InferRequestedOutputTensor;
 
 absl::Status Invalid(auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); }
 
@@ -33,9 +37,9 @@ absl::StatusOr<int64_t> NonNegativeInt(const inference::InferParameter& p, const
 // with Triton's shared-memory parameters; nullopt-like (region null) when it names none.
 // `bytes` is what the tensor needs: the size given must equal it (`exact`, inputs) or be at
 // least it (outputs).
-absl::StatusOr<ShmPlace> SharedMemoryPlace(
-    const google::protobuf::Map<std::string, inference::InferParameter>& params,
-    const std::string& what, int64_t bytes, bool exact, const SharedMemoryRegistry* shm) {
+absl::StatusOr<ShmPlace> SharedMemoryPlace(const Parameters& params, const std::string& what,
+                                           int64_t bytes, bool exact,
+                                           const SharedMemoryRegistry* shm) {
   auto region = params.find(kShmRegionParameter);
   if (region == params.end()) {
     for (const char* p : {kShmOffsetParameter, kShmByteSizeParameter}) {
@@ -75,10 +79,8 @@ absl::StatusOr<ShmPlace> SharedMemoryPlace(
   return ShmPlace{*std::move(r), *data};
 }
 
-}  // namespace
-
-absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
-                                       const ModelSignature& sig, const SharedMemoryRegistry* shm) {
+// NOT_FOUND unless the request names the served model, in version "1" or none.
+absl::Status CheckModel(const inference::ModelInferRequest& req, const ModelSignature& sig) {
   if (req.model_name() != sig.name) {
     return absl::NotFoundError(absl::StrCat("unknown model '", Clip(req.model_name()),
                                             "'; this server serves '", sig.name, "'"));
@@ -87,27 +89,28 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     return absl::NotFoundError(absl::StrCat("unknown version '", Clip(req.model_version()),
                                             "' of model '", sig.name, "'; versions: 1"));
   }
-  if (req.id().size() > kMaxRequestIdBytes) {
-    return Invalid("id is ", req.id().size(), " bytes; at most ", kMaxRequestIdBytes);
-  }
-  ParsedInfer out;
-  out.layer = sig.layers.front();
-  out.priority = sig.default_priority;
-  const auto& params = req.parameters();
+  return absl::OkStatus();
+}
+
+// The request parameters `layer`, `priority` and `timeout` into out->layer, layer_pos,
+// priority and timeout; the signature's first layer and default level where absent.
+absl::Status ReadParameters(const Parameters& params, const ModelSignature& sig, ParsedInfer* out) {
+  out->layer = sig.layers.front();
+  out->priority = sig.default_priority;
   if (auto it = params.find(kLayerParameter); it != params.end()) {
     if (it->second.parameter_choice_case() != inference::InferParameter::kInt64Param) {
       return Invalid("parameter 'layer' must be an int64_param");
     }
-    out.layer = it->second.int64_param();
-    auto pos = std::find(sig.layers.begin(), sig.layers.end(), out.layer);
+    out->layer = it->second.int64_param();
+    auto pos = std::find(sig.layers.begin(), sig.layers.end(), out->layer);
     if (pos == sig.layers.end()) {
       return absl::NotFoundError(
-          absl::StrCat("parameter 'layer' = ", out.layer,
+          absl::StrCat("parameter 'layer' = ", out->layer,
                        " is not a served MoE layer; served: ", absl::StrJoin(sig.layers, ", ")));
     }
   }
-  out.layer_pos = static_cast<int>(std::find(sig.layers.begin(), sig.layers.end(), out.layer) -
-                                   sig.layers.begin());
+  out->layer_pos = static_cast<int>(std::find(sig.layers.begin(), sig.layers.end(), out->layer) -
+                                    sig.layers.begin());
   if (auto it = params.find(kPriorityParameter); it != params.end()) {
     absl::StatusOr<int64_t> p = NonNegativeInt(it->second, kPriorityParameter);
     if (!p.ok()) return p.status();
@@ -115,14 +118,20 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
       return Invalid("parameter 'priority' must be in [0, ", sig.priority_levels,
                      "] (0: the default level ", sig.default_priority, "), got ", *p);
     }
-    if (*p != 0) out.priority = static_cast<uint32_t>(*p);
+    if (*p != 0) out->priority = static_cast<uint32_t>(*p);
   }
   if (auto it = params.find(kTimeoutParameter); it != params.end()) {
     absl::StatusOr<int64_t> us = NonNegativeInt(it->second, kTimeoutParameter);
     if (!us.ok()) return us.status();
-    if (*us > 0) out.timeout = absl::Microseconds(*us);
+    if (*us > 0) out->timeout = absl::Microseconds(*us);
   }
+  return absl::OkStatus();
+}
 
+// Exactly one input, named hidden_states, of a request datatype and shape [T, H]: sets
+// out->input_type, output_type (the input's until an output asks) and num_tokens.
+absl::Status ReadInputShape(const inference::ModelInferRequest& req, const ModelSignature& sig,
+                            ParsedInfer* out) {
   if (req.inputs_size() == 0) return Invalid("missing input '", kInputName, "'");
   for (const auto& input : req.inputs()) {
     if (input.name() != kInputName) {
@@ -138,8 +147,8 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   absl::StatusOr<common::ElementType> type = common::ParseKServeName(
       Clip(input.datatype()), absl::StrCat("input '", kInputName, "' datatype"), kRequestTypes);
   if (!type.ok()) return type.status();
-  out.input_type = *type;
-  out.output_type = *type;
+  out->input_type = *type;
+  out->output_type = *type;
   if (input.shape_size() != 2) {
     return Invalid("input '", kInputName, "' shape must have rank 2 [tokens, ", sig.hidden_size,
                    "], got rank ", input.shape_size());
@@ -153,9 +162,19 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
     return Invalid("input '", kInputName, "' shape[1] (hidden size) must be ", sig.hidden_size,
                    ", got ", input.shape(1));
   }
-  out.num_tokens = tokens;
+  out->num_tokens = tokens;
+  return absl::OkStatus();
+}
+
+// Sets out->input to the input's num_tokens x H elements, from exactly one of: a shared memory
+// region (also out->input_region), raw_input_contents, or contents.fp32_contents (FP32 only);
+// each must hold exactly the shape's size. Runs after ReadInputShape.
+absl::Status ReadInputContents(const inference::ModelInferRequest& req, const ModelSignature& sig,
+                               const SharedMemoryRegistry* shm, ParsedInfer* out) {
+  const auto& input = req.inputs(0);
+  const int64_t tokens = out->num_tokens;
   const int64_t elements = tokens * sig.hidden_size;
-  const int64_t bytes = elements * static_cast<int64_t>(common::ElementBytes(*type));
+  const int64_t bytes = elements * static_cast<int64_t>(common::ElementBytes(out->input_type));
   const bool has_typed = input.has_contents();
   const bool has_raw = req.raw_input_contents_size() > 0;
   absl::StatusOr<ShmPlace> in_shm = SharedMemoryPlace(
@@ -167,15 +186,15 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
                      "' is in shared memory and must not also carry contents or "
                      "raw_input_contents");
     }
-    out.input = in_shm->data;
-    out.input_region = std::move(in_shm->region);
-  } else if (has_typed && has_raw) {
+    out->input = in_shm->data;
+    out->input_region = std::move(in_shm->region);
+    return absl::OkStatus();
+  }
+  if (has_typed && has_raw) {
     return Invalid("input '", kInputName,
                    "' has both contents and raw_input_contents; use exactly one");
   }
-  if (out.input_region != nullptr) {
-    // the input is in shared memory
-  } else if (has_raw) {
+  if (has_raw) {
     if (req.raw_input_contents_size() != 1) {
       return Invalid("raw_input_contents must have one entry per input (1), got ",
                      req.raw_input_contents_size());
@@ -185,9 +204,9 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
       return Invalid("raw_input_contents[0] must hold ", bytes, " bytes (", tokens, " x ",
                      sig.hidden_size, " ", Clip(input.datatype()), "), got ", raw.size());
     }
-    out.input = raw.data();
+    out->input = raw.data();
   } else if (has_typed) {
-    if (*type != common::ElementType::kFp32) {
+    if (out->input_type != common::ElementType::kFp32) {
       return Invalid("input '", kInputName, "' of datatype ", Clip(input.datatype()),
                      " must travel in raw_input_contents (contents has no field for it)");
     }
@@ -196,68 +215,108 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
       return Invalid("contents.fp32_contents of input '", kInputName, "' must hold ", elements,
                      " values (", tokens, " x ", sig.hidden_size, "), got ", fp32.size());
     }
-    out.input = reinterpret_cast<const char*>(fp32.data());
+    out->input = reinterpret_cast<const char*>(fp32.data());
   } else {
     return Invalid("input '", kInputName,
                    "' has no data: set raw_input_contents or contents.fp32_contents");
   }
-  // Without requested outputs the answer is moe_output; with them, exactly those (Triton's
-  // rule).
-  if (req.outputs_size() > 0) out.want_output = false;
+  return absl::OkStatus();
+}
+
+// The requested output topk_ids (`ids`) or topk_weights, of `bytes` bytes: named once, with
+// no parameter but its shared memory placement (out->topk_ids_shm or topk_weights_shm).
+absl::Status ReadTopkOutput(const RequestedOutput& output, bool ids, int64_t bytes,
+                            const SharedMemoryRegistry* shm, ParsedInfer* out) {
+  bool& want = ids ? out->want_topk_ids : out->want_topk_weights;
+  if (want) return Invalid("output '", Clip(output.name()), "' requested twice");
+  want = true;
+  for (const auto& [name, value] : output.parameters()) {
+    if (name != kShmRegionParameter && name != kShmOffsetParameter &&
+        name != kShmByteSizeParameter) {
+      return Invalid("output '", output.name(), "' takes no parameter '", Clip(name),
+                     "' (only shared memory placement)");
+    }
+  }
+  absl::StatusOr<ShmPlace> place = SharedMemoryPlace(
+      output.parameters(), absl::StrCat("output '", output.name(), "'"), bytes, false, shm);
+  if (!place.ok()) return place.status();
+  (ids ? out->topk_ids_shm : out->topk_weights_shm) = *std::move(place);
+  return absl::OkStatus();
+}
+
+// The parameters of the requested output moe_output: `datatype` sets out->output_type,
+// `classification` is refused, any other (its shared memory placement among them) is left
+// to the caller.
+absl::Status ReadOutputParameters(const Parameters& params, ParsedInfer* out) {
+  for (const auto& [name, value] : params) {
+    if (name == kDatatypeParameter) {
+      const absl::string_view datatype =
+          value.parameter_choice_case() == inference::InferParameter::kStringParam
+              ? absl::string_view(value.string_param())
+              : absl::string_view();  // parses as no type
+      absl::StatusOr<common::ElementType> want =
+          common::ParseKServeName(datatype, "datatype", kRequestTypes);
+      if (!want.ok()) {
+        return Invalid("parameter 'datatype' of output '", kOutputName, "' must be a string_param ",
+                       common::KServeNames(kRequestTypes));
+      }
+      out->output_type = *want;
+    } else if (name == "classification") {
+      return Invalid("parameter 'classification' of output '", kOutputName,
+                     "' is not supported (the output is not a classification)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The requested outputs: without any the answer is moe_output; with some, exactly those
+// (Triton's rule), each named once, with its datatype and shared memory placement.
+absl::Status ReadRequestedOutputs(const inference::ModelInferRequest& req,
+                                  const ModelSignature& sig, const SharedMemoryRegistry* shm,
+                                  ParsedInfer* out) {
+  if (req.outputs_size() > 0) out->want_output = false;
   for (const auto& output : req.outputs()) {
     const bool ids = output.name() == kTopkIdsName;
     if (ids || output.name() == kTopkWeightsName) {
-      bool& want = ids ? out.want_topk_ids : out.want_topk_weights;
-      if (want) return Invalid("output '", Clip(output.name()), "' requested twice");
-      want = true;
-      for (const auto& [name, value] : output.parameters()) {
-        if (name != kShmRegionParameter && name != kShmOffsetParameter &&
-            name != kShmByteSizeParameter) {
-          return Invalid("output '", output.name(), "' takes no parameter '", Clip(name),
-                         "' (only shared memory placement)");
-        }
-      }
-      absl::StatusOr<ShmPlace> place =
-          SharedMemoryPlace(output.parameters(), absl::StrCat("output '", output.name(), "'"),
-                            tokens * sig.top_k * 4, false, shm);
-      if (!place.ok()) return place.status();
-      (ids ? out.topk_ids_shm : out.topk_weights_shm) = *std::move(place);
+      EPSERVE_RETURN_IF_ERROR(
+          ReadTopkOutput(output, ids, out->num_tokens * sig.top_k * 4, shm, out));
       continue;
     }
     if (output.name() != kOutputName) {
       return Invalid("unknown requested output '", Clip(output.name()), "'; outputs: ", kOutputName,
                      ", ", kTopkIdsName, ", ", kTopkWeightsName);
     }
-    if (out.want_output) return Invalid("output '", kOutputName, "' requested twice");
-    out.want_output = true;
-    for (const auto& [name, value] : output.parameters()) {
-      if (name == kDatatypeParameter) {
-        const absl::string_view datatype =
-            value.parameter_choice_case() == inference::InferParameter::kStringParam
-                ? absl::string_view(value.string_param())
-                : absl::string_view();  // parses as no type
-        absl::StatusOr<common::ElementType> want =
-            common::ParseKServeName(datatype, "datatype", kRequestTypes);
-        if (!want.ok()) {
-          return Invalid("parameter 'datatype' of output '", kOutputName,
-                         "' must be a string_param ", common::KServeNames(kRequestTypes));
-        }
-        out.output_type = *want;
-      } else if (name == "classification") {
-        return Invalid("parameter 'classification' of output '", kOutputName,
-                       "' is not supported (the output is not a classification)");
-      }
-    }
+    if (out->want_output) return Invalid("output '", kOutputName, "' requested twice");
+    out->want_output = true;
+    EPSERVE_RETURN_IF_ERROR(ReadOutputParameters(output.parameters(), out));
   }
   // The output's size depends on its datatype, known only once every parameter is read.
   for (const auto& output : req.outputs()) {
     if (output.name() != kOutputName) continue;
-    absl::StatusOr<ShmPlace> place = SharedMemoryPlace(
-        output.parameters(), absl::StrCat("output '", kOutputName, "'"),
-        elements * static_cast<int64_t>(common::ElementBytes(out.output_type)), false, shm);
+    absl::StatusOr<ShmPlace> place =
+        SharedMemoryPlace(output.parameters(), absl::StrCat("output '", kOutputName, "'"),
+                          out->num_tokens * sig.hidden_size *
+                              static_cast<int64_t>(common::ElementBytes(out->output_type)),
+                          false, shm);
     if (!place.ok()) return place.status();
-    out.output_shm = *std::move(place);
+    out->output_shm = *std::move(place);
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
+                                       const ModelSignature& sig, const SharedMemoryRegistry* shm) {
+  EPSERVE_RETURN_IF_ERROR(CheckModel(req, sig));
+  if (req.id().size() > kMaxRequestIdBytes) {
+    return Invalid("id is ", req.id().size(), " bytes; at most ", kMaxRequestIdBytes);
+  }
+  ParsedInfer out;
+  EPSERVE_RETURN_IF_ERROR(ReadParameters(req.parameters(), sig, &out));
+  EPSERVE_RETURN_IF_ERROR(ReadInputShape(req, sig, &out));
+  EPSERVE_RETURN_IF_ERROR(ReadInputContents(req, sig, shm, &out));
+  EPSERVE_RETURN_IF_ERROR(ReadRequestedOutputs(req, sig, shm, &out));
   return out;
 }
 
