@@ -1,6 +1,6 @@
-// The epserve-load engine: drives ModelInfer load at a server, closed loop (N workers,
-// one request in flight each) or open loop (requests at a fixed or Poisson rate), and
-// measures it.
+// The epserve-load engine: drives ModelInfer load at a server, closed loop (N slots, one
+// request in flight each) or open loop (requests at a fixed or Poisson rate), and
+// measures it. Reaching the server and its metadata and statistics: server_queries.h.
 //
 // Measurement rules, the same for every step:
 //  * A step first runs `warmup`, whose requests are sent but not counted. The measured
@@ -28,9 +28,9 @@
 //    pass on the lane thread that received it (so the client's own throughput drops);
 //    a mismatch counts as the error "verify_mismatch".
 //
-// Threads: `num_threads` completion-queue threads each own a WorkerStats for the whole
+// Threads: `num_threads` completion-queue threads each own a ThreadStats for the whole
 // step (no lock shared by requests); in open loop one more thread paces the sends. In
-// stream mode each stream has a reader thread (owning a WorkerStats) and a writer thread.
+// stream mode each stream has a reader thread (owning a ThreadStats) and a writer thread.
 #pragma once
 
 #include <cstdint>
@@ -87,9 +87,9 @@ struct LoadOptions {
   bool stream = false;                          // ModelStreamInfer instead of ModelInfer
   int num_streams = 1;                          // stream mode: streams, spread over channels
   std::shared_ptr<const Verifier> verifier;     // checks every answer when set
-  // Closed loop only: worker i sends its input and takes its answer through slot i of this
-  // registered region (Triton's system shared memory) instead of inside the messages. Slots
-  // must hold tokens.max_tokens rows each way and number at least the step's concurrency.
+  // Closed loop only: the i-th request in flight sends its input and takes its answer through slot
+  // i of this registered region (Triton's system shared memory) instead of inside the messages.
+  // Slots must hold tokens.max_tokens rows each way and number at least the step's concurrency.
   const SharedMemorySlots* shared_memory = nullptr;
   bool server_stats = true;  // read ModelStatistics around the window
   // Called about once a second while a step runs, from a thread of the step's own.
@@ -99,46 +99,10 @@ struct LoadOptions {
 // One step of a run.
 struct StepSpec {
   LoadMode mode = LoadMode::kClosedLoop;
-  int concurrency = 1;    // closed loop: workers, >= 1
+  int concurrency = 1;    // closed loop: slots (requests kept in flight), >= 1
   double rate_per_s = 0;  // open loop: requests per second, > 0
   Arrival arrival = Arrival::kConstant;
 };
-
-// How to reach the server.
-struct ChannelOptions {
-  std::string target = "127.0.0.1:8001";
-  int num_connections = 1;
-  bool tls = false;             // TLS; with tls_ca_pem empty, the system's roots
-  std::string tls_ca_pem;       // PEM roots that sign the server's certificate
-  std::string tls_cert_pem;     // client certificate chain (mutual TLS), or ""
-  std::string tls_key_pem;      // its private key, or ""
-  std::string tls_server_name;  // name to check the certificate against, or "" (the host)
-};
-
-// Channels to the target, each on its own TCP connection, without message size limits
-// (a response of T x H floats easily exceeds gRPC's 4 MiB default).
-std::vector<std::shared_ptr<grpc::Channel>> MakeChannels(const ChannelOptions& options);
-
-// OK once every channel is READY. UNAVAILABLE naming `target` and the channel state when
-// one is not READY within `timeout`.
-absl::Status WaitForChannels(const std::vector<std::shared_ptr<grpc::Channel>>& channels,
-                             absl::string_view target, absl::Duration timeout);
-
-// H of `model`, from ModelMetadata: the input "hidden_states" must be FP32 with shape
-// [-1, H], H > 0. The RPC's status (with the model named) if the call fails,
-// FAILED_PRECONDITION if the metadata does not have that form.
-absl::StatusOr<int64_t> QueryHiddenSize(const std::shared_ptr<grpc::Channel>& channel,
-                                        const std::string& model, absl::Duration timeout,
-                                        const std::string& token = "");
-
-// The cumulative ModelStatistics of `model`; the RPC's status (model named) on failure.
-absl::StatusOr<inference::ModelStatistics> QueryStatistics(
-    const std::shared_ptr<grpc::Channel>& channel, const std::string& model, absl::Duration timeout,
-    const std::string& token = "");
-
-// What happened at the server between two ModelStatistics snapshots (see ServerSplit).
-ServerSplit SplitBetween(const inference::ModelStatistics& before,
-                         const inference::ModelStatistics& after);
 
 // Runs load steps over a fixed set of channels. Not thread-safe: one step at a time.
 class LoadGenerator {

@@ -59,19 +59,19 @@ std::optional<LatencySummary> SummarizeLatencies(std::vector<int64_t>& samples_n
   return s;
 }
 
-void WorkerStats::RecordOk(int64_t latency_ns_value, int64_t tokens) {
+void ThreadStats::RecordOk(int64_t latency_ns_value, int64_t tokens) {
   latency_ns.push_back(latency_ns_value);
   ++num_ok;
   num_ok_tokens += tokens;
 }
 
-void WorkerStats::RecordError(absl::string_view key, absl::string_view message) {
+void ThreadStats::RecordError(absl::string_view key, absl::string_view message) {
   auto [it, inserted] = errors.try_emplace(std::string(key), 0);
   ++it->second;
   if (inserted) error_examples.emplace(std::string(key), std::string(message));
 }
 
-void WorkerStats::MergeFrom(WorkerStats&& other) {
+void ThreadStats::MergeFrom(ThreadStats&& other) {
   if (latency_ns.empty()) {
     latency_ns = std::move(other.latency_ns);
   } else {
@@ -83,7 +83,7 @@ void WorkerStats::MergeFrom(WorkerStats&& other) {
   for (const auto& [key, count] : other.errors) errors[key] += count;
   for (auto& [key, message] : other.error_examples)
     error_examples.try_emplace(key, std::move(message));
-  other = WorkerStats();
+  other = ThreadStats();
 }
 
 double StepReport::RequestsPerSecond() const {
@@ -95,7 +95,7 @@ double StepReport::TokensPerSecond() const {
 }
 
 StepReport MakeStepReport(LoadMode mode, int concurrency, double rate_per_s, std::string arrival,
-                          WorkerStats& stats, double duration_seconds) {
+                          ThreadStats& stats, double duration_seconds) {
   StepReport r;
   r.mode = mode;
   r.concurrency = concurrency;

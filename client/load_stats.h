@@ -43,10 +43,11 @@ struct LatencySummary {
 // Sorts `samples_ns` in place and summarises them; nullopt when there are none.
 std::optional<LatencySummary> SummarizeLatencies(std::vector<int64_t>& samples_ns);
 
-// What one thread of the load generator observed during the measured part of a step.
+// What one thread of the load generator (a completion-queue lane, a stream reader or the
+// open-loop pacer) observed during the measured part of a step.
 // Not thread-safe: each instance has one owning thread until the step ends, when the
 // owners' instances are merged on the main thread.
-struct WorkerStats {
+struct ThreadStats {
   std::vector<int64_t> latency_ns;        // one sample per successful request
   int64_t num_ok = 0;                     // successful requests
   int64_t num_verified = 0;               // of them, checked against the reference
@@ -58,7 +59,7 @@ struct WorkerStats {
   void RecordOk(int64_t latency_ns_value, int64_t tokens);
   void RecordError(absl::string_view key, absl::string_view message);
   // Moves `other`'s samples and counts into this one.
-  void MergeFrom(WorkerStats&& other);
+  void MergeFrom(ThreadStats&& other);
 };
 
 // Where the server says the time of a step's requests went: differences of ModelStatistics
@@ -77,7 +78,7 @@ struct ServerSplit {
 
 // How a step offered its load.
 enum class LoadMode {
-  kClosedLoop,  // `concurrency` workers, each with one request in flight
+  kClosedLoop,  // `concurrency` slots, each with one request in flight
   kOpenLoop,    // requests sent at `rate_per_s`, whatever the responses do
 };
 
@@ -104,7 +105,7 @@ struct StepReport {
 
 // Builds a step's report from its merged stats. Sorts stats.latency_ns.
 StepReport MakeStepReport(LoadMode mode, int concurrency, double rate_per_s, std::string arrival,
-                          WorkerStats& stats, double duration_seconds);
+                          ThreadStats& stats, double duration_seconds);
 
 // A human-readable table for one step, ending in a newline.
 std::string FormatStepTable(const StepReport& report);

@@ -1,7 +1,7 @@
 // Client side of Triton's system shared-memory extension for epserve-load --shared-memory: one
 // POSIX shared memory object, registered with the server as one region, cut into slots of an
-// input area and an output area each; closed-loop worker i uses slot i, so a request's rows
-// are written straight into its slot and its answer is read from there.
+// input area and an output area each; the closed loop's i-th request in flight uses slot i, so a
+// request's rows are written straight into its slot and its answer is read from there.
 #pragma once
 
 #include <cstdint>

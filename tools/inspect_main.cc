@@ -26,8 +26,52 @@ std::string Range(int first, int count) {
   return absl::StrCat(first, "-", first + count - 1);
 }
 
-void Describe(const model::WeightSource& source, const std::vector<int>& served, int workers,
-              bool shared_split) {
+// The routing line: the kind and its settings, with the checkpoint's own names for them.
+std::string RoutingText(const model::MoeLayerConfig& c,
+                        const model::CheckpointWeights* checkpoint) {
+  std::string routing = absl::StrCat(model::RoutingKindName(c.routing), ", norm_topk_prob ",
+                                     c.norm_topk_prob ? "true" : "false",
+                                     ", routed_scaling_factor ", c.routed_scaling_factor);
+  if (c.routing == model::RoutingKind::kSigmoidGroupedTopK)
+    absl::StrAppend(&routing, ", n_group ", c.n_group, ", topk_group ", c.topk_group,
+                    ", with e_score_correction_bias");
+  if (checkpoint != nullptr) {
+    const model::CheckpointFacts& f = checkpoint->facts();
+    absl::StrAppend(&routing, " (scoring_func ", f.scoring_func,
+                    f.topk_method.empty() ? "" : absl::StrCat(", topk_method ", f.topk_method),
+                    ")");
+  }
+  return routing;
+}
+
+// The shared-expert line: its size, how many experts it fuses, its gate; or "none".
+std::string SharedExpertText(const model::MoeLayerConfig& c,
+                             const model::CheckpointWeights* checkpoint) {
+  if (c.shared_ffn_size <= 0) return "none";
+  std::string shared = absl::StrCat("intermediate ", c.shared_ffn_size);
+  if (checkpoint != nullptr && checkpoint->facts().n_shared_experts > 0)
+    absl::StrAppend(&shared, " (", checkpoint->facts().n_shared_experts, " fused)");
+  if (c.shared_expert_gate) absl::StrAppend(&shared, ", sigmoid-gated (shared_expert_gate)");
+  return shared;
+}
+
+// The stored dtypes and files of a checkpoint (a synthetic model has none).
+void PrintStorage(const model::CheckpointWeights* checkpoint) {
+  if (checkpoint == nullptr) {
+    std::printf("  stored dtypes:  none (synthetic, generated as FP32)\n");
+    return;
+  }
+  const model::CheckpointFacts& f = checkpoint->facts();
+  std::vector<std::string> dtypes;
+  for (const auto& [dtype, count] : f.stored_dtypes)
+    dtypes.push_back(absl::StrCat(dtype, " x", count));
+  std::printf("  stored dtypes:  %s (%s of MoE tensors)\n", absl::StrJoin(dtypes, ", ").c_str(),
+              model::FormatBytes(f.stored_bytes).c_str());
+  std::printf("  files:          %s\n", absl::StrJoin(f.files, ", ").c_str());
+}
+
+// What the model is: architecture, layers, shapes, routing, shared expert, storage.
+void DescribeModel(const model::WeightSource& source, const std::vector<int>& served) {
   const model::ModelConfig& config = source.config();
   const model::MoeLayerConfig& c = config.layer;
   const auto* checkpoint = dynamic_cast<const model::CheckpointWeights*>(&source);
@@ -53,40 +97,15 @@ void Describe(const model::WeightSource& source, const std::vector<int>& served,
       c.num_experts, c.top_k, static_cast<long>(c.expert_ffn_size),
       static_cast<long>(c.hidden_size), static_cast<long>(c.hidden_size),
       static_cast<long>(c.expert_ffn_size));
-  std::string routing = absl::StrCat(model::RoutingKindName(c.routing), ", norm_topk_prob ",
-                                     c.norm_topk_prob ? "true" : "false",
-                                     ", routed_scaling_factor ", c.routed_scaling_factor);
-  if (c.routing == model::RoutingKind::kSigmoidGroupedTopK)
-    absl::StrAppend(&routing, ", n_group ", c.n_group, ", topk_group ", c.topk_group,
-                    ", with e_score_correction_bias");
-  if (checkpoint != nullptr) {
-    const model::CheckpointFacts& f = checkpoint->facts();
-    absl::StrAppend(&routing, " (scoring_func ", f.scoring_func,
-                    f.topk_method.empty() ? "" : absl::StrCat(", topk_method ", f.topk_method),
-                    ")");
-  }
-  std::printf("  routing:        %s\n", routing.c_str());
-  if (c.shared_ffn_size > 0) {
-    std::string shared = absl::StrCat("intermediate ", c.shared_ffn_size);
-    if (checkpoint != nullptr && checkpoint->facts().n_shared_experts > 0)
-      absl::StrAppend(&shared, " (", checkpoint->facts().n_shared_experts, " fused)");
-    if (c.shared_expert_gate) absl::StrAppend(&shared, ", sigmoid-gated (shared_expert_gate)");
-    std::printf("  shared expert:  %s\n", shared.c_str());
-  } else {
-    std::printf("  shared expert:  none\n");
-  }
-  if (checkpoint != nullptr) {
-    const model::CheckpointFacts& f = checkpoint->facts();
-    std::vector<std::string> dtypes;
-    for (const auto& [dtype, count] : f.stored_dtypes)
-      dtypes.push_back(absl::StrCat(dtype, " x", count));
-    std::printf("  stored dtypes:  %s (%s of MoE tensors)\n", absl::StrJoin(dtypes, ", ").c_str(),
-                model::FormatBytes(f.stored_bytes).c_str());
-    std::printf("  files:          %s\n", absl::StrJoin(f.files, ", ").c_str());
-  } else {
-    std::printf("  stored dtypes:  none (synthetic, generated as FP32)\n");
-  }
+  std::printf("  routing:        %s\n", RoutingText(c, checkpoint).c_str());
+  std::printf("  shared expert:  %s\n", SharedExpertText(c, checkpoint).c_str());
+  PrintStorage(checkpoint);
+}
 
+// The weight memory of each worker rank serving `served` over `workers` workers, and the
+// total.
+void DescribeMemory(const model::ModelConfig& config, const std::vector<int>& served, int workers,
+                    bool shared_split) {
   model::ModelConfig served_config = config;
   served_config.moe_layers = served;
   std::printf(
@@ -170,6 +189,7 @@ int main(int argc, char** argv) {
                  num_experts);
     return 2;
   }
-  Describe(**source, *served, workers, shared_expert == "split");
+  DescribeModel(**source, *served);
+  DescribeMemory((*source)->config(), *served, workers, shared_expert == "split");
   return 0;
 }

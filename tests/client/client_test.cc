@@ -12,6 +12,7 @@
 #include "client/infer_request.h"
 #include "client/load_generator.h"
 #include "client/load_stats.h"
+#include "client/server_queries.h"
 #include "client/verify.h"
 #include "gtest/gtest.h"
 #include "model/reference.h"
@@ -162,7 +163,7 @@ TEST(BuildInferRequest, EncodesTheDatatypeAndReportsTheValuesSent) {
 }
 
 StepReport SampleReport() {
-  WorkerStats stats;
+  ThreadStats stats;
   stats.RecordOk(2'000'000, 4);
   stats.RecordOk(1'000'000, 4);
   stats.RecordError("UNAVAILABLE", "gone, \"really\"");
