@@ -39,12 +39,22 @@ void Batcher::Channel::Close() {
   cv_.notify_all();
 }
 
-Batcher::Batcher(BatcherOptions options, Executor executor, BatchObserver observer)
+absl::Status BatchingOptions::Validate() const {
+  if (max_batch_tokens < 1) return absl::InvalidArgumentError("--max-batch-tokens must be >= 1");
+  if (max_queue_delay_us < 0)
+    return absl::InvalidArgumentError("--max-queue-delay-us must be >= 0");
+  return absl::OkStatus();
+}
+
+Batcher::Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
+                 Executor executor, BatchObserver observer, SkipObserver on_rows_skipped)
     : options_(options),
+      model_(model),
       executor_(std::move(executor)),
       observer_(std::move(observer)),
-      queues_(std::max<uint32_t>(options.priority_levels, 1)),
-      queued_rows_(std::max(options.num_layers, 1), 0) {
+      on_rows_skipped_(std::move(on_rows_skipped)),
+      queues_(std::max<int64_t>(priority_levels, 1)),
+      queued_rows_(std::max<size_t>(model.layers.size(), 1), 0) {
   for (int i = 0; i < 4; ++i) {
     batches_.push_back(std::make_unique<Batch>());
     free_.Push(batches_.back().get());
@@ -193,7 +203,7 @@ bool Batcher::TakePieces(std::unique_lock<std::mutex>& lock, Batch& batch,
       return true;
     }
     const InferTask& h = *head();
-    const absl::Time flush_at = h.enqueued + options_.max_queue_delay;
+    const absl::Time flush_at = h.enqueued + options_.max_queue_delay();
     if (queued_rows_[h.layer_pos] >= options_.max_batch_tokens || absl::Now() >= flush_at) break;
     cv_.wait_for(lock, absl::ToChronoNanoseconds(flush_at - absl::Now()));
   }
@@ -217,7 +227,7 @@ void Batcher::AppendPieces(Batch& batch, std::vector<std::shared_ptr<InferTask>>
         const int64_t left = t.num_tokens - t.rows_taken;
         queued_tokens_ -= left;
         queued_rows_[layer_pos] -= left;
-        if (options_.on_rows_skipped) options_.on_rows_skipped(drop.code(), left);
+        if (on_rows_skipped_) on_rows_skipped_(drop.code(), left);
         Fail(t, std::move(drop));
         to_release.push_back(std::move(*it));
         it = q.erase(it);
@@ -241,7 +251,7 @@ void Batcher::AppendPieces(Batch& batch, std::vector<std::shared_ptr<InferTask>>
 }
 
 void Batcher::StageInputs(Batch& b, size_t first) {
-  const int64_t h = options_.hidden_size;
+  const int64_t h = model_.hidden_size;
   const absl::Time t0 = absl::Now();
   for (size_t i = first; i < b.pieces.size(); ++i) {
     const Piece& p = b.pieces[i];
@@ -325,7 +335,7 @@ void Batcher::FormLoop() {
 }
 
 void Batcher::ExecuteLoop() {
-  const int64_t h = options_.hidden_size;
+  const int64_t h = model_.hidden_size;
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -340,7 +350,7 @@ void Batcher::ExecuteLoop() {
       InferTask& t = *p.task;
       // Rows whose request is already answered, cancelled or expired cost no compute.
       if (absl::Status drop = Dropped(t, now); !drop.ok()) {
-        if (options_.on_rows_skipped) options_.on_rows_skipped(drop.code(), p.rows);
+        if (on_rows_skipped_) on_rows_skipped_(drop.code(), p.rows);
         Fail(t, std::move(drop));
         p.skipped = true;
         continue;
@@ -351,7 +361,7 @@ void Batcher::ExecuteLoop() {
       float* out = t.output_type == common::ElementType::kFp32
                        ? reinterpret_cast<float*>(t.output + p.row * h * sizeof(float))
                        : b->output_staging.data() + p.at * h;
-      const int64_t k = options_.top_k;
+      const int64_t k = model_.top_k;
       b->chunks.push_back({in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
                            t.topk_weights ? t.topk_weights + p.row * k : nullptr});
     }
@@ -368,7 +378,7 @@ void Batcher::ExecuteLoop() {
 }
 
 void Batcher::CompleteLoop() {
-  const int64_t h = options_.hidden_size;
+  const int64_t h = model_.hidden_size;
   while (Batch* b = finished_.Pop()) {
     const absl::Time t0 = absl::Now();
     for (const Piece& p : b->pieces) {

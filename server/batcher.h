@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/dtype.h"
+#include "server/served_model.h"
 #include "worker/coordinator.h"
 
 namespace epserve::server {
@@ -45,7 +46,7 @@ struct TaskTimes {
 struct InferTask {
   int layer_pos = 0;
   int64_t num_tokens = 0;
-  uint32_t priority = 1;        // 1 is served first; at most BatcherOptions::priority_levels
+  uint32_t priority = 1;        // 1 is served first; at most the Batcher's priority_levels
   const char* input = nullptr;  // num_tokens * H elements of input_type, maybe unaligned
   common::ElementType input_type = common::ElementType::kFp32;
   char* output = nullptr;  // num_tokens * H elements of output_type
@@ -75,18 +76,16 @@ struct InferTask {
   TaskTimes times;      // completion thread only until refs drops to 0
 };
 
-struct BatcherOptions {
-  int64_t max_batch_tokens = 256;
-  absl::Duration max_queue_delay = absl::ZeroDuration();
-  int64_t max_queue_tokens = 65536;
-  int64_t hidden_size = 0;
-  int num_layers = 1;
-  uint32_t priority_levels = 1;
-  int top_k = 1;  // routed experts per token: the width of topk_ids and topk_weights
-  // Told of rows taken out before they were computed (the request cancelled, past its
-  // deadline, or failed), with the code they were failed with. May be empty; called from the
-  // batcher's threads.
-  std::function<void(absl::StatusCode code, int64_t rows)> on_rows_skipped;
+// The batching settings, each bound to its flag. FrontEndOptions::batching is their home;
+// the Batcher keeps a copy of the whole struct, and the service reports it (ModelConfig).
+struct BatchingOptions {
+  int64_t max_batch_tokens = 256;    // --max-batch-tokens: most rows in one batch
+  int64_t max_queue_delay_us = 0;    // --max-queue-delay-us: longest wait for more rows
+  int64_t max_queue_tokens = 65536;  // --max-queue-tokens: most rows queued
+
+  absl::Duration max_queue_delay() const { return absl::Microseconds(max_queue_delay_us); }
+  // INVALID_ARGUMENT naming the flag and its bound.
+  absl::Status Validate() const;
 };
 
 // Thread-safe: Enqueue and Stop from any thread.
@@ -103,7 +102,17 @@ class Batcher {
   using BatchObserver = std::function<void(int64_t rows, absl::Duration input, absl::Duration infer,
                                            absl::Duration output, absl::Duration respond)>;
 
-  Batcher(BatcherOptions options, Executor executor, BatchObserver observer = nullptr);
+  // Told of rows taken out before they were computed (the request cancelled, past its
+  // deadline, or failed), with the code they were failed with. Called from the batcher's
+  // threads.
+  using SkipObserver = std::function<void(absl::StatusCode code, int64_t rows)>;
+
+  // Copies `options` and `model` whole (hidden size, served layers, top-k). Requests take
+  // priorities 1..priority_levels (RequestOptions::priority_levels), one queue each.
+  // `observer` and `on_rows_skipped` may be empty.
+  Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
+          Executor executor, BatchObserver observer = nullptr,
+          SkipObserver on_rows_skipped = nullptr);
   ~Batcher();  // Stop(), then joins.
 
   // On OK the batcher owns the task and will call task->done. On error (RESOURCE_EXHAUSTED
@@ -116,6 +125,7 @@ class Batcher {
   void Stop();
 
   int64_t queued_tokens() const;
+  const BatchingOptions& options() const { return options_; }
 
   // Runs `fn` on the formation thread at a point where the executor is idle and no request
   // has had some of its rows computed but not all: requests begun are finished first (new
@@ -182,9 +192,11 @@ class Batcher {
   void Release(InferTask& task);  // drops one reference; the last one answers
   static absl::Status Dropped(InferTask& task, absl::Time now);
 
-  const BatcherOptions options_;
+  const BatchingOptions options_;
+  const ServedModel model_;
   const Executor executor_;
   const BatchObserver observer_;
+  const SkipObserver on_rows_skipped_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   // Per priority level (index 0 is level 1), FIFO.

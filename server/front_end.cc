@@ -51,57 +51,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Front
   return grpc::SslServerCredentials(ssl);
 }
 
-absl::Status CheckOptions(const FrontEndOptions& o) {
-  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
-  if (o.max_batch_tokens < 1) return bad("--max-batch-tokens must be >= 1");
-  if (o.max_queue_delay < absl::ZeroDuration()) return bad("--max-queue-delay-us must be >= 0");
-  if (o.max_request_tokens < 1) return bad("--max-request-tokens must be >= 1");
-  if (o.max_queue_tokens < o.max_request_tokens) {
-    return bad("--max-queue-tokens (", o.max_queue_tokens, ") must be >= --max-request-tokens (",
-               o.max_request_tokens, ")");
-  }
-  if (o.priority_levels < 1 || o.priority_levels > 1000) {
-    return bad("--priority-levels must be in [1, 1000]");
-  }
-  if (o.default_priority < 1 || o.default_priority > o.priority_levels) {
-    return bad("--default-priority must be in [1, --priority-levels=", o.priority_levels, "]");
-  }
-  for (int64_t bytes : {o.max_request_bytes, o.max_response_bytes}) {
-    if (bytes != 0 && (bytes < 1024 || bytes > INT32_MAX)) {
-      return bad(
-          "--max-request-bytes and --max-response-bytes must be 0 (derived from the "
-          "model) or in [1024, ",
-          INT32_MAX, "]");
-    }
-  }
-  if (o.max_connection_idle <= absl::ZeroDuration()) {
-    return bad("--grpc-max-connection-idle must be > 0");
-  }
-  if (o.worker_stall_timeout <= absl::ZeroDuration()) {
-    return bad("--worker-stall-timeout must be > 0");
-  }
-  if (o.max_connection_age < absl::ZeroDuration()) {
-    return bad("--grpc-max-connection-age must be >= 0 (0: no limit)");
-  }
-  if (o.max_stream_inflight < 1) return bad("--max-stream-inflight must be >= 1");
-  if (o.max_inflight_bytes < 0) return bad("--max-inflight-bytes must be >= 0 (0: derived)");
-  if (o.grpc_memory_quota != 0 && o.grpc_memory_quota < (int64_t{1} << 20)) {
-    return bad("--grpc-memory-quota must be 0 (derived) or >= 1048576");
-  }
-  if (o.answer_timeout <= absl::ZeroDuration()) return bad("--answer-timeout must be > 0");
-  if (o.max_connections < 1) return bad("--grpc-max-connections must be >= 1");
-  if (o.grpc_handshake_timeout <= absl::ZeroDuration()) {
-    return bad("--grpc-handshake-timeout must be > 0");
-  }
-  if (o.max_concurrent_streams < 1) return bad("--max-concurrent-streams must be >= 1");
-  return absl::OkStatus();
-}
-
 // A message bound: `flag` when set, else the largest valid request of the model (T x H FP32
 // values) plus 64 KiB for names, parameters and the routing outputs, within gRPC's int.
 int64_t EffectiveMessageBytes(int64_t flag, const FrontEndOptions& o, int64_t hidden_size) {
   if (flag > 0) return flag;
-  const int64_t derived = o.max_request_tokens * std::max<int64_t>(hidden_size, 1) * 4 + (64 << 10);
+  const int64_t derived =
+      o.requests.max_request_tokens * std::max<int64_t>(hidden_size, 1) * 4 + (64 << 10);
   return std::min<int64_t>(derived, INT32_MAX);
 }
 
@@ -109,8 +64,9 @@ int64_t EffectiveMessageBytes(int64_t flag, const FrontEndOptions& o, int64_t hi
 // its fullest, each row FP32 in and out: a full queue, three batches (one forming, one
 // running, one answering) and a largest request arriving; at least 16 MiB.
 int64_t EffectiveInflightBytes(const FrontEndOptions& o, int64_t hidden_size) {
-  if (o.max_inflight_bytes > 0) return o.max_inflight_bytes;
-  const int64_t rows = o.max_queue_tokens + 3 * o.max_batch_tokens + o.max_request_tokens;
+  if (o.service.max_inflight_bytes > 0) return o.service.max_inflight_bytes;
+  const int64_t rows =
+      o.batching.max_queue_tokens + 3 * o.batching.max_batch_tokens + o.requests.max_request_tokens;
   return std::max<int64_t>(2 * rows * std::max<int64_t>(hidden_size, 1) * 8, int64_t{16} << 20);
 }
 
@@ -124,51 +80,6 @@ int64_t EffectiveGrpcQuota(const FrontEndOptions& o, int64_t hidden_size) {
 
 int Millis(absl::Duration d) {
   return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d), INT32_MAX));
-}
-
-MetricsConfig MetricsConfigOf(const FrontEndOptions& o, const ServedModel& model) {
-  MetricsConfig metrics_config;
-  metrics_config.address = o.metrics_address;
-  metrics_config.http = o.metrics_http;
-  metrics_config.model_name = o.model_name;
-  metrics_config.num_workers = model.num_workers;
-  metrics_config.num_experts = model.num_experts;
-  metrics_config.layers = model.layers;
-  metrics_config.queue_capacity_tokens = o.max_queue_tokens;
-  return metrics_config;
-}
-
-BatcherOptions BatcherOptionsOf(const FrontEndOptions& o, const ServedModel& model) {
-  BatcherOptions batcher;
-  batcher.max_batch_tokens = o.max_batch_tokens;
-  batcher.max_queue_delay = o.max_queue_delay;
-  batcher.max_queue_tokens = o.max_queue_tokens;
-  batcher.hidden_size = model.hidden_size;
-  batcher.num_layers = static_cast<int>(model.layers.size());
-  batcher.priority_levels = o.priority_levels;
-  batcher.top_k = model.top_k;
-  return batcher;
-}
-
-ServiceOptions ServiceOptionsOf(const FrontEndOptions& o, const ServedModel& model) {
-  ServiceOptions service;
-  service.signature.name = o.model_name;
-  service.signature.hidden_size = model.hidden_size;
-  service.signature.layers = model.layers;
-  service.signature.max_request_tokens = o.max_request_tokens;
-  service.signature.priority_levels = o.priority_levels;
-  service.signature.default_priority = o.default_priority;
-  service.signature.top_k = model.top_k;
-  service.num_workers = model.num_workers;
-  service.top_k = model.top_k;
-  service.device = o.device;
-  service.max_batch_tokens = o.max_batch_tokens;
-  service.max_queue_delay = o.max_queue_delay;
-  service.max_queue_tokens = o.max_queue_tokens;
-  service.max_stream_inflight = o.max_stream_inflight;
-  service.max_inflight_bytes = EffectiveInflightBytes(o, model.hidden_size);
-  service.answer_timeout = o.answer_timeout;
-  return service;
 }
 
 // Message sizes, connection lifetimes, keepalive policy, streams per connection, handshake
@@ -190,7 +101,7 @@ void ApplyConnectionLimits(grpc::ServerBuilder& builder, const FrontEndOptions& 
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              Millis(o.http2_min_recv_ping_interval));
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, o.http2_max_ping_strikes);
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.streams.max_streams);
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
                              Millis(o.grpc_handshake_timeout));
   grpc::ResourceQuota quota("epserve-grpc");
@@ -199,6 +110,41 @@ void ApplyConnectionLimits(grpc::ServerBuilder& builder, const FrontEndOptions& 
 }
 
 }  // namespace
+
+absl::Status FrontEndOptions::Validate() const {
+  EPSERVE_RETURN_IF_ERROR(batching.Validate());
+  EPSERVE_RETURN_IF_ERROR(requests.Validate());
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (batching.max_queue_tokens < requests.max_request_tokens) {
+    return bad("--max-queue-tokens (", batching.max_queue_tokens,
+               ") must be >= --max-request-tokens (", requests.max_request_tokens, ")");
+  }
+  for (int64_t bytes : {max_request_bytes, max_response_bytes}) {
+    if (bytes != 0 && (bytes < 1024 || bytes > INT32_MAX)) {
+      return bad(
+          "--max-request-bytes and --max-response-bytes must be 0 (derived from the "
+          "model) or in [1024, ",
+          INT32_MAX, "]");
+    }
+  }
+  if (max_connection_idle <= absl::ZeroDuration()) {
+    return bad("--grpc-max-connection-idle must be > 0");
+  }
+  if (worker_stall_timeout <= absl::ZeroDuration()) {
+    return bad("--worker-stall-timeout must be > 0");
+  }
+  if (max_connection_age < absl::ZeroDuration()) {
+    return bad("--grpc-max-connection-age must be >= 0 (0: no limit)");
+  }
+  EPSERVE_RETURN_IF_ERROR(service.Validate());
+  if (grpc_memory_quota != 0 && grpc_memory_quota < (int64_t{1} << 20)) {
+    return bad("--grpc-memory-quota must be 0 (derived) or >= 1048576");
+  }
+  if (grpc_handshake_timeout <= absl::ZeroDuration()) {
+    return bad("--grpc-handshake-timeout must be > 0");
+  }
+  return streams.Validate();
+}
 
 absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_address,
                             const std::string& metrics_address) {
@@ -214,25 +160,23 @@ absl::Status WriteReadyFile(const std::string& path, const std::string& grpc_add
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(const FrontEndOptions& options,
-                                                          const model::ModelConfig& model,
-                                                          worker::Coordinator& coordinator,
-                                                          int64_t heap_bytes,
-                                                          ModelOpener open_model,
-                                                          uint64_t default_seed) {
-  std::unique_ptr<FrontEnd> fe(new FrontEnd(options, &coordinator));
+absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(
+    const FrontEndOptions& options, const model::ModelConfig& model, const std::string& device,
+    worker::Coordinator& coordinator, int64_t heap_bytes, ModelOpener open_model,
+    uint64_t default_seed) {
+  const worker::ExchangeShape& shape = coordinator.shape();
+  ServedModel served{.hidden_size = model.layer.hidden_size,
+                     .layers = model.moe_layers,
+                     .num_workers = shape.num_workers,
+                     .num_experts = shape.num_experts,
+                     .top_k = shape.top_k,
+                     .device = device};
+  std::unique_ptr<FrontEnd> fe(new FrontEnd(options, std::move(served), &coordinator));
   fe->model_ = model;
   fe->open_model_ = std::move(open_model);
   fe->default_seed_ = default_seed;
-  const worker::ExchangeShape& shape = coordinator.shape();
-  ServedModel served;
-  served.hidden_size = model.layer.hidden_size;
-  served.layers = model.moe_layers;
-  served.num_workers = shape.num_workers;
-  served.num_experts = shape.num_experts;
-  served.top_k = shape.top_k;
   FrontEnd* self = fe.get();
-  absl::Status s = fe->Init(served, [self](int layer_pos, std::span<const worker::RowChunk> c) {
+  absl::Status s = fe->Init([self](int layer_pos, std::span<const worker::RowChunk> c) {
     return self->RunBatch(layer_pos, c);
   });
   if (!s.ok()) return s;
@@ -242,17 +186,13 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(const FrontEndOptions&
 
 absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::StartWithExecutor(
     const FrontEndOptions& options, const ServedModel& model, Batcher::Executor executor) {
-  std::unique_ptr<FrontEnd> fe(new FrontEnd(options, nullptr));
-  absl::Status s = fe->Init(model, std::move(executor));
+  std::unique_ptr<FrontEnd> fe(new FrontEnd(options, model, nullptr));
+  absl::Status s = fe->Init(std::move(executor));
   if (!s.ok()) return s;
   return fe;
 }
 
 void FrontEnd::StartStreamGuard() {
-  const FrontEndOptions& o = options_;
-  StreamGuardOptions guard;
-  guard.max_streams = o.max_concurrent_streams;
-  guard.max_connections = o.max_connections;
   StreamGuard::Callbacks guard_callbacks;
   guard_callbacks.on_close = [m = metrics_.get()](const std::string& peer, int64_t open,
                                                   const char* reason) {
@@ -267,36 +207,33 @@ void FrontEnd::StartStreamGuard() {
   guard_callbacks.held_calls = [s = service_.get()](const std::string& peer) {
     return s->CallsOf(peer);
   };
-  stream_guard_ = std::make_unique<StreamGuard>(guard, std::move(guard_callbacks));
+  stream_guard_ = std::make_unique<StreamGuard>(options_.streams, std::move(guard_callbacks));
 }
 
-absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor) {
+absl::Status FrontEnd::Init(Batcher::Executor executor) {
   const FrontEndOptions& o = options_;
-  if (absl::Status s = CheckOptions(o); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<const Authenticator>> auth =
       Authenticator::FromFile(o.auth_token_file);
   if (!auth.ok()) return auth.status();
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = Credentials(o);
   if (!creds.ok()) return creds.status();
 
-  absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Start(MetricsConfigOf(o, model));
-  if (!metrics.ok()) return metrics.status();
-  metrics_ = *std::move(metrics);
-
-  BatcherOptions batcher = BatcherOptionsOf(o, model);
-  batcher.on_rows_skipped = [m = metrics_.get()](absl::StatusCode code, int64_t rows) {
-    m->ObserveSkippedRows(code, rows);
-  };
-  batcher_ = std::make_unique<Batcher>(batcher, std::move(executor),
-                                       [this](int64_t rows, absl::Duration in, absl::Duration infer,
-                                              absl::Duration out, absl::Duration respond) {
-                                         statistics_.ObserveBatch(rows, in, infer, out);
-                                         metrics_->ObserveRespond(respond);
-                                         metrics_->SetQueueTokens(batcher_->queued_tokens());
-                                       });
-
-  service_ = std::make_unique<InferenceService>(ServiceOptionsOf(o, model), *batcher_,
-                                                metrics_.get(), statistics_, *auth);
+  EPSERVE_ASSIGN_OR_RETURN(metrics_, Metrics::Start(o.metrics, o.requests.model_name, served_,
+                                                    o.batching.max_queue_tokens));
+  batcher_ = std::make_unique<Batcher>(
+      o.batching, served_, o.requests.priority_levels, std::move(executor),
+      [this](int64_t rows, absl::Duration in, absl::Duration infer, absl::Duration out,
+             absl::Duration respond) {
+        statistics_.ObserveBatch(rows, in, infer, out);
+        metrics_->ObserveRespond(respond);
+        metrics_->SetQueueTokens(batcher_->queued_tokens());
+      },
+      [m = metrics_.get()](absl::StatusCode code, int64_t rows) {
+        m->ObserveSkippedRows(code, rows);
+      });
+  service_ = std::make_unique<InferenceService>(o.service, served_, o.requests,
+                                                EffectiveInflightBytes(o, served_.hidden_size),
+                                                *batcher_, metrics_.get(), statistics_, *auth);
   if (coordinator_ != nullptr && open_model_) {
     service_->set_weight_loader([this](const std::string& m, std::optional<uint64_t> seed) {
       return SwapWeights(m, seed);
@@ -308,7 +245,7 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(o.grpc_address, *creds, &port);
-  ApplyConnectionLimits(builder, o, model);
+  ApplyConnectionLimits(builder, o, served_);
   if ((*auth)->enabled()) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
     creators.push_back((*auth)->InterceptorFactory());
@@ -323,10 +260,10 @@ absl::Status FrontEnd::Init(const ServedModel& model, Batcher::Executor executor
   }
   grpc_address_ = absl::StrCat(o.grpc_address.substr(0, o.grpc_address.rfind(':')), ":", port);
   StartStreamGuard();
-  metrics_->SetWorkersReady(model.num_workers);
+  metrics_->SetWorkersReady(served_.num_workers);
   SetReady(true);
   if (coordinator_ != nullptr) {
-    watcher_ = std::thread([this, w = model.num_workers] { WatchHeartbeats(w); });
+    watcher_ = std::thread([this, w = served_.num_workers] { WatchHeartbeats(w); });
   }
   if (!o.ready_file.empty()) {
     absl::Status s = WriteReadyFile(o.ready_file, grpc_address_, metrics_address());

@@ -23,6 +23,7 @@
 #include "server/batcher.h"
 #include "server/health.h"
 #include "server/metrics.h"
+#include "server/served_model.h"
 #include "server/service.h"
 #include "server/statistics.h"
 #include "server/stream_guard.h"
@@ -30,32 +31,25 @@
 
 namespace epserve::server {
 
+// Every setting of the front-end, each the home of one flag (server/main_flags.cc binds the
+// flags straight to these fields). Settings another component reads are grouped in that
+// component's struct, which checks them (Validate, where it is defined) and which the
+// component takes by const reference; the rest are the FrontEnd's own.
 struct FrontEndOptions {
-  std::string model_name = "moe";
+  RequestOptions requests;     // server/validation.h: model name, request size, priorities
+  BatchingOptions batching;    // server/batcher.h: batch size, queue delay and bound
+  ServiceOptions service;      // server/service.h: stream window, memory budget, answer timeout
+  StreamGuardOptions streams;  // server/stream_guard.h: streams per connection, connections
+  // server/metrics_http.h: the /metrics endpoint, its address and connection bounds.
+  MetricsHttpOptions metrics = {.address = "127.0.0.1:8002"};
+
   std::string grpc_address = "127.0.0.1:8001";
-  std::string metrics_address = "127.0.0.1:8002";
-  MetricsHttpOptions metrics_http;  // the /metrics endpoint's connection bounds (its address above)
   std::string ready_file;
-  std::string device = "cpu";  // reported in ModelConfig's instance group
-  // Batching.
-  int64_t max_batch_tokens = 256;
-  absl::Duration max_queue_delay = absl::ZeroDuration();
-  int64_t max_queue_tokens = 65536;
-  uint32_t priority_levels = 3;
-  uint32_t default_priority = 2;
-  // Limits. 0: derived from the model, max_request_tokens x H x 4 bytes (FP32, the widest
-  // datatype) plus 64 KiB for names, parameters and the routing outputs (EffectiveMessageBytes).
+  // Message bounds. 0: derived from the model, max_request_tokens x H x 4 bytes (FP32, the
+  // widest datatype) plus 64 KiB for names, parameters and the routing outputs
+  // (EffectiveMessageBytes).
   int64_t max_request_bytes = 0;
   int64_t max_response_bytes = 0;
-  int64_t max_request_tokens = 8192;
-  int max_stream_inflight = 64;
-  int max_concurrent_streams = 256;  // per connection
-  // Connections past their HTTP/2 handshake; beyond it the newest without a call are closed.
-  int64_t max_connections = 4096;
-  // Bytes of requests and answers held for all calls (0: derived, EffectiveInflightBytes);
-  // an answer not taken by its client within answer_timeout closes its call.
-  int64_t max_inflight_bytes = 0;
-  absl::Duration answer_timeout = absl::Seconds(30);
   // gRPC's own memory: buffers, calls, connections (a grpc::ResourceQuota; 0: derived). Under
   // pressure gRPC closes idle connections and then cancels calls.
   int64_t grpc_memory_quota = 0;
@@ -85,34 +79,29 @@ struct FrontEndOptions {
   // How long the workers may take to load new weights (RepositoryModelLoad).
   absl::Duration weight_swap_timeout = absl::Minutes(10);
   absl::Duration drain_timeout = absl::Milliseconds(300);
-};
 
-// What the front-end serves, independent of who computes it.
-struct ServedModel {
-  int64_t hidden_size = 0;
-  std::vector<int> layers;  // served MoE layer indices
-  int num_workers = 1;
-  int num_experts = 1;
-  int top_k = 1;
+  // Every group's Validate, the bounds between groups and the front-end's own: the first
+  // INVALID_ARGUMENT, naming the flag and its bound. Once, before anything is started.
+  absl::Status Validate() const;
 };
 
 // Not thread-safe: one thread starts and shuts it down.
 class FrontEnd {
  public:
-  // Binds both addresses, starts serving and writes the ready file. The coordinator's
-  // workers must be ready.
+  // Binds both addresses, starts serving and writes the ready file. `options` must be valid
+  // (FrontEndOptions::Validate). The coordinator's workers, on `device` (--device), must be
+  // ready.
   // `open_model` (may be empty) opens the weights a RepositoryModelLoad names, as the
   // workers will (worker::WorkerOptions::open_model); `default_seed` is the seed used when
   // the load names none.
   using ModelOpener = std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(
       const std::string& model, uint64_t seed)>;
-  static absl::StatusOr<std::unique_ptr<FrontEnd>> Start(const FrontEndOptions& options,
-                                                         const model::ModelConfig& model,
-                                                         worker::Coordinator& coordinator,
-                                                         int64_t heap_bytes,
-                                                         ModelOpener open_model = nullptr,
-                                                         uint64_t default_seed = 0);
-  // The same front-end over any executor (benchmarks, tests): `executor` runs each batch.
+  static absl::StatusOr<std::unique_ptr<FrontEnd>> Start(
+      const FrontEndOptions& options, const model::ModelConfig& model, const std::string& device,
+      worker::Coordinator& coordinator, int64_t heap_bytes, ModelOpener open_model = nullptr,
+      uint64_t default_seed = 0);
+  // The same front-end over any executor (benchmarks, tests): `executor` runs each batch;
+  // `options` valid as for Start.
   static absl::StatusOr<std::unique_ptr<FrontEnd>> StartWithExecutor(const FrontEndOptions& options,
                                                                      const ServedModel& model,
                                                                      Batcher::Executor executor);
@@ -127,9 +116,9 @@ class FrontEnd {
   absl::Status Shutdown();
 
  private:
-  FrontEnd(FrontEndOptions options, worker::Coordinator* coordinator)
-      : options_(std::move(options)), coordinator_(coordinator) {}
-  absl::Status Init(const ServedModel& model, Batcher::Executor executor);
+  FrontEnd(const FrontEndOptions& options, ServedModel served, worker::Coordinator* coordinator)
+      : options_(options), served_(std::move(served)), coordinator_(coordinator) {}
+  absl::Status Init(Batcher::Executor executor);
   // Closes connections beyond the stream and connection bounds (server/stream_guard.h).
   void StartStreamGuard();
   absl::Status RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
@@ -141,7 +130,10 @@ class FrontEnd {
   // The stall monitor's thread: readiness follows the workers' heartbeats.
   void WatchHeartbeats(int num_workers);
 
+  // The settings and the model facts; the components refer to them (declared first, so they
+  // outlive every component).
   const FrontEndOptions options_;
+  const ServedModel served_;
   worker::Coordinator* const coordinator_;  // null with StartWithExecutor
   model::ModelConfig model_;                // with a coordinator: what the workers serve
   ModelOpener open_model_;                  // empty: no weight swaps

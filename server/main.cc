@@ -4,7 +4,6 @@
 #include <mpi.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -25,6 +24,7 @@
 #include "model/memory.h"
 #include "model/synthetic.h"
 #include "server/front_end.h"
+#include "server/main_flags.h"
 #include "shmem/heap.h"
 #include "worker/coordinator.h"
 #include "worker/heap_regions.h"
@@ -41,25 +41,7 @@ void OnSignal(int, siginfo_t* info, void*) {
   g_stop.store(true);
 }
 
-struct Flags {
-  std::string model = "synthetic:qwen1.5-moe-a2.7b";
-  int64_t seed = 0;
-  std::string device = "cpu";
-  epserve::server::FrontEndOptions fe;
-  absl::Duration startup_timeout = absl::Minutes(10);
-  std::string layers = "all";
-  std::string memory_limit;
-  epserve::worker::ExchangeFlags exchange;
-  std::string weight_dtype = "fp32";
-  bool tensor_cores = true;
-  bool bf16_dot = true;
-  std::string ffn_blocking;
-  bool ffn_tune = true;
-  // Parsed as integers, then converted into fe (ApplyParsedFlags).
-  int64_t queue_delay_us = 0;
-  int64_t priority_levels = 0;
-  int64_t default_priority = 0;
-};
+using epserve::server::Flags;
 
 // Opens a model as --model and --layers name it: at start, and for weight swaps
 // (RepositoryModelLoad), on rank 0 to check it and on every worker to load it.
@@ -200,15 +182,12 @@ absl::StatusOr<epserve::worker::ExchangeShape> PlanExchange(
         absl::StrCat(num_workers, " workers but the model has only ", config.layer.num_experts,
                      " experts: launch with mpirun -np <= ", config.layer.num_experts + 1));
   }
-  if (flags.fe.max_batch_tokens < 1) {
-    return absl::InvalidArgumentError("--max-batch-tokens must be >= 1");
-  }
   epserve::worker::ExchangeShape shape;
   shape.num_workers = num_workers;
   shape.num_experts = config.layer.num_experts;
   shape.top_k = config.layer.top_k;
   shape.hidden = config.layer.hidden_size;
-  shape.max_batch_tokens = flags.fe.max_batch_tokens;
+  shape.max_batch_tokens = flags.fe.batching.max_batch_tokens;
   EPSERVE_RETURN_IF_ERROR(flags.exchange.Apply(shape));
   if (config.layer.shared_ffn_size == 0) shape.shared_expert_split = false;  // nothing to split
   return shape;
@@ -240,16 +219,17 @@ int ServeFrontEnd(const Flags& flags, const epserve::model::ModelConfig& config,
     Log(0, absl::StrCat("error: ", s.ToString()));
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
-  absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe =
-      server::FrontEnd::Start(flags.fe, config, coordinator, static_cast<int64_t>(heap_bytes),
-                              std::move(open_model), static_cast<uint64_t>(flags.seed));
+  absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe = server::FrontEnd::Start(
+      flags.fe, config, flags.runtime.device, coordinator, static_cast<int64_t>(heap_bytes),
+      std::move(open_model), static_cast<uint64_t>(flags.seed));
   if (!fe.ok()) {
     Log(0, absl::StrCat("error: ", fe.status().ToString()));
     coordinator.Stop(absl::Now() + absl::Seconds(5)).IgnoreError();
     return 1;
   }
-  Log(0, absl::StrCat("serving model '", flags.fe.model_name, "' on ", (*fe)->grpc_address(),
-                      ", metrics on http://", (*fe)->metrics_address(), "/metrics"));
+  Log(0,
+      absl::StrCat("serving model '", flags.fe.requests.model_name, "' on ", (*fe)->grpc_address(),
+                   ", metrics on http://", (*fe)->metrics_address(), "/metrics"));
   while (!g_stop.load()) absl::SleepFor(absl::Milliseconds(20));
   Log(0, "stopping: answering requests in flight");
   const absl::Time stop_start = absl::Now();
@@ -268,12 +248,8 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
                 ModelOpener open_model) {
   using namespace epserve;
   worker::WorkerOptions options;
-  options.device.device = flags.device;
+  options.device = flags.runtime;
   options.device.local_rank = local_worker;
-  options.device.tensor_cores = flags.tensor_cores;
-  options.device.bf16_dot = flags.bf16_dot;
-  options.device.ffn_blocking = flags.ffn_blocking;
-  options.device.tune_ffn = flags.ffn_tune;
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
   absl::StatusOr<std::unique_ptr<worker::Worker>> w =
@@ -297,8 +273,9 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   return 0;
 }
 
-// Every rank: the model, the exchange's plan and the memory check (all ranks reach the same
-// verdict), the heap, then the front-end on rank 0 or a worker on the others.
+// Every rank: the model, the front-end's options, the exchange's plan and the memory check
+// (all ranks reach the same verdict), the heap, then the front-end on rank 0 or a worker on
+// the others.
 int Run(int rank, int num_ranks, const Flags& flags) {
   using namespace epserve;
   const ModelOpener open_model = MakeModelOpener(flags.layers);
@@ -306,6 +283,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       open_model(flags.model, static_cast<uint64_t>(flags.seed));
   if (!source.ok()) return Fail(rank, source.status());
   const model::ModelConfig& config = (*source)->config();
+  if (absl::Status s = flags.fe.Validate(); !s.ok()) return Fail(rank, s);
   absl::StatusOr<worker::ExchangeShape> shape =
       PlanExchange(config, worker::NumWorkers(num_ranks), flags);
   if (!shape.ok()) return Fail(rank, shape.status());
@@ -358,187 +336,6 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   return code;
 }
 
-// The job's flags: model, addresses, batching, timeouts, device.
-void RegisterServingFlags(epserve::common::FlagSet& fs, Flags& flags) {
-  fs.Add("model", &flags.model,
-         "The model: a Hugging Face checkpoint folder (config.json + *.safetensors of Mixtral, "
-         "Qwen2/Qwen3-MoE, DeepSeek-V2/V3 or OLMoE) or synthetic:<preset> (tiny, "
-         "qwen1.5-moe-a2.7b, mixtral-8x7b, ...)");
-  fs.Add("seed", &flags.seed, "Seed of synthetic weights");
-  fs.Add("layers", &flags.layers,
-         "MoE layers to serve, by the model's layer index: all, 3, 1,5, 2-7 or a mix");
-  fs.Add("memory-limit", &flags.memory_limit,
-         "Memory the ranks on one host may use (bytes, K/M/G/T suffixes); empty: the "
-         "machine's. A configuration needing more is refused before loading");
-  fs.Add("model-name", &flags.fe.model_name, "Name clients use for the model");
-  fs.Add("grpc-address", &flags.fe.grpc_address,
-         "gRPC listen address host:port (port 0 picks a free port)");
-  fs.Add("metrics-address", &flags.fe.metrics_address,
-         "Prometheus /metrics listen address host:port (port 0: free port)");
-  fs.Add("metrics-max-connections", &flags.fe.metrics_http.max_connections,
-         "Connections the /metrics endpoint holds at once; beyond, the oldest that has not "
-         "sent a whole request is closed (idle or slow clients cannot crowd out a scraper)");
-  fs.Add("metrics-header-timeout", &flags.fe.metrics_http.header_timeout,
-         "A /metrics request's headers must arrive within this of its first byte (or of the "
-         "connection's opening)");
-  fs.Add("metrics-idle-timeout", &flags.fe.metrics_http.idle_timeout,
-         "How long a kept-alive /metrics connection may wait for its next request");
-  fs.Add("metrics-write-timeout", &flags.fe.metrics_http.write_timeout,
-         "A /metrics response must be taken by the client within this");
-  fs.Add("ready-file", &flags.fe.ready_file,
-         "When set, written once serving: {\"grpc\": host:port, \"metrics\": host:port}");
-  fs.Add("max-batch-tokens", &flags.fe.max_batch_tokens,
-         "Most token rows in one batch; larger requests are split");
-  flags.queue_delay_us = absl::ToInt64Microseconds(flags.fe.max_queue_delay);
-  fs.Add("max-queue-delay-us", &flags.queue_delay_us,
-         "Longest a request waits for more rows to fill its batch, in microseconds");
-  fs.Add("max-queue-tokens", &flags.fe.max_queue_tokens,
-         "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
-  fs.Add("max-request-bytes", &flags.fe.max_request_bytes,
-         "Largest gRPC message accepted, in bytes; 0: the largest valid request of the model "
-         "(--max-request-tokens x H x 4 bytes + 64 KiB)");
-  fs.Add("batch-timeout", &flags.fe.batch_timeout,
-         "Deadline of every cross-rank wait of one batch");
-  fs.Add("drain-timeout", &flags.fe.drain_timeout,
-         "On SIGTERM, how long a running batch may take before its requests get UNAVAILABLE");
-  fs.Add("startup-timeout", &flags.startup_timeout,
-         "How long rank 0 waits for the workers to load their weights");
-  fs.Add("device", &flags.device,
-         "OpenCL device of each worker: cpu, gpu (with several GPUs on a host, its workers take "
-         "them in turn by their order on the host), or <platform>:<device>");
-}
-
-// The front-end's flags (server/: protocol, security, limits).
-void RegisterFrontEndFlags(epserve::common::FlagSet& fs, Flags& flags) {
-  epserve::server::FrontEndOptions& fe = flags.fe;
-  fs.Add("max-request-tokens", &fe.max_request_tokens,
-         "Most token rows in one request; larger ones get INVALID_ARGUMENT");
-  fs.Add("max-response-bytes", &fe.max_response_bytes,
-         "Largest gRPC message sent, in bytes; 0: derived as --max-request-bytes is");
-  fs.Add("worker-stall-timeout", &fe.worker_stall_timeout,
-         "A worker whose heartbeat stops this long (stopped, wedged) makes the server not ready "
-         "(health NOT_SERVING) until it beats again; shm heap only");
-  fs.Add("grpc-max-connection-idle", &fe.max_connection_idle,
-         "A gRPC connection without a call for this long is closed");
-  fs.Add("grpc-max-connection-age", &fe.max_connection_age,
-         "A gRPC connection older than this is closed once its calls finish (0: no limit)");
-  flags.priority_levels = fe.priority_levels;
-  fs.Add("priority-levels", &flags.priority_levels,
-         "Request priority levels (request parameter `priority`, 1 is served first)");
-  flags.default_priority = fe.default_priority;
-  fs.Add("default-priority", &flags.default_priority,
-         "Priority level of a request that names none (or priority 0)");
-  fs.Add("max-stream-inflight", &fe.max_stream_inflight,
-         "Requests of one ModelStreamInfer stream read but not yet answered; beyond it the "
-         "server stops reading the stream");
-  fs.Add("max-concurrent-streams", &fe.max_concurrent_streams,
-         "Most concurrent RPCs on one client connection (HTTP/2 streams)");
-  fs.Add("grpc-max-connections", &fe.max_connections,
-         "gRPC connections open at once; beyond it the newest without a call are closed");
-  fs.Add("max-inflight-bytes", &fe.max_inflight_bytes,
-         "Bytes of requests and answers rank 0 holds for all calls together; beyond it requests "
-         "get RESOURCE_EXHAUSTED. 0: twice the rows the pipeline holds at its fullest "
-         "((--max-queue-tokens + 3 x --max-batch-tokens + --max-request-tokens) x H x 16 "
-         "bytes), at least 16 MiB");
-  fs.Add("answer-timeout", &fe.answer_timeout,
-         "An answer its client has not taken within this closes the call (CANCELLED); while "
-         "--max-inflight-bytes is short, calls whose answer waited 1 s are closed first");
-  fs.Add("grpc-memory-quota", &fe.grpc_memory_quota,
-         "Bytes gRPC itself may use for buffers, calls and connections (a resource quota; under "
-         "pressure it closes idle connections, then cancels calls). 0: --max-inflight-bytes "
-         "plus 16 largest requests");
-  fs.Add("grpc-handshake-timeout", &fe.grpc_handshake_timeout,
-         "A new gRPC connection must send HTTP/2's preface and SETTINGS (and finish TLS) within "
-         "this");
-  fs.Add("keepalive-time", &fe.keepalive_time,
-         "Interval of the server's keepalive pings on an idle connection");
-  fs.Add("keepalive-timeout", &fe.keepalive_timeout,
-         "How long the server waits for a keepalive ping's answer before closing");
-  fs.Add("keepalive-permit-without-calls", &fe.keepalive_permit_without_calls,
-         "Allow client keepalive pings on connections without RPCs in flight");
-  fs.Add("http2-min-recv-ping-interval", &fe.http2_min_recv_ping_interval,
-         "Shortest interval between client pings without data the server tolerates");
-  fs.Add("http2-max-ping-strikes", &fe.http2_max_ping_strikes,
-         "Pings too early before the server closes the connection (0: unlimited)");
-  fs.Add("tls-cert", &fe.tls_cert, "PEM certificate chain of the server; with --tls-key: TLS");
-  fs.Add("tls-key", &fe.tls_key, "PEM private key of --tls-cert");
-  fs.Add("tls-client-ca", &fe.tls_client_ca,
-         "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)");
-  fs.Add("auth-token-file", &fe.auth_token_file,
-         "File holding a bearer token; when set, every RPC but health needs the metadata "
-         "'authorization: Bearer <token>'");
-  fs.Add("grpc-reflection", &fe.reflection, "Serve gRPC server reflection");
-}
-
-// The kernels' flags (weights on the device, FFN kernels).
-void RegisterKernelFlags(epserve::common::FlagSet& fs, Flags& flags) {
-  fs.Add("weight-dtype", &flags.weight_dtype,
-         "Expert weights (routed and shared) on the workers' devices: fp32 or bf16 (rounded to "
-         "nearest even once at load; the router stays fp32, sums are fp32 either way)");
-  fs.Add("tensor-cores", &flags.tensor_cores,
-         "With --weight-dtype=bf16 on NVIDIA GPUs of compute capability 8.0 or more, run the "
-         "expert FFN on the tensor cores (activations and the intermediate also rounded to "
-         "bf16); --no-tensor-cores keeps the portable kernels");
-  fs.Add("bf16-dot", &flags.bf16_dot,
-         "With --weight-dtype=bf16 on CPU devices whose x86 CPU has AVX512-BF16, run the expert "
-         "FFN on its bf16 dot products (vdpbf16ps, twice the multiply-adds of an fp32 FMA; "
-         "activations and the intermediate also rounded to bf16); --no-bf16-dot keeps fp32 FMAs");
-  fs.Add("ffn-blocking", &flags.ffn_blocking,
-         "Force the portable expert FFN kernels' blocking, e.g. 'vec=8 rows=6 prefetch=64 "
-         "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows); default: "
-         "chosen per device and expert shape, from the tuning cache beside the kernel cache or "
-         "timed on the device at first start (also $EPSERVE_FFN_BLOCKING)");
-  fs.Add("ffn-tune", &flags.ffn_tune,
-         "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
-         "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "
-         "the device's default blocking instead");
-}
-
-// The exchange's flags (shmem/, worker/: heap backend, payload dtypes, capacity).
-void RegisterExchangeFlags(epserve::common::FlagSet& fs, Flags& flags) {
-  fs.Add("heap", &flags.exchange.heap,
-         "Symmetric heap backend: shm (shared-memory window, all ranks on one host), rma (MPI "
-         "one-sided RMA, any hosts) or auto (shm when every rank shares a host)");
-  fs.Add("dispatch-dtype", &flags.exchange.dispatch_dtype,
-         "Token rows sent to experts: fp32, bf16 or fp8 (e4m3, one fp32 scale per 128 values)");
-  fs.Add("combine-dtype", &flags.exchange.combine_dtype,
-         "Expert output rows sent back to their owners: fp32 or bf16");
-  fs.Add("max-recv-tokens-per-rank", &flags.exchange.max_recv_tokens_per_rank,
-         "Receive capacity of each worker in token rows per batch (bounds the heap); 0: "
-         "--max-batch-tokens, which never overflows");
-  fs.Add("recv-overflow", &flags.exchange.recv_overflow,
-         "When a batch exceeds a receive capacity: fail (RESOURCE_EXHAUSTED) or split (run "
-         "it in rounds)");
-  fs.Add("exchange-timeout-ms", &flags.exchange.exchange_timeout_ms,
-         "Every cross-rank wait of a batch ends within this many milliseconds (or "
-         "--batch-timeout, if shorter); a peer that stops taking part fails the batch with "
-         "UNAVAILABLE");
-  fs.Add("shared-expert", &flags.exchange.shared_expert,
-         "Where the shared expert runs: owner (each worker holds all of it and runs it on its "
-         "own tokens) or split (each worker holds 1/W of its intermediate columns and runs "
-         "them on every token of the batch, which then goes to every worker: balanced and "
-         "lighter on weight reads for small batches, more rows exchanged for large ones)");
-}
-
-// Every flag of epserve, bound to its field of `flags`.
-void RegisterFlags(epserve::common::FlagSet& fs, Flags& flags) {
-  RegisterServingFlags(fs, flags);
-  RegisterFrontEndFlags(fs, flags);
-  RegisterKernelFlags(fs, flags);
-  RegisterExchangeFlags(fs, flags);
-}
-
-// The fields parsed in another form than FrontEndOptions keeps them.
-void ApplyParsedFlags(Flags& flags) {
-  flags.fe.max_queue_delay = absl::Microseconds(flags.queue_delay_us);
-  // Out-of-range values stay out of range (FrontEnd::Start names the bound).
-  flags.fe.priority_levels =
-      static_cast<uint32_t>(std::clamp<int64_t>(flags.priority_levels, 0, 1001));
-  flags.fe.default_priority =
-      static_cast<uint32_t>(std::clamp<int64_t>(flags.default_priority, 0, 1002));
-  flags.fe.device = flags.device;
-}
-
 void InstallStopHandlers() {
   struct sigaction sa {};
   sa.sa_sigaction = OnSignal;
@@ -572,7 +369,7 @@ int main(int argc, char** argv) {
       "epserve",
       "Serves MoE layers over gRPC (KServe v2). Launch as one MPI job:\n"
       "  mpirun -np 1+W epserve [flags]   (rank 0 front-end, W expert workers)");
-  RegisterFlags(fs, flags);
+  epserve::server::RegisterFlags(fs, flags);
   absl::Status parsed = fs.Parse(argc, argv);
   const char* env_rank = std::getenv("OMPI_COMM_WORLD_RANK");
   const bool first = env_rank == nullptr || absl::string_view(env_rank) == "0";
@@ -584,7 +381,6 @@ int main(int argc, char** argv) {
     if (first) std::fprintf(stderr, "epserve: %s\n", std::string(parsed.message()).c_str());
     return 2;
   }
-  ApplyParsedFlags(flags);
   InstallStopHandlers();
 
   int provided = 0, rank = 0, num_ranks = 0;

@@ -37,10 +37,9 @@ std::string CodeName(absl::StatusCode code) {
 }  // namespace
 
 // Requests: answers by code, their latency, queueing, batch sizes, tokens.
-void Metrics::RegisterRequestMetrics(const MetricsConfig& config) {
+void Metrics::RegisterRequestMetrics(const std::string& model_name) {
   Metrics* m = this;
   prometheus::Registry& r = *registry_;
-  const std::string& model_name = config.model_name;
   auto& requests = prometheus::BuildCounter()
                        .Name("epserve_requests_total")
                        .Help("Inference requests answered, by gRPC status code.")
@@ -75,7 +74,7 @@ void Metrics::RegisterRequestMetrics(const MetricsConfig& config) {
 }
 
 // Batches: stage latencies per rank, bytes exchanged, per-expert load and balance.
-void Metrics::RegisterBatchMetrics(const MetricsConfig& config) {
+void Metrics::RegisterBatchMetrics(const ServedModel& model) {
   Metrics* m = this;
   prometheus::Registry& r = *registry_;
   auto& stages = prometheus::BuildHistogram()
@@ -85,8 +84,8 @@ void Metrics::RegisterBatchMetrics(const MetricsConfig& config) {
   m->scatter_seconds_ = &stages.Add({{"stage", "scatter"}, {"rank", "0"}}, LatencyBuckets());
   m->gather_seconds_ = &stages.Add({{"stage", "gather"}, {"rank", "0"}}, LatencyBuckets());
   m->respond_seconds_ = &stages.Add({{"stage", "respond"}, {"rank", "0"}}, LatencyBuckets());
-  m->stage_seconds_.resize(config.num_workers);
-  for (int w = 0; w < config.num_workers; ++w) {
+  m->stage_seconds_.resize(model.num_workers);
+  for (int w = 0; w < model.num_workers; ++w) {
     for (int s = 0; s < worker::kNumWorkerStages; ++s) {
       m->stage_seconds_[w][s] = &stages.Add(
           {{"stage", worker::WorkerStageName(s)}, {"rank", absl::StrCat(worker::RankOfWorker(w))}},
@@ -107,26 +106,25 @@ void Metrics::RegisterBatchMetrics(const MetricsConfig& config) {
       prometheus::BuildGauge()
           .Name("epserve_expert_balancedness")
           .Help(absl::StrCat("Mean over max tokens per expert over the last ",
-                             config.balance_window_batches, " batches of the layer (1: even)."))
+                             kBalanceWindowBatches, " batches of the layer (1: even)."))
           .Register(r);
-  for (int layer : config.layers) {
+  for (int layer : model.layers) {
     LayerSeries l;
     const std::string layer_label = absl::StrCat(layer);
-    for (int e = 0; e < config.num_experts; ++e) {
+    for (int e = 0; e < model.num_experts; ++e) {
       l.expert_tokens.push_back(
           &expert_tokens.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}}));
     }
     l.balancedness = &balancedness.Add({{"layer", layer_label}});
     l.balancedness->Set(1.0);
-    l.window.assign(std::max(config.balance_window_batches, 1),
-                    std::vector<int64_t>(config.num_experts, 0));
-    l.window_sum.assign(config.num_experts, 0);
+    l.window.assign(kBalanceWindowBatches, std::vector<int64_t>(model.num_experts, 0));
+    l.window_sum.assign(model.num_experts, 0);
     m->layers_.push_back(std::move(l));
   }
 }
 
 // The server's state: in flight, queued, workers ready, memory.
-void Metrics::RegisterStateMetrics(const MetricsConfig& config) {
+void Metrics::RegisterStateMetrics(const ServedModel& model, int64_t queue_capacity_tokens) {
   Metrics* m = this;
   prometheus::Registry& r = *registry_;
   m->inflight_ = &prometheus::BuildGauge()
@@ -144,7 +142,7 @@ void Metrics::RegisterStateMetrics(const MetricsConfig& config) {
       .Help("Most token rows the queue holds (--max-queue-tokens).")
       .Register(r)
       .Add({})
-      .Set(static_cast<double>(config.queue_capacity_tokens));
+      .Set(static_cast<double>(queue_capacity_tokens));
   m->workers_ready_ = &prometheus::BuildGauge()
                            .Name("epserve_workers_ready")
                            .Help("Expert workers that have loaded their weights and answer.")
@@ -155,7 +153,7 @@ void Metrics::RegisterStateMetrics(const MetricsConfig& config) {
       .Help("Expert workers the cluster was launched with.")
       .Register(r)
       .Add({})
-      .Set(config.num_workers);
+      .Set(model.num_workers);
   m->heap_bytes_ = &prometheus::BuildGauge()
                         .Name("epserve_heap_bytes")
                         .Help("Bytes of the symmetric heap per rank.")
@@ -177,7 +175,7 @@ void Metrics::RegisterStateMetrics(const MetricsConfig& config) {
 
 // What the server did against clients and for operators: calls and connections closed, rows
 // skipped, weight swaps, build.
-void Metrics::RegisterProtectionMetrics(const MetricsConfig& /*config*/) {
+void Metrics::RegisterProtectionMetrics() {
   Metrics* m = this;
   prometheus::Registry& r = *registry_;
   auto& closed = prometheus::BuildCounter()
@@ -236,16 +234,19 @@ void Metrics::RegisterProtectionMetrics(const MetricsConfig& /*config*/) {
       .Set(1);
 }
 
-absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& config) {
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsHttpOptions& http,
+                                                        const std::string& model_name,
+                                                        const ServedModel& model,
+                                                        int64_t queue_capacity_tokens) {
   std::unique_ptr<Metrics> m(new Metrics());
-  m->num_workers_ = config.num_workers;
+  m->num_workers_ = model.num_workers;
   m->registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Registry& r = *m->registry_;
 
-  m->RegisterRequestMetrics(config);
-  m->RegisterBatchMetrics(config);
-  m->RegisterStateMetrics(config);
-  m->RegisterProtectionMetrics(config);
+  m->RegisterRequestMetrics(model_name);
+  m->RegisterBatchMetrics(model);
+  m->RegisterStateMetrics(model, queue_capacity_tokens);
+  m->RegisterProtectionMetrics();
   auto& http_events = prometheus::BuildCounter()
                           .Name("epserve_metrics_http_connections_total")
                           .Help(
@@ -263,8 +264,6 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsConfig& con
                        .Register(r)
                        .Add({});
 
-  MetricsHttpOptions http = config.http;
-  http.address = config.address;
   Metrics* self = m.get();
   EPSERVE_ASSIGN_OR_RETURN(
       m->http_,

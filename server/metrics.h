@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/metrics_http.h"
+#include "server/served_model.h"
 #include "worker/coordinator.h"
 
 namespace prometheus {
@@ -25,22 +26,15 @@ class Registry;
 
 namespace epserve::server {
 
-struct MetricsConfig {
-  std::string address;  // "host:port"; port 0 picks a free one
-  std::string model_name;
-  int num_workers = 1;
-  int num_experts = 1;
-  std::vector<int> layers = {0};      // served MoE layers (the model's indices)
-  int64_t queue_capacity_tokens = 0;  // --max-queue-tokens
-  int balance_window_batches = 64;    // epserve_expert_balancedness looks this far back
-  // The endpoint's connection handling (its address is `address` above).
-  MetricsHttpOptions http;
-};
-
 class Metrics {
  public:
-  // Registers every series and binds the address. Configuration time.
-  static absl::StatusOr<std::unique_ptr<Metrics>> Start(const MetricsConfig& config);
+  // Registers every series of `model` (its workers, experts and served layers), labelled
+  // with `model_name`, and serves them as `http` says (its address: port 0 picks a free one).
+  // `queue_capacity_tokens` is --max-queue-tokens. Configuration time.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Start(const MetricsHttpOptions& http,
+                                                        const std::string& model_name,
+                                                        const ServedModel& model,
+                                                        int64_t queue_capacity_tokens);
   ~Metrics();
 
   std::string bound_address() const { return bound_address_; }
@@ -77,10 +71,12 @@ class Metrics {
  private:
   Metrics() = default;
   // Start's parts: each registers one family of series into registry_.
-  void RegisterRequestMetrics(const MetricsConfig& config);
-  void RegisterBatchMetrics(const MetricsConfig& config);
-  void RegisterStateMetrics(const MetricsConfig& config);
-  void RegisterProtectionMetrics(const MetricsConfig& config);
+  void RegisterRequestMetrics(const std::string& model_name);
+  void RegisterBatchMetrics(const ServedModel& model);
+  void RegisterStateMetrics(const ServedModel& model, int64_t queue_capacity_tokens);
+  void RegisterProtectionMetrics();
+  // epserve_expert_balancedness looks this far back.
+  static constexpr int kBalanceWindowBatches = 64;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsHttpServer> http_;
   std::array<prometheus::Counter*, kNumHttpEvents> http_events_{};

@@ -70,15 +70,18 @@ void AddOutputs(const ParsedInfer& parsed, int64_t hidden, int64_t top_k,
 
 }  // namespace
 
-InferenceService::InferenceService(ServiceOptions options, Batcher& batcher, Metrics* metrics,
-                                   Statistics& statistics,
+InferenceService::InferenceService(const ServiceOptions& options, const ServedModel& model,
+                                   const RequestOptions& requests, int64_t budget_bytes,
+                                   Batcher& batcher, Metrics* metrics, Statistics& statistics,
                                    std::shared_ptr<const Authenticator> auth)
-    : options_(std::move(options)),
+    : options_(options),
+      model_(model),
+      signature_(model, requests),
       batcher_(batcher),
       metrics_(metrics),
       statistics_(statistics),
       auth_(auth ? std::move(auth) : std::make_shared<const Authenticator>("")),
-      budget_(options_.max_inflight_bytes) {
+      budget_(budget_bytes) {
   BuildModelConfig();
   if (metrics_ != nullptr) metrics_->SetHeldBytesLimit(budget_.limit());
   reaper_ = std::thread([this] { Reap(); });
@@ -175,23 +178,22 @@ void InferenceService::Reap() {
 
 absl::StatusOr<ParsedInfer> InferenceService::Admit(const inference::ModelInferRequest& req,
                                                     int64_t* cost) {
-  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, options_.signature, &shm_);
+  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, signature_, &shm_);
   if (!parsed.ok()) return parsed.status();
   if (!ready()) {
     return absl::UnavailableError("the server is not ready (starting, stopping or unhealthy)");
   }
   if (unloaded_.load()) {
-    return absl::NotFoundError(absl::StrCat("model '", options_.signature.name,
+    return absl::NotFoundError(absl::StrCat("model '", signature_.name,
                                             "' is unloaded (RepositoryModelUnload); "
                                             "RepositoryModelLoad puts it back into service"));
   }
   // The request's message and its answer (the outputs it asks for, or the layer output held
   // for the routing alone) are charged until the answer is sent.
-  const int64_t k = options_.top_k;
+  const int64_t k = signature_.top_k;
   const bool shm_out = parsed->want_output && parsed->output_shm.region != nullptr;
-  const int64_t bytes =
-      static_cast<int64_t>(req.ByteSizeLong()) +
-      parsed->num_tokens * ((shm_out ? 0 : options_.signature.hidden_size * 4) + 8 * k);
+  const int64_t bytes = static_cast<int64_t>(req.ByteSizeLong()) +
+                        parsed->num_tokens * ((shm_out ? 0 : signature_.hidden_size * 4) + 8 * k);
   if (!budget_.TryCharge(bytes)) {
     absl::Status full = absl::ResourceExhaustedError(absl::StrCat(
         "the server holds ", budget_.used(), " bytes of requests and answers; this request's ",
@@ -226,13 +228,13 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
     }
     return parsed.status();
   }
-  resp->set_model_name(options_.signature.name);
+  resp->set_model_name(signature_.name);
   resp->set_model_version("1");
   resp->set_id(req.id());
   auto task = std::make_shared<InferTask>();
   // The shared memory regions the request reads or writes (kept mapped by the task).
   std::vector<std::shared_ptr<const SharedMemoryRegion>> used;
-  AddOutputs(*parsed, options_.signature.hidden_size, options_.top_k, resp, task.get(), &used);
+  AddOutputs(*parsed, signature_.hidden_size, signature_.top_k, resp, task.get(), &used);
   if (parsed->input_region != nullptr) used.push_back(parsed->input_region);
   task->regions.assign(used.begin(), used.end());
 
@@ -466,6 +468,19 @@ class InferenceService::StreamInfer final
 grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*
 InferenceService::ModelStreamInfer(grpc::CallbackServerContext* ctx) {
   return new StreamInfer(*this, ctx);
+}
+
+absl::Status ServiceOptions::Validate() const {
+  if (max_stream_inflight < 1) {
+    return absl::InvalidArgumentError("--max-stream-inflight must be >= 1");
+  }
+  if (max_inflight_bytes < 0) {
+    return absl::InvalidArgumentError("--max-inflight-bytes must be >= 0 (0: derived)");
+  }
+  if (answer_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--answer-timeout must be > 0");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace epserve::server

@@ -27,31 +27,35 @@
 
 namespace epserve::server {
 
+// The service's own settings, each bound to its flag. FrontEndOptions::service is their home.
 struct ServiceOptions {
-  ModelSignature signature;
-  int num_workers = 1;
-  int top_k = 1;               // width of the topk_ids and topk_weights outputs
-  std::string device = "cpu";  // the workers' OpenCL device choice, reported in ModelConfig
-  int64_t max_batch_tokens = 256;
-  absl::Duration max_queue_delay = absl::ZeroDuration();
-  int64_t max_queue_tokens = 65536;
-  // Requests of one ModelStreamInfer stream read but not yet answered; at the bound the
-  // server stops reading that stream until an answer is written.
+  // --max-stream-inflight: requests of one ModelStreamInfer stream read but not yet answered;
+  // at the bound the server stops reading that stream until an answer is written.
   int max_stream_inflight = 64;
-  // Bytes of requests and answers held for all calls together (MemoryBudget); beyond it new
-  // requests get RESOURCE_EXHAUSTED. Must be > 0.
-  int64_t max_inflight_bytes = int64_t{1} << 30;
-  // An answer the client has not taken within this closes its call (CANCELLED), freeing what
-  // the call holds. While the budget is short, calls whose answer has waited
-  // min(1 s, answer_timeout) are closed first, the longest-waiting first.
+  // --max-inflight-bytes: bytes of requests and answers held for all calls together
+  // (MemoryBudget); beyond it new requests get RESOURCE_EXHAUSTED. 0: derived from the model
+  // and the batching and request bounds (the front-end's EffectiveInflightBytes), which the
+  // service is given as its budget.
+  int64_t max_inflight_bytes = 0;
+  // --answer-timeout: an answer the client has not taken within this closes its call
+  // (CANCELLED), freeing what the call holds. While the budget is short, calls whose answer
+  // has waited min(1 s, answer_timeout) are closed first, the longest-waiting first.
   absl::Duration answer_timeout = absl::Seconds(30);
+
+  // INVALID_ARGUMENT naming the flag and its bound.
+  absl::Status Validate() const;
 };
 
 class InferenceService final : public inference::GRPCInferenceService::CallbackService {
  public:
-  // `batcher`, `metrics` and `statistics` outlive the service; `metrics` may be null.
-  InferenceService(ServiceOptions options, Batcher& batcher, Metrics* metrics,
-                   Statistics& statistics, std::shared_ptr<const Authenticator> auth);
+  // `options`, `model`, `requests`, `batcher`, `metrics` and `statistics` outlive the service;
+  // `metrics` may be null. `budget_bytes` (> 0) bounds the bytes held for calls:
+  // options.max_inflight_bytes, or the value derived when it is 0. The ModelConfig reports the
+  // batcher's options.
+  InferenceService(const ServiceOptions& options, const ServedModel& model,
+                   const RequestOptions& requests, int64_t budget_bytes, Batcher& batcher,
+                   Metrics* metrics, Statistics& statistics,
+                   std::shared_ptr<const Authenticator> auth);
   ~InferenceService() override;  // stops the reaper; the gRPC server must be shut down first
 
   // Replaces the served weights (FrontEnd::SwapWeights): the model as --model names it, and
@@ -175,7 +179,9 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   grpc::ServerUnaryReactor* Unimplemented(grpc::CallbackServerContext* ctx, const char* rpc);
   void BuildModelConfig();
 
-  const ServiceOptions options_;
+  const ServiceOptions& options_;
+  const ServedModel& model_;
+  const ModelSignature signature_;  // refers to model_ and the request options
   Batcher& batcher_;
   Metrics* const metrics_;
   Statistics& statistics_;

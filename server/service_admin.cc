@@ -17,7 +17,8 @@
 namespace epserve::server {
 
 void InferenceService::BuildModelConfig() {
-  const ModelSignature& sig = options_.signature;
+  const ModelSignature& sig = signature_;
+  const BatchingOptions& batching = batcher_.options();
   inference::ModelConfig& c = model_config_;
   c.set_name(sig.name);
   c.set_platform("epserve_moe");
@@ -43,17 +44,16 @@ void InferenceService::BuildModelConfig() {
     routing->set_name(name);
     routing->set_data_type(type);
     routing->add_dims(-1);
-    routing->add_dims(options_.top_k);
+    routing->add_dims(sig.top_k);
   }
   inference::ModelInstanceGroup* group = c.add_instance_group();
   group->set_name("expert_workers");
-  group->set_count(options_.num_workers);
-  group->set_kind(options_.device == "gpu" ? inference::ModelInstanceGroup::KIND_GPU
-                                           : inference::ModelInstanceGroup::KIND_CPU);
+  group->set_count(model_.num_workers);
+  group->set_kind(model_.device == "gpu" ? inference::ModelInstanceGroup::KIND_GPU
+                                         : inference::ModelInstanceGroup::KIND_CPU);
   inference::ModelDynamicBatching* db = c.mutable_dynamic_batching();
-  db->add_preferred_batch_size(static_cast<int32_t>(options_.max_batch_tokens));
-  db->set_max_queue_delay_microseconds(
-      static_cast<uint64_t>(absl::ToInt64Microseconds(options_.max_queue_delay)));
+  db->add_preferred_batch_size(static_cast<int32_t>(batching.max_batch_tokens));
+  db->set_max_queue_delay_microseconds(static_cast<uint64_t>(batching.max_queue_delay_us));
   db->set_preserve_ordering(false);
   db->set_priority_levels(sig.priority_levels);
   db->set_default_priority_level(sig.default_priority);
@@ -61,8 +61,8 @@ void InferenceService::BuildModelConfig() {
   policy->set_timeout_action(inference::ModelQueuePolicy::REJECT);
   policy->set_allow_timeout_override(true);
   auto& params = *c.mutable_parameters();
-  params["max_batch_tokens"].set_string_value(absl::StrCat(options_.max_batch_tokens));
-  params["max_queue_tokens"].set_string_value(absl::StrCat(options_.max_queue_tokens));
+  params["max_batch_tokens"].set_string_value(absl::StrCat(batching.max_batch_tokens));
+  params["max_queue_tokens"].set_string_value(absl::StrCat(batching.max_queue_tokens));
   params["max_request_tokens"].set_string_value(absl::StrCat(sig.max_request_tokens));
   params["input_datatypes"].set_string_value("FP32,BF16,FP16");
   params["served_layers"].set_string_value(absl::StrJoin(sig.layers, ","));
@@ -70,9 +70,9 @@ void InferenceService::BuildModelConfig() {
 
 absl::Status InferenceService::CheckModel(const std::string& name,
                                           const std::string& version) const {
-  if (name != options_.signature.name) {
-    return absl::NotFoundError(absl::StrCat(
-        "unknown model '", Clip(name), "'; this server serves '", options_.signature.name, "'"));
+  if (name != signature_.name) {
+    return absl::NotFoundError(absl::StrCat("unknown model '", Clip(name),
+                                            "'; this server serves '", signature_.name, "'"));
   }
   if (!version.empty() && version != "1") {
     return absl::NotFoundError(absl::StrCat("unknown version '", Clip(version), "' of model '",
@@ -95,12 +95,12 @@ grpc::ServerUnaryReactor* InferenceService::RepositoryIndex(
     inference::RepositoryIndexResponse* resp) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   if (!req->repository_name().empty()) {
-    return Reply(ctx, CheckRepository(req->repository_name(), options_.signature.name));
+    return Reply(ctx, CheckRepository(req->repository_name(), signature_.name));
   }
   const bool model_ready = ready() && !unloaded_.load();
   if (req->ready() && !model_ready) return Reply(ctx, absl::OkStatus());
   inference::RepositoryIndexResponse::ModelIndex* m = resp->add_models();
-  m->set_name(options_.signature.name);
+  m->set_name(signature_.name);
   m->set_version("1");
   m->set_state(model_ready ? "READY" : "UNAVAILABLE");
   if (unloaded_.load()) {
@@ -121,7 +121,7 @@ grpc::ServerUnaryReactor* InferenceService::RepositoryModelLoad(
   if (req->parameters().empty()) {
     if (unloaded_.exchange(false)) {
       common::LogInfo(
-          absl::StrCat("model '", options_.signature.name, "' loaded again (RepositoryModelLoad)"));
+          absl::StrCat("model '", signature_.name, "' loaded again (RepositoryModelLoad)"));
     }
     return Reply(ctx, absl::OkStatus());
   }
@@ -193,7 +193,7 @@ grpc::ServerUnaryReactor* InferenceService::RepositoryModelUnload(
   }
   if (!unloaded_.exchange(true)) {
     common::LogInfo(
-        absl::StrCat("model '", options_.signature.name,
+        absl::StrCat("model '", signature_.name,
                      "' unloaded (RepositoryModelUnload); requests already accepted are "
                      "answered, new ones get NOT_FOUND"));
   }
@@ -311,13 +311,13 @@ grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   absl::Status s = CheckModel(req->name(), req->version());
   if (!s.ok()) return Reply(ctx, s);
-  resp->set_name(options_.signature.name);
+  resp->set_name(signature_.name);
   resp->add_versions("1");
   resp->set_platform("epserve_moe");
   for (auto* t : {resp->add_inputs(), resp->add_outputs()}) {
     t->set_datatype("FP32");
     t->add_shape(-1);
-    t->add_shape(options_.signature.hidden_size);
+    t->add_shape(signature_.hidden_size);
   }
   resp->mutable_inputs(0)->set_name(kInputName);
   resp->mutable_outputs(0)->set_name(kOutputName);
@@ -327,7 +327,7 @@ grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
     t->set_name(name);
     t->set_datatype(datatype);
     t->add_shape(-1);
-    t->add_shape(options_.top_k);
+    t->add_shape(signature_.top_k);
   }
   return Reply(ctx, absl::OkStatus());
 }
@@ -349,7 +349,7 @@ grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
     if (absl::Status s = CheckModel(req->name(), req->version()); !s.ok()) return Reply(ctx, s);
   }
   inference::ModelStatistics* stats = resp->add_model_stats();
-  stats->set_name(options_.signature.name);
+  stats->set_name(signature_.name);
   stats->set_version("1");
   statistics_.Fill(stats);
   return Reply(ctx, absl::OkStatus());

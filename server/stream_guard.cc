@@ -189,8 +189,14 @@ int64_t OpenCalls(const Struct& servers) {
 
 }  // namespace
 
-StreamGuard::StreamGuard(StreamGuardOptions options, Callbacks callbacks)
-    : options_(std::move(options)), callbacks_(std::move(callbacks)) {
+absl::Status StreamGuardOptions::Validate() const {
+  if (max_connections < 1) return absl::InvalidArgumentError("--grpc-max-connections must be >= 1");
+  if (max_streams < 1) return absl::InvalidArgumentError("--max-concurrent-streams must be >= 1");
+  return absl::OkStatus();
+}
+
+StreamGuard::StreamGuard(const StreamGuardOptions& options, Callbacks callbacks)
+    : options_(options), callbacks_(std::move(callbacks)) {
   thread_ = std::thread([this] { Run(); });
 }
 

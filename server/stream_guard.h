@@ -21,14 +21,20 @@
 #include <string>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 
 namespace epserve::server {
 
+// Each bound is set by its flag; FrontEndOptions::streams is their home, which also gives gRPC
+// the stream bound (GRPC_ARG_MAX_CONCURRENT_STREAMS).
 struct StreamGuardOptions {
-  int max_streams = 256;           // --max-concurrent-streams
-  int64_t max_connections = 4096;  // --grpc-max-connections
+  int max_streams = 256;           // --max-concurrent-streams: per connection
+  int64_t max_connections = 4096;  // --grpc-max-connections: past their HTTP/2 handshake
   absl::Duration interval = absl::Milliseconds(100);
+
+  // INVALID_ARGUMENT naming the flag and its bound.
+  absl::Status Validate() const;
 };
 
 class StreamGuard {
@@ -43,8 +49,8 @@ class StreamGuard {
     std::function<int64_t(const std::string& peer)> held_calls;
   };
 
-  StreamGuard(StreamGuardOptions options, Callbacks callbacks);
-  ~StreamGuard();  // stops the thread
+  StreamGuard(const StreamGuardOptions& options, Callbacks callbacks);  // copies `options`
+  ~StreamGuard();                                                       // stops the thread
 
   // One pass over the streams: shuts down the connections over the bound; returns how many.
   // (The thread calls it every interval.)

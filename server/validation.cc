@@ -320,4 +320,15 @@ absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
   return out;
 }
 
+absl::Status RequestOptions::Validate() const {
+  if (max_request_tokens < 1) return Invalid("--max-request-tokens must be >= 1");
+  if (priority_levels < 1 || priority_levels > 1000) {
+    return Invalid("--priority-levels must be in [1, 1000]");
+  }
+  if (default_priority < 1 || default_priority > priority_levels) {
+    return Invalid("--default-priority must be in [1, --priority-levels=", priority_levels, "]");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace epserve::server

@@ -11,19 +11,43 @@
 #include "absl/time/time.h"
 #include "grpc_service.pb.h"
 #include "server/dtype.h"
+#include "server/served_model.h"
 #include "server/shared_memory.h"
 
 namespace epserve::server {
 
-// What the served model accepts.
+// What a request may be, each setting bound to its flag. FrontEndOptions::requests is its home;
+// ParseInfer and the service read it through a ModelSignature, the batcher's queues follow
+// priority_levels.
+struct RequestOptions {
+  std::string model_name = "moe";     // --model-name: the name requests give
+  int64_t max_request_tokens = 8192;  // --max-request-tokens: T bound of one request
+  int64_t priority_levels = 3;   // --priority-levels: request parameter `priority` in [1, this]
+  int64_t default_priority = 2;  // --default-priority: of a request without one (or with 0)
+
+  // INVALID_ARGUMENT naming the flag and its bound.
+  absl::Status Validate() const;
+};
+
+// What the served model accepts: a view of the model's facts and the request settings, whose
+// owners outlive it (no copies: each member refers to its one home).
 struct ModelSignature {
-  std::string name;                // --model-name
-  int64_t hidden_size = 0;         // H
-  std::vector<int> layers;         // served layer indices, ascending; the first is the default
-  int64_t max_request_tokens = 0;  // T bound of one request
-  uint32_t priority_levels = 1;    // request parameter `priority` in [1, priority_levels]
-  uint32_t default_priority = 1;   // the level of a request without one (or with 0)
-  int top_k = 1;                   // width of the topk_ids and topk_weights outputs
+  ModelSignature(const ServedModel& model, const RequestOptions& requests)
+      : name(requests.model_name),
+        hidden_size(model.hidden_size),
+        layers(model.layers),
+        max_request_tokens(requests.max_request_tokens),
+        priority_levels(requests.priority_levels),
+        default_priority(requests.default_priority),
+        top_k(model.top_k) {}
+
+  const std::string& name;            // --model-name
+  const int64_t& hidden_size;         // H
+  const std::vector<int>& layers;     // served layer indices, ascending; the first: default
+  const int64_t& max_request_tokens;  // T bound of one request
+  const int64_t& priority_levels;     // request parameter `priority` in [1, priority_levels]
+  const int64_t& default_priority;    // the level of a request without one (or with 0)
+  const int& top_k;                   // width of the topk_ids and topk_weights outputs
 };
 
 inline constexpr char kInputName[] = "hidden_states";

@@ -156,9 +156,9 @@ int Main(int argc, char** argv) {
 
   server::FrontEndOptions options;
   options.grpc_address = "127.0.0.1:0";
-  options.metrics_address = "127.0.0.1:0";
-  options.max_queue_delay = absl::ZeroDuration();
-  options.max_batch_tokens = 256;
+  options.metrics.address = "127.0.0.1:0";
+  options.batching.max_queue_delay_us = 0;
+  options.batching.max_batch_tokens = 256;
   server::ServedModel model;
   model.hidden_size = hidden;
   model.layers = {0};

@@ -29,12 +29,9 @@ double NanosPerOp(int threads, F op) {
 }  // namespace
 
 int main() {
-  epserve::server::MetricsConfig config;
-  config.address = "127.0.0.1:0";
-  config.model_name = "moe";
-  config.num_workers = 2;
-  config.num_experts = 60;
-  auto metrics = epserve::server::Metrics::Start(config);
+  const epserve::server::ServedModel model{.layers = {0}, .num_workers = 2, .num_experts = 60};
+  auto metrics =
+      epserve::server::Metrics::Start(epserve::server::MetricsHttpOptions(), "moe", model, 0);
   if (!metrics.ok()) {
     std::fprintf(stderr, "%s\n", metrics.status().ToString().c_str());
     return 1;

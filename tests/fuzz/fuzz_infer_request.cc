@@ -11,16 +11,10 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   inference::ModelInferRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
-  static const epserve::server::ModelSignature signature = [] {
-    epserve::server::ModelSignature s;
-    s.name = "moe";
-    s.hidden_size = 8;
-    s.layers = {1, 3};
-    s.max_request_tokens = 64;
-    s.priority_levels = 3;
-    s.default_priority = 2;
-    return s;
-  }();
+  static const epserve::server::ServedModel model{.hidden_size = 8, .layers = {1, 3}};
+  static const epserve::server::RequestOptions requests{
+      .model_name = "moe", .max_request_tokens = 64, .priority_levels = 3, .default_priority = 2};
+  static const epserve::server::ModelSignature signature(model, requests);
   absl::StatusOr<epserve::server::ParsedInfer> parsed =
       epserve::server::ParseInfer(request, signature);
   if (!parsed.ok()) {

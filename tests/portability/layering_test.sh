@@ -37,7 +37,7 @@ for file in $(ls common/*.{h,cc} common/detail/*.{h,cc} model/*.{h,cc} model/det
   key="$folder"
   case "$file" in
     worker/worker.h | worker/worker.cc) key=worker/worker ;;
-    server/main.cc) key=server/main ;;
+    server/main.cc | server/main_flags.h | server/main_flags.cc) key=server/main ;;
   esac
   while IFS= read -r line; do
     inc="$(sed -E 's/^#include "([^"]+)".*/\1/' <<<"$line")"

@@ -67,16 +67,17 @@ struct Recorder {
   }
 };
 
-BatcherOptions Options(int64_t max_batch, absl::Duration delay = absl::Milliseconds(5)) {
-  BatcherOptions o;
+BatchingOptions Options(int64_t max_batch, absl::Duration delay = absl::Milliseconds(5)) {
+  BatchingOptions o;
   o.max_batch_tokens = max_batch;
-  o.max_queue_delay = delay;
+  o.max_queue_delay_us = absl::ToInt64Microseconds(delay);
   o.max_queue_tokens = 1000;
-  o.hidden_size = kHidden;
-  o.num_layers = 2;
-  o.priority_levels = 3;
   return o;
 }
+
+// Two served layers of H = kHidden, three priority levels.
+const ServedModel kModel{.hidden_size = kHidden, .layers = {0, 1}};
+constexpr int64_t kLevels = 3;
 
 void WaitDone(const std::vector<std::unique_ptr<FakeRequest>>& reqs) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
@@ -90,7 +91,7 @@ TEST(Batcher, SplitsLargeRequestsAndReassemblesEveryAnswerInOrder) {
   Recorder rec;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
-    Batcher b(Options(8), rec.Executor());
+    Batcher b(Options(8), kModel, kLevels, rec.Executor());
     std::mt19937 rng(std::random_device{}());
     for (int i = 0; i < 20; ++i) {
       reqs.push_back(MakeRequest(1 + rng() % 30, 1000.0f * i));
@@ -111,7 +112,7 @@ TEST(Batcher, FillsBatchesWhenRowsAreWaiting) {
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
     // A long delay: a full batch must go at once, not after the delay.
-    Batcher b(Options(16, absl::Seconds(5)), rec.Executor());
+    Batcher b(Options(16, absl::Seconds(5)), kModel, kLevels, rec.Executor());
     const absl::Time start = absl::Now();
     for (int i = 0; i < 4; ++i) {
       reqs.push_back(MakeRequest(4, 0));
@@ -128,7 +129,7 @@ TEST(Batcher, ABatchHoldsOneLayer) {
   Recorder rec;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
-    Batcher b(Options(64, absl::Milliseconds(20)), rec.Executor());
+    Batcher b(Options(64, absl::Milliseconds(20)), kModel, kLevels, rec.Executor());
     for (int i = 0; i < 6; ++i) {
       reqs.push_back(MakeRequest(3, i, i % 2));
       ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
@@ -142,9 +143,9 @@ TEST(Batcher, ABatchHoldsOneLayer) {
 
 TEST(Batcher, FullQueueIsResourceExhaustedAndTheCallerKeepsTheTask) {
   Recorder rec;
-  BatcherOptions o = Options(8, absl::Seconds(5));
+  BatchingOptions o = Options(8, absl::Seconds(5));
   o.max_queue_tokens = 10;
-  Batcher b(o, rec.Executor());
+  Batcher b(o, kModel, kLevels, rec.Executor());
   auto big = MakeRequest(11, 0);
   absl::Status s = b.Enqueue(big->task);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
@@ -157,7 +158,7 @@ TEST(Batcher, ExecutorErrorsReachEveryRequestOfTheBatchOnce) {
   rec.fail_with = absl::UnavailableError("workers gone");
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
-    Batcher b(Options(8), rec.Executor());
+    Batcher b(Options(8), kModel, kLevels, rec.Executor());
     for (int i = 0; i < 3; ++i) {
       reqs.push_back(MakeRequest(20, 0));  // each spans three batches
       ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
@@ -174,7 +175,7 @@ TEST(Batcher, ExecutorErrorsReachEveryRequestOfTheBatchOnce) {
 TEST(Batcher, StopAnswersQueuedRequestsAndRefusesNewOnes) {
   Recorder rec;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
-  Batcher b(Options(8, absl::Seconds(30)), rec.Executor());
+  Batcher b(Options(8, absl::Seconds(30)), kModel, kLevels, rec.Executor());
   for (int i = 0; i < 3; ++i) {
     reqs.push_back(MakeRequest(2, 0));
     ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
@@ -193,7 +194,7 @@ TEST(Batcher, CancelledAndExpiredRequestsLeaveWithoutCompute) {
   Recorder rec;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
-    Batcher b(Options(8, absl::Milliseconds(20)), rec.Executor());
+    Batcher b(Options(8, absl::Milliseconds(20)), kModel, kLevels, rec.Executor());
     reqs.push_back(MakeRequest(2, 0));
     reqs.back()->task->cancelled = [] { return true; };
     reqs.push_back(MakeRequest(2, 0));
@@ -248,7 +249,7 @@ TEST(Batcher, HigherPriorityOvertakesQueuedRequests) {
   Gate gate;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
-    Batcher b(Options(4, absl::ZeroDuration()), gate.Executor());
+    Batcher b(Options(4, absl::ZeroDuration()), kModel, kLevels, gate.Executor());
     reqs.push_back(MakeRequest(4, 1000));  // runs first and holds the executor
     ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
     while (gate.batches() == 0) absl::SleepFor(absl::Milliseconds(1));
@@ -277,7 +278,7 @@ TEST(Batcher, TheWaitingBatchTakesInRowsThatArriveWhileTheExecutorRuns) {
   {
     // No queueing delay: without the top-up, the batch behind the running one would hold only
     // the first request that arrived.
-    Batcher b(Options(16, absl::ZeroDuration()), gate.Executor());
+    Batcher b(Options(16, absl::ZeroDuration()), kModel, kLevels, gate.Executor());
     reqs.push_back(MakeRequest(4, 1000));  // holds the executor
     ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
     while (gate.batches() == 0) absl::SleepFor(absl::Milliseconds(1));
@@ -331,7 +332,7 @@ TEST(Batcher, ConvertsBf16AndFp16BothWays) {
     calls++;
   };
   {
-    Batcher b(Options(8), rec.Executor());
+    Batcher b(Options(8), kModel, kLevels, rec.Executor());
     ASSERT_TRUE(b.Enqueue(task).ok());
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
@@ -348,7 +349,7 @@ TEST(Batcher, ARequestCancelledMidwayIsAnsweredOnceAndItsRestIsNotComputed) {
   std::atomic<bool> cancel{false};
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
-    Batcher b(Options(4, absl::ZeroDuration()), gate.Executor());
+    Batcher b(Options(4, absl::ZeroDuration()), kModel, kLevels, gate.Executor());
     reqs.push_back(MakeRequest(40, 0));  // ten batches
     reqs.back()->task->cancelled = [&] { return cancel.load(); };
     ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
@@ -366,7 +367,7 @@ TEST(Batcher, ARequestCancelledMidwayIsAnsweredOnceAndItsRestIsNotComputed) {
 TEST(Batcher, StopLetsFormedBatchesFinishAndFailsTheQueue) {
   Gate gate;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
-  Batcher b(Options(4, absl::ZeroDuration()), gate.Executor());
+  Batcher b(Options(4, absl::ZeroDuration()), kModel, kLevels, gate.Executor());
   for (int i = 0; i < 5; ++i) {
     reqs.push_back(MakeRequest(4, 100.0f * i));
     ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
@@ -394,7 +395,7 @@ TEST(Batcher, ReportsEveryBatchToTheObserver) {
   int64_t observed_rows = 0;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   {
-    Batcher b(Options(8), rec.Executor(),
+    Batcher b(Options(8), kModel, kLevels, rec.Executor(),
               [&](int64_t rows, absl::Duration, absl::Duration, absl::Duration, absl::Duration) {
                 std::lock_guard<std::mutex> lock(mu);
                 observed_rows += rows;
@@ -428,7 +429,7 @@ TEST(Batcher, RunBetweenRequestsNeverSplitsAnAnswer) {
   std::vector<std::unique_ptr<FakeRequest>> reqs;
   std::mt19937 rng(std::random_device{}());
   {
-    Batcher b(Options(8, absl::ZeroDuration()), executor);
+    Batcher b(Options(8, absl::ZeroDuration()), kModel, kLevels, executor);
     std::atomic<bool> done{false};
     std::thread client([&] {
       for (int i = 0; i < 300; ++i) {

@@ -10,20 +10,15 @@
 namespace epserve::server {
 namespace {
 
-MetricsConfig Config(const std::string& address) {
-  MetricsConfig c;
-  c.address = address;
-  c.model_name = "moe";
-  c.num_workers = 2;
-  c.num_experts = 4;
-  return c;
-}
+// Two workers, four experts, one served layer (0).
+const ServedModel kModel{.layers = {0}, .num_workers = 2, .num_experts = 4};
 
 TEST(Metrics, ServesUntilDestroyedAndStopsWithoutWaitingOutTheListenerPoll) {
   // civetweb polls its listening socket for up to 2 s between looks at its stop flag; a
   // just-started endpoint is at the start of such a poll, so an unprompted stop takes ~2 s.
   for (int round = 0; round < 3; ++round) {
-    absl::StatusOr<std::unique_ptr<Metrics>> m = Metrics::Start(Config("127.0.0.1:0"));
+    absl::StatusOr<std::unique_ptr<Metrics>> m =
+        Metrics::Start(MetricsHttpOptions(), "moe", kModel, 0);
     ASSERT_TRUE(m.ok()) << m.status();
     const std::string address = (*m)->bound_address();
     EXPECT_NE(epserve::testing::HttpGet(address, "/metrics").find("epserve_build_info"),

@@ -13,7 +13,11 @@ namespace {
 
 using common::ElementType;
 
-ModelSignature Sig() { return ModelSignature{"moe", 4, {3, 7}, 100}; }
+// H = 4, layers 3 and 7, at most 100 tokens a request, one priority level.
+const ServedModel kModel{.hidden_size = 4, .layers = {3, 7}};
+const RequestOptions kRequests{
+    .model_name = "moe", .max_request_tokens = 100, .priority_levels = 1, .default_priority = 1};
+ModelSignature Sig() { return ModelSignature(kModel, kRequests); }
 
 inference::ModelInferRequest Good(int64_t tokens) {
   inference::ModelInferRequest r;
@@ -164,9 +168,10 @@ TEST(ParseInfer, RequestedOutputsPickWhatIsAnswered) {
 }
 
 TEST(ParseInfer, PriorityAndTimeoutParameters) {
-  ModelSignature sig = Sig();
-  sig.priority_levels = 3;
-  sig.default_priority = 2;
+  RequestOptions requests = kRequests;
+  requests.priority_levels = 3;
+  requests.default_priority = 2;
+  const ModelSignature sig(kModel, requests);
   inference::ModelInferRequest r = Good(1);
   absl::StatusOr<ParsedInfer> p = ParseInfer(r, sig);
   ASSERT_TRUE(p.ok());

@@ -1,0 +1,174 @@
+#include "server/main_flags.h"
+
+namespace epserve::server {
+namespace {
+
+// The job's flags: model, addresses, batching, timeouts, device.
+void RegisterServingFlags(common::FlagSet& fs, Flags& flags) {
+  fs.Add("model", &flags.model,
+         "The model: a Hugging Face checkpoint folder (config.json + *.safetensors of Mixtral, "
+         "Qwen2/Qwen3-MoE, DeepSeek-V2/V3 or OLMoE) or synthetic:<preset> (tiny, "
+         "qwen1.5-moe-a2.7b, mixtral-8x7b, ...)");
+  fs.Add("seed", &flags.seed, "Seed of synthetic weights");
+  fs.Add("layers", &flags.layers,
+         "MoE layers to serve, by the model's layer index: all, 3, 1,5, 2-7 or a mix");
+  fs.Add("memory-limit", &flags.memory_limit,
+         "Memory the ranks on one host may use (bytes, K/M/G/T suffixes); empty: the "
+         "machine's. A configuration needing more is refused before loading");
+  fs.Add("model-name", &flags.fe.requests.model_name, "Name clients use for the model");
+  fs.Add("grpc-address", &flags.fe.grpc_address,
+         "gRPC listen address host:port (port 0 picks a free port)");
+  fs.Add("metrics-address", &flags.fe.metrics.address,
+         "Prometheus /metrics listen address host:port (port 0: free port)");
+  fs.Add("metrics-max-connections", &flags.fe.metrics.max_connections,
+         "Connections the /metrics endpoint holds at once; beyond, the oldest that has not "
+         "sent a whole request is closed (idle or slow clients cannot crowd out a scraper)");
+  fs.Add("metrics-header-timeout", &flags.fe.metrics.header_timeout,
+         "A /metrics request's headers must arrive within this of its first byte (or of the "
+         "connection's opening)");
+  fs.Add("metrics-idle-timeout", &flags.fe.metrics.idle_timeout,
+         "How long a kept-alive /metrics connection may wait for its next request");
+  fs.Add("metrics-write-timeout", &flags.fe.metrics.write_timeout,
+         "A /metrics response must be taken by the client within this");
+  fs.Add("ready-file", &flags.fe.ready_file,
+         "When set, written once serving: {\"grpc\": host:port, \"metrics\": host:port}");
+  fs.Add("max-batch-tokens", &flags.fe.batching.max_batch_tokens,
+         "Most token rows in one batch; larger requests are split");
+  fs.Add("max-queue-delay-us", &flags.fe.batching.max_queue_delay_us,
+         "Longest a request waits for more rows to fill its batch, in microseconds");
+  fs.Add("max-queue-tokens", &flags.fe.batching.max_queue_tokens,
+         "Most token rows queued; beyond it requests get RESOURCE_EXHAUSTED");
+  fs.Add("max-request-bytes", &flags.fe.max_request_bytes,
+         "Largest gRPC message accepted, in bytes; 0: the largest valid request of the model "
+         "(--max-request-tokens x H x 4 bytes + 64 KiB)");
+  fs.Add("batch-timeout", &flags.fe.batch_timeout,
+         "Deadline of every cross-rank wait of one batch");
+  fs.Add("drain-timeout", &flags.fe.drain_timeout,
+         "On SIGTERM, how long a running batch may take before its requests get UNAVAILABLE");
+  fs.Add("startup-timeout", &flags.startup_timeout,
+         "How long rank 0 waits for the workers to load their weights");
+  fs.Add("device", &flags.runtime.device,
+         "OpenCL device of each worker: cpu, gpu (with several GPUs on a host, its workers take "
+         "them in turn by their order on the host), or <platform>:<device>");
+}
+
+// The front-end's flags (server/: protocol, security, limits).
+void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
+  FrontEndOptions& fe = flags.fe;
+  fs.Add("max-request-tokens", &fe.requests.max_request_tokens,
+         "Most token rows in one request; larger ones get INVALID_ARGUMENT");
+  fs.Add("max-response-bytes", &fe.max_response_bytes,
+         "Largest gRPC message sent, in bytes; 0: derived as --max-request-bytes is");
+  fs.Add("worker-stall-timeout", &fe.worker_stall_timeout,
+         "A worker whose heartbeat stops this long (stopped, wedged) makes the server not ready "
+         "(health NOT_SERVING) until it beats again; shm heap only");
+  fs.Add("grpc-max-connection-idle", &fe.max_connection_idle,
+         "A gRPC connection without a call for this long is closed");
+  fs.Add("grpc-max-connection-age", &fe.max_connection_age,
+         "A gRPC connection older than this is closed once its calls finish (0: no limit)");
+  fs.Add("priority-levels", &fe.requests.priority_levels,
+         "Request priority levels (request parameter `priority`, 1 is served first)");
+  fs.Add("default-priority", &fe.requests.default_priority,
+         "Priority level of a request that names none (or priority 0)");
+  fs.Add("max-stream-inflight", &fe.service.max_stream_inflight,
+         "Requests of one ModelStreamInfer stream read but not yet answered; beyond it the "
+         "server stops reading the stream");
+  fs.Add("max-concurrent-streams", &fe.streams.max_streams,
+         "Most concurrent RPCs on one client connection (HTTP/2 streams)");
+  fs.Add("grpc-max-connections", &fe.streams.max_connections,
+         "gRPC connections open at once; beyond it the newest without a call are closed");
+  fs.Add("max-inflight-bytes", &fe.service.max_inflight_bytes,
+         "Bytes of requests and answers rank 0 holds for all calls together; beyond it requests "
+         "get RESOURCE_EXHAUSTED. 0: twice the rows the pipeline holds at its fullest "
+         "((--max-queue-tokens + 3 x --max-batch-tokens + --max-request-tokens) x H x 16 "
+         "bytes), at least 16 MiB");
+  fs.Add("answer-timeout", &fe.service.answer_timeout,
+         "An answer its client has not taken within this closes the call (CANCELLED); while "
+         "--max-inflight-bytes is short, calls whose answer waited 1 s are closed first");
+  fs.Add("grpc-memory-quota", &fe.grpc_memory_quota,
+         "Bytes gRPC itself may use for buffers, calls and connections (a resource quota; under "
+         "pressure it closes idle connections, then cancels calls). 0: --max-inflight-bytes "
+         "plus 16 largest requests");
+  fs.Add("grpc-handshake-timeout", &fe.grpc_handshake_timeout,
+         "A new gRPC connection must send HTTP/2's preface and SETTINGS (and finish TLS) within "
+         "this");
+  fs.Add("keepalive-time", &fe.keepalive_time,
+         "Interval of the server's keepalive pings on an idle connection");
+  fs.Add("keepalive-timeout", &fe.keepalive_timeout,
+         "How long the server waits for a keepalive ping's answer before closing");
+  fs.Add("keepalive-permit-without-calls", &fe.keepalive_permit_without_calls,
+         "Allow client keepalive pings on connections without RPCs in flight");
+  fs.Add("http2-min-recv-ping-interval", &fe.http2_min_recv_ping_interval,
+         "Shortest interval between client pings without data the server tolerates");
+  fs.Add("http2-max-ping-strikes", &fe.http2_max_ping_strikes,
+         "Pings too early before the server closes the connection (0: unlimited)");
+  fs.Add("tls-cert", &fe.tls_cert, "PEM certificate chain of the server; with --tls-key: TLS");
+  fs.Add("tls-key", &fe.tls_key, "PEM private key of --tls-cert");
+  fs.Add("tls-client-ca", &fe.tls_client_ca,
+         "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)");
+  fs.Add("auth-token-file", &fe.auth_token_file,
+         "File holding a bearer token; when set, every RPC but health needs the metadata "
+         "'authorization: Bearer <token>'");
+  fs.Add("grpc-reflection", &fe.reflection, "Serve gRPC server reflection");
+}
+
+// The kernels' flags (weights on the device, FFN kernels).
+void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
+  fs.Add("weight-dtype", &flags.weight_dtype,
+         "Expert weights (routed and shared) on the workers' devices: fp32 or bf16 (rounded to "
+         "nearest even once at load; the router stays fp32, sums are fp32 either way)");
+  fs.Add("tensor-cores", &flags.runtime.tensor_cores,
+         "With --weight-dtype=bf16 on NVIDIA GPUs of compute capability 8.0 or more, run the "
+         "expert FFN on the tensor cores (activations and the intermediate also rounded to "
+         "bf16); --no-tensor-cores keeps the portable kernels");
+  fs.Add("bf16-dot", &flags.runtime.bf16_dot,
+         "With --weight-dtype=bf16 on CPU devices whose x86 CPU has AVX512-BF16, run the expert "
+         "FFN on its bf16 dot products (vdpbf16ps, twice the multiply-adds of an fp32 FMA; "
+         "activations and the intermediate also rounded to bf16); --no-bf16-dot keeps fp32 FMAs");
+  fs.Add("ffn-blocking", &flags.runtime.ffn_blocking,
+         "Force the portable expert FFN kernels' blocking, e.g. 'vec=8 rows=6 prefetch=64 "
+         "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows); default: "
+         "chosen per device and expert shape, from the tuning cache beside the kernel cache or "
+         "timed on the device at first start (also $EPSERVE_FFN_BLOCKING)");
+  fs.Add("ffn-tune", &flags.runtime.tune_ffn,
+         "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
+         "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "
+         "the device's default blocking instead");
+}
+
+// The exchange's flags (shmem/, worker/: heap backend, payload dtypes, capacity).
+void RegisterExchangeFlags(common::FlagSet& fs, Flags& flags) {
+  fs.Add("heap", &flags.exchange.heap,
+         "Symmetric heap backend: shm (shared-memory window, all ranks on one host), rma (MPI "
+         "one-sided RMA, any hosts) or auto (shm when every rank shares a host)");
+  fs.Add("dispatch-dtype", &flags.exchange.dispatch_dtype,
+         "Token rows sent to experts: fp32, bf16 or fp8 (e4m3, one fp32 scale per 128 values)");
+  fs.Add("combine-dtype", &flags.exchange.combine_dtype,
+         "Expert output rows sent back to their owners: fp32 or bf16");
+  fs.Add("max-recv-tokens-per-rank", &flags.exchange.max_recv_tokens_per_rank,
+         "Receive capacity of each worker in token rows per batch (bounds the heap); 0: "
+         "--max-batch-tokens, which never overflows");
+  fs.Add("recv-overflow", &flags.exchange.recv_overflow,
+         "When a batch exceeds a receive capacity: fail (RESOURCE_EXHAUSTED) or split (run "
+         "it in rounds)");
+  fs.Add("exchange-timeout-ms", &flags.exchange.exchange_timeout_ms,
+         "Every cross-rank wait of a batch ends within this many milliseconds (or "
+         "--batch-timeout, if shorter); a peer that stops taking part fails the batch with "
+         "UNAVAILABLE");
+  fs.Add("shared-expert", &flags.exchange.shared_expert,
+         "Where the shared expert runs: owner (each worker holds all of it and runs it on its "
+         "own tokens) or split (each worker holds 1/W of its intermediate columns and runs "
+         "them on every token of the batch, which then goes to every worker: balanced and "
+         "lighter on weight reads for small batches, more rows exchanged for large ones)");
+}
+
+}  // namespace
+
+void RegisterFlags(common::FlagSet& fs, Flags& flags) {
+  RegisterServingFlags(fs, flags);
+  RegisterFrontEndFlags(fs, flags);
+  RegisterKernelFlags(fs, flags);
+  RegisterExchangeFlags(fs, flags);
+}
+
+}  // namespace epserve::server

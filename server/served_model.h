@@ -1,0 +1,21 @@
+// What the front-end serves and who computes it: facts of the model and the workers, fixed at
+// start, set by no front-end flag. The front-end's components take it by const reference
+// beside their options (FrontEndOptions' groups).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace epserve::server {
+
+struct ServedModel {
+  int64_t hidden_size = 0;  // H
+  std::vector<int> layers;  // served MoE layer indices, ascending; the first is the default
+  int num_workers = 1;
+  int num_experts = 1;
+  int top_k = 1;               // routed experts per token: the width of topk_ids, topk_weights
+  std::string device = "cpu";  // the workers' OpenCL device (--device), reported in ModelConfig
+};
+
+}  // namespace epserve::server
