@@ -1,3 +1,5 @@
+// The Runtime: context, queue, buffers, and the programs built through the binary cache. Finding
+// and choosing its device is kernels/device.cc's (kernels/detail/device.h).
 #include "kernels/runtime.h"
 
 #include <algorithm>
@@ -6,14 +8,12 @@
 #include <unordered_map>
 #include <utility>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/files.h"
 #include "common/status.h"
 #include "kernels/detail/cl_check.h"
+#include "kernels/detail/device.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/detail/program_cache.h"
 
@@ -30,139 +30,6 @@ namespace {
 
 absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
-absl::StatusOr<std::string> PlatformString(cl_platform_id platform, cl_platform_info what) {
-  size_t size = 0;
-  CL_CHECK(clGetPlatformInfo(platform, what, 0, nullptr, &size));
-  std::string s(size, '\0');
-  CL_CHECK(clGetPlatformInfo(platform, what, size, s.data(), nullptr));
-  while (!s.empty() && s.back() == '\0') s.pop_back();
-  return s;
-}
-
-absl::StatusOr<std::string> DeviceString(cl_device_id device, cl_device_info what) {
-  size_t size = 0;
-  CL_CHECK(clGetDeviceInfo(device, what, 0, nullptr, &size));
-  std::string s(size, '\0');
-  CL_CHECK(clGetDeviceInfo(device, what, size, s.data(), nullptr));
-  while (!s.empty() && s.back() == '\0') s.pop_back();
-  return s;
-}
-
-// major * 10 + minor through cl_nv_device_attribute_query, or 0 where the device lacks it.
-int NvComputeCapability(cl_device_id device) {
-  absl::StatusOr<std::string> extensions = DeviceString(device, CL_DEVICE_EXTENSIONS);
-  if (!extensions.ok() || extensions->find("cl_nv_device_attribute_query") == std::string::npos) {
-    return 0;
-  }
-  constexpr cl_device_info kMajor = 0x4000;  // CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV
-  constexpr cl_device_info kMinor = 0x4001;  // CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV
-  cl_uint major = 0;
-  cl_uint minor = 0;
-  if (clGetDeviceInfo(device, kMajor, sizeof(major), &major, nullptr) != CL_SUCCESS ||
-      clGetDeviceInfo(device, kMinor, sizeof(minor), &minor, nullptr) != CL_SUCCESS) {
-    return 0;
-  }
-  return static_cast<int>(major * 10 + minor);
-}
-
-// Every device with its info, in platform then device order.
-absl::StatusOr<std::vector<std::pair<cl_device_id, DeviceInfo>>> EnumerateDevices() {
-  std::vector<std::pair<cl_device_id, DeviceInfo>> out;
-  cl_uint num_platforms = 0;
-  const cl_int err = clGetPlatformIDs(0, nullptr, &num_platforms);
-  if (err == -1001 /* CL_PLATFORM_NOT_FOUND_KHR: no ICD installed */ || num_platforms == 0) {
-    return out;
-  }
-  CL_CHECK(err);
-  std::vector<cl_platform_id> platforms(num_platforms);
-  CL_CHECK(clGetPlatformIDs(num_platforms, platforms.data(), nullptr));
-  for (cl_uint p = 0; p < num_platforms; ++p) {
-    EPSERVE_ASSIGN_OR_RETURN(std::string platform_name,
-                             PlatformString(platforms[p], CL_PLATFORM_NAME));
-    cl_uint num_devices = 0;
-    const cl_int derr = clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, 0, nullptr, &num_devices);
-    if (derr == CL_DEVICE_NOT_FOUND || num_devices == 0) continue;
-    CL_CHECK(derr);
-    std::vector<cl_device_id> devices(num_devices);
-    CL_CHECK(
-        clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, num_devices, devices.data(), nullptr));
-    for (cl_uint d = 0; d < num_devices; ++d) {
-      DeviceInfo info;
-      info.platform_index = static_cast<int>(p);
-      info.device_index = static_cast<int>(d);
-      info.platform_name = platform_name;
-      absl::StatusOr<std::string> name = DeviceString(devices[d], CL_DEVICE_NAME);
-      absl::StatusOr<std::string> version = DeviceString(devices[d], CL_DEVICE_VERSION);
-      absl::StatusOr<std::string> driver = DeviceString(devices[d], CL_DRIVER_VERSION);
-      if (!name.ok()) return name.status();
-      if (!version.ok()) return version.status();
-      if (!driver.ok()) return driver.status();
-      info.device_name = *std::move(name);
-      info.device_version = *std::move(version);
-      info.driver_version = *std::move(driver);
-      cl_device_type type = 0;
-      CL_CHECK(clGetDeviceInfo(devices[d], CL_DEVICE_TYPE, sizeof(type), &type, nullptr));
-      info.is_gpu = (type & CL_DEVICE_TYPE_GPU) != 0;
-      info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
-      info.nv_compute_capability = NvComputeCapability(devices[d]);
-      cl_uint width = 1;
-      cl_uint units = 1;
-      CL_CHECK(clGetDeviceInfo(devices[d], CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof(width),
-                               &width, nullptr));
-      CL_CHECK(
-          clGetDeviceInfo(devices[d], CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(units), &units, nullptr));
-      info.native_float_width = static_cast<int>(width);
-      info.compute_units = static_cast<int>(units);
-      out.emplace_back(devices[d], std::move(info));
-    }
-  }
-  return out;
-}
-
-std::string DescribeAll(const std::vector<std::pair<cl_device_id, DeviceInfo>>& devices) {
-  if (devices.empty()) return "none (no OpenCL platform or device is installed)";
-  std::vector<std::string> parts;
-  for (const auto& [id, info] : devices) parts.push_back(info.Describe());
-  return absl::StrJoin(parts, "; ");
-}
-
-// Picks the device `spec` names; errors list the devices found.
-absl::StatusOr<std::pair<cl_device_id, DeviceInfo>> ChooseDevice(
-    const std::vector<std::pair<cl_device_id, DeviceInfo>>& devices, std::string_view spec,
-    int local_rank) {
-  auto none = [&](absl::StatusCode code, std::string_view why) {
-    return absl::Status(code, absl::StrCat("no OpenCL device for device='", Sv(spec), "': ",
-                                           Sv(why), "; devices found: ", DescribeAll(devices)));
-  };
-  if (spec == "cpu" || spec == "gpu") {
-    const bool want_gpu = spec == "gpu";
-    std::vector<size_t> matches;
-    for (size_t i = 0; i < devices.size(); ++i) {
-      if (want_gpu ? devices[i].second.is_gpu : devices[i].second.is_cpu) matches.push_back(i);
-    }
-    if (matches.empty()) {
-      return none(absl::StatusCode::kNotFound, absl::StrCat("there is no ", Sv(spec), " device"));
-    }
-    const size_t pick =
-        want_gpu ? static_cast<size_t>(std::max(local_rank, 0)) % matches.size() : 0;
-    return devices[matches[pick]];
-  }
-  const std::vector<absl::string_view> parts = absl::StrSplit(Sv(spec), ':');
-  int platform = -1;
-  int device = -1;
-  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &platform) ||
-      !absl::SimpleAtoi(parts[1], &device)) {
-    return none(absl::StatusCode::kInvalidArgument,
-                "expected 'cpu', 'gpu' or '<platform>:<device>' indices");
-  }
-  for (const auto& entry : devices) {
-    if (entry.second.platform_index == platform && entry.second.device_index == device) {
-      return entry;
-    }
-  }
-  return none(absl::StatusCode::kNotFound, "no device has these indices");
-}
-
 std::string DefaultCacheDir(const RuntimeOptions& options) {
   if (!options.cache_dir.empty()) return options.cache_dir;
   if (const char* env = std::getenv("EPSERVE_KERNEL_CACHE"); env != nullptr && *env != '\0') {
@@ -174,68 +41,6 @@ std::string DefaultCacheDir(const RuntimeOptions& options) {
   return "";
 }
 
-// The BF16 dot-product kernels use clang's x86 builtin for vdpbf16ps: PoCL's CPU device
-// compiles for the host, so the host must have the instruction.
-bool HostRunsBf16Dot(const DeviceInfo& info) {
-#if defined(__x86_64__)
-  return info.is_cpu && absl::StrContains(info.platform_name, "Portable Computing Language") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  (void)info;
-  return false;
-#endif
-}
-
-// The vector extensions the device's compiler targets, read from its predefined macros by a
-// one-work-item kernel; "" where it is not x86 or the probe cannot run (its errors are not
-// the caller's: the reported width then stands).
-constexpr char kTargetProbeSource[] = R"(
-__kernel void target_probe(__global int* out) {
-  int isa = 0;
-#if defined(__x86_64__) || defined(__i386__)
-  isa = 1;
-#endif
-#ifdef __AVX__
-  isa = 2;
-#endif
-#ifdef __AVX2__
-  isa = 3;
-#endif
-#ifdef __AVX512F__
-  isa = 4;
-#endif
-  out[0] = isa;
-}
-)";
-
-std::string ProbeTargetIsa(cl_context context, cl_device_id device, cl_command_queue queue) {
-  constexpr const char* kNames[] = {"", "sse", "avx", "avx2", "avx512f"};
-  cl_int err = CL_SUCCESS;
-  const char* src = kTargetProbeSource;
-  cl_program program = clCreateProgramWithSource(context, 1, &src, nullptr, &err);
-  if (err != CL_SUCCESS) return "";
-  cl_kernel kernel = nullptr;
-  cl_mem out = nullptr;
-  int isa = 0;
-  if (clBuildProgram(program, 1, &device, "", nullptr, nullptr) == CL_SUCCESS &&
-      (kernel = clCreateKernel(program, "target_probe", &err), err == CL_SUCCESS) &&
-      (out = clCreateBuffer(context, CL_MEM_READ_WRITE, sizeof(int), nullptr, &err),
-       err == CL_SUCCESS) &&
-      clSetKernelArg(kernel, 0, sizeof(out), &out) == CL_SUCCESS) {
-    const size_t one = 1;
-    if (clEnqueueNDRangeKernel(queue, kernel, 1, nullptr, &one, nullptr, 0, nullptr, nullptr) !=
-            CL_SUCCESS ||
-        clEnqueueReadBuffer(queue, out, CL_TRUE, 0, sizeof(isa), &isa, 0, nullptr, nullptr) !=
-            CL_SUCCESS) {
-      isa = 0;
-    }
-  }
-  if (out != nullptr) clReleaseMemObject(out);
-  if (kernel != nullptr) clReleaseKernel(kernel);
-  clReleaseProgram(program);
-  return isa >= 0 && isa <= 4 ? kNames[isa] : "";
-}
-
 std::string SourceDir(const RuntimeOptions& options) {
   if (!options.source_dir.empty()) return options.source_dir;
   const char* env = std::getenv("EPSERVE_KERNEL_SOURCES");
@@ -243,22 +48,6 @@ std::string SourceDir(const RuntimeOptions& options) {
 }
 
 }  // namespace
-
-std::string DeviceInfo::Describe() const {
-  return absl::StrCat(
-      platform_index, ":", device_index, " ", platform_name, " / ", device_name, " (",
-      is_gpu ? "gpu" : (is_cpu ? "cpu" : "other"), ", ", device_version, ", driver ",
-      driver_version,
-      nv_compute_capability > 0 ? absl::StrCat(", sm_", nv_compute_capability) : std::string(),
-      ")");
-}
-
-absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
-  EPSERVE_ASSIGN_OR_RETURN(auto devices, EnumerateDevices());
-  std::vector<DeviceInfo> out;
-  for (auto& entry : devices) out.push_back(std::move(entry.second));
-  return out;
-}
 
 Buffer::Buffer(Buffer&& o) noexcept
     : mem_(std::exchange(o.mem_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
@@ -318,12 +107,13 @@ static std::string FfnBlockingOptions(const FfnBlocking& b) {
 }
 
 absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) {
-  EPSERVE_ASSIGN_OR_RETURN(auto devices, EnumerateDevices());
-  EPSERVE_ASSIGN_OR_RETURN(auto chosen, ChooseDevice(devices, options.device, options.local_rank));
+  EPSERVE_ASSIGN_OR_RETURN(std::vector<detail::FoundDevice> devices, detail::EnumerateDevices());
+  EPSERVE_ASSIGN_OR_RETURN(detail::FoundDevice chosen,
+                           detail::ChooseDevice(devices, options.device, options.local_rank));
 
   std::unique_ptr<Runtime> rt(new Runtime());
-  rt->device_ = chosen.first;
-  rt->info_ = chosen.second;
+  rt->device_ = chosen.id;
+  rt->info_ = std::move(chosen.info);
   rt->cache_dir_ = DefaultCacheDir(options);
   rt->programs_ = std::make_unique<Programs>();
   rt->programs_->source_dir = SourceDir(options);
@@ -331,16 +121,10 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   cl_int err = CL_SUCCESS;
   CL_CHECK((rt->context_ = clCreateContext(nullptr, 1, &rt->device_, nullptr, nullptr, &err), err));
   CL_CHECK((rt->queue_ = clCreateCommandQueue(rt->context_, rt->device_, 0, &err), err));
-  if (rt->info_.is_cpu) {
-    rt->info_.target_isa = ProbeTargetIsa(rt->context_, rt->device_, rt->queue_);
-    const std::string& isa = rt->info_.target_isa;
-    if (!isa.empty() && isa != "avx512f") {
-      rt->info_.native_float_width = std::min(rt->info_.native_float_width, isa == "sse" ? 4 : 8);
-    }
-  }
+  detail::ProbeCpuTarget(rt->context_, rt->device_, rt->queue_, rt->info_);
   // mma.sync with BF16 operands needs sm_80; the program is built only where it runs.
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
-  rt->bf16_dot_ = options.bf16_dot && HostRunsBf16Dot(rt->info_) &&
+  rt->bf16_dot_ = options.bf16_dot && detail::HostRunsBf16Dot(rt->info_) &&
                   (rt->info_.target_isa.empty() || rt->info_.target_isa == "avx512f");
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},

@@ -168,9 +168,9 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
   return status;
 }
 
-// The exchange's shape for this model and these flags, checked: every rank computes the
+// The exchange's plan for this model and these flags, checked: every rank computes the
 // same one, so all reach the same verdict.
-absl::StatusOr<epserve::worker::ExchangeShape> PlanExchange(
+absl::StatusOr<epserve::worker::ExchangePlan> PlanExchange(
     const epserve::model::ModelConfig& config, int num_workers, const Flags& flags) {
   if (num_workers < 1) {
     return absl::InvalidArgumentError(
@@ -182,29 +182,27 @@ absl::StatusOr<epserve::worker::ExchangeShape> PlanExchange(
         absl::StrCat(num_workers, " workers but the model has only ", config.layer.num_experts,
                      " experts: launch with mpirun -np <= ", config.layer.num_experts + 1));
   }
-  epserve::worker::ExchangeShape shape;
-  shape.num_workers = num_workers;
-  shape.num_experts = config.layer.num_experts;
-  shape.top_k = config.layer.top_k;
-  shape.hidden = config.layer.hidden_size;
-  shape.max_batch_tokens = flags.fe.batching.max_batch_tokens;
-  EPSERVE_RETURN_IF_ERROR(flags.exchange.Apply(shape));
-  if (config.layer.shared_ffn_size == 0) shape.shared_expert_split = false;  // nothing to split
-  return shape;
+  return epserve::worker::ExchangePlan::Make(
+      {.num_workers = num_workers,
+       .num_experts = config.layer.num_experts,
+       .top_k = config.layer.top_k,
+       .hidden = config.layer.hidden_size,
+       .max_batch_tokens = flags.fe.batching.max_batch_tokens,
+       .has_shared_expert = config.layer.shared_ffn_size > 0},
+      flags.exchange);
 }
 
-void LogModel(const epserve::model::ModelConfig& config,
-              const epserve::worker::ExchangeShape& shape,
+void LogModel(const epserve::model::ModelConfig& config, const epserve::worker::ExchangePlan& plan,
               const epserve::shmem::SymmetricHeap& heap) {
   using namespace epserve;
   Log(0, absl::StrCat("heap ", shmem::HeapBackendName(heap.backend()), ": ",
-                      worker::ExchangeRegions::Describe(shape.exchange())));
+                      worker::ExchangeRegions::Describe(plan)));
   Log(0, absl::StrCat("model ", config.source, ": H=", config.layer.hidden_size,
                       " F=", config.layer.expert_ffn_size, " E=", config.layer.num_experts,
                       " k=", config.layer.top_k, " shared F=", config.layer.shared_ffn_size,
-                      shape.shared_expert_split ? " (split over the workers)" : "", ", ",
+                      plan.shared_expert_split() ? " (split over the workers)" : "", ", ",
                       config.architecture, " MoE layers ", model::FormatLayers(config.moe_layers),
-                      ", ", shape.num_workers, " worker(s); heap ", heap.bytes_per_rank(),
+                      ", ", plan.shape().num_workers, " worker(s); heap ", heap.bytes_per_rank(),
                       " bytes per rank"));
 }
 
@@ -284,20 +282,18 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   if (!source.ok()) return Fail(rank, source.status());
   const model::ModelConfig& config = (*source)->config();
   if (absl::Status s = flags.fe.Validate(); !s.ok()) return Fail(rank, s);
-  absl::StatusOr<worker::ExchangeShape> shape =
+  absl::StatusOr<worker::ExchangePlan> plan =
       PlanExchange(config, worker::NumWorkers(num_ranks), flags);
-  if (!shape.ok()) return Fail(rank, shape.status());
-  absl::StatusOr<shmem::HeapBackend> backend = shmem::ParseHeapBackend(flags.exchange.heap);
-  if (!backend.ok()) return Fail(rank, backend.status());
-  const size_t heap_bytes = worker::HeapRegions::BytesNeeded(*shape);
+  if (!plan.ok()) return Fail(rank, plan.status());
+  const size_t heap_bytes = worker::HeapRegions::BytesNeeded(*plan);
   absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
   if (!memory_limit.ok()) return Fail(rank, memory_limit.status());
   absl::StatusOr<common::ElementType> weight_dtype =
       common::ParseFlagName(flags.weight_dtype, "--weight-dtype", kernels::kKernelTypes);
   if (!weight_dtype.ok()) return Fail(rank, weight_dtype.status());
   if (absl::Status s =
-          CheckMemory(config, shape->num_workers, heap_bytes, *memory_limit,
-                      *weight_dtype == common::ElementType::kBf16, shape->shared_expert_split);
+          CheckMemory(config, plan->shape().num_workers, heap_bytes, *memory_limit,
+                      *weight_dtype == common::ElementType::kBf16, plan->shared_expert_split());
       !s.ok()) {
     return Fail(rank, s);
   }
@@ -305,11 +301,11 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   const absl::StatusOr<int> local_worker = NodeLocalWorkerIndex(rank);
   if (!local_worker.ok()) return Fail(rank, local_worker.status());
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
-      shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, *backend);
+      shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, plan->heap_backend());
   if (!heap.ok()) return Fail(rank, heap.status());
-  absl::StatusOr<worker::HeapRegions> regions = worker::HeapRegions::Allocate(**heap, *shape);
+  absl::StatusOr<worker::HeapRegions> regions = worker::HeapRegions::Allocate(**heap, *plan);
   if (!regions.ok()) return Fail(rank, regions.status());
-  if (rank == 0) LogModel(config, *shape, **heap);
+  if (rank == 0) LogModel(config, *plan, **heap);
 
   // Teardown order: a worker is gone (ServeWorker returned) before the heap; rank 0's
   // front-end after it (its teardown, the metrics server's threads, is slow, and the heap's

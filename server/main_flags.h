@@ -10,7 +10,7 @@
 #include "common/flags.h"
 #include "kernels/runtime.h"
 #include "server/front_end.h"
-#include "worker/heap_regions.h"
+#include "worker/exchange_config.h"
 
 namespace epserve::server {
 
@@ -26,8 +26,8 @@ struct Flags {
   // Each worker's device and FFN kernels (local_rank is set per worker).
   kernels::RuntimeOptions runtime;
   std::string weight_dtype = "fp32";  // parsed with kernels::kKernelTypes
-  // The exchange's (checked by ExchangeFlags::Apply).
-  worker::ExchangeFlags exchange;
+  // The exchange's (checked by ExchangePlan::Make).
+  worker::ExchangeOptions exchange;
 };
 
 // Registers every flag of epserve, bound to its field of `flags`, whose values are the

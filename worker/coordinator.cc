@@ -25,7 +25,7 @@ absl::Status ReportStatus(const WorkerReport& report) {
 absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
   shmem::WaitOptions wait;
   wait.max_sleep = absl::Milliseconds(5);
-  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.ready, w), 1, deadline,
                                              "weights loaded by worker", w, wait));
   }
@@ -33,7 +33,7 @@ absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
 }
 
 absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline) {
-  const int num_workers = regions_.shape.num_workers;
+  const int num_workers = regions_.plan.shape().num_workers;
   ++seq_;
   // Workers give up a little before rank 0 does, so their reports arrive in time.
   const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
@@ -59,7 +59,7 @@ absl::Status Coordinator::WaitDone(absl::Time deadline) {
   // A batch runs for milliseconds to seconds; polling every 50 us throughout cost rank 0
   // about 8% of a core (20,000 wake-ups a second) on the cores the workers compute on.
   wait.sleep_fraction = 1.0 / 64;
-  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.done_seq, w), seq_,
                                              deadline, "the end of the batch on worker", w, wait));
   }
@@ -67,7 +67,7 @@ absl::Status Coordinator::WaitDone(absl::Time deadline) {
 }
 
 int Coordinator::StalledWorkers(absl::Duration timeout) {
-  const int w = regions_.shape.num_workers;
+  const int w = regions_.plan.shape().num_workers;
   uint64_t* beats = heap_.DirectAs<uint64_t>(0, regions_.heartbeats);
   if (beats == nullptr || heap_.backend() != shmem::HeapBackend::kShm) return -1;
   std::lock_guard<std::mutex> lock(beat_mu_);
@@ -105,14 +105,14 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
     return absl::UnavailableError(
         "the expert workers stopped answering; the service needs a restart");
   }
-  const ExchangeShape& shape = regions_.shape;
+  const ExchangeShape& shape = regions_.plan.shape();
   int64_t total = 0;
   for (const RowChunk& c : chunks) total += c.rows;
   if (total < 1 || total > shape.max_batch_tokens) {
     return absl::InternalError(
         absl::StrCat("batch of ", total, " rows outside [1, ", shape.max_batch_tokens, "]"));
   }
-  deadline = std::min(deadline, absl::Now() + shape.exchange_timeout);
+  deadline = std::min(deadline, absl::Now() + regions_.plan.timeout());
   BatchTrace trace;
 
   absl::Time t0 = absl::Now();
@@ -133,7 +133,7 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
 }
 
 absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t total) {
-  const ExchangeShape& shape = regions_.shape;
+  const ExchangeShape& shape = regions_.plan.shape();
   const int num_workers = shape.num_workers;
   const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
   // Batch row r goes to worker w with begin(w) <= r < end(w).
@@ -161,7 +161,7 @@ absl::Status Coordinator::FailBatch(const absl::Status& wait) {
   }
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
   std::string why = std::string(wait.message());
-  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
     if (heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) < seq_) {
       absl::StrAppend(&why, "; worker ", w, " (rank ", RankOfWorker(w), ") did not finish");
     } else if (reports[w].status_code != 0) {
@@ -172,12 +172,11 @@ absl::Status Coordinator::FailBatch(const absl::Status& wait) {
 }
 
 absl::Status Coordinator::CollectReports(BatchTrace& trace) {
-  const ExchangeShape& shape = regions_.shape;
+  const ExchangeShape& shape = regions_.plan.shape();
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
   trace.stage_ns.resize(shape.num_workers);
-  const ExchangeConfig exchange = shape.exchange();
-  const size_t dispatch_row_bytes = exchange.dispatch_row_bytes();
-  const size_t combine_row_bytes = exchange.combine_row_bytes();
+  const size_t dispatch_row_bytes = regions_.plan.dispatch_row_bytes();
+  const size_t combine_row_bytes = regions_.plan.combine_row_bytes();
   std::string timeouts;
   absl::Status first_error;
   for (int w = 0; w < shape.num_workers; ++w) {
@@ -203,7 +202,7 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace) {
 }
 
 void Coordinator::Gather(std::span<const RowChunk> chunks) {
-  const ExchangeShape& shape = regions_.shape;
+  const ExchangeShape& shape = regions_.plan.shape();
   const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
   const size_t k = static_cast<size_t>(shape.top_k);
   const float* out = heap_.LocalAs<float>(regions_.output);
@@ -224,7 +223,7 @@ absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
   if (s.ok()) s = WaitDone(deadline);
   if (!s.ok()) return Fail(s.ToString());
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
-  for (int i = 0; i < regions_.shape.num_workers; ++i) {
+  for (int i = 0; i < regions_.plan.shape().num_workers; ++i) {
     if (reports[i].status_code != 0) return ReportStatus(reports[i]);
   }
   return absl::OkStatus();
@@ -243,7 +242,7 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
   message.seed = seed;
   message.model_bytes = static_cast<uint32_t>(model.size());
   std::memcpy(message.model, model.data(), model.size());
-  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
     absl::Status s = heap_.Put(RankOfWorker(w), regions_.control, &message, sizeof(message));
     if (!s.ok()) return Fail(s.ToString());
   }
@@ -256,7 +255,7 @@ absl::StatusOr<bool> Coordinator::StageDone() {
   if (stage_seq_ == 0) return absl::FailedPreconditionError("no weight swap under way");
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.stage_reports);
   bool all = true;
-  for (int w = 0; w < regions_.shape.num_workers; ++w) {
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
     if (heap_.SignalLoad(HeapRegions::Signal(regions_.staged, w)) < stage_seq_) {
       all = false;
     } else if (reports[w].status_code != 0) {

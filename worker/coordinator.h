@@ -88,7 +88,7 @@ class Coordinator {
   // Run: a stopped (SIGSTOP) or wedged worker shows here within `timeout` even while no
   // batch runs, or while one waits for it.
   int StalledWorkers(absl::Duration timeout);
-  const ExchangeShape& shape() const { return regions_.shape; }
+  const ExchangeShape& shape() const { return regions_.plan.shape(); }
 
  private:
   absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline);

@@ -34,37 +34,36 @@ int ReceivedRows::Source(int64_t r) const {
 // ---- Exchange ----
 
 absl::StatusOr<ExchangeRegions> Exchange::Allocate(shmem::SymmetricHeap& heap,
-                                                   const ExchangeConfig& config) {
-  return ExchangeRegions::Plan(
-      config, [&](size_t bytes, size_t align) { return heap.Allocate(bytes, align); });
+                                                   const ExchangePlan& plan) {
+  return ExchangeRegions::Make(
+      plan, [&](size_t bytes, size_t align) { return heap.Allocate(bytes, align); });
 }
 
 absl::StatusOr<std::unique_ptr<Exchange>> Exchange::Create(shmem::SymmetricHeap& heap,
-                                                           const ExchangeConfig& config,
+                                                           const ExchangePlan& plan,
                                                            const ExchangeRegions& regions, int me) {
-  EPSERVE_RETURN_IF_ERROR(config.Validate());
-  if (me < 0 || me >= config.num_workers ||
-      config.first_rank + config.num_workers > heap.num_ranks()) {
+  const ExchangeShape& s = plan.shape();
+  if (me < 0 || me >= s.num_workers || s.first_rank + s.num_workers > heap.num_ranks()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("worker ", me, " of ", config.num_workers, " from heap rank ",
-                     config.first_rank, " does not fit a heap of ", heap.num_ranks(), " ranks"));
+        absl::StrCat("worker ", me, " of ", s.num_workers, " from heap rank ", s.first_rank,
+                     " does not fit a heap of ", heap.num_ranks(), " ranks"));
   }
   absl::StatusOr<ExpertPlacement> placement =
-      ExpertPlacement::Contiguous(config.num_experts, config.num_workers);
+      ExpertPlacement::Contiguous(s.num_experts, s.num_workers);
   if (!placement.ok()) return placement.status();
-  return std::unique_ptr<Exchange>(new Exchange(heap, config, regions, *std::move(placement), me));
+  return std::unique_ptr<Exchange>(new Exchange(heap, plan, regions, *std::move(placement), me));
 }
 
-Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config,
+Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangePlan& plan,
                    const ExchangeRegions& regions, ExpertPlacement placement, int me)
     : heap_(heap),
-      config_(config),
+      plan_(plan),
       regions_(regions),
       placement_(std::move(placement)),
       me_(me),
-      num_local_max_(config.max_local_experts()),
-      count_stride_(2 + static_cast<size_t>(config.max_local_experts())) {
-  const size_t w = static_cast<size_t>(config.num_workers);
+      num_local_max_(plan.max_local_experts()),
+      count_stride_(2 + static_cast<size_t>(plan.max_local_experts())) {
+  const size_t w = static_cast<size_t>(plan.shape().num_workers);
   counts_.resize(w * w * count_stride_);
   my_counts_.resize(w * count_stride_);
   row_base_.resize(w);
@@ -73,23 +72,23 @@ Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config,
   source_begin_.resize(w + 1);
   expert_offsets_.resize(static_cast<size_t>(placement_.count(me)) + 1);
   if (!OutputInHeap()) {
-    out_.resize(static_cast<size_t>(config.recv_capacity() * config.hidden));
+    out_.resize(static_cast<size_t>(plan.recv_capacity() * plan.shape().hidden));
   }
-  slot_.reserve(static_cast<size_t>(config.max_send_tokens) * w);
-  pair_local_.reserve(static_cast<size_t>(config.max_send_tokens * config.top_k));
+  slot_.reserve(static_cast<size_t>(plan.max_rows_per_worker()) * w);
+  pair_local_.reserve(static_cast<size_t>(plan.max_rows_per_worker() * plan.shape().top_k));
 }
 
 int64_t Exchange::rows_sent() const {
   int64_t rows = 0;
-  for (int d = 0; d < config_.num_workers; ++d) rows += my_counts_[d * count_stride_];
+  for (int d = 0; d < plan_.shape().num_workers; ++d) rows += my_counts_[d * count_stride_];
   return rows;
 }
 
 absl::StatusOr<int64_t> Exchange::CountAndNotify(int64_t n, const int32_t* ids,
                                                  absl::Time deadline) {
-  if (n < 0 || n > config_.max_send_tokens) {
+  if (n < 0 || n > plan_.max_rows_per_worker()) {
     return absl::InternalError(
-        absl::StrCat(n, " tokens outside [0, ", config_.max_send_tokens, "]"));
+        absl::StrCat(n, " tokens outside [0, ", plan_.max_rows_per_worker(), "]"));
   }
   ++epoch_;
   n_ = n;
@@ -102,14 +101,14 @@ absl::StatusOr<int64_t> Exchange::CountAndNotify(int64_t n, const int32_t* ids,
 const int32_t* Exchange::CheckedIds(int64_t n, const int32_t* ids) {
   // An expert id out of range is a bug upstream; the pass still runs (with expert 0 in its
   // place) so that peers are not left waiting, and Run reports it afterwards.
-  const int64_t size = n * config_.top_k;
+  const int64_t size = n * plan_.shape().top_k;
   for (int64_t i = 0; i < size; ++i) {
-    if (ids[i] >= 0 && ids[i] < config_.num_experts) continue;
+    if (ids[i] >= 0 && ids[i] < plan_.shape().num_experts) continue;
     if (bad_id_.ok())
       bad_id_ = absl::InternalError(absl::StrCat("router produced expert id ", ids[i]));
     ids_copy_.assign(ids, ids + size);
     for (int32_t& e : ids_copy_) {
-      if (e < 0 || e >= config_.num_experts) e = 0;
+      if (e < 0 || e >= plan_.shape().num_experts) e = 0;
     }
     return ids_copy_.data();
   }
@@ -117,8 +116,8 @@ const int32_t* Exchange::CheckedIds(int64_t n, const int32_t* ids) {
 }
 
 void Exchange::CountSends() {
-  const int num_workers = config_.num_workers;
-  const int k = config_.top_k;
+  const int num_workers = plan_.shape().num_workers;
+  const int k = plan_.shape().top_k;
   std::fill(my_counts_.begin(), my_counts_.end(), 0);
   slot_.assign(static_cast<size_t>(n_) * num_workers, -1);
   pair_local_.resize(static_cast<size_t>(n_) * k);
@@ -131,7 +130,7 @@ void Exchange::CountSends() {
       if (slot[d] < 0) slot[d] = mine[0]++;
       pair_local_[t * k + j] = static_cast<int32_t>(mine[2 + e - placement_.first(d)]++);
     }
-    if (config_.every_token_to_every_worker) {
+    if (plan_.shared_expert_split()) {  // every token to every worker, pairs or not
       for (int d = 0; d < num_workers; ++d) {
         if (slot[d] < 0) slot[d] = my_counts_[d * count_stride_]++;
       }
@@ -141,7 +140,7 @@ void Exchange::CountSends() {
 }
 
 absl::Status Exchange::ShareCounts(absl::Time deadline) {
-  const int num_workers = config_.num_workers;
+  const int num_workers = plan_.shape().num_workers;
   // Notify: my row of the matrix into every worker's segment, then its count signal.
   const size_t parity = epoch_ & 1;
   const size_t block = static_cast<size_t>(num_workers) * count_stride_ * sizeof(int64_t);
@@ -160,7 +159,7 @@ absl::Status Exchange::ShareCounts(absl::Time deadline) {
 }
 
 int64_t Exchange::ComputeOffsets() {
-  const int num_workers = config_.num_workers;
+  const int num_workers = plan_.shape().num_workers;
   // Prefix sums: where my rows and pairs land in every receiver, where peers' rows land
   // in mine, where the parts of my tokens come back.
   int64_t max_recv = 0;
@@ -204,7 +203,7 @@ absl::Status Exchange::Dispatch(const float* x, const float* weights, absl::Time
 template <typename PairRowFn>
 void Exchange::RowMetadata(int64_t t, int d, const float* weights, int32_t* pair, float* weight,
                            PairRowFn&& pair_row) const {
-  const int k = config_.top_k;
+  const int k = plan_.shape().top_k;
   const int first_expert = placement_.first(d);
   for (int j = 0; j < k; ++j) {
     const int32_t e = ids_[t * k + j];
@@ -221,11 +220,11 @@ void Exchange::RowMetadata(int64_t t, int d, const float* weights, int32_t* pair
 }
 
 void Exchange::DispatchDirect(const float* x, const float* weights) {
-  const int num_workers = config_.num_workers;
-  const int k = config_.top_k;
-  const int64_t hidden = config_.hidden;
-  const common::ElementType dtype = config_.dispatch_dtype;
-  const size_t row_bytes = config_.dispatch_row_bytes();
+  const int num_workers = plan_.shape().num_workers;
+  const int k = plan_.shape().top_k;
+  const int64_t hidden = plan_.shape().hidden;
+  const common::ElementType dtype = plan_.dispatch_dtype();
+  const size_t row_bytes = plan_.dispatch_row_bytes();
   for (int64_t t = 0; t < n_; ++t) {
     const int64_t* slot = &slot_[t * num_workers];
     const float* src = x + t * hidden;
@@ -254,11 +253,11 @@ void Exchange::DispatchDirect(const float* x, const float* weights) {
 }
 
 absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
-  const int num_workers = config_.num_workers;
-  const int k = config_.top_k;
-  const int64_t hidden = config_.hidden;
-  const common::ElementType dtype = config_.dispatch_dtype;
-  const size_t row_bytes = config_.dispatch_row_bytes();
+  const int num_workers = plan_.shape().num_workers;
+  const int k = plan_.shape().top_k;
+  const int64_t hidden = plan_.shape().hidden;
+  const common::ElementType dtype = plan_.dispatch_dtype();
+  const size_t row_bytes = plan_.dispatch_row_bytes();
   const int64_t streams = combine_base_[num_workers];  // my rows to all destinations
   stage_token_.resize(streams);
   stage_pair_.resize(streams * k);
@@ -321,12 +320,12 @@ absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
 }
 
 void Exchange::PublishReceived(ExchangeStats* stats) {
-  received_.rows = source_begin_[config_.num_workers];
+  received_.rows = source_begin_[plan_.shape().num_workers];
   received_.pairs = expert_offsets_.back();
-  received_.dtype = config_.dispatch_dtype;
-  received_.row_bytes = config_.dispatch_row_bytes();
-  received_.hidden = config_.hidden;
-  received_.top_k = config_.top_k;
+  received_.dtype = plan_.dispatch_dtype();
+  received_.row_bytes = plan_.dispatch_row_bytes();
+  received_.hidden = plan_.shape().hidden;
+  received_.top_k = plan_.shape().top_k;
   received_.payload = heap_.Local(regions_.recv_rows);
   received_.token = heap_.LocalAs<int32_t>(regions_.recv_token);
   received_.pair = heap_.LocalAs<int32_t>(regions_.recv_pair);
@@ -346,7 +345,7 @@ void Exchange::PublishReceived(ExchangeStats* stats) {
 absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, bool accumulate,
                                const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
                                const std::function<absl::Status()>* overlap) {
-  const int num_workers = config_.num_workers;
+  const int num_workers = plan_.shape().num_workers;
   absl::Time t0 = absl::Now();
 
   // ---- dispatch: each row once per destination, with its metadata ----
@@ -390,8 +389,8 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
 }
 
 bool Exchange::OutputInHeap() const {
-  return config_.combine_dtype == common::ElementType::kFp32 &&
-         config_.combine_row_bytes() == static_cast<size_t>(config_.hidden) * sizeof(float);
+  return plan_.combine_dtype() == common::ElementType::kFp32 &&
+         plan_.combine_row_bytes() == static_cast<size_t>(plan_.shape().hidden) * sizeof(float);
 }
 
 float* Exchange::ExpertOutput() {
@@ -399,10 +398,10 @@ float* Exchange::ExpertOutput() {
 }
 
 absl::Status Exchange::Combine(const float* out) {
-  const int num_workers = config_.num_workers;
-  const int64_t hidden = config_.hidden;
+  const int num_workers = plan_.shape().num_workers;
+  const int64_t hidden = plan_.shape().hidden;
   const int64_t rows = received_.rows;
-  const size_t row_bytes = config_.combine_row_bytes();
+  const size_t row_bytes = plan_.combine_row_bytes();
   // The output rows go into this worker's own segment, in receive order; each owner reads
   // its parts from there in Reduce. An expert step that wrote into ExpertOutput() (fp32)
   // costs no copy here.
@@ -413,7 +412,7 @@ absl::Status Exchange::Combine(const float* out) {
     }
   } else {
     for (int64_t r = 0; r < rows; ++r) {
-      EncodeRow(config_.combine_dtype, out + r * hidden, hidden, region + r * row_bytes);
+      EncodeRow(plan_.combine_dtype(), out + r * hidden, hidden, region + r * row_bytes);
     }
   }
   for (int s = 0; s < num_workers; ++s) {
@@ -424,10 +423,10 @@ absl::Status Exchange::Combine(const float* out) {
 }
 
 absl::Status Exchange::Reduce(float* y, bool accumulate, absl::Time deadline) {
-  const int num_workers = config_.num_workers;
-  const int64_t hidden = config_.hidden;
-  const common::ElementType dtype = config_.combine_dtype;
-  const size_t row_bytes = config_.combine_row_bytes();
+  const int num_workers = plan_.shape().num_workers;
+  const int64_t hidden = plan_.shape().hidden;
+  const common::ElementType dtype = plan_.combine_dtype();
+  const size_t row_bytes = plan_.combine_row_bytes();
   for (int d = 0; d < num_workers; ++d) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.combine_flag, d), epoch_, deadline,
                                              "combined rows from worker", d));
@@ -479,9 +478,9 @@ absl::Status Exchange::TakeBadIdError() {
 absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const float* weights,
                            float* y, bool accumulate, const ExpertStep& expert, absl::Time deadline,
                            ExchangeStats* stats, const std::function<absl::Status()>& overlap) {
-  const int k = config_.top_k;
-  const int64_t hidden = config_.hidden;
-  const int64_t capacity = config_.recv_capacity();
+  const int k = plan_.shape().top_k;
+  const int64_t hidden = plan_.shape().hidden;
+  const int64_t capacity = plan_.recv_capacity();
   absl::Time t0 = absl::Now();
   absl::StatusOr<int64_t> max_recv = CountAndNotify(n, ids, deadline);
   if (!max_recv.ok()) return max_recv.status();
@@ -492,16 +491,16 @@ absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const 
     EPSERVE_RETURN_IF_ERROR(RunPass(x, weights, y, accumulate, expert, deadline, stats, &overlap));
     return TakeBadIdError();
   }
-  if (config_.overflow == OverflowPolicy::kFail) {
+  if (plan_.overflow() == OverflowPolicy::kFail) {
     bad_id_ = absl::OkStatus();
     return absl::ResourceExhaustedError(absl::StrCat(
         "the batch needs ", *max_recv, " rows on one worker, over its receive capacity of ",
         capacity, " (--max-recv-tokens-per-rank); --recv-overflow=split would run it in rounds"));
   }
   // Split: rounds of at most capacity / W tokens per sender always fit.
-  const int64_t per_round = capacity / config_.num_workers;
+  const int64_t per_round = capacity / plan_.shape().num_workers;
   int64_t most_tokens = 0;
-  for (int s = 0; s < config_.num_workers; ++s)
+  for (int s = 0; s < plan_.shape().num_workers; ++s)
     most_tokens = std::max(most_tokens, count_row(s, 0)[1]);
   const int64_t rounds = (most_tokens + per_round - 1) / per_round;
   for (int64_t r = 0; r < rounds; ++r) {

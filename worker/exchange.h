@@ -40,76 +40,11 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "shmem/heap.h"
+#include "worker/exchange_config.h"
 #include "worker/payload.h"
 #include "worker/placement.h"
 
 namespace epserve::worker {
-
-// What happens when a receiver would get more rows than its capacity.
-enum class OverflowPolicy {
-  kFail,   // the batch fails with RESOURCE_EXHAUSTED on every worker; nothing is sent
-  kSplit,  // the batch runs in rounds of at most capacity / W tokens per sender
-};
-absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name);
-const char* OverflowPolicyName(OverflowPolicy policy);
-
-// Shape of the exchange; every worker must use the same.
-struct ExchangeConfig {
-  int num_workers = 1;
-  int first_rank = 0;  // heap rank of worker 0; worker w is heap rank first_rank + w
-  int num_experts = 1;
-  int top_k = 1;
-  int64_t hidden = 1;
-  int64_t max_send_tokens = 1;  // most tokens one worker sends in one batch
-  // Receive capacity: most rows one worker receives in one pass. 0: the most it can ever
-  // receive, max_send_tokens * num_workers (never overflows).
-  int64_t max_recv_tokens = 0;
-  common::ElementType dispatch_dtype = common::ElementType::kFp32;
-  common::ElementType combine_dtype = common::ElementType::kFp32;
-  OverflowPolicy overflow = OverflowPolicy::kFail;
-  // Every token goes to every worker, also to those that own none of its experts (which
-  // receive it with no pairs): for work every worker does on every token, such as a slice
-  // of the shared expert (--shared-expert=split).
-  bool every_token_to_every_worker = false;
-
-  absl::Status Validate() const;
-  int64_t recv_capacity() const;
-  // L: the most experts one worker owns (ExpertPlacement::Contiguous).
-  int max_local_experts() const { return (num_experts + num_workers - 1) / num_workers; }
-  size_t dispatch_row_bytes() const { return PayloadRowBytes(dispatch_dtype, hidden); }
-  size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype, hidden); }
-};
-
-// Signals (uint64 epochs) of one array sit a cache line apart, so that ranks signalling
-// different entries do not share a line.
-inline constexpr size_t kSignalStride = 64;
-// Offset of signal `index` of the signal array at `base`.
-inline size_t SignalOffset(size_t base, int index) {
-  return base + static_cast<size_t>(index) * kSignalStride;
-}
-
-// Offsets of the exchange's regions in every rank's segment (meaningful on workers).
-struct ExchangeRegions {
-  size_t count_flag;     // uint64[W] signals: epoch once src's counts landed
-  size_t counts;         // int64[2][W][W][2 + L]: per parity, src, dst: rows, src's tokens,
-                         // pairs per local expert of dst (L = most experts of one worker)
-  size_t dispatch_flag;  // uint64[W] signals: epoch once src's rows and metadata landed
-  size_t combine_flag;   // uint64[W] signals: epoch once dst's combine rows landed
-  size_t recv_rows;      // [capacity][dispatch_row_bytes]
-  size_t recv_token;     // int32[capacity]: token index at its owner
-  size_t recv_pair;      // int32[capacity][k]: expert-major pair index, or -1
-  size_t recv_weight;    // float[capacity][k]
-  size_t pair_row;       // int32[capacity * k]: received row of each pair, expert-major
-  size_t combine_rows;   // [capacity][combine_row_bytes]: this worker's output rows, in
-                         // receive order; owners read their parts from here
-
-  // Plans the regions with `alloc(bytes, align) -> offset`.
-  using Allocator = std::function<absl::StatusOr<size_t>(size_t bytes, size_t align)>;
-  static absl::StatusOr<ExchangeRegions> Plan(const ExchangeConfig& config, const Allocator& alloc);
-  // Bytes per rank the regions take, and a one-line breakdown for the startup log.
-  static size_t BytesNeeded(const ExchangeConfig& config);
-  static std::string Describe(const ExchangeConfig& config);
-};
 
 // What the receiver of a pass holds once Dispatch returned; pointers into its own segment,
 // valid until its Combine.
@@ -152,12 +87,12 @@ struct ExchangeStats {
 class Exchange {
  public:
   // Reserves the regions in `heap`: every rank of the heap (workers or not) must call it
-  // with the same config, in the same order as its other allocations.
+  // with the same plan, in the same order as its other allocations.
   static absl::StatusOr<ExchangeRegions> Allocate(shmem::SymmetricHeap& heap,
-                                                  const ExchangeConfig& config);
-  // `me`: this rank's worker index.
+                                                  const ExchangePlan& plan);
+  // `me`: this rank's worker index. The Exchange keeps a copy of `plan`.
   static absl::StatusOr<std::unique_ptr<Exchange>> Create(shmem::SymmetricHeap& heap,
-                                                          const ExchangeConfig& config,
+                                                          const ExchangePlan& plan,
                                                           const ExchangeRegions& regions, int me);
 
   // The caller's step: out[r] for every received row r, [rows][hidden] floats.
@@ -193,13 +128,13 @@ class Exchange {
   // Waits for every part, reads them from the peers and sums them into y [n][hidden].
   absl::Status Reduce(float* y, bool accumulate, absl::Time deadline);
 
-  const ExchangeConfig& config() const { return config_; }
+  const ExchangePlan& plan() const { return plan_; }
   const ExpertPlacement& placement() const { return placement_; }
   // Rows this worker sends in the current pass (all destinations).
   int64_t rows_sent() const;
 
  private:
-  Exchange(shmem::SymmetricHeap& heap, const ExchangeConfig& config, const ExchangeRegions& regions,
+  Exchange(shmem::SymmetricHeap& heap, const ExchangePlan& plan, const ExchangeRegions& regions,
            ExpertPlacement placement, int me);
   // Dispatch, the expert step (when set), combine and reduce of the pass counted last.
   absl::Status RunPass(const float* x, const float* weights, float* y, bool accumulate,
@@ -231,14 +166,14 @@ class Exchange {
   void PublishReceived(ExchangeStats* stats);
   absl::Status TakeBadIdError();
   bool OutputInHeap() const;  // the expert step writes straight into the output region
-  int rank_of(int worker) const { return config_.first_rank + worker; }
+  int rank_of(int worker) const { return plan_.shape().first_rank + worker; }
   size_t signal(size_t base, int index) const { return SignalOffset(base, index); }
   const int64_t* count_row(int src, int dst) const {
-    return &counts_[(static_cast<size_t>(src) * config_.num_workers + dst) * count_stride_];
+    return &counts_[(static_cast<size_t>(src) * plan_.shape().num_workers + dst) * count_stride_];
   }
 
   shmem::SymmetricHeap& heap_;
-  const ExchangeConfig config_;
+  const ExchangePlan plan_;
   const ExchangeRegions regions_;
   const ExpertPlacement placement_;
   const int me_;

@@ -1,6 +1,5 @@
-// The exchange's shape (ExchangeConfig, the overflow policy) and the plan of its regions in
-// the heap (ExchangeRegions); declared in worker/exchange.h.
-#include "worker/exchange.h"
+// The exchange's options, plan and regions (worker/exchange_config.h).
+#include "worker/exchange_config.h"
 
 #include <algorithm>
 
@@ -8,6 +7,44 @@
 #include "common/status.h"
 
 namespace epserve::worker {
+namespace {
+
+// The options' spelled fields, parsed; INVALID_ARGUMENT naming the flag otherwise.
+struct ParsedOptions {
+  shmem::HeapBackend heap = shmem::HeapBackend::kAuto;
+  common::ElementType dispatch_dtype = common::ElementType::kFp32;
+  common::ElementType combine_dtype = common::ElementType::kFp32;
+  OverflowPolicy overflow = OverflowPolicy::kFail;
+  bool shared_expert_split = false;
+};
+
+absl::StatusOr<ParsedOptions> Parse(const ExchangeOptions& o) {
+  ParsedOptions p;
+  EPSERVE_ASSIGN_OR_RETURN(p.dispatch_dtype, ParsePayloadType(o.dispatch_dtype, "dispatch-dtype"));
+  EPSERVE_ASSIGN_OR_RETURN(p.combine_dtype, ParsePayloadType(o.combine_dtype, "combine-dtype"));
+  if (p.combine_dtype == common::ElementType::kFp8E4m3) {
+    return absl::InvalidArgumentError("--combine-dtype must be fp32 or bf16, got 'fp8'");
+  }
+  EPSERVE_ASSIGN_OR_RETURN(p.overflow, ParseOverflowPolicy(o.recv_overflow));
+  if (o.max_recv_tokens_per_rank < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-recv-tokens-per-rank must be >= 0 (0: --max-batch-tokens), got ",
+                     o.max_recv_tokens_per_rank));
+  }
+  if (o.exchange_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--exchange-timeout-ms must be >= 1, got ", o.exchange_timeout_ms));
+  }
+  if (o.shared_expert != "owner" && o.shared_expert != "split") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shared-expert must be owner or split, got '", o.shared_expert, "'"));
+  }
+  p.shared_expert_split = o.shared_expert == "split";
+  EPSERVE_ASSIGN_OR_RETURN(p.heap, shmem::ParseHeapBackend(o.heap));
+  return p;
+}
+
+}  // namespace
 
 absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name) {
   if (name == "fail") return OverflowPolicy::kFail;
@@ -20,43 +57,54 @@ const char* OverflowPolicyName(OverflowPolicy policy) {
   return policy == OverflowPolicy::kFail ? "fail" : "split";
 }
 
-absl::Status ExchangeConfig::Validate() const {
-  if (num_workers < 1 || num_workers > num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("the exchange needs 1 <= workers (", num_workers,
-                                                   ") <= experts (", num_experts, ")"));
+absl::Status ExchangeOptions::Validate() const { return Parse(*this).status(); }
+
+absl::StatusOr<ExchangePlan> ExchangePlan::Make(const ExchangeShape& shape,
+                                                const ExchangeOptions& options) {
+  EPSERVE_ASSIGN_OR_RETURN(ParsedOptions parsed, Parse(options));
+  const ExchangeShape& s = shape;
+  if (s.num_workers < 1 || s.num_workers > s.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the exchange needs 1 <= workers (", s.num_workers, ") <= experts (", s.num_experts, ")"));
   }
-  if (top_k < 1 || top_k > num_experts) {
+  if (s.top_k < 1 || s.top_k > s.num_experts) {
     return absl::InvalidArgumentError(
-        absl::StrCat("top_k ", top_k, " outside [1, ", num_experts, "]"));
+        absl::StrCat("top_k ", s.top_k, " outside [1, ", s.num_experts, "]"));
   }
-  if (hidden < 1 || max_send_tokens < 1 || max_recv_tokens < 0 || first_rank < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bad exchange shape: hidden ", hidden, ", max_send_tokens ", max_send_tokens,
-                     ", max_recv_tokens ", max_recv_tokens, ", first_rank ", first_rank));
+  if (s.hidden < 1 || s.max_batch_tokens < 1 || s.first_rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bad exchange shape: hidden ", s.hidden,
+                                                   ", max_batch_tokens ", s.max_batch_tokens,
+                                                   ", first_rank ", s.first_rank));
   }
-  EPSERVE_RETURN_IF_ERROR(CheckPayloadType(dispatch_dtype, "the dispatch dtype"));
-  EPSERVE_RETURN_IF_ERROR(CheckPayloadType(combine_dtype, "the combine dtype"));
-  if (overflow == OverflowPolicy::kSplit && recv_capacity() < num_workers) {
+  ExchangePlan plan;
+  plan.shape_ = shape;
+  plan.options_ = options;
+  plan.heap_backend_ = parsed.heap;
+  plan.dispatch_dtype_ = parsed.dispatch_dtype;
+  plan.combine_dtype_ = parsed.combine_dtype;
+  plan.overflow_ = parsed.overflow;
+  plan.shared_expert_split_ = parsed.shared_expert_split && shape.has_shared_expert;
+  // Split rounds carry capacity / W tokens per sender.
+  if (plan.overflow_ == OverflowPolicy::kSplit && plan.recv_capacity() < s.num_workers) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--recv-overflow=split needs --max-recv-tokens-per-rank >= the number of workers (",
-        num_workers, "), got ", recv_capacity()));
+        s.num_workers, "), got ", plan.recv_capacity()));
   }
-  return absl::OkStatus();
+  return plan;
 }
 
-int64_t ExchangeConfig::recv_capacity() const {
-  const int64_t most = max_send_tokens * num_workers;
-  return max_recv_tokens > 0 ? std::min(max_recv_tokens, most) : most;
+int64_t ExchangePlan::recv_capacity() const {
+  const int64_t per_rank = options_.max_recv_tokens_per_rank;
+  return per_rank > 0 ? std::min(per_rank, shape_.max_batch_tokens) : shape_.max_batch_tokens;
 }
 
-absl::StatusOr<ExchangeRegions> ExchangeRegions::Plan(const ExchangeConfig& c,
+absl::StatusOr<ExchangeRegions> ExchangeRegions::Make(const ExchangePlan& plan,
                                                       const Allocator& alloc) {
-  EPSERVE_RETURN_IF_ERROR(c.Validate());
   ExchangeRegions r{};
-  const size_t w = static_cast<size_t>(c.num_workers);
-  const size_t cap = static_cast<size_t>(c.recv_capacity());
-  const size_t k = static_cast<size_t>(c.top_k);
-  const size_t stride = 2 + static_cast<size_t>(c.max_local_experts());
+  const size_t w = static_cast<size_t>(plan.shape().num_workers);
+  const size_t cap = static_cast<size_t>(plan.recv_capacity());
+  const size_t k = static_cast<size_t>(plan.shape().top_k);
+  const size_t stride = 2 + static_cast<size_t>(plan.max_local_experts());
   struct Item {
     size_t* offset;
     size_t bytes;
@@ -67,24 +115,22 @@ absl::StatusOr<ExchangeRegions> ExchangeRegions::Plan(const ExchangeConfig& c,
       {&r.counts, 2 * w * w * stride * sizeof(int64_t), 64},
       {&r.dispatch_flag, w * kSignalStride, 64},
       {&r.combine_flag, w * kSignalStride, 64},
-      {&r.recv_rows, cap * c.dispatch_row_bytes(), 4096},
+      {&r.recv_rows, cap * plan.dispatch_row_bytes(), 4096},
       {&r.recv_token, cap * sizeof(int32_t), 64},
       {&r.recv_pair, cap * k * sizeof(int32_t), 64},
       {&r.recv_weight, cap * k * sizeof(float), 64},
       {&r.pair_row, cap * k * sizeof(int32_t), 64},
-      {&r.combine_rows, cap * c.combine_row_bytes(), 4096},
+      {&r.combine_rows, cap * plan.combine_row_bytes(), 4096},
   };
   for (const Item& item : items) {
-    absl::StatusOr<size_t> offset = alloc(item.bytes, item.align);
-    if (!offset.ok()) return offset.status();
-    *item.offset = *offset;
+    EPSERVE_ASSIGN_OR_RETURN(*item.offset, alloc(item.bytes, item.align));
   }
   return r;
 }
 
-size_t ExchangeRegions::BytesNeeded(const ExchangeConfig& config) {
+size_t ExchangeRegions::BytesNeeded(const ExchangePlan& plan) {
   size_t next = 0;
-  Plan(config, [&](size_t bytes, size_t align) -> absl::StatusOr<size_t> {
+  Make(plan, [&](size_t bytes, size_t align) -> absl::StatusOr<size_t> {
     const size_t offset = (next + align - 1) / align * align;
     next = offset + bytes;
     return offset;
@@ -92,14 +138,17 @@ size_t ExchangeRegions::BytesNeeded(const ExchangeConfig& config) {
   return next;
 }
 
-std::string ExchangeRegions::Describe(const ExchangeConfig& c) {
-  const int64_t cap = c.recv_capacity();
-  return absl::StrCat("exchange: receive ", cap, " rows x ", c.dispatch_row_bytes(), " B (",
-                      common::FlagName(c.dispatch_dtype), ") = ", cap * c.dispatch_row_bytes(),
-                      " B, combine ", cap, " rows x ", c.combine_row_bytes(), " B (",
-                      common::FlagName(c.combine_dtype), ") = ", cap * c.combine_row_bytes(),
-                      " B, metadata ", cap * (1 + 3 * c.top_k) * 4, " B; overflow policy ",
-                      OverflowPolicyName(c.overflow), "; ", BytesNeeded(c), " B per rank in all");
+std::string ExchangeRegions::Describe(const ExchangePlan& plan) {
+  const int64_t cap = plan.recv_capacity();
+  const size_t dispatch_row = plan.dispatch_row_bytes();
+  const size_t combine_row = plan.combine_row_bytes();
+  return absl::StrCat("exchange: receive ", cap, " rows x ", dispatch_row, " B (",
+                      common::FlagName(plan.dispatch_dtype()), ") = ", cap * dispatch_row,
+                      " B, combine ", cap, " rows x ", combine_row, " B (",
+                      common::FlagName(plan.combine_dtype()), ") = ", cap * combine_row,
+                      " B, metadata ", cap * (1 + 3 * plan.shape().top_k) * 4,
+                      " B; overflow policy ", OverflowPolicyName(plan.overflow()), "; ",
+                      BytesNeeded(plan), " B per rank in all");
 }
 
 }  // namespace epserve::worker

@@ -1,13 +1,11 @@
 // Where the front-end and the workers meet in the symmetric heap: HeapRegions, the offset of
 // each region in every rank's segment. Rank 0 is the front-end; worker w is rank
 // RankOfWorker(w) (worker/placement.h). Every rank computes the same regions from the same
-// ExchangeShape, so every offset below is valid on every rank.
+// ExchangePlan (worker/exchange_config.h), so every offset below is valid on every rank.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -23,44 +21,6 @@ namespace epserve::worker {
 // where every row lands (ExchangeStats::layout_ns).
 enum WorkerStage { kRoute = 0, kLayout, kDispatch, kExpertFfn, kCombine, kNumWorkerStages };
 const char* WorkerStageName(int stage);
-
-struct ExchangeShape {
-  int num_workers = 1;
-  int num_experts = 1;
-  int top_k = 1;
-  int64_t hidden = 1;
-  int64_t max_batch_tokens = 1;
-  // The worker-to-worker exchange (see worker/exchange.h).
-  common::ElementType dispatch_dtype = common::ElementType::kFp32;
-  common::ElementType combine_dtype = common::ElementType::kFp32;
-  int64_t max_recv_tokens_per_rank = 0;  // 0: max_batch_tokens (never overflows)
-  OverflowPolicy overflow = OverflowPolicy::kFail;
-  // The shared expert is split across the workers by intermediate columns, each worker
-  // computing its slice on every token (--shared-expert=split), so every token goes to every
-  // worker; false: each worker computes the whole shared expert on its own tokens.
-  bool shared_expert_split = false;
-  // Every cross-rank wait of a batch ends within this (or the caller's deadline, if earlier).
-  absl::Duration exchange_timeout = absl::InfiniteDuration();
-
-  int64_t max_rows_per_worker() const { return (max_batch_tokens + num_workers - 1) / num_workers; }
-  // The exchange among ranks 1..W.
-  ExchangeConfig exchange() const;
-};
-
-// The exchange's command-line settings as given (server/main.cc's exchange flags).
-struct ExchangeFlags {
-  std::string heap = "auto";  // shmem::ParseHeapBackend
-  std::string dispatch_dtype = "fp32";
-  std::string combine_dtype = "fp32";
-  int64_t max_recv_tokens_per_rank = 0;
-  std::string recv_overflow = "fail";
-  int64_t exchange_timeout_ms = 60000;
-  std::string shared_expert = "split";  // split | owner (ExchangeShape::shared_expert_split)
-
-  // Sets the exchange fields of `shape` (whose other fields are set); INVALID_ARGUMENT
-  // naming the flag and its bound.
-  absl::Status Apply(ExchangeShape& shape) const;
-};
 
 // kRun: a batch. kStop: leave the loop. A weight swap is two-phase so that either every
 // worker switches or none does: kStage checks the model a ControlMessage names and starts
@@ -101,7 +61,7 @@ struct WorkerReport {
 
 // Offsets of the regions in each rank's segment (the worker-to-worker ones in `exchange`).
 struct HeapRegions {
-  ExchangeShape shape;
+  ExchangePlan plan;
   // rank 0 -> worker
   size_t batch_seq;   // uint64 signal
   size_t descriptor;  // BatchDescriptor
@@ -128,11 +88,10 @@ struct HeapRegions {
 
   static constexpr absl::Duration kHeartbeatInterval = absl::Milliseconds(200);
 
-  // Reserves the regions in `heap`; every rank must call it with the same shape.
-  static absl::StatusOr<HeapRegions> Allocate(shmem::SymmetricHeap& heap,
-                                              const ExchangeShape& shape);
+  // Reserves the regions in `heap`; every rank must call it with the same plan.
+  static absl::StatusOr<HeapRegions> Allocate(shmem::SymmetricHeap& heap, const ExchangePlan& plan);
   // Bytes per rank the regions need, for sizing the heap.
-  static size_t BytesNeeded(const ExchangeShape& shape);
+  static size_t BytesNeeded(const ExchangePlan& plan);
 
   // Offset of signal `index` of the array at `base` (worker::SignalOffset).
   static size_t Signal(size_t base, int index) { return SignalOffset(base, index); }

@@ -33,7 +33,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   w->me_ = WorkerOfRank(heap.rank());
   w->orphan_grace_ = options.orphan_grace;
   absl::StatusOr<std::unique_ptr<Exchange>> exchange =
-      Exchange::Create(heap, regions.shape.exchange(), regions.exchange, w->me_);
+      Exchange::Create(heap, regions.plan, regions.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
   w->exchange_ = *std::move(exchange);
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(options.device);
@@ -59,9 +59,9 @@ absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(const model::Weigh
     if (cfg_.shared_ffn_size > 0) {
       // Split: this worker's slice of the shared expert's intermediate columns.
       std::unique_ptr<model::WeightSource> slice;
-      if (regions_.shape.shared_expert_split) {
-        EPSERVE_ASSIGN_OR_RETURN(slice,
-                                 model::SharedExpertSlice(source, me_, regions_.shape.num_workers));
+      if (regions_.plan.shared_expert_split()) {
+        EPSERVE_ASSIGN_OR_RETURN(
+            slice, model::SharedExpertSlice(source, me_, regions_.plan.shape().num_workers));
       }
       EPSERVE_ASSIGN_OR_RETURN(
           l.shared, kernels::UploadSharedExpert(*rt_, slice != nullptr ? *slice : source, layer,
@@ -191,7 +191,7 @@ absl::Status Worker::WarmUp() {
       rt_->Write(pair_weight_, 0, weight.data(), weight.size() * sizeof(float)));
   // Rows reach the expert FFN as FP32, or as BF16 where they are dispatched so and the shared
   // expert's slice does not need them widened (RunBatch's expert step).
-  const bool bf16_rows = regions_.shape.dispatch_dtype == common::ElementType::kBf16;
+  const bool bf16_rows = regions_.plan.dispatch_dtype() == common::ElementType::kBf16;
   for (const Layer& layer : layers_) {
     EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, 1, ids_, weights_));
     std::vector<int64_t> offsets(static_cast<size_t>(layer.experts.num_experts) + 1, 1);
@@ -236,17 +236,16 @@ size_t Worker::weight_bytes() const {
 }
 
 absl::Status Worker::AllocateBuffers() {
-  const ExchangeShape& s = regions_.shape;
-  const ExchangeConfig config = s.exchange();
+  const ExchangePlan& plan = regions_.plan;
   const size_t f = sizeof(float);
   const size_t h = static_cast<size_t>(cfg_.hidden_size);
   const size_t k = static_cast<size_t>(cfg_.top_k);
-  const size_t n = static_cast<size_t>(s.max_rows_per_worker());
-  const size_t r = static_cast<size_t>(config.recv_capacity());
+  const size_t n = static_cast<size_t>(plan.max_rows_per_worker());
+  const size_t r = static_cast<size_t>(plan.recv_capacity());
   const size_t pairs = r * k;
   // The shared expert runs on this worker's own rows, or (split) its slice on every row it
   // receives.
-  const bool split = s.shared_expert_split;
+  const bool split = plan.shared_expert_split();
   const size_t shared_rows = split ? r : n;
   const size_t shared_f =
       layers_.empty() ? 1 : static_cast<size_t>(std::max<int64_t>(layers_[0].shared.ffn, 1));
@@ -260,7 +259,7 @@ absl::Status Worker::AllocateBuffers() {
       {&weights_, n * k * f},
       {&shared_h_, shared_rows * shared_f * f},
       {&shared_y_, shared_rows * h * f},
-      {&x_recv_, r * std::max(h * f, config.dispatch_row_bytes())},
+      {&x_recv_, r * std::max(h * f, plan.dispatch_row_bytes())},
       {&row_index_, pairs * sizeof(int32_t)},
       {&h_, pairs * static_cast<size_t>(cfg_.expert_ffn_size) * f},
       {&y_, pairs * h * f},
@@ -275,10 +274,9 @@ absl::Status Worker::AllocateBuffers() {
   }
   ids_host_.resize(n * k);
   weights_host_.resize(n * k);
-  if (config.dispatch_dtype == common::ElementType::kFp8E4m3 ||
-      (config.dispatch_dtype == common::ElementType::kBf16 && split) ||
-      (config.dispatch_dtype == common::ElementType::kFp32 &&
-       config.dispatch_row_bytes() != h * f)) {
+  if (plan.dispatch_dtype() == common::ElementType::kFp8E4m3 ||
+      (plan.dispatch_dtype() == common::ElementType::kBf16 && split) ||
+      (plan.dispatch_dtype() == common::ElementType::kFp32 && plan.dispatch_row_bytes() != h * f)) {
     x_recv_host_.resize(r * h);
   }
   if (heap_.Direct(0, regions_.output) == nullptr) y_host_.resize(n * h);
@@ -450,7 +448,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
   const int64_t n = desc.num_rows;
   if (desc.layer_pos < 0 || desc.layer_pos >= static_cast<int>(layers_.size()) || n < 0 ||
-      n > regions_.shape.max_rows_per_worker()) {
+      n > regions_.plan.max_rows_per_worker()) {
     return absl::InternalError(
         absl::StrCat("bad batch descriptor: layer_pos ", desc.layer_pos, ", rows ", n));
   }
@@ -467,7 +465,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   float* y = heap_.DirectAs<float>(0, regions_.output);
   y = y != nullptr ? y + desc.row_start * hidden : y_host_.data();
   const bool has_shared = layer.shared.num_experts > 0;
-  const bool split_shared = has_shared && regions_.shape.shared_expert_split;
+  const bool split_shared = has_shared && regions_.plan.shared_expert_split();
   const bool owner_shared = has_shared && !split_shared;
   // The whole shared expert runs on the owner's own rows while peers dispatch; a slice of it
   // runs in the expert step on every received row.

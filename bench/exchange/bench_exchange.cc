@@ -74,31 +74,35 @@ struct Result {
 };
 
 Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hidden, int top_k) {
-  worker::ExchangeConfig c;
-  c.num_workers = ranks;
-  c.first_rank = 0;
-  c.num_experts = 64;
-  c.top_k = top_k;
-  c.hidden = hidden;
-  c.max_send_tokens = tokens;
-  c.dispatch_dtype = args.dtype;
-  c.combine_dtype = args.dtype == common::ElementType::kFp32 ? common::ElementType::kFp32
-                                                             : common::ElementType::kBf16;
+  // Every rank a worker, sending `tokens` rows; narrow payloads combine in bf16.
+  worker::ExchangeOptions options;
+  options.dispatch_dtype = std::string(common::FlagName(args.dtype));
+  options.combine_dtype = args.dtype == common::ElementType::kFp32 ? "fp32" : "bf16";
+  absl::StatusOr<worker::ExchangePlan> plan =
+      worker::ExchangePlan::Make({.num_workers = ranks,
+                                  .first_rank = 0,
+                                  .num_experts = 64,
+                                  .top_k = top_k,
+                                  .hidden = hidden,
+                                  .max_batch_tokens = tokens * ranks},
+                                 options);
+  if (!plan.ok()) Fatal(plan.status());
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap = shmem::SymmetricHeap::Create(
-      MPI_COMM_WORLD, worker::ExchangeRegions::BytesNeeded(c), args.backend);
+      MPI_COMM_WORLD, worker::ExchangeRegions::BytesNeeded(*plan), args.backend);
   if (!heap.ok()) Fatal(heap.status());
-  absl::StatusOr<worker::ExchangeRegions> regions = worker::Exchange::Allocate(**heap, c);
+  absl::StatusOr<worker::ExchangeRegions> regions = worker::Exchange::Allocate(**heap, *plan);
   if (!regions.ok()) Fatal(regions.status());
   absl::StatusOr<std::unique_ptr<worker::Exchange>> ex =
-      worker::Exchange::Create(**heap, c, *regions, rank);
+      worker::Exchange::Create(**heap, *plan, *regions, rank);
   if (!ex.ok()) Fatal(ex.status());
 
   // Uniform routing: k distinct experts per token.
   std::mt19937_64 rng(1234 + rank);
   std::vector<int32_t> ids(tokens * top_k);
   std::vector<float> weights(tokens * top_k, 1.0f / top_k);
-  std::vector<int> experts(c.num_experts);
-  for (int e = 0; e < c.num_experts; ++e) experts[e] = e;
+  const int num_experts = plan->shape().num_experts;
+  std::vector<int> experts(num_experts);
+  for (int e = 0; e < num_experts; ++e) experts[e] = e;
   for (int64_t t = 0; t < tokens; ++t) {
     std::shuffle(experts.begin(), experts.end(), rng);
     std::copy(experts.begin(), experts.begin() + top_k, &ids[t * top_k]);

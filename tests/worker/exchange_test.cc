@@ -42,7 +42,7 @@ uint64_t Mix(uint64_t x) {
 // Everything any rank needs to know about any rank's batch, computed the same everywhere.
 class Batch {
  public:
-  Batch(const ExchangeConfig& c, uint64_t seed, int src, int64_t n, Routing routing)
+  Batch(const ExchangeShape& c, uint64_t seed, int src, int64_t n, Routing routing)
       : c_(c), n_(n), x_(n * c.hidden), ids_(n * c.top_k), weights_(n * c.top_k) {
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t i = 0; i < c.hidden; ++i) {
@@ -70,7 +70,7 @@ class Batch {
   const float* weights(int64_t t) const { return &weights_[t * c_.top_k]; }
 
  private:
-  const ExchangeConfig& c_;
+  const ExchangeShape& c_;
   int64_t n_;
   std::vector<float> x_;
   std::vector<int32_t> ids_;
@@ -80,7 +80,7 @@ class Batch {
 // The test's "expert e": x + (e + 1), weighted; summed over the token's choices j owned by
 // one receiver, in order of j, onto `base` (what the receiver adds for every token it
 // gets, such as a shared expert's slice). Used by the receivers and by the reference alike.
-void ExpertPart(const ExchangeConfig& c, const float* x, const int32_t* ids, const float* weights,
+void ExpertPart(const ExchangeShape& c, const float* x, const int32_t* ids, const float* weights,
                 const std::function<bool(int)>& mine, float base, float* out) {
   std::fill(out, out + c.hidden, base);
   for (int j = 0; j < c.top_k; ++j) {
@@ -99,30 +99,39 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
     MPI_Bcast(&seed_, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
   }
 
-  ExchangeConfig Config() const {
-    ExchangeConfig c;
-    c.num_workers = ranks_;
-    c.first_rank = 0;
-    c.num_experts = 2 * ranks_ + 1;  // uneven placement
-    c.top_k = 3;
-    c.hidden = 130;  // a partial fp8 block; fp32 rows padded to 16 bytes
-    c.max_send_tokens = 40;
-    c.dispatch_dtype = GetParam().dispatch;
-    c.combine_dtype = GetParam().combine;
-    return c;
+  // Every rank a worker, sending up to kMaxSend tokens.
+  static constexpr int64_t kMaxSend = 40;
+  ExchangeShape Shape() const {
+    return {.num_workers = ranks_,
+            .first_rank = 0,
+            .num_experts = 2 * ranks_ + 1,  // uneven placement
+            .top_k = 3,
+            .hidden = 130,  // a partial fp8 block; fp32 rows padded to 16 bytes
+            .max_batch_tokens = kMaxSend * ranks_};
+  }
+  ExchangeOptions Options() const {
+    ExchangeOptions o;
+    o.dispatch_dtype = std::string(common::FlagName(GetParam().dispatch));
+    o.combine_dtype = std::string(common::FlagName(GetParam().combine));
+    return o;
+  }
+  static ExchangePlan Plan(const ExchangeShape& shape, const ExchangeOptions& options) {
+    absl::StatusOr<ExchangePlan> plan = ExchangePlan::Make(shape, options);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.value_or(ExchangePlan());
   }
 
   struct Setup {
     std::unique_ptr<shmem::SymmetricHeap> heap;
     std::unique_ptr<Exchange> exchange;
   };
-  Setup Make(const ExchangeConfig& c) {
+  Setup Make(const ExchangePlan& plan) {
     Setup s;
-    s.heap = *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeRegions::BytesNeeded(c),
+    s.heap = *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeRegions::BytesNeeded(plan),
                                            GetParam().backend);
-    absl::StatusOr<ExchangeRegions> regions = Exchange::Allocate(*s.heap, c);
+    absl::StatusOr<ExchangeRegions> regions = Exchange::Allocate(*s.heap, plan);
     EXPECT_TRUE(regions.ok()) << regions.status();
-    absl::StatusOr<std::unique_ptr<Exchange>> ex = Exchange::Create(*s.heap, c, *regions, rank_);
+    absl::StatusOr<std::unique_ptr<Exchange>> ex = Exchange::Create(*s.heap, plan, *regions, rank_);
     EXPECT_TRUE(ex.ok()) << ex.status();
     s.exchange = *std::move(ex);
     return s;
@@ -132,12 +141,13 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
   // what it received and what came back. Returns the status of Run.
   absl::Status RunAndCheck(Exchange& ex, uint64_t batch, const std::vector<int64_t>& sizes,
                            Routing routing, ExchangeStats* stats = nullptr) {
-    const ExchangeConfig& c = ex.config();
+    const ExchangePlan& plan = ex.plan();
+    const ExchangeShape& c = plan.shape();
     const ExpertPlacement& placement = ex.placement();
     std::vector<Batch> batches;
     for (int r = 0; r < ranks_; ++r) batches.emplace_back(c, seed_ + batch, r, sizes[r], routing);
     const Batch& mine = batches[rank_];
-    const size_t row_bytes = c.dispatch_row_bytes();
+    const size_t row_bytes = plan.dispatch_row_bytes();
 
     int wrong_rows = 0, wrong_meta = 0, rounds_seen = 0;
     std::vector<unsigned char> expect_row(row_bytes);
@@ -153,9 +163,10 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
           ++wrong_meta;
           continue;
         }
-        EncodeRow(c.dispatch_dtype, batches[src].x(t), c.hidden, expect_row.data());
-        const size_t compare =
-            c.dispatch_dtype == common::ElementType::kFp32 ? c.hidden * sizeof(float) : row_bytes;
+        EncodeRow(plan.dispatch_dtype(), batches[src].x(t), c.hidden, expect_row.data());
+        const size_t compare = plan.dispatch_dtype() == common::ElementType::kFp32
+                                   ? c.hidden * sizeof(float)
+                                   : row_bytes;
         wrong_rows += std::memcmp(in.Row(r), expect_row.data(), compare) != 0;
         for (int j = 0; j < c.top_k; ++j) {
           const int e = batches[src].ids(t)[j];
@@ -180,7 +191,7 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
         const int32_t* ids = batches[src].ids(t);
         ExpertPart(
             c, decoded.data(), ids, batches[src].weights(t),
-            [&](int j) { return placement.owner(ids[j]) == rank_; }, Base(c, rank_),
+            [&](int j) { return placement.owner(ids[j]) == rank_; }, Base(plan, rank_),
             out + r * c.hidden);
       }
       for (int h : pair_hits) wrong_meta += h != 1;
@@ -205,7 +216,7 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
     int64_t expected_received = 0;
     for (int r = 0; r < ranks_; ++r) {
       for (int64_t t = 0; t < batches[r].n(); ++t) {
-        bool hit = c.every_token_to_every_worker;
+        bool hit = plan.shared_expert_split();
         for (int j = 0; j < c.top_k; ++j) hit |= placement.owner(batches[r].ids(t)[j]) == rank_;
         expected_received += hit;
       }
@@ -217,24 +228,25 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
     // Reference combine: parts in destination order, each through the combine dtype.
     int wrong_out = 0;
     std::vector<float> part(c.hidden), ref(c.hidden), x_rt(c.hidden);
-    std::vector<unsigned char> enc(std::max(c.combine_row_bytes(), row_bytes));
+    std::vector<unsigned char> enc(std::max(plan.combine_row_bytes(), row_bytes));
     for (int64_t t = 0; t < mine.n(); ++t) {
-      EncodeRow(c.dispatch_dtype, mine.x(t), c.hidden, enc.data());
-      DecodeRow(c.dispatch_dtype, enc.data(), c.hidden, x_rt.data());
+      EncodeRow(plan.dispatch_dtype(), mine.x(t), c.hidden, enc.data());
+      DecodeRow(plan.dispatch_dtype(), enc.data(), c.hidden, x_rt.data());
       bool first = true;
       for (int d = 0; d < ranks_; ++d) {
-        bool any = c.every_token_to_every_worker;
+        bool any = plan.shared_expert_split();
         for (int j = 0; j < c.top_k; ++j) any |= placement.owner(mine.ids(t)[j]) == d;
         if (!any) continue;
         ExpertPart(
             c, x_rt.data(), mine.ids(t), mine.weights(t),
-            [&](int j) { return placement.owner(mine.ids(t)[j]) == d; }, Base(c, d), part.data());
-        EncodeRow(c.combine_dtype, part.data(), c.hidden, enc.data());
+            [&](int j) { return placement.owner(mine.ids(t)[j]) == d; }, Base(plan, d),
+            part.data());
+        EncodeRow(plan.combine_dtype(), part.data(), c.hidden, enc.data());
         if (first) {
-          DecodeRow(c.combine_dtype, enc.data(), c.hidden, ref.data());
+          DecodeRow(plan.combine_dtype(), enc.data(), c.hidden, ref.data());
           first = false;
         } else {
-          AccumulateRow(c.combine_dtype, enc.data(), c.hidden, ref.data());
+          AccumulateRow(plan.combine_dtype(), enc.data(), c.hidden, ref.data());
         }
       }
       wrong_out += std::memcmp(ref.data(), &y[t * c.hidden], c.hidden * sizeof(float)) != 0;
@@ -259,14 +271,14 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
 
   // Runs `per_routing` batches of the Sizes series with uniform, then skewed routing on one
   // exchange (buffers never cleared), checking each with RunAndCheck and then `check`.
-  void RunSeries(Exchange& exchange, const ExchangeConfig& c, int per_routing,
+  void RunSeries(Exchange& exchange, int per_routing,
                  const std::function<void(const std::vector<int64_t>& sizes,
                                           const ExchangeStats& stats)>& check) {
     std::mt19937 rng(static_cast<uint32_t>(seed_));
     uint64_t batch = 0;
     for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
       for (int i = 0; i < per_routing; ++i) {
-        const std::vector<int64_t> sizes = Sizes(i, c.max_send_tokens, rng);
+        const std::vector<int64_t> sizes = Sizes(i, exchange.plan().max_rows_per_worker(), rng);
         ExchangeStats stats;
         absl::Status st = RunAndCheck(exchange, ++batch, sizes, routing, &stats);
         ASSERT_TRUE(st.ok()) << st;
@@ -276,8 +288,8 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
   }
 
   // What worker d adds to every token it receives when every token goes everywhere.
-  static float Base(const ExchangeConfig& c, int d) {
-    return c.every_token_to_every_worker ? 0.25f * static_cast<float>(d + 1) : 0.0f;
+  static float Base(const ExchangePlan& plan, int d) {
+    return plan.shared_expert_split() ? 0.25f * static_cast<float>(d + 1) : 0.0f;
   }
 
   int rank_ = 0;
@@ -286,35 +298,38 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
 };
 
 TEST_P(ExchangeTest, RowsLandWhereExpectedAndCombineIsExact) {
-  const ExchangeConfig c = Config();
-  Setup s = Make(c);
+  Setup s = Make(Plan(Shape(), Options()));
   ASSERT_NE(s.exchange, nullptr);
   // Repeated batches of changing sizes, uniform and skewed, with empty ones in between;
   // buffers are never cleared.
-  RunSeries(*s.exchange, c, 8, [](const std::vector<int64_t>&, const ExchangeStats& stats) {
+  RunSeries(*s.exchange, 8, [](const std::vector<int64_t>&, const ExchangeStats& stats) {
     EXPECT_EQ(stats.rounds, 1);
   });
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
 TEST_P(ExchangeTest, EveryTokenReachesEveryWorkerWhenAsked) {
-  ExchangeConfig c = Config();
-  c.every_token_to_every_worker = true;
-  Setup s = Make(c);
+  // --shared-expert=split on a model with a shared expert.
+  ExchangeShape shape = Shape();
+  shape.has_shared_expert = true;
+  ExchangeOptions options = Options();
+  options.shared_expert = "split";
+  Setup s = Make(Plan(shape, options));
   ASSERT_NE(s.exchange, nullptr);
-  RunSeries(*s.exchange, c, 5, [](const std::vector<int64_t>& sizes, const ExchangeStats& stats) {
+  ASSERT_TRUE(s.exchange->plan().shared_expert_split());
+  RunSeries(*s.exchange, 5, [](const std::vector<int64_t>& sizes, const ExchangeStats& stats) {
     EXPECT_EQ(stats.rows_received, std::accumulate(sizes.begin(), sizes.end(), int64_t{0}));
   });
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
 TEST_P(ExchangeTest, OverflowFailsEverywhereThenLaterBatchesRun) {
-  ExchangeConfig c = Config();
-  c.max_recv_tokens = c.max_send_tokens;  // a skewed full batch needs ~W * max_send_tokens
-  c.overflow = OverflowPolicy::kFail;
-  Setup s = Make(c);
+  ExchangeOptions options = Options();
+  options.max_recv_tokens_per_rank = kMaxSend;  // a skewed full batch needs ~W * kMaxSend
+  options.recv_overflow = "fail";
+  Setup s = Make(Plan(Shape(), options));
   ASSERT_NE(s.exchange, nullptr);
-  const std::vector<int64_t> full(ranks_, c.max_send_tokens), small(ranks_, 3);
+  const std::vector<int64_t> full(ranks_, kMaxSend), small(ranks_, 3);
   absl::Status st = RunAndCheck(*s.exchange, 1, full, Routing::kSkewed);
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
   EXPECT_NE(st.message().find("--max-recv-tokens-per-rank"), absl::string_view::npos) << st;
@@ -324,10 +339,10 @@ TEST_P(ExchangeTest, OverflowFailsEverywhereThenLaterBatchesRun) {
 }
 
 TEST_P(ExchangeTest, OverflowSplitServesEveryTokenInRounds) {
-  ExchangeConfig c = Config();
-  c.max_recv_tokens = 2 * ranks_ + 1;  // rounds of 2 tokens per sender
-  c.overflow = OverflowPolicy::kSplit;
-  Setup s = Make(c);
+  ExchangeOptions options = Options();
+  options.max_recv_tokens_per_rank = 2 * ranks_ + 1;  // rounds of 2 tokens per sender
+  options.recv_overflow = "split";
+  Setup s = Make(Plan(Shape(), options));
   ASSERT_NE(s.exchange, nullptr);
   for (uint64_t batch = 1; batch <= 3; ++batch) {
     std::vector<int64_t> sizes(ranks_);
@@ -362,15 +377,17 @@ TEST_P(StallTest, OthersFailByTheDeadline) {
   int rank = 0, ranks = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  ExchangeConfig c;
-  c.num_workers = ranks;
-  c.num_experts = ranks;
-  c.top_k = 1;
-  c.hidden = 64;
-  c.max_send_tokens = 8;
+  const ExchangePlan plan = *ExchangePlan::Make({.num_workers = ranks,
+                                                 .first_rank = 0,
+                                                 .num_experts = ranks,
+                                                 .top_k = 1,
+                                                 .hidden = 64,
+                                                 .max_batch_tokens = 8 * ranks},
+                                                {});
   std::unique_ptr<shmem::SymmetricHeap> heap =
-      *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeRegions::BytesNeeded(c), GetParam());
-  std::unique_ptr<Exchange> ex = *Exchange::Create(*heap, c, *Exchange::Allocate(*heap, c), rank);
+      *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, ExchangeRegions::BytesNeeded(plan), GetParam());
+  std::unique_ptr<Exchange> ex =
+      *Exchange::Create(*heap, plan, *Exchange::Allocate(*heap, plan), rank);
   std::vector<float> x(8 * 64, 1.0f), y(8 * 64), w(8, 1.0f);
   std::vector<int32_t> ids(8);
   for (int t = 0; t < 8; ++t) ids[t] = t % ranks;

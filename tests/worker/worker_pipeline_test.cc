@@ -28,9 +28,8 @@ struct Cluster {
 struct ClusterOptions {
   std::string preset = "tiny";
   int64_t max_batch_tokens = 64;
-  shmem::HeapBackend backend = shmem::HeapBackend::kAuto;
-  ExchangeFlags exchange;
-  int stalled_rank = -1;  // this worker loads, says it is ready, then sleeps stall_for
+  ExchangeOptions exchange;  // the heap backend included
+  int stalled_rank = -1;     // this worker loads, says it is ready, then sleeps stall_for
   absl::Duration stall_for = absl::ZeroDuration();
   // WorkerOptions::open_model (weight swaps); empty: the workers refuse swaps.
   std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(const std::string&, uint64_t)>
@@ -43,13 +42,18 @@ Cluster Start(const ClusterOptions& o, uint64_t seed) {
   MPI_Comm_size(MPI_COMM_WORLD, &c.num_ranks);
   c.source = *model::OpenModel("synthetic:" + o.preset, seed);
   const model::MoeLayerConfig& cfg = c.source->config().layer;
-  ExchangeShape shape{NumWorkers(c.num_ranks), cfg.num_experts, cfg.top_k, cfg.hidden_size,
-                      o.max_batch_tokens};
-  absl::Status applied = o.exchange.Apply(shape);
-  EXPECT_TRUE(applied.ok()) << applied;
-  c.heap =
-      *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, HeapRegions::BytesNeeded(shape), o.backend);
-  c.regions = *HeapRegions::Allocate(*c.heap, shape);
+  absl::StatusOr<ExchangePlan> plan =
+      ExchangePlan::Make({.num_workers = NumWorkers(c.num_ranks),
+                          .num_experts = cfg.num_experts,
+                          .top_k = cfg.top_k,
+                          .hidden = cfg.hidden_size,
+                          .max_batch_tokens = o.max_batch_tokens,
+                          .has_shared_expert = cfg.shared_ffn_size > 0},
+                         o.exchange);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  c.heap = *shmem::SymmetricHeap::Create(MPI_COMM_WORLD, HeapRegions::BytesNeeded(*plan),
+                                         plan->heap_backend());
+  c.regions = *HeapRegions::Allocate(*c.heap, *plan);
   return c;
 }
 
@@ -223,7 +227,7 @@ TEST_P(PipelineVariants, MatchTheReference) {
   const Variant& v = GetParam();
   ClusterOptions o;
   o.max_batch_tokens = 48;
-  o.backend = v.backend;
+  o.exchange.heap = shmem::HeapBackendName(v.backend);
   o.exchange.dispatch_dtype = v.dispatch;
   o.exchange.combine_dtype = v.combine;
   o.exchange.max_recv_tokens_per_rank = v.max_recv;

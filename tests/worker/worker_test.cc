@@ -37,18 +37,17 @@ TEST(ExpertPlacement, MoreWorkersThanExpertsIsAClearError) {
   EXPECT_NE(p.status().message().find("num_experts=8"), absl::string_view::npos) << p.status();
 }
 
+ExchangeShape TestShape() {
+  return {.num_workers = 3, .num_experts = 8, .top_k = 2, .hidden = 64, .max_batch_tokens = 100};
+}
+
 TEST(HeapRegions, HeapSizeFollowsCapacityAndDtypes) {
-  ExchangeShape s;
-  s.num_workers = 3;
-  s.num_experts = 8;
-  s.top_k = 2;
-  s.hidden = 64;
-  s.max_batch_tokens = 100;
-  EXPECT_EQ(s.max_rows_per_worker(), 34);
-  const ExchangeConfig c = s.exchange();
-  EXPECT_EQ(c.first_rank, 1);
-  EXPECT_EQ(c.recv_capacity(), 100);  // a receiver gets each token at most once
-  const size_t bytes = HeapRegions::BytesNeeded(s);
+  absl::StatusOr<ExchangePlan> plan = ExchangePlan::Make(TestShape(), {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->max_rows_per_worker(), 34);
+  EXPECT_EQ(plan->shape().first_rank, 1);
+  EXPECT_EQ(plan->recv_capacity(), 100);  // a receiver gets each token at most once
+  const size_t bytes = HeapRegions::BytesNeeded(*plan);
   const size_t row = 64 * sizeof(float);
   // input + output + receive + combine (one per received row) rows, plus metadata and
   // alignment.
@@ -56,55 +55,75 @@ TEST(HeapRegions, HeapSizeFollowsCapacityAndDtypes) {
   EXPECT_LT(bytes, (34 + 100 + 100 + 100) * row + 12 * 4096 + 100 * 7 * 4);
 
   // A smaller capacity and narrower payloads shrink the heap.
-  ExchangeShape small = s;
-  small.max_recv_tokens_per_rank = 20;
-  small.dispatch_dtype = common::ElementType::kFp8E4m3;
-  small.combine_dtype = common::ElementType::kBf16;
-  EXPECT_EQ(small.exchange().recv_capacity(), 20);
-  EXPECT_LT(HeapRegions::BytesNeeded(small), bytes - 80 * row);
-  EXPECT_NE(ExchangeRegions::Describe(small.exchange()).find("fp8"), std::string::npos);
+  ExchangeOptions narrow;
+  narrow.max_recv_tokens_per_rank = 20;
+  narrow.dispatch_dtype = "fp8";
+  narrow.combine_dtype = "bf16";
+  absl::StatusOr<ExchangePlan> small = ExchangePlan::Make(TestShape(), narrow);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->recv_capacity(), 20);
+  EXPECT_LT(HeapRegions::BytesNeeded(*small), bytes - 80 * row);
+  EXPECT_NE(ExchangeRegions::Describe(*small).find("fp8"), std::string::npos);
+  // A capacity above a batch is a batch.
+  narrow.max_recv_tokens_per_rank = 1000;
+  EXPECT_EQ(ExchangePlan::Make(TestShape(), narrow)->recv_capacity(), 100);
 }
 
-TEST(ExchangeFlags, BadValuesNameTheFlag) {
-  ExchangeShape s;
+TEST(ExchangeOptions, BadValuesNameTheFlag) {
+  ExchangeShape s = TestShape();
   s.num_workers = 4;
-  s.num_experts = 8;
-  s.top_k = 2;
-  s.hidden = 64;
   s.max_batch_tokens = 64;
-  ExchangeFlags f;
-  EXPECT_TRUE(f.Apply(s).ok());
-  auto message = [&](ExchangeFlags g) { return std::string(g.Apply(s).message()); };
-  ExchangeFlags bad = f;
+  const ExchangeOptions good;
+  EXPECT_TRUE(good.Validate().ok());
+  auto message = [&](const ExchangeOptions& o) {
+    // Validate and Make say the same of the options.
+    EXPECT_EQ(o.Validate(), ExchangePlan::Make(s, o).status());
+    return std::string(o.Validate().message());
+  };
+  ExchangeOptions bad = good;
   bad.dispatch_dtype = "fp16";
-  EXPECT_NE(message(bad).find("--dispatch-dtype"), std::string::npos);
-  bad = f;
+  EXPECT_EQ(message(bad), "--dispatch-dtype must be fp32, bf16 or fp8, got 'fp16'");
+  bad = good;
   bad.combine_dtype = "fp8";
-  EXPECT_NE(message(bad).find("--combine-dtype"), std::string::npos);
-  bad = f;
+  EXPECT_EQ(message(bad), "--combine-dtype must be fp32 or bf16, got 'fp8'");
+  bad = good;
   bad.recv_overflow = "drop";
   EXPECT_NE(message(bad).find("--recv-overflow"), std::string::npos);
-  bad = f;
+  bad = good;
   bad.max_recv_tokens_per_rank = -1;
   EXPECT_NE(message(bad).find("--max-recv-tokens-per-rank"), std::string::npos);
-  bad = f;
+  bad = good;
   bad.exchange_timeout_ms = 0;
   EXPECT_NE(message(bad).find("--exchange-timeout-ms"), std::string::npos);
-  bad = f;
+  bad = good;
+  bad.heap = "gpu";
+  EXPECT_NE(message(bad).find("--heap"), std::string::npos);
+  bad = good;
   bad.shared_expert = "everywhere";
   EXPECT_NE(message(bad).find("--shared-expert must be owner or split"), std::string::npos);
+
+  // The shared expert is split only where the model has one.
   bad.shared_expert = "split";
-  EXPECT_TRUE(bad.Apply(s).ok());
-  EXPECT_TRUE(s.shared_expert_split);
-  EXPECT_TRUE(s.exchange().every_token_to_every_worker);
-  // Split rounds carry capacity / W tokens per sender: the capacity must reach W.
-  bad = f;
+  EXPECT_FALSE(ExchangePlan::Make(s, bad)->shared_expert_split());
+  s.has_shared_expert = true;
+  EXPECT_TRUE(ExchangePlan::Make(s, bad)->shared_expert_split());
+  bad.shared_expert = "owner";
+  EXPECT_FALSE(ExchangePlan::Make(s, bad)->shared_expert_split());
+
+  // Split rounds carry capacity / W tokens per sender: the capacity must reach W, which only
+  // the plan knows.
+  bad = good;
   bad.recv_overflow = "split";
   bad.max_recv_tokens_per_rank = 3;
-  EXPECT_NE(message(bad).find("--max-recv-tokens-per-rank"), std::string::npos);
+  EXPECT_TRUE(bad.Validate().ok());
+  absl::StatusOr<ExchangePlan> plan = ExchangePlan::Make(s, bad);
+  EXPECT_NE(plan.status().message().find("--max-recv-tokens-per-rank"), std::string::npos);
   bad.max_recv_tokens_per_rank = 4;
-  EXPECT_TRUE(bad.Apply(s).ok());
-  EXPECT_EQ(s.exchange_timeout, absl::Milliseconds(f.exchange_timeout_ms));
+  plan = ExchangePlan::Make(s, bad);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->overflow(), OverflowPolicy::kSplit);
+  EXPECT_EQ(plan->timeout(), absl::Milliseconds(good.exchange_timeout_ms));
+  EXPECT_EQ(plan->heap_backend(), shmem::HeapBackend::kAuto);
 }
 
 // ---- payload encodings ----
@@ -212,10 +231,9 @@ TEST(Payload, TakesItsTypesOnly) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(), "--dispatch-dtype must be fp32, bf16 or fp8, got 'fp16'");
   EXPECT_EQ(PayloadRowBytes(common::ElementType::kFp16, 64), 0u);
-  ExchangeConfig c;
-  EXPECT_TRUE(c.Validate().ok());
-  c.combine_dtype = common::ElementType::kFp16;
-  EXPECT_EQ(c.Validate().message(), "the combine dtype must be fp32, bf16 or fp8, got 'fp16'");
+  EXPECT_TRUE(CheckPayloadType(common::ElementType::kBf16, "the combine dtype").ok());
+  EXPECT_EQ(CheckPayloadType(common::ElementType::kFp16, "the combine dtype").message(),
+            "the combine dtype must be fp32, bf16 or fp8, got 'fp16'");
 }
 
 TEST(Payload, SumRowsEqualsDecodeThenAccumulate) {

@@ -1,0 +1,43 @@
+// Finding and choosing the OpenCL device of a Runtime, and probing what its compiler builds
+// for. Private to kernels/ (the public side is DeviceInfo and ListDevices in runtime.h).
+#pragma once
+
+#define CL_TARGET_OPENCL_VERSION 120
+#include <CL/cl.h>
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/runtime.h"
+
+namespace epserve::kernels::detail {
+
+// One device and what DeviceInfo says of it (target_isa not yet probed).
+struct FoundDevice {
+  cl_device_id id = nullptr;
+  DeviceInfo info;
+};
+
+// Every device of every platform, in platform then device order; empty (not an error) where
+// no OpenCL platform or device is installed.
+absl::StatusOr<std::vector<FoundDevice>> EnumerateDevices();
+
+// The device `spec` names among `devices`: "cpu" (the first CPU), "gpu" (local_rank picks
+// among the GPUs, in turn) or "<platform>:<device>" indices. Errors (NOT_FOUND, or
+// INVALID_ARGUMENT for a malformed spec) list the devices found.
+absl::StatusOr<FoundDevice> ChooseDevice(const std::vector<FoundDevice>& devices,
+                                         absl::string_view spec, int local_rank);
+
+// On a CPU device, sets info.target_isa from the predefined macros of the device's compiler
+// (a one-work-item kernel run on `queue`) and caps info.native_float_width to what that
+// target has (8 without AVX-512, 4 with SSE only). Other devices, or a probe that cannot
+// run, leave `info` as it is: the probe's errors are not the caller's.
+void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue queue,
+                    DeviceInfo& info);
+
+// Whether the BF16 dot-product kernels (clang's x86 builtin for vdpbf16ps) can run on the
+// device: a CPU device of PoCL, which compiles for the host, on a host that has AVX512-BF16.
+bool HostRunsBf16Dot(const DeviceInfo& info);
+
+}  // namespace epserve::kernels::detail

@@ -1,0 +1,241 @@
+// Device discovery and choice (kernels/detail/device.h) and DeviceInfo (kernels/runtime.h).
+#include "kernels/detail/device.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
+#include "kernels/detail/cl_check.h"
+
+namespace epserve::kernels {
+namespace {
+
+absl::StatusOr<std::string> PlatformString(cl_platform_id platform, cl_platform_info what) {
+  size_t size = 0;
+  CL_CHECK(clGetPlatformInfo(platform, what, 0, nullptr, &size));
+  std::string s(size, '\0');
+  CL_CHECK(clGetPlatformInfo(platform, what, size, s.data(), nullptr));
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+absl::StatusOr<std::string> DeviceString(cl_device_id device, cl_device_info what) {
+  size_t size = 0;
+  CL_CHECK(clGetDeviceInfo(device, what, 0, nullptr, &size));
+  std::string s(size, '\0');
+  CL_CHECK(clGetDeviceInfo(device, what, size, s.data(), nullptr));
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+// major * 10 + minor through cl_nv_device_attribute_query, or 0 where the device lacks it.
+int NvComputeCapability(cl_device_id device) {
+  absl::StatusOr<std::string> extensions = DeviceString(device, CL_DEVICE_EXTENSIONS);
+  if (!extensions.ok() || extensions->find("cl_nv_device_attribute_query") == std::string::npos) {
+    return 0;
+  }
+  constexpr cl_device_info kMajor = 0x4000;  // CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV
+  constexpr cl_device_info kMinor = 0x4001;  // CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV
+  cl_uint major = 0;
+  cl_uint minor = 0;
+  if (clGetDeviceInfo(device, kMajor, sizeof(major), &major, nullptr) != CL_SUCCESS ||
+      clGetDeviceInfo(device, kMinor, sizeof(minor), &minor, nullptr) != CL_SUCCESS) {
+    return 0;
+  }
+  return static_cast<int>(major * 10 + minor);
+}
+
+// What DeviceInfo says of device `d` of platform `p` (target_isa aside).
+absl::StatusOr<DeviceInfo> ReadDeviceInfo(cl_device_id device, int p, int d,
+                                          const std::string& platform_name) {
+  DeviceInfo info;
+  info.platform_index = p;
+  info.device_index = d;
+  info.platform_name = platform_name;
+  EPSERVE_ASSIGN_OR_RETURN(info.device_name, DeviceString(device, CL_DEVICE_NAME));
+  EPSERVE_ASSIGN_OR_RETURN(info.device_version, DeviceString(device, CL_DEVICE_VERSION));
+  EPSERVE_ASSIGN_OR_RETURN(info.driver_version, DeviceString(device, CL_DRIVER_VERSION));
+  cl_device_type type = 0;
+  CL_CHECK(clGetDeviceInfo(device, CL_DEVICE_TYPE, sizeof(type), &type, nullptr));
+  info.is_gpu = (type & CL_DEVICE_TYPE_GPU) != 0;
+  info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
+  info.nv_compute_capability = NvComputeCapability(device);
+  cl_uint width = 1;
+  cl_uint units = 1;
+  CL_CHECK(
+      clGetDeviceInfo(device, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof(width), &width, nullptr));
+  CL_CHECK(clGetDeviceInfo(device, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(units), &units, nullptr));
+  info.native_float_width = static_cast<int>(width);
+  info.compute_units = static_cast<int>(units);
+  return info;
+}
+
+std::string DescribeAll(const std::vector<detail::FoundDevice>& devices) {
+  if (devices.empty()) return "none (no OpenCL platform or device is installed)";
+  std::vector<std::string> parts;
+  for (const detail::FoundDevice& device : devices) parts.push_back(device.info.Describe());
+  return absl::StrJoin(parts, "; ");
+}
+
+// The vector extensions the device's compiler targets, read from its predefined macros by a
+// one-work-item kernel: 0 unknown (not x86, or the probe did not run), 1 sse, 2 avx, 3 avx2,
+// 4 avx512f.
+constexpr char kTargetProbeSource[] = R"(
+__kernel void target_probe(__global int* out) {
+  int isa = 0;
+#if defined(__x86_64__) || defined(__i386__)
+  isa = 1;
+#endif
+#ifdef __AVX__
+  isa = 2;
+#endif
+#ifdef __AVX2__
+  isa = 3;
+#endif
+#ifdef __AVX512F__
+  isa = 4;
+#endif
+  out[0] = isa;
+}
+)";
+
+// "" where it is not x86 or the probe cannot run (its errors are not the caller's: the
+// reported width then stands).
+std::string ProbeTargetIsa(cl_context context, cl_device_id device, cl_command_queue queue) {
+  constexpr const char* kNames[] = {"", "sse", "avx", "avx2", "avx512f"};
+  cl_int err = CL_SUCCESS;
+  const char* src = kTargetProbeSource;
+  cl_program program = clCreateProgramWithSource(context, 1, &src, nullptr, &err);
+  if (err != CL_SUCCESS) return "";
+  cl_kernel kernel = nullptr;
+  cl_mem out = nullptr;
+  int isa = 0;
+  if (clBuildProgram(program, 1, &device, "", nullptr, nullptr) == CL_SUCCESS &&
+      (kernel = clCreateKernel(program, "target_probe", &err), err == CL_SUCCESS) &&
+      (out = clCreateBuffer(context, CL_MEM_READ_WRITE, sizeof(int), nullptr, &err),
+       err == CL_SUCCESS) &&
+      clSetKernelArg(kernel, 0, sizeof(out), &out) == CL_SUCCESS) {
+    const size_t one = 1;
+    if (clEnqueueNDRangeKernel(queue, kernel, 1, nullptr, &one, nullptr, 0, nullptr, nullptr) !=
+            CL_SUCCESS ||
+        clEnqueueReadBuffer(queue, out, CL_TRUE, 0, sizeof(isa), &isa, 0, nullptr, nullptr) !=
+            CL_SUCCESS) {
+      isa = 0;
+    }
+  }
+  if (out != nullptr) clReleaseMemObject(out);
+  if (kernel != nullptr) clReleaseKernel(kernel);
+  clReleaseProgram(program);
+  return isa >= 0 && isa <= 4 ? kNames[isa] : "";
+}
+
+}  // namespace
+
+std::string DeviceInfo::Describe() const {
+  return absl::StrCat(
+      platform_index, ":", device_index, " ", platform_name, " / ", device_name, " (",
+      is_gpu ? "gpu" : (is_cpu ? "cpu" : "other"), ", ", device_version, ", driver ",
+      driver_version,
+      nv_compute_capability > 0 ? absl::StrCat(", sm_", nv_compute_capability) : std::string(),
+      ")");
+}
+
+absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
+  EPSERVE_ASSIGN_OR_RETURN(std::vector<detail::FoundDevice> devices, detail::EnumerateDevices());
+  std::vector<DeviceInfo> out;
+  for (detail::FoundDevice& device : devices) out.push_back(std::move(device.info));
+  return out;
+}
+
+namespace detail {
+
+absl::StatusOr<std::vector<FoundDevice>> EnumerateDevices() {
+  std::vector<FoundDevice> out;
+  cl_uint num_platforms = 0;
+  const cl_int err = clGetPlatformIDs(0, nullptr, &num_platforms);
+  if (err == -1001 /* CL_PLATFORM_NOT_FOUND_KHR: no ICD installed */ || num_platforms == 0) {
+    return out;
+  }
+  CL_CHECK(err);
+  std::vector<cl_platform_id> platforms(num_platforms);
+  CL_CHECK(clGetPlatformIDs(num_platforms, platforms.data(), nullptr));
+  for (cl_uint p = 0; p < num_platforms; ++p) {
+    EPSERVE_ASSIGN_OR_RETURN(std::string platform_name,
+                             PlatformString(platforms[p], CL_PLATFORM_NAME));
+    cl_uint num_devices = 0;
+    const cl_int derr = clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, 0, nullptr, &num_devices);
+    if (derr == CL_DEVICE_NOT_FOUND || num_devices == 0) continue;
+    CL_CHECK(derr);
+    std::vector<cl_device_id> devices(num_devices);
+    CL_CHECK(
+        clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, num_devices, devices.data(), nullptr));
+    for (cl_uint d = 0; d < num_devices; ++d) {
+      EPSERVE_ASSIGN_OR_RETURN(DeviceInfo info, ReadDeviceInfo(devices[d], static_cast<int>(p),
+                                                               static_cast<int>(d), platform_name));
+      out.push_back({devices[d], std::move(info)});
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<FoundDevice> ChooseDevice(const std::vector<FoundDevice>& devices,
+                                         absl::string_view spec, int local_rank) {
+  auto none = [&](absl::StatusCode code, absl::string_view why) {
+    return absl::Status(code, absl::StrCat("no OpenCL device for device='", spec, "': ", why,
+                                           "; devices found: ", DescribeAll(devices)));
+  };
+  if (spec == "cpu" || spec == "gpu") {
+    const bool want_gpu = spec == "gpu";
+    std::vector<size_t> matches;
+    for (size_t i = 0; i < devices.size(); ++i) {
+      if (want_gpu ? devices[i].info.is_gpu : devices[i].info.is_cpu) matches.push_back(i);
+    }
+    if (matches.empty()) {
+      return none(absl::StatusCode::kNotFound, absl::StrCat("there is no ", spec, " device"));
+    }
+    const size_t pick =
+        want_gpu ? static_cast<size_t>(std::max(local_rank, 0)) % matches.size() : 0;
+    return devices[matches[pick]];
+  }
+  const std::vector<absl::string_view> parts = absl::StrSplit(spec, ':');
+  int platform = -1;
+  int device = -1;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &platform) ||
+      !absl::SimpleAtoi(parts[1], &device)) {
+    return none(absl::StatusCode::kInvalidArgument,
+                "expected 'cpu', 'gpu' or '<platform>:<device>' indices");
+  }
+  for (const FoundDevice& found : devices) {
+    if (found.info.platform_index == platform && found.info.device_index == device) return found;
+  }
+  return none(absl::StatusCode::kNotFound, "no device has these indices");
+}
+
+void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue queue,
+                    DeviceInfo& info) {
+  if (!info.is_cpu) return;
+  info.target_isa = ProbeTargetIsa(context, device, queue);
+  const std::string& isa = info.target_isa;
+  if (!isa.empty() && isa != "avx512f") {
+    info.native_float_width = std::min(info.native_float_width, isa == "sse" ? 4 : 8);
+  }
+}
+
+bool HostRunsBf16Dot(const DeviceInfo& info) {
+#if defined(__x86_64__)
+  return info.is_cpu && absl::StrContains(info.platform_name, "Portable Computing Language") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  (void)info;
+  return false;
+#endif
+}
+
+}  // namespace detail
+}  // namespace epserve::kernels
