@@ -237,5 +237,39 @@ bool HostRunsBf16Dot(const DeviceInfo& info) {
 #endif
 }
 
+namespace {
+
+// The dot-product kernels' use of the builtin (kernels/cl/expert_ffn.cl, DOT_FMA).
+constexpr char kDotProbeSource[] = R"(
+__attribute__((target("avx512bf16"))) float16 Dot(float16 acc, int16 a, int16 b) {
+  return __builtin_ia32_dpbf16ps_512(acc, a, b);
+}
+__kernel void dot_probe(__global float16* acc, __global const int16* ab) {
+  acc[0] = Dot(acc[0], ab[0], ab[1]);
+}
+)";
+
+}  // namespace
+
+bool DotBuiltinBuilds(cl_context context, cl_device_id device, std::string* why) {
+  cl_int err = CL_SUCCESS;
+  const char* src = kDotProbeSource;
+  cl_program program = clCreateProgramWithSource(context, 1, &src, nullptr, &err);
+  if (err != CL_SUCCESS) return false;
+  const bool built =
+      clBuildProgram(program, 1, &device, "-cl-std=CL1.2", nullptr, nullptr) == CL_SUCCESS;
+  if (!built && why != nullptr) {
+    size_t bytes = 0;
+    clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, 0, nullptr, &bytes);
+    std::string log(bytes, '\0');
+    if (bytes > 0) {
+      clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, bytes, log.data(), nullptr);
+    }
+    *why = log.substr(0, std::min(log.find('\n'), size_t{300}));
+  }
+  clReleaseProgram(program);
+  return built;
+}
+
 }  // namespace detail
 }  // namespace epserve::kernels

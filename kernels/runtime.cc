@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/files.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/device.h"
@@ -126,6 +127,14 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
   rt->bf16_dot_ = options.bf16_dot && detail::HostRunsBf16Dot(rt->info_) &&
                   (rt->info_.target_isa.empty() || rt->info_.target_isa == "avx512f");
+  if (std::string why;
+      rt->bf16_dot_ && !detail::DotBuiltinBuilds(rt->context_, rt->device_, &why)) {
+    // Newer clang takes the builtin's operands as __bf16 vectors and refuses the kernels.
+    rt->bf16_dot_ = false;
+    common::LogWarning(
+        absl::StrCat("the device's compiler does not build the BF16 dot-product kernels (", why,
+                     "); BF16 weights run on the FP32-FMA kernels"));
+  }
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
                              {"expert_ffn",

@@ -5,6 +5,7 @@
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
 
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -39,5 +40,11 @@ void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue qu
 // Whether the BF16 dot-product kernels (clang's x86 builtin for vdpbf16ps) can run on the
 // device: a CPU device of PoCL, which compiles for the host, on a host that has AVX512-BF16.
 bool HostRunsBf16Dot(const DeviceInfo& info);
+
+// Whether the device's compiler builds the dot-product kernels' use of clang's vdpbf16ps
+// builtin (a one-function probe): clang 16 and later changed its operands from 16 ints (each
+// a pair of BF16 values, as expert_ffn.cl passes them) to 32 __bf16, and PoCL 5 (LLVM 16)
+// refuses the program. `why` gets the build log's first line when it does not build.
+bool DotBuiltinBuilds(cl_context context, cl_device_id device, std::string* why);
 
 }  // namespace epserve::kernels::detail
