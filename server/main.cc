@@ -58,19 +58,25 @@ ModelOpener MakeModelOpener(const std::string& layers) {
   };
 }
 
-// This worker's index among the workers on its host (0 for the first), which picks its GPU
-// with --device=gpu. Collective over MPI_COMM_WORLD: every rank calls it.
-absl::StatusOr<int> NodeLocalWorkerIndex(int rank) {
+// The workers on this rank's host: its index among them (0 for the first), which picks its
+// GPU with --device=gpu, and how many there are, who share the host's memory when a weight
+// swap stages a second copy. Collective over MPI_COMM_WORLD: every rank calls it.
+struct HostWorkers {
+  int index = 0;
+  int count = 1;
+};
+absl::StatusOr<HostWorkers> WorkersOnThisHost(int rank) {
   MPI_Comm node = MPI_COMM_NULL;
   MPI_Comm workers = MPI_COMM_NULL;
   EPSERVE_MPI_CHECK(
       MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
   EPSERVE_MPI_CHECK(MPI_Comm_split(node, rank > 0 ? 1 : 0, rank, &workers));
-  int index = 0;
-  EPSERVE_MPI_CHECK(MPI_Comm_rank(workers, &index));
+  HostWorkers out;
+  EPSERVE_MPI_CHECK(MPI_Comm_rank(workers, &out.index));
+  EPSERVE_MPI_CHECK(MPI_Comm_size(workers, &out.count));
   EPSERVE_MPI_CHECK(MPI_Comm_free(&workers));
   EPSERVE_MPI_CHECK(MPI_Comm_free(&node));
-  return index;
+  return out;
 }
 
 // Lines of main() go through the library's seam (common/log.h), which knows the rank.
@@ -242,12 +248,13 @@ int ServeFrontEnd(const Flags& flags, const epserve::model::ModelConfig& config,
 int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& heap,
                 const epserve::worker::HeapRegions& regions,
                 const epserve::model::WeightSource& source,
-                epserve::common::ElementType weight_dtype, int local_worker,
+                epserve::common::ElementType weight_dtype, HostWorkers host_workers,
                 ModelOpener open_model) {
   using namespace epserve;
   worker::WorkerOptions options;
   options.device = flags.runtime;
-  options.device.local_rank = local_worker;
+  options.device.local_rank = host_workers.index;
+  options.workers_on_host = host_workers.count;
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
   absl::StatusOr<std::unique_ptr<worker::Worker>> w =
@@ -298,8 +305,8 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     return Fail(rank, s);
   }
 
-  const absl::StatusOr<int> local_worker = NodeLocalWorkerIndex(rank);
-  if (!local_worker.ok()) return Fail(rank, local_worker.status());
+  const absl::StatusOr<HostWorkers> host_workers = WorkersOnThisHost(rank);
+  if (!host_workers.ok()) return Fail(rank, host_workers.status());
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap =
       shmem::SymmetricHeap::Create(MPI_COMM_WORLD, heap_bytes, plan->heap_backend());
   if (!heap.ok()) return Fail(rank, heap.status());
@@ -317,7 +324,7 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     coordinator.emplace(**heap, *regions);
     code = ServeFrontEnd(flags, config, *coordinator, heap_bytes, open_model, front_end);
   } else {
-    code = ServeWorker(rank, flags, **heap, *regions, **source, *weight_dtype, *local_worker,
+    code = ServeWorker(rank, flags, **heap, *regions, **source, *weight_dtype, *host_workers,
                        open_model);
   }
   // Leaving: if a peer is gone the collective free below could block; never hang.

@@ -1,6 +1,7 @@
 #include "worker/worker.h"
 
 #include <malloc.h>
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -87,11 +88,14 @@ absl::Status Worker::CheckRoomForSecondCopy() const {
   if (kib < 0) return absl::OkStatus();  // not Linux: the upload says
   const int64_t need = static_cast<int64_t>(weight_bytes());
   const int64_t have = kib * 1024;
-  // Every worker of the host stages at the same time: leave room for the others' copies.
-  if (need * 5 / 4 > have) {
+  // Every worker of the host stages at the same time, each about as much as this one: all
+  // their second copies must fit, with a quarter to spare.
+  const int64_t all = need * std::max(options_.workers_on_host, 1);
+  if (all * 5 / 4 > have) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "a second copy of this worker's weights (", need, " bytes, +25%) does not fit in ",
-        "the host's available memory (", have, " bytes); the served weights stay"));
+        "a second copy of the weights of this host's ", options_.workers_on_host, " worker(s) (",
+        all, " bytes, +25%) does not fit in the host's available memory (", have,
+        " bytes); the served weights stay"));
   }
   return absl::OkStatus();
 }

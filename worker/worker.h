@@ -29,6 +29,9 @@ struct WorkerOptions {
   // A stop request (e.g. SIGTERM) ends the loop once no batch has come for this long,
   // even if rank 0 never sends kStop (rank 0 gone).
   absl::Duration orphan_grace = absl::Seconds(3);
+  // Workers on this host (this one included): a weight swap stages a second copy of every
+  // one's weights at once, so each checks that all those copies fit the host's memory.
+  int workers_on_host = 1;
   // Opens the model a weight swap names (as --model names one, with the served layers
   // selected as at start); without it the worker refuses swaps (UNIMPLEMENTED).
   std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(const std::string& model,
