@@ -251,6 +251,18 @@ __kernel void dot_probe(__global float16* acc, __global const int16* ab) {
 
 }  // namespace
 
+std::string BuildLog(cl_program program, cl_device_id device) {
+  size_t bytes = 0;
+  std::string log;
+  if (clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, 0, nullptr, &bytes) ==
+      CL_SUCCESS) {
+    log.resize(bytes);
+    clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, bytes, log.data(), nullptr);
+    while (!log.empty() && log.back() == '\0') log.pop_back();
+  }
+  return log;
+}
+
 bool DotBuiltinBuilds(cl_context context, cl_device_id device, std::string* why) {
   cl_int err = CL_SUCCESS;
   const char* src = kDotProbeSource;
@@ -259,12 +271,7 @@ bool DotBuiltinBuilds(cl_context context, cl_device_id device, std::string* why)
   const bool built =
       clBuildProgram(program, 1, &device, "-cl-std=CL1.2", nullptr, nullptr) == CL_SUCCESS;
   if (!built && why != nullptr) {
-    size_t bytes = 0;
-    clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, 0, nullptr, &bytes);
-    std::string log(bytes, '\0');
-    if (bytes > 0) {
-      clGetProgramBuildInfo(program, device, CL_PROGRAM_BUILD_LOG, bytes, log.data(), nullptr);
-    }
+    const std::string log = BuildLog(program, device);
     *why = log.substr(0, std::min(log.find('\n'), size_t{300}));
   }
   clReleaseProgram(program);

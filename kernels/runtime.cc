@@ -264,14 +264,7 @@ absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view nam
   CL_CHECK((program = clCreateProgramWithSource(context_, 1, &text, &length, &err), err));
   const cl_int build_err = clBuildProgram(program, 1, &device_, options.c_str(), nullptr, nullptr);
   if (build_err != CL_SUCCESS) {
-    size_t log_size = 0;
-    std::string log;
-    if (clGetProgramBuildInfo(program, device_, CL_PROGRAM_BUILD_LOG, 0, nullptr, &log_size) ==
-        CL_SUCCESS) {
-      log.resize(log_size);
-      clGetProgramBuildInfo(program, device_, CL_PROGRAM_BUILD_LOG, log_size, log.data(), nullptr);
-      while (!log.empty() && log.back() == '\0') log.pop_back();
-    }
+    const std::string log = detail::BuildLog(program, device_);
     clReleaseProgram(program);
     const absl::Status s = detail::ClError(build_err, "clBuildProgram", __FILE__, __LINE__);
     return absl::Status(

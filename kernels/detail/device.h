@@ -41,6 +41,9 @@ void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue qu
 // device: a CPU device of PoCL, which compiles for the host, on a host that has AVX512-BF16.
 bool HostRunsBf16Dot(const DeviceInfo& info);
 
+// The build log of `program` for `device`, without trailing NULs ("" if it cannot be read).
+std::string BuildLog(cl_program program, cl_device_id device);
+
 // Whether the device's compiler builds the dot-product kernels' use of clang's vdpbf16ps
 // builtin (a one-function probe): clang 16 and later changed its operands from 16 ints (each
 // a pair of BF16 values, as expert_ffn.cl passes them) to 32 __bf16, and PoCL 5 (LLVM 16)
