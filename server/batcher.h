@@ -56,8 +56,6 @@ struct InferTask {
   float* topk_weights = nullptr;
   // Holds the layer's output when the request does not ask for it (only for the routing).
   std::string unrequested_output;
-  // Shared memory regions the input or outputs live in, kept mapped until the task is done.
-  std::vector<std::shared_ptr<const void>> regions;
   absl::Time enqueued;
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty; called from the batcher's threads

@@ -236,7 +236,6 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   std::vector<std::shared_ptr<const SharedMemoryRegion>> used;
   AddOutputs(*parsed, signature_.hidden_size, signature_.top_k, resp, task.get(), &used);
   if (parsed->input_region != nullptr) used.push_back(parsed->input_region);
-  task->regions.assign(used.begin(), used.end());
 
   task->layer_pos = parsed->layer_pos;
   task->num_tokens = parsed->num_tokens;
@@ -249,8 +248,10 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   task->cancelled = std::move(cancelled);
   task->done = [this, start, tokens = parsed->num_tokens, used = std::move(used),
                 done = std::move(done)](absl::Status s, const TaskTimes& times) {
-    // A region its owner shrank while the batcher read or wrote it (shared_memory.h): the
-    // rows are not what the client meant, so the answer is an error.
+    // The task holds this callback until it is destroyed, so `used` keeps the regions the
+    // input and outputs point into mapped while the batcher uses them. A region its owner
+    // shrank meanwhile (shared_memory.h): the rows are not what the client meant, so the
+    // answer is an error.
     for (const auto& region : used) {
       if (s.ok()) s = region->CheckIntact("a tensor in shared memory");
     }
