@@ -239,8 +239,8 @@ bool HostRunsBf16Dot(const DeviceInfo& info) {
 
 namespace {
 
-// The dot-product kernels' use of the builtin (kernels/cl/expert_ffn.cl, DOT_FMA).
-constexpr char kDotProbeSource[] = R"(
+// The dot-product kernels' vdpbf16ps in each form (kernels/cl/expert_ffn.cl, Dpbf16).
+constexpr char kDotBuiltinProbe[] = R"(
 __attribute__((target("avx512bf16"))) float16 Dot(float16 acc, int16 a, int16 b) {
   return __builtin_ia32_dpbf16ps_512(acc, a, b);
 }
@@ -248,6 +248,30 @@ __kernel void dot_probe(__global float16* acc, __global const int16* ab) {
   acc[0] = Dot(acc[0], ab[0], ab[1]);
 }
 )";
+constexpr char kDotAsmProbe[] = R"(
+__attribute__((target("avx512bf16"))) float16 Dot(float16 acc, int16 a, int16 b) {
+  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+__kernel void dot_probe(__global float16* acc, __global const int16* ab) {
+  acc[0] = Dot(acc[0], ab[0], ab[1]);
+}
+)";
+
+// Whether `source` builds for `device`; if not and `why` is given, the log's first line.
+bool ProbeBuilds(cl_context context, cl_device_id device, const char* source, std::string* why) {
+  cl_int err = CL_SUCCESS;
+  cl_program program = clCreateProgramWithSource(context, 1, &source, nullptr, &err);
+  if (err != CL_SUCCESS) return false;
+  const bool built =
+      clBuildProgram(program, 1, &device, "-cl-std=CL1.2", nullptr, nullptr) == CL_SUCCESS;
+  if (!built && why != nullptr) {
+    const std::string log = BuildLog(program, device);
+    *why = log.substr(0, std::min(log.find('\n'), size_t{300}));
+  }
+  clReleaseProgram(program);
+  return built;
+}
 
 }  // namespace
 
@@ -263,19 +287,15 @@ std::string BuildLog(cl_program program, cl_device_id device) {
   return log;
 }
 
-bool DotBuiltinBuilds(cl_context context, cl_device_id device, std::string* why) {
-  cl_int err = CL_SUCCESS;
-  const char* src = kDotProbeSource;
-  cl_program program = clCreateProgramWithSource(context, 1, &src, nullptr, &err);
-  if (err != CL_SUCCESS) return false;
-  const bool built =
-      clBuildProgram(program, 1, &device, "-cl-std=CL1.2", nullptr, nullptr) == CL_SUCCESS;
-  if (!built && why != nullptr) {
-    const std::string log = BuildLog(program, device);
-    *why = log.substr(0, std::min(log.find('\n'), size_t{300}));
+DotForm ProbeDotForm(cl_context context, cl_device_id device, bool inline_asm_only,
+                     std::string* why) {
+  if (!inline_asm_only && ProbeBuilds(context, device, kDotBuiltinProbe, why)) {
+    return DotForm::kBuiltin;
   }
-  clReleaseProgram(program);
-  return built;
+  if (ProbeBuilds(context, device, kDotAsmProbe, inline_asm_only ? why : nullptr)) {
+    return DotForm::kInlineAsm;
+  }
+  return DotForm::kNone;
 }
 
 }  // namespace detail

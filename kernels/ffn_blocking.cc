@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
 #include "kernels/runtime.h"
 
@@ -34,12 +35,14 @@ FfnBlocking Make(int vec, int rows, int prefetch_steps, int row_chunk) {
 }  // namespace
 
 std::string FfnBlocking::ToString() const {
+  if (dot) return "dot";
   return absl::StrCat("vec=", vec, " rows=", rows, " prefetch=", prefetch_steps,
                       " chunk=", row_chunk);
 }
 
 absl::StatusOr<FfnBlocking> ParseFfnBlocking(absl::string_view text) {
   FfnBlocking b;
+  if (absl::StripAsciiWhitespace(text) == "dot") return DotKernels();
   for (absl::string_view item : absl::StrSplit(text, absl::ByAnyChar(" ,"), absl::SkipEmpty())) {
     const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, '=');
     const Key* key = nullptr;
@@ -49,7 +52,7 @@ absl::StatusOr<FfnBlocking> ParseFfnBlocking(absl::string_view text) {
     if (key == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("FFN blocking: unknown key '", kv.first.substr(0, 64),
-                       "' (keys: vec, rows, prefetch, chunk; e.g. 'vec=8 rows=6')"));
+                       "' (keys: vec, rows, prefetch, chunk, e.g. 'vec=8 rows=6'; or 'dot' alone)"));
     }
     int value = 0;
     if (!absl::SimpleAtoi(kv.second, &value) || value < key->min || value > key->max) {
@@ -98,6 +101,12 @@ std::vector<FfnBlocking> FfnBlockingCandidates(const DeviceInfo& device) {
   // Each candidate costs a program build on a cold start (about 2 s per variant with PoCL on
   // a 2-core host), so the list stays short.
   return {Make(8, 6, 64, 96), Make(8, 6, 0, 96), Make(8, 4, 64, 192)};
+}
+
+FfnBlocking DotKernels() {
+  FfnBlocking b;
+  b.dot = true;
+  return b;
 }
 
 std::vector<FfnBlocking> AllFfnBlockingCandidates() {

@@ -82,16 +82,18 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
   w.ffn = ffn;
   w.dtype = dtype;
   w.blocking = b;
+  w.bf16_dot = b.dot;
   const int64_t pw = b.panel_cols();
   // BF16 weights: two 0.0078125 values a word; FP32: the pattern given.
   const uint32_t pattern = dtype == common::ElementType::kBf16 ? 0x3c003c00u : fp32_pattern;
   const size_t elem = common::ElementBytes(dtype);
-  EPSERVE_ASSIGN_OR_RETURN(
-      Buffer gate_up,
-      Filled(rt, detail::GateUpFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern));
-  EPSERVE_ASSIGN_OR_RETURN(
-      Buffer down,
-      Filled(rt, detail::DownFloatsPerExpert(hidden, ffn, pw) * kTuneExperts * elem, pattern));
+  const int64_t gate_up_values = b.dot ? detail::GateUpDotValuesPerExpert(hidden, ffn)
+                                       : detail::GateUpFloatsPerExpert(hidden, ffn, pw);
+  const int64_t down_values = b.dot ? detail::DownDotValuesPerExpert(hidden, ffn)
+                                    : detail::DownFloatsPerExpert(hidden, ffn, pw);
+  EPSERVE_ASSIGN_OR_RETURN(Buffer gate_up,
+                           Filled(rt, gate_up_values * kTuneExperts * elem, pattern));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer down, Filled(rt, down_values * kTuneExperts * elem, pattern));
   w.gate_up = std::move(gate_up);
   w.down = std::move(down);
   return w;
@@ -236,7 +238,10 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
     const char* env = std::getenv("EPSERVE_FFN_BLOCKING");
     if (env != nullptr) forced = env;
   }
-  const std::vector<FfnBlocking> candidates = FfnBlockingCandidates(info_);
+  // BF16 weights on a runtime with the dot-product kernels: those are a candidate too.
+  const bool dot_runs = dtype == common::ElementType::kBf16 && bf16_dot_;
+  std::vector<FfnBlocking> candidates = FfnBlockingCandidates(info_);
+  if (dot_runs) candidates.push_back(DotKernels());
   if (!forced.empty()) {
     absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(forced);
     if (!b.ok()) {
@@ -244,18 +249,25 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
                                                      forced.substr(0, 128),
                                                      "': ", b.status().message()));
     }
-    if (b->vec == 16 && !info_.target_isa.empty() && info_.target_isa != "avx512f") {
+    if (b->dot && dtype == common::ElementType::kBf16 && !dot_runs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
+          "': this device runs no BF16 dot-product kernels (x86 AVX512-BF16 under PoCL)"));
+    }
+    if (!b->dot && b->vec == 16 && !info_.target_isa.empty() && info_.target_isa != "avx512f") {
       return absl::InvalidArgumentError(
           absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
                        "': vec=16 needs 16-lane vectors, and this device's code is built for ",
                        info_.target_isa, " (8 lanes): use vec=8"));
     }
-    choice.blocking = *b;
-    choice.origin = FfnBlockingOrigin::kForced;
+    // "dot" names BF16 weights' kernels: FP32 weights keep the device default.
+    const bool fp32_under_dot = b->dot && dtype != common::ElementType::kBf16;
+    choice.blocking = fp32_under_dot ? default_ffn_blocking_ : *b;
+    choice.origin = fp32_under_dot ? FfnBlockingOrigin::kDefault : FfnBlockingOrigin::kForced;
   } else if (candidates.size() < 2 || !options_.tune_ffn ||
              3 * hidden * ffn * static_cast<int64_t>(common::ElementBytes(dtype)) <
                  kMinTunedExpertBytes) {
-    choice.blocking = default_ffn_blocking_;
+    choice.blocking = dot_runs ? DotKernels() : default_ffn_blocking_;
     choice.origin = FfnBlockingOrigin::kDefault;
   } else {
     // Keyed like the program binaries (source, options, device, driver) plus the shape class

@@ -36,7 +36,8 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 // rounds its activations x and the intermediate h = silu(gate x) * up x to BF16 (nearest even)
 // before each GEMM, as BF16 GEMM libraries do; sums stay FP32. BF16 weights on a runtime with
 // bf16_dot() (x86 CPUs with AVX512-BF16) take the pair-panel layout and round x and h the
-// same way.
+// same way where Runtime::ChooseFfnBlocking picks the dot kernels for the shape ("dot":
+// always where it does not time them, else where they ran faster than the FMA kernels).
 struct ExpertWeights {
   int first_expert = 0;
   int num_experts = 0;

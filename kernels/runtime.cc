@@ -2,6 +2,10 @@
 // and choosing its device is kernels/device.cc's (kernels/detail/device.h).
 #include "kernels/runtime.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include <algorithm>
 #include <cstdlib>
 #include <string_view>
@@ -46,6 +50,29 @@ std::string SourceDir(const RuntimeOptions& options) {
   if (!options.source_dir.empty()) return options.source_dir;
   const char* env = std::getenv("EPSERVE_KERNEL_SOURCES");
   return env != nullptr ? env : "";
+}
+
+// Host memory for a CPU device's buffer of `bytes`, in transparent huge pages where the
+// kernel offers them (asked for per mapping, so hosts whose default is "madvise" give them
+// too): a CPU device reads its weights from host memory, and streaming 100+ MiB of them
+// through 4 KiB pages costs a TLB miss every 4 KiB. nullptr: use the driver's allocation.
+constexpr size_t kHugePageBytes = size_t{2} << 20;
+void* HugePageMemory(size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t rounded = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  void* p = std::aligned_alloc(kHugePageBytes, rounded);
+  if (p != nullptr) (void)madvise(p, rounded, MADV_HUGEPAGE);  // advice only
+  return p;
+#else
+  (void)bytes;
+  return nullptr;
+#endif
+}
+void CL_CALLBACK FreeHostMemory(cl_mem, void* host) { std::free(host); }
+
+detail::DotForm DotFormOf(bool bf16_dot, bool bf16_dot_asm) {
+  if (!bf16_dot) return detail::DotForm::kNone;
+  return bf16_dot_asm ? detail::DotForm::kInlineAsm : detail::DotForm::kBuiltin;
 }
 
 }  // namespace
@@ -127,13 +154,19 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
   rt->bf16_dot_ = options.bf16_dot && detail::HostRunsBf16Dot(rt->info_) &&
                   (rt->info_.target_isa.empty() || rt->info_.target_isa == "avx512f");
-  if (std::string why;
-      rt->bf16_dot_ && !detail::DotBuiltinBuilds(rt->context_, rt->device_, &why)) {
-    // Newer clang takes the builtin's operands as __bf16 vectors and refuses the kernels.
-    rt->bf16_dot_ = false;
-    common::LogWarning(
-        absl::StrCat("the device's compiler does not build the BF16 dot-product kernels (", why,
-                     "); BF16 weights run on the FP32-FMA kernels"));
+  if (rt->bf16_dot_) {
+    // clang 16 and later take the builtin's operands as __bf16 vectors: the kernels then
+    // spell the instruction out. Neither form building leaves the FP32-FMA kernels.
+    std::string why;
+    const detail::DotForm form = detail::ProbeDotForm(
+        rt->context_, rt->device_, options.bf16_dot_inline_asm, &why);
+    rt->bf16_dot_ = form != detail::DotForm::kNone;
+    rt->bf16_dot_asm_ = form == detail::DotForm::kInlineAsm;
+    if (!rt->bf16_dot_) {
+      common::LogWarning(
+          absl::StrCat("the device's compiler does not build the BF16 dot-product kernels (", why,
+                       "); BF16 weights run on the FP32-FMA kernels"));
+    }
   }
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
@@ -169,6 +202,18 @@ absl::StatusOr<Buffer> Runtime::Allocate(size_t bytes) {
   if (bytes == 0) return Buffer();
   cl_int err = CL_SUCCESS;
   cl_mem mem = nullptr;
+  if (info_.is_cpu && bytes >= kHugePageBytes) {
+    // The device uses the host memory itself (CL_MEM_USE_HOST_PTR), freed with the buffer.
+    if (void* host = HugePageMemory(bytes)) {
+      mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, host, &err);
+      if (err == CL_SUCCESS &&
+          clSetMemObjectDestructorCallback(mem, FreeHostMemory, host) == CL_SUCCESS) {
+        return Buffer(mem, bytes);
+      }
+      if (err == CL_SUCCESS) clReleaseMemObject(mem);
+      std::free(host);
+    }
+  }
   CL_CHECK((mem = clCreateBuffer(context_, CL_MEM_READ_WRITE, bytes, nullptr, &err), err));
   return Buffer(mem, bytes);
 }
@@ -215,7 +260,7 @@ const ProgramCacheStats& Runtime::cache_stats() const { return programs_->stats;
 absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::string_view source,
                                                  std::string_view extra_options,
                                                  std::string_view variant_options) {
-  const std::string base = absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_),
+  const std::string base = absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)),
                                         variant_options.empty() ? "" : " ", Sv(variant_options));
   // Alternatives are separated by '|' (drivers spell some options differently); the first
   // that builds wins.
@@ -376,7 +421,7 @@ std::string Runtime::FfnProgramKeySource() {
     if (p.name == "expert_ffn") {
       (void)programs_->LoadSource(
           p);  // an unreadable override fails the build that follows instead
-      return absl::StrCat(Sv(p.source), "\n", detail::ProgramBuildOptions(info_.is_cpu, bf16_dot_),
+      return absl::StrCat(Sv(p.source), "\n", detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)),
                           "\n", p.extra_options);
     }
   }

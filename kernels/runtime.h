@@ -56,6 +56,9 @@ struct RuntimeOptions {
   // Use AVX512-BF16 dot products (vdpbf16ps) for BF16 weights on x86 CPU devices of PoCL whose
   // host has them (kernels/detail/ffn_layout.h, pair panels). false keeps FP32 FMAs.
   bool bf16_dot = true;
+  // Spell the dot kernels' vdpbf16ps as inline assembly even where the compiler's builtin
+  // builds (the form clang 16 and later need; tests compare the two forms bit for bit).
+  bool bf16_dot_inline_asm = false;
   // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
   std::string cache_dir;
   // A folder to read the kernel sources from (<name>.cl, e.g. kernels/cl) instead of the copies
@@ -121,11 +124,14 @@ class Runtime {
   cl_device_id device() const { return device_; }
   // Whether BF16 expert weights uploaded through this runtime use the tensor-core kernels.
   bool tensor_cores() const { return tensor_cores_; }
-  // Whether BF16 expert weights uploaded through this runtime use the BF16 dot-product kernels.
+  // Whether this runtime has the BF16 dot-product kernels: BF16 expert weights use them where
+  // ChooseFfnBlocking picks "dot" for their shape.
   bool bf16_dot() const { return bf16_dot_; }
 
   // A read-write buffer of `bytes` (contents undefined); bytes == 0 gives an empty Buffer
   // whose mem() is nullptr.
+  // On CPU devices, buffers of 2 MiB or more live in host memory asked for in transparent
+  // huge pages.
   absl::StatusOr<Buffer> Allocate(size_t bytes);
   // A read-only buffer holding a copy of src[0, bytes), made before this returns.
   absl::StatusOr<Buffer> AllocateCopy(const void* src, size_t bytes);
@@ -141,8 +147,9 @@ class Runtime {
   // The portable FFN kernel `name` built for `blocking` (on first use of that blocking).
   absl::StatusOr<cl_kernel> FfnKernel(std::string_view name, const FfnBlocking& blocking);
   // The blocking of the portable FFN kernels for experts of this shape and weight dtype on
-  // this device: made on first use of the shape as kernels/ffn_blocking.h says (which may
-  // time kernels on the device for a second or two), the same afterwards.
+  // this device, or for BF16 weights where bf16_dot() the dot kernels ("dot"): made on first
+  // use of the shape as kernels/ffn_blocking.h says (which may time kernels on the device for
+  // a second or two), the same afterwards. A forced FMA blocking applies to BF16 weights too.
   absl::StatusOr<FfnBlocking> ChooseFfnBlocking(int64_t hidden, int64_t ffn,
                                                 common::ElementType dtype);
   // Every choice made so far, for logs.
@@ -181,6 +188,7 @@ class Runtime {
   std::string cache_dir_;
   bool tensor_cores_ = false;
   bool bf16_dot_ = false;
+  bool bf16_dot_asm_ = false;  // the dot kernels spell vdpbf16ps as inline assembly
   std::unique_ptr<Programs> programs_;
 };
 

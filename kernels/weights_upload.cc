@@ -71,6 +71,14 @@ absl::Status FillExperts(Runtime& rt, const model::WeightSource& source, int lay
 
 // The panel layout of kernels/detail/ffn_layout.h with elements of type T (float or BF16
 // bits).
+// Where column c of a panel row of pw columns is stored (kernels/detail/ffn_layout.h): in
+// order for FP32; for BF16 each column of the first half next to the same column of the
+// second half, so that one 32-bit word holds both and widens with a shift and a mask.
+inline int64_t PanelSlot(float*, int64_t c, int64_t pw) { return c; }
+inline int64_t PanelSlot(uint16_t*, int64_t c, int64_t pw) {
+  return 2 * (c % (pw / 2)) + c / (pw / 2);
+}
+
 template <typename T>
 absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
                      const ExpertWeights& w) {
@@ -84,12 +92,12 @@ absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, 
       rt, source, layer, kinds, w, detail::GateUpFloatsPerExpert(hidden, ffn, pw),
       detail::DownFloatsPerExpert(hidden, ffn, pw),
       [&](T* dst, int half, const float* staging) {
-        // dst[(j * H + k) * pw + c]: gate row f = j * half_cols + c for c < half_cols, up row
-        // f for c >= half_cols.
+        // dst[(j * H + k) * pw + slot(c)]: gate row f = j * half_cols + c for c < half_cols,
+        // up row f for c >= half_cols.
         for (int64_t j = 0; j < gu_panels; ++j) {
           for (int64_t c = 0; c < half_cols; ++c) {
             const int64_t f = j * half_cols + c;
-            T* out = dst + j * hidden * pw + half * half_cols + c;
+            T* out = dst + j * hidden * pw + PanelSlot(dst, half * half_cols + c, pw);
             if (f < ffn) {
               const float* in = staging + f * hidden;
               for (int64_t k = 0; k < hidden; ++k) out[k * pw] = ToElement(in[k], out);
@@ -100,11 +108,11 @@ absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, 
         }
       },
       [&](T* dst, const float* staging) {
-        // dst[(j * F + f) * pw + c] = down[j * pw + c][f].
+        // dst[(j * F + f) * pw + slot(c)] = down[j * pw + c][f].
         for (int64_t j = 0; j < down_panels; ++j) {
           for (int64_t c = 0; c < pw; ++c) {
             const int64_t row = j * pw + c;
-            T* out = dst + j * ffn * pw + c;
+            T* out = dst + j * ffn * pw + PanelSlot(dst, c, pw);
             if (row < hidden) {
               const float* in = staging + row * ffn;
               for (int64_t f = 0; f < ffn; ++f) out[f * pw] = ToElement(in[f], out);
@@ -206,10 +214,11 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   // The layout, hence the element counts, follows from the dtype and the device.
   w.tensor_cores = dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
                    detail::MmaFitsCallerBuffers(hidden, ffn);
-  w.bf16_dot = dtype == common::ElementType::kBf16 && !w.tensor_cores && rt.bf16_dot();
-  if (!w.tensor_cores && !w.bf16_dot) {
+  if (!w.tensor_cores) {
+    // The blocking of the FMA kernels, or (BF16 weights where they run) the dot kernels.
     EPSERVE_ASSIGN_OR_RETURN(FfnBlocking blocking, rt.ChooseFfnBlocking(hidden, ffn, dtype));
-    w.blocking = blocking;
+    w.bf16_dot = blocking.dot;
+    if (!blocking.dot) w.blocking = blocking;
   }
   const int64_t pw = w.blocking.panel_cols();
   const int64_t gate_up_values = w.tensor_cores ? detail::MmaGateUpValuesPerExpert(hidden, ffn)

@@ -8,8 +8,10 @@
 set -euo pipefail
 build=${1:?usage: make_bundle.sh BUILD OUT}
 out=${2:?usage: make_bundle.sh BUILD OUT}
-# (bench_exchange runs on the GPU host's CPU: a quiet many-core machine for the exchange.)
-binaries=(tests/kernels/kernels_test bench/gpu/bench_ffn_gpu bench/e2e/bench_e2e_inprocess
+# (bench_exchange and bench_expert_ffn run on the GPU host's CPU: a quiet many-core machine for
+# the exchange, and a CPU with AVX512-BF16 and a newer PoCL for the kernels.)
+binaries=(tests/kernels/kernels_test bench/kernels/bench_expert_ffn bench/gpu/bench_ffn_gpu
+          bench/e2e/bench_e2e_inprocess
           server/epserve client/epserve-load bench/exchange/bench_exchange)
 # Built only where the CUDA toolkit was found.
 if [ -x "$build/bench/gpu/probe_device_heap" ]; then binaries+=(bench/gpu/probe_device_heap); fi

@@ -62,6 +62,14 @@ void ParallelMemcpy(char* dst, const char* src, int threads) {
   for (std::thread& th : pool) th.join();
 }
 
+// The thread counts memcpy and the read floor are timed on: 1, 2, 4, ... and `threads`.
+std::vector<int> StreamThreadCounts(int threads) {
+  std::vector<int> counts;
+  for (int t = 1; t < threads; t *= 2) counts.push_back(t);
+  counts.push_back(threads);
+  return counts;
+}
+
 // Reads the first `bytes` of src once on `threads` threads, each summing its slice (eight
 // independent sums, so loads are not serialised behind adds): the read-only stream floor of
 // the few-row cases, whose kernels only read their weights. The sums go to a volatile sink.
@@ -122,8 +130,9 @@ struct Result {
   int64_t rows = 0;                             // per expert
   double t_fp32 = 0, t_bf16 = 0, t_bf16_x = 0;  // epserve: FP32 weights, BF16 weights,
                                                 // BF16 weights and BF16 activations
-  double t_bf16_fma = 0;  // BF16 weights through the FP32-FMA kernels (0: not run)
-  double diff_bf16_fma = 0;
+  // BF16 weights on the path the runtime did not choose (dot or FP32 FMA; 0: not run).
+  double t_bf16_other = 0;
+  double diff_bf16_other = 0;
   double t_sgemm = 0;  // (a) pure sgemm, best thread count
   int sgemm_threads = 0;
   double t_composite = 0;                                // (b) gather + 3 sgemm + SwiGLU loop
@@ -179,18 +188,23 @@ int Run(int argc, char** argv) {
   for (const FfnChoice& c : r.ffn_choices()) {
     std::printf("FFN blocking: %s (%.2f s to choose)\n", c.Describe().c_str(), c.seconds);
   }
-  // Where BF16 weights take the dot-product kernels, the same weights through the FP32-FMA
-  // kernels (a second runtime without them) are timed in the same run as their baseline.
-  std::unique_ptr<Runtime> fma_rt;
-  absl::StatusOr<ExpertWeights> w16_fma = absl::UnavailableError("not used");
-  if (w16->bf16_dot) {
-    RuntimeOptions fma_options = runtime_options;
-    fma_options.bf16_dot = false;
-    absl::StatusOr<std::unique_ptr<Runtime>> created = Runtime::Create(fma_options);
+  // Where the runtime has the BF16 dot-product kernels, the same BF16 weights on the path it
+  // did not choose (a second runtime: without the dot kernels, or with "dot" forced) are
+  // timed in the same run, so that the choice is seen against the alternative.
+  std::unique_ptr<Runtime> other_rt;
+  absl::StatusOr<ExpertWeights> w16_other = absl::UnavailableError("not used");
+  if (r.bf16_dot()) {
+    RuntimeOptions other_options = runtime_options;
+    if (w16->bf16_dot) {
+      other_options.bf16_dot = false;
+    } else {
+      other_options.ffn_blocking = "dot";
+    }
+    absl::StatusOr<std::unique_ptr<Runtime>> created = Runtime::Create(other_options);
     if (!created.ok()) return Fail(created.status());
-    fma_rt = *std::move(created);
-    w16_fma = UploadExperts(*fma_rt, source, 0, 0, num_experts, ElementType::kBf16);
-    if (!w16_fma.ok()) return Fail(w16_fma.status());
+    other_rt = *std::move(created);
+    w16_other = UploadExperts(*other_rt, source, 0, 0, num_experts, ElementType::kBf16);
+    if (!w16_other.ok()) return Fail(w16_other.status());
   }
   // Host weights for OpenBLAS, Hugging Face layout: gate_up[e] = [gate; up] ([2F, H]), so that
   // gate and up are one GEMM; down[e] [H, F].
@@ -231,11 +245,11 @@ int Run(int argc, char** argv) {
     absl::StatusOr<FfnBuffers> bufs = MakeFfnBuffers(r, x, row_index, ffn, hidden);
     absl::StatusOr<Buffer> xb16 = r.AllocateCopy(x16.data(), x16.size() * sizeof(uint16_t));
     if (!bufs.ok() || !xb16.ok()) return 1;
-    // The FP32-FMA runtime's copies, when it runs.
-    absl::StatusOr<FfnBuffers> fma_bufs = absl::UnavailableError("not used");
-    if (fma_rt != nullptr) {
-      fma_bufs = MakeFfnBuffers(*fma_rt, x, row_index, ffn, hidden);
-      if (!fma_bufs.ok()) return 1;
+    // The other BF16 path's runtime's copies, when it runs.
+    absl::StatusOr<FfnBuffers> other_bufs = absl::UnavailableError("not used");
+    if (other_rt != nullptr) {
+      other_bufs = MakeFfnBuffers(*other_rt, x, row_index, ffn, hidden);
+      if (!other_bufs.ok()) return 1;
     }
     bool failed = false;
     std::vector<float> y(pairs * hidden);
@@ -251,7 +265,7 @@ int Run(int argc, char** argv) {
     auto run_epserve = [&](const ExpertWeights& w, const Buffer& xin, RowFormat format) {
       run_on(r, w, *bufs, xin, format);
     };
-    auto run_fma = [&] { run_on(*fma_rt, *w16_fma, *fma_bufs, fma_bufs->x, RowFormat{}); };
+    auto run_other = [&] { run_on(*other_rt, *w16_other, *other_bufs, other_bufs->x, RowFormat{}); };
     auto read_y = [&](Runtime& on, const FfnBuffers& b) {
       if (!on.Read(b.y, 0, y.data(), y.size() * sizeof(float)).ok()) failed = true;
       return y;
@@ -311,22 +325,22 @@ int Run(int argc, char** argv) {
     res.diff_bf16 = MaxRelDiff(read_y(r, *bufs), y_blas);
     run_epserve(*w16, *xb16, bf16_rows);
     res.diff_bf16_x = MaxRelDiff(read_y(r, *bufs), y_blas);
-    if (fma_rt != nullptr) {
-      run_fma();
-      res.diff_bf16_fma = MaxRelDiff(read_y(*fma_rt, *fma_bufs), y_blas);
+    if (other_rt != nullptr) {
+      run_other();
+      res.diff_bf16_other = MaxRelDiff(read_y(*other_rt, *other_bufs), y_blas);
     }
 
     std::vector<std::function<void()>> fns = {[&] { run_epserve(*w32, bufs->x, fp32_rows); },
                                               [&] { run_epserve(*w16, bufs->x, fp32_rows); },
                                               [&] { run_epserve(*w16, *xb16, bf16_rows); }};
-    const size_t fma_index = fns.size();
-    if (fma_rt != nullptr) fns.push_back(run_fma);
+    const size_t other_index = fns.size();
+    if (other_rt != nullptr) fns.push_back(run_other);
     const size_t first_openblas = fns.size();
     fns.push_back(run_composite);
     for (int t = 1; t <= threads; ++t) fns.push_back([&, t] { run_sgemm(t); });
-    // For the streaming ratios, memcpy on 1 and on 2 threads joins the round-robin: the
-    // machine's memory bandwidth drifts by 1.5x within minutes here, and only interleaved
-    // timings see the same conditions.
+    // For the streaming ratios, memcpy on 1, 2, 4, ... --threads threads joins the
+    // round-robin: the machine's memory bandwidth drifts by 1.5x within minutes here, and only
+    // interleaved timings see the same conditions.
     const size_t first_memcpy = fns.size();
     std::vector<char> copy_src, copy_dst;
     std::vector<float> read_src;
@@ -334,13 +348,13 @@ int Run(int argc, char** argv) {
     if (m <= kStreamingRows) {
       copy_src.assign(kMemcpyBytes, 1);
       copy_dst.assign(kMemcpyBytes, 0);
-      for (int t = 1; t <= std::min(threads, 2); ++t) {
+      for (int t : StreamThreadCounts(threads)) {
         fns.push_back([&, t] { ParallelMemcpy(copy_dst.data(), copy_src.data(), t); });
       }
       // The read floor streams as many bytes as the FP32 weights, from memory (beyond L3).
       first_read = fns.size();
       read_src.assign(static_cast<size_t>(weight_bytes_fp32 / sizeof(float)), 1e-3f);
-      for (int t = 1; t <= std::min(threads, 2); ++t) {
+      for (int t : StreamThreadCounts(threads)) {
         fns.push_back(
             [&, t] { ParallelRead(read_src.data(), read_src.size() * sizeof(float), t); });
       }
@@ -357,7 +371,7 @@ int Run(int argc, char** argv) {
     res.t_fp32 = med[0];
     res.t_bf16 = med[1];
     res.t_bf16_x = med[2];
-    if (fma_rt != nullptr) res.t_bf16_fma = med[fma_index];
+    if (other_rt != nullptr) res.t_bf16_other = med[other_index];
     res.t_composite = med[first_openblas];
     res.t_sgemm = med[first_openblas + 1];
     res.sgemm_threads = 1;
@@ -416,27 +430,31 @@ int Run(int argc, char** argv) {
                 res.t_fp32 / res.t_bf16, res.diff_bf16, res.t_bf16_x * 1e3,
                 gflops(res, res.t_bf16_x), res.diff_bf16_x);
   }
-  if (fma_rt != nullptr) {
+  if (other_rt != nullptr) {
     std::printf(
-        "\nBF16 weights: the dot-product kernels (above) against the same weights through the "
-        "FP32-FMA kernels (widened to FP32, FP32 activations), same run.\n\n");
+        "\nBF16 weights: the dot-product kernels against the same weights through the FP32-FMA "
+        "kernels (widened to FP32, FP32 activations), same run; the runtime chose the %s "
+        "(above), the other ran on a second runtime.\n\n",
+        w16->bf16_dot ? "dot products" : "FMA kernels");
     std::printf(
-        "| rows/expert | dot ms | dot GFLOP/s | fma ms | fma GFLOP/s | dot / fma | fma max rel "
-        "diff vs (b) |\n");
+        "| rows/expert | dot ms | dot GFLOP/s | fma ms | fma GFLOP/s | dot / fma | %s max rel "
+        "diff vs (b) |\n",
+        w16->bf16_dot ? "fma" : "dot");
     std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const Result& res : results) {
+      const double t_dot = w16->bf16_dot ? res.t_bf16 : res.t_bf16_other;
+      const double t_fma = w16->bf16_dot ? res.t_bf16_other : res.t_bf16;
       std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %.2f | %.1e |\n",
-                  static_cast<long long>(res.rows), res.t_bf16 * 1e3, gflops(res, res.t_bf16),
-                  res.t_bf16_fma * 1e3, gflops(res, res.t_bf16_fma), res.t_bf16_fma / res.t_bf16,
-                  res.diff_bf16_fma);
+                  static_cast<long long>(res.rows), t_dot * 1e3, gflops(res, t_dot),
+                  t_fma * 1e3, gflops(res, t_fma), t_fma / t_dot, res.diff_bf16_other);
     }
   }
   std::printf(
       "\nWeight streaming at few rows: the experts' weights (%.0f MiB FP32, %.0f MiB BF16) "
-      "read once per FFN call / its median time, against memcpy (the better of 1 and 2 "
-      "threads over 512 MiB, bytes read + bytes written per second = 2x the bytes copied), "
+      "read once per FFN call / its median time, against memcpy (the best of 1, 2, 4, ... "
+      "--threads threads over 512 MiB, bytes read + bytes written per second = 2x the bytes copied), "
       "timed round-robin with the kernels; and against the read floor: a plain read-only stream "
-      "of the FP32 weights' bytes (the better of 1 and 2 threads), what a kernel that only "
+      "of the FP32 weights' bytes (the best of the same thread counts), what a kernel that only "
       "reads them could reach at best on this machine.\n\n",
       weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
   std::printf(

@@ -52,7 +52,6 @@
 #define floatV GLUE(float, FFN_VEC)
 #define ushortV GLUE(ushort, FFN_VEC)
 #define uintV GLUE(uint, FFN_VEC)
-#define convert_uintV GLUE(convert_uint, FFN_VEC)
 #define as_floatV GLUE(as_float, FFN_VEC)
 
 // Software prefetch of weight panels, on CPU devices only (-DFFN_PREFETCH=1).
@@ -62,11 +61,18 @@
 #define PREFETCH(p)
 #endif
 
-// Element loads. A BF16 value is the upper half of the FP32 with the same bits, so widening
-// is exact: shift into place and reinterpret.
-inline floatV OVERLOAD LoadW(const __global floatV* restrict b, int i) { return b[i]; }
-inline floatV OVERLOAD LoadW(const __global ushortV* restrict b, int i) {
-  return as_floatV(convert_uintV(b[i]) << 16);
+// The two vectors of panel row k: FFN_VEC columns of the first half (LoadW0) and of the
+// second (LoadW1). A BF16 value is the upper half of the FP32 with the same bits, so widening
+// is exact; a BF16 panel row pairs column c of each half in one 32-bit word (kernels/detail/
+// ffn_layout.h), so one load yields both vectors, the first shifted into place, the second
+// masked: two instructions per 2 * FFN_VEC weights.
+inline floatV OVERLOAD LoadW0(const __global floatV* restrict b, int k) { return b[2 * k]; }
+inline floatV OVERLOAD LoadW1(const __global floatV* restrict b, int k) { return b[2 * k + 1]; }
+inline floatV OVERLOAD LoadW0(const __global ushortV* restrict b, int k) {
+  return as_floatV(((const __global uintV*)b)[k] << 16);
+}
+inline floatV OVERLOAD LoadW1(const __global ushortV* restrict b, int k) {
+  return as_floatV(((const __global uintV*)b)[k] & (uintV)(0xffff0000u));
 }
 
 // The register block is spelled out row by row (REPn) so that its accumulators are plain
@@ -160,8 +166,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 #define PANEL_STEP(R)                                                                     \
   PREFETCH(b + 2 * (k + FFN_PREFETCH_STEPS));                                             \
   PREFETCH(b + 2 * (k + FFN_PREFETCH_STEPS) + 1);                                         \
-  const floatV b0 = LoadW(b, 2 * k);                                                      \
-  const floatV b1 = LoadW(b, 2 * k + 1);                                                  \
+  const floatV b0 = LoadW0(b, k);                                                         \
+  const floatV b1 = LoadW1(b, k);                                                         \
   REP##R(ACC_FMA)
 
 // Rows [p, p + R) of the expert (clamped to end - 1; only rows < end are stored):
@@ -338,11 +344,22 @@ inline uint Bf16Round(float v) {
   const __global uint* a##r = x + (size_t)min(p + (r), end - 1) * kp2; \
   float16 acc##r##_0 = (float16)(0.0f);                                 \
   float16 acc##r##_1 = (float16)(0.0f);
+// acc + the pair products of a and b (16 FP32 sums of 32 BF16 pairs). clang 16 and later
+// take the builtin's operands as 32 __bf16 rather than 16 ints; for them the instruction is
+// written out (FFN_BF16_DOT_ASM, chosen by the runtime's probe, kernels/device.cc).
+DOT_TARGET inline float16 Dpbf16(float16 acc, int16 a, int16 b) {
+#if FFN_BF16_DOT_ASM
+  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+#else
+  return __builtin_ia32_dpbf16ps_512(acc, a, b);
+#endif
+}
 #define DOT_FMA(r)                                                      \
   {                                                                     \
     const int16 av = (int16)(as_int(a##r[k]));                          \
-    acc##r##_0 = __builtin_ia32_dpbf16ps_512(acc##r##_0, av, b0);       \
-    acc##r##_1 = __builtin_ia32_dpbf16ps_512(acc##r##_1, av, b1);       \
+    acc##r##_0 = Dpbf16(acc##r##_0, av, b0);                            \
+    acc##r##_1 = Dpbf16(acc##r##_1, av, b1);                            \
   }
 #define DOT_STEP(R)                                                     \
   PREFETCH(b + 2 * (k + 64));                                           \

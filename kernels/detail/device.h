@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/detail/ffn_layout.h"
 #include "kernels/runtime.h"
 
 namespace epserve::kernels::detail {
@@ -44,10 +45,13 @@ bool HostRunsBf16Dot(const DeviceInfo& info);
 // The build log of `program` for `device`, without trailing NULs ("" if it cannot be read).
 std::string BuildLog(cl_program program, cl_device_id device);
 
-// Whether the device's compiler builds the dot-product kernels' use of clang's vdpbf16ps
-// builtin (a one-function probe): clang 16 and later changed its operands from 16 ints (each
-// a pair of BF16 values, as expert_ffn.cl passes them) to 32 __bf16, and PoCL 5 (LLVM 16)
-// refuses the program. `why` gets the build log's first line when it does not build.
-bool DotBuiltinBuilds(cl_context context, cl_device_id device, std::string* why);
+// The form in which the device's compiler builds the dot-product kernels' vdpbf16ps (a
+// one-function probe of each, in order): clang's builtin with 16-int operands, as clang 15 and
+// earlier take it, else one instruction of inline assembly (clang 16 and later changed the
+// builtin's operands to 32 __bf16, and PoCL 5 refuses the int form). kNone where neither
+// builds; `why` then gets the first failing form's build log's first line. inline_asm_only
+// skips the builtin (RuntimeOptions::bf16_dot_inline_asm).
+DotForm ProbeDotForm(cl_context context, cl_device_id device, bool inline_asm_only,
+                     std::string* why);
 
 }  // namespace epserve::kernels::detail

@@ -7,7 +7,9 @@
 // panel_cols consecutive values (FP32 or BF16, the expert set's dtype; the *FloatsPerExpert
 // counts are in values): the weights of outputs [j * panel_cols, (j + 1) * panel_cols) for
 // input k (zero beyond N). A panel is thus read front to back as the kernel walks k, and
-// every k-step is two aligned vector loads.
+// every k-step is two aligned vector loads (FP32), or one (BF16: the panel row's values are
+// stored as panel_cols / 2 pairs, column c of the first half then column c of the second, so
+// that one 32-bit word holds both and widens to two FP32 values with a shift and a mask).
 //   gate_up of expert e: panels over F of panel_cols / 2 gate columns followed by the
 //     same panel_cols / 2 columns of up (so one pass yields silu(gate) * up), K = H.
 //   down of expert e: panels over H of panel_cols columns, K = F.
@@ -115,13 +117,21 @@ inline int64_t DotPanelOffset(int64_t c, int64_t k) {
   return (k / 2) * 2 * kDotPanelCols + (c / 16) * 32 + (c % 16) * 2 + k % 2;
 }
 
+// How the pair-panel kernels spell vdpbf16ps for the device's compiler (DotFormBuilds):
+// clang's builtin with 16-int operands (clang 15 and earlier), or one instruction of inline
+// assembly (clang 16 and later, whose builtin takes 32 __bf16 instead); kNone: no dot kernels.
+enum class DotForm { kNone, kBuiltin, kInlineAsm };
+
 // Options every program is built with. On CPU devices the FFN kernels prefetch weight panels
 // ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin. FFN_BF16_DOT
-// builds the pair-panel kernels (x86 AVX512-BF16 builtins), only where they run. The FP32
-// FFN kernels' blocking comes on top, per variant (FfnBlockingOptions in runtime.cc).
-inline std::string ProgramBuildOptions(bool cpu, bool bf16_dot) {
+// builds the pair-panel kernels (x86 AVX512-BF16), only where they run, in the form `dot`
+// names (FFN_BF16_DOT_ASM). The FP32 FFN kernels' blocking comes on top, per variant
+// (FfnBlockingOptions in runtime.cc).
+inline std::string ProgramBuildOptions(bool cpu, DotForm dot) {
   return absl::StrCat(
-      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "", bf16_dot ? " -DFFN_BF16_DOT=1" : "",
+      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "",
+      dot != DotForm::kNone ? " -DFFN_BF16_DOT=1" : "",
+      dot == DotForm::kInlineAsm ? " -DFFN_BF16_DOT_ASM=1" : "",
       " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts, " -DROUTER_TOKENS=", kRouterTokens,
       " -DROUTER_WG=", kRouterGroupSize, " -DROUTER_WG_TOKENS=", kRouterGroupTokens,
       " -DMMA_BM=", kMmaBm, " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk,

@@ -547,17 +547,19 @@ class ExpertFfnTest : public Seeded {
     // BF16 weights take the tensor-core kernels wherever the runtime has them.
     EXPECT_EQ(w->tensor_cores, types.weights == ElementType::kBf16 && R().tensor_cores() &&
                                    detail::MmaFitsCallerBuffers(h, f));
-    // Elsewhere the BF16 dot products where the runtime has them.
-    EXPECT_EQ(w->bf16_dot,
-              types.weights == ElementType::kBf16 && !w->tensor_cores && R().bf16_dot());
-    // The portable kernels run with the blocking the runtime chose for the shape.
-    if (!w->tensor_cores && !w->bf16_dot) {
+    // Elsewhere the runtime's choice for the shape: the BF16 dot products (only for BF16
+    // weights on a runtime that has them), or the portable kernels with the chosen blocking.
+    if (!w->tensor_cores) {
       absl::StatusOr<FfnBlocking> chosen = R().ChooseFfnBlocking(h, f, types.weights);
       EXPECT_TRUE(chosen.ok()) << chosen.status();
       if (chosen.ok()) {
-        EXPECT_EQ(w->blocking, *chosen);
+        EXPECT_EQ(w->bf16_dot, chosen->dot);
+        if (!chosen->dot) {
+          EXPECT_EQ(w->blocking, *chosen);
+        }
       }
     }
+    EXPECT_TRUE(!w->bf16_dot || (types.weights == ElementType::kBf16 && R().bf16_dot()));
     const std::vector<float> x = Uniform(tokens * h);
     const std::vector<int64_t> offsets = RandomOffsets(rng_, count, pairs);
     std::vector<int32_t> row_index(pairs);
@@ -771,8 +773,8 @@ TEST_F(ExpertFfnTest, EveryBlockingCandidate) {
     CheckShape(/*hidden=*/72, /*ffn=*/40, /*experts=*/3, /*tokens=*/50, kAllTypes,
                {2, 5, 2 * b.row_chunk + 7});
     // (71, 37) and (72, 40) with FP32 weights, and with BF16 ones where they take the portable
-    // kernels (not the tensor cores or the dot products).
-    const size_t portable_bf16 = Rt().tensor_cores() || Rt().bf16_dot() ? 0 : 2;
+    // kernels (not the tensor cores; a forced blocking keeps them off the dot products).
+    const size_t portable_bf16 = Rt().tensor_cores() ? 0 : 2;
     EXPECT_EQ(rt_->ffn_choices().size(), 2 + portable_bf16);
     for (const FfnChoice& c : rt_->ffn_choices()) {
       EXPECT_EQ(c.origin, FfnBlockingOrigin::kForced);
@@ -792,7 +794,13 @@ TEST(FfnBlockingTest, ParsesAndRejectsWithTheBound) {
   absl::StatusOr<FfnBlocking> again = ParseFfnBlocking(b->ToString());
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(*again, *b);
-  for (const char* bad : {"vec=12", "rows=17", "rows=x", "chunk=4 rows=8", "colour=3"}) {
+  absl::StatusOr<FfnBlocking> dot = ParseFfnBlocking(" dot ");
+  ASSERT_TRUE(dot.ok()) << dot.status();
+  EXPECT_TRUE(dot->dot);
+  EXPECT_EQ(dot->ToString(), "dot");
+  EXPECT_EQ(*dot, DotKernels());
+  EXPECT_FALSE(*dot == FfnBlocking());
+  for (const char* bad : {"vec=12", "rows=17", "rows=x", "chunk=4 rows=8", "colour=3", "dot rows=4"}) {
     absl::StatusOr<FfnBlocking> r = ParseFfnBlocking(bad);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
@@ -850,6 +858,17 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   // Another dtype is another shape class: tuned on its own.
   ASSERT_TRUE((*warm)->ChooseFfnBlocking(2048, 768, ElementType::kBf16).ok());
   EXPECT_EQ((*warm)->ffn_choices()[1].origin, FfnBlockingOrigin::kTuned);
+  if ((*warm)->bf16_dot()) {
+    // The dot-product kernels were timed beside the FMA candidates (the entry lists them).
+    int with_dot = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      if (entry.path().extension() != ".txt") continue;
+      std::ifstream in(entry.path());
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      with_dot += text.find("\n# dot:") != std::string::npos;
+    }
+    EXPECT_EQ(with_dot, 1);
+  }
 
   RuntimeOptions no_tune = options;
   no_tune.tune_ffn = false;
@@ -869,6 +888,23 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   ASSERT_TRUE(fb.ok());
   EXPECT_EQ(fb->rows, 5);
   EXPECT_EQ((*f)->ffn_choices()[0].origin, FfnBlockingOrigin::kForced);
+  // "dot" names BF16 weights' kernels: FP32 weights keep the default; BF16 ones take the dot
+  // kernels where the runtime has them, and are refused with the reason elsewhere.
+  forced.ffn_blocking = "dot";
+  absl::StatusOr<std::unique_ptr<Runtime>> fd = Runtime::Create(forced);
+  ASSERT_TRUE(fd.ok());
+  absl::StatusOr<FfnBlocking> fd32 = (*fd)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
+  ASSERT_TRUE(fd32.ok()) << fd32.status();
+  EXPECT_EQ(*fd32, (*fd)->default_ffn_blocking());
+  absl::StatusOr<FfnBlocking> fd16 = (*fd)->ChooseFfnBlocking(2048, 768, ElementType::kBf16);
+  if ((*fd)->bf16_dot()) {
+    ASSERT_TRUE(fd16.ok()) << fd16.status();
+    EXPECT_TRUE(fd16->dot);
+  } else {
+    EXPECT_EQ(fd16.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(fd16.status().message().find("no BF16 dot-product kernels"), std::string::npos)
+        << fd16.status();
+  }
   // A shape too small to be worth timing takes the default, with tuning on.
   absl::StatusOr<std::unique_ptr<Runtime>> small = Runtime::Create(options);
   ASSERT_TRUE(small.ok());
@@ -908,6 +944,35 @@ TEST_F(ExpertFfnTest, BitIdenticalAcrossRuns) {
     const std::vector<float> b = Check(source, 0, 8, 64, 301, types);
     ASSERT_EQ(a.size(), b.size());
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  }
+}
+
+// The dot kernels' two spellings of vdpbf16ps (clang's builtin, and the inline assembly that
+// clang 16 and later need) give the same bits; where only the assembly builds, it is checked
+// against the reference by the other tests and here against a second build of itself.
+TEST_F(ExpertFfnTest, Bf16DotFormsAgreeBitForBit) {
+  if (!Rt().bf16_dot()) GTEST_SKIP() << "the device runs no BF16 dot products";
+  RuntimeOptions options = TestRuntimeOptions();
+  options.bf16_dot_inline_asm = true;
+  absl::StatusOr<std::unique_ptr<Runtime>> asm_rt = Runtime::Create(options);
+  ASSERT_TRUE(asm_rt.ok()) << asm_rt.status();
+  ASSERT_TRUE((*asm_rt)->bf16_dot()) << "the inline-assembly form did not build";
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+  ASSERT_TRUE(cfg.ok());
+  cfg->layer.hidden_size = 137;  // odd K: a padded pair in both GEMMs
+  cfg->layer.expert_ffn_size = 91;
+  const model::SyntheticWeights source(*cfg, seed_);
+  const uint32_t seed = seed_;
+  for (const FfnTypes types : std::span(kAllTypes).subspan(1)) {
+    SCOPED_TRACE(Describe(types));
+    rng_.seed(seed);
+    const std::vector<float> builtin = Check(source, 0, 8, 64, 301, types);
+    rt_ = asm_rt->get();
+    rng_.seed(seed);
+    const std::vector<float> inline_asm = Check(source, 0, 8, 64, 301, types);
+    rt_ = nullptr;
+    ASSERT_EQ(builtin.size(), inline_asm.size());
+    EXPECT_EQ(std::memcmp(builtin.data(), inline_asm.data(), builtin.size() * sizeof(float)), 0);
   }
 }
 
