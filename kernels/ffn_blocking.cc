@@ -3,9 +3,9 @@
 #include <algorithm>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
 #include "kernels/runtime.h"
 
@@ -50,9 +50,9 @@ absl::StatusOr<FfnBlocking> ParseFfnBlocking(absl::string_view text) {
       if (kv.first == k.name) key = &k;
     }
     if (key == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("FFN blocking: unknown key '", kv.first.substr(0, 64),
-                       "' (keys: vec, rows, prefetch, chunk, e.g. 'vec=8 rows=6'; or 'dot' alone)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "FFN blocking: unknown key '", kv.first.substr(0, 64),
+          "' (keys: vec, rows, prefetch, chunk, e.g. 'vec=8 rows=6'; or 'dot' alone)"));
     }
     int value = 0;
     if (!absl::SimpleAtoi(kv.second, &value) || value < key->min || value > key->max) {

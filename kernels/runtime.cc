@@ -158,8 +158,8 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
     // clang 16 and later take the builtin's operands as __bf16 vectors: the kernels then
     // spell the instruction out. Neither form building leaves the FP32-FMA kernels.
     std::string why;
-    const detail::DotForm form = detail::ProbeDotForm(
-        rt->context_, rt->device_, options.bf16_dot_inline_asm, &why);
+    const detail::DotForm form =
+        detail::ProbeDotForm(rt->context_, rt->device_, options.bf16_dot_inline_asm, &why);
     rt->bf16_dot_ = form != detail::DotForm::kNone;
     rt->bf16_dot_asm_ = form == detail::DotForm::kInlineAsm;
     if (!rt->bf16_dot_) {
@@ -260,8 +260,9 @@ const ProgramCacheStats& Runtime::cache_stats() const { return programs_->stats;
 absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::string_view source,
                                                  std::string_view extra_options,
                                                  std::string_view variant_options) {
-  const std::string base = absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)),
-                                        variant_options.empty() ? "" : " ", Sv(variant_options));
+  const std::string base =
+      absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)),
+                   variant_options.empty() ? "" : " ", Sv(variant_options));
   // Alternatives are separated by '|' (drivers spell some options differently); the first
   // that builds wins.
   for (absl::string_view extra : absl::StrSplit(Sv(extra_options), '|', absl::SkipEmpty())) {
@@ -421,8 +422,10 @@ std::string Runtime::FfnProgramKeySource() {
     if (p.name == "expert_ffn") {
       (void)programs_->LoadSource(
           p);  // an unreadable override fails the build that follows instead
-      return absl::StrCat(Sv(p.source), "\n", detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)),
-                          "\n", p.extra_options);
+      return absl::StrCat(
+          Sv(p.source), "\n",
+          detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)), "\n",
+          p.extra_options);
     }
   }
   return "";

@@ -69,8 +69,6 @@ absl::Status FillExperts(Runtime& rt, const model::WeightSource& source, int lay
   return rt.Finish();
 }
 
-// The panel layout of kernels/detail/ffn_layout.h with elements of type T (float or BF16
-// bits).
 // Where column c of a panel row of pw columns is stored (kernels/detail/ffn_layout.h): in
 // order for FP32; for BF16 each column of the first half next to the same column of the
 // second half, so that one 32-bit word holds both and widens with a shift and a mask.
@@ -79,6 +77,8 @@ inline int64_t PanelSlot(uint16_t*, int64_t c, int64_t pw) {
   return 2 * (c % (pw / 2)) + c / (pw / 2);
 }
 
+// The panel layout of kernels/detail/ffn_layout.h with elements of type T (float or BF16
+// bits).
 template <typename T>
 absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
                      const ExpertWeights& w) {

@@ -122,14 +122,16 @@ void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
          "expert FFN on the tensor cores (activations and the intermediate also rounded to "
          "bf16); --no-tensor-cores keeps the portable kernels");
   fs.Add("bf16-dot", &flags.runtime.bf16_dot,
-         "With --weight-dtype=bf16 on CPU devices whose x86 CPU has AVX512-BF16, run the expert "
-         "FFN on its bf16 dot products (vdpbf16ps, twice the multiply-adds of an fp32 FMA; "
-         "activations and the intermediate also rounded to bf16); --no-bf16-dot keeps fp32 FMAs");
+         "With --weight-dtype=bf16 on CPU devices whose x86 CPU has AVX512-BF16, let the expert "
+         "FFN run on its bf16 dot products (vdpbf16ps; activations and the intermediate also "
+         "rounded to bf16) where timing on the device shows them faster than fp32 FMAs (see "
+         "--ffn-blocking); --no-bf16-dot keeps fp32 FMAs");
   fs.Add("ffn-blocking", &flags.runtime.ffn_blocking,
          "Force the portable expert FFN kernels' blocking, e.g. 'vec=8 rows=6 prefetch=64 "
-         "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows); default: "
-         "chosen per device and expert shape, from the tuning cache beside the kernel cache or "
-         "timed on the device at first start (also $EPSERVE_FFN_BLOCKING)");
+         "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows), for fp32 "
+         "and bf16 weights, or 'dot': bf16 weights on the bf16 dot products; default: chosen "
+         "per device and expert shape, from the tuning cache beside the kernel cache or timed "
+         "on the device at first start (also $EPSERVE_FFN_BLOCKING)");
   fs.Add("ffn-tune", &flags.runtime.tune_ffn,
          "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
          "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "

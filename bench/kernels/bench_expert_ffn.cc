@@ -265,7 +265,9 @@ int Run(int argc, char** argv) {
     auto run_epserve = [&](const ExpertWeights& w, const Buffer& xin, RowFormat format) {
       run_on(r, w, *bufs, xin, format);
     };
-    auto run_other = [&] { run_on(*other_rt, *w16_other, *other_bufs, other_bufs->x, RowFormat{}); };
+    auto run_other = [&] {
+      run_on(*other_rt, *w16_other, *other_bufs, other_bufs->x, RowFormat{});
+    };
     auto read_y = [&](Runtime& on, const FfnBuffers& b) {
       if (!on.Read(b.y, 0, y.data(), y.size() * sizeof(float)).ok()) failed = true;
       return y;
@@ -445,17 +447,17 @@ int Run(int argc, char** argv) {
       const double t_dot = w16->bf16_dot ? res.t_bf16 : res.t_bf16_other;
       const double t_fma = w16->bf16_dot ? res.t_bf16_other : res.t_bf16;
       std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %.2f | %.1e |\n",
-                  static_cast<long long>(res.rows), t_dot * 1e3, gflops(res, t_dot),
-                  t_fma * 1e3, gflops(res, t_fma), t_fma / t_dot, res.diff_bf16_other);
+                  static_cast<long long>(res.rows), t_dot * 1e3, gflops(res, t_dot), t_fma * 1e3,
+                  gflops(res, t_fma), t_fma / t_dot, res.diff_bf16_other);
     }
   }
   std::printf(
       "\nWeight streaming at few rows: the experts' weights (%.0f MiB FP32, %.0f MiB BF16) "
       "read once per FFN call / its median time, against memcpy (the best of 1, 2, 4, ... "
-      "--threads threads over 512 MiB, bytes read + bytes written per second = 2x the bytes copied), "
-      "timed round-robin with the kernels; and against the read floor: a plain read-only stream "
-      "of the FP32 weights' bytes (the best of the same thread counts), what a kernel that only "
-      "reads them could reach at best on this machine.\n\n",
+      "--threads threads over 512 MiB, bytes read + bytes written per second = 2x the bytes "
+      "copied), timed round-robin with the kernels; and against the read floor: a plain "
+      "read-only stream of the FP32 weights' bytes (the best of the same thread counts), what a "
+      "kernel that only reads them could reach at best on this machine.\n\n",
       weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
   std::printf(
       "| rows/expert | memcpy GB/s | read floor GB/s | fp32 weight GB/s | fp32 / memcpy | "

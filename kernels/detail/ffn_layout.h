@@ -128,14 +128,14 @@ enum class DotForm { kNone, kBuiltin, kInlineAsm };
 // names (FFN_BF16_DOT_ASM). The FP32 FFN kernels' blocking comes on top, per variant
 // (FfnBlockingOptions in runtime.cc).
 inline std::string ProgramBuildOptions(bool cpu, DotForm dot) {
-  return absl::StrCat(
-      "-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "",
-      dot != DotForm::kNone ? " -DFFN_BF16_DOT=1" : "",
-      dot == DotForm::kInlineAsm ? " -DFFN_BF16_DOT_ASM=1" : "",
-      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts, " -DROUTER_TOKENS=", kRouterTokens,
-      " -DROUTER_WG=", kRouterGroupSize, " -DROUTER_WG_TOKENS=", kRouterGroupTokens,
-      " -DMMA_BM=", kMmaBm, " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk,
-      " -DMMA_THREADS=", kMmaThreads, " -DMMA_STAGES=", kMmaStages);
+  return absl::StrCat("-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "",
+                      dot != DotForm::kNone ? " -DFFN_BF16_DOT=1" : "",
+                      dot == DotForm::kInlineAsm ? " -DFFN_BF16_DOT_ASM=1" : "",
+                      " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
+                      " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
+                      " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm,
+                      " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads,
+                      " -DMMA_STAGES=", kMmaStages);
 }
 
 }  // namespace epserve::kernels::detail

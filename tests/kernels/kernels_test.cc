@@ -800,7 +800,8 @@ TEST(FfnBlockingTest, ParsesAndRejectsWithTheBound) {
   EXPECT_EQ(dot->ToString(), "dot");
   EXPECT_EQ(*dot, DotKernels());
   EXPECT_FALSE(*dot == FfnBlocking());
-  for (const char* bad : {"vec=12", "rows=17", "rows=x", "chunk=4 rows=8", "colour=3", "dot rows=4"}) {
+  for (const char* bad :
+       {"vec=12", "rows=17", "rows=x", "chunk=4 rows=8", "colour=3", "dot rows=4"}) {
     absl::StatusOr<FfnBlocking> r = ParseFfnBlocking(bad);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
@@ -864,7 +865,8 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       if (entry.path().extension() != ".txt") continue;
       std::ifstream in(entry.path());
-      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const std::string text((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
       with_dot += text.find("\n# dot:") != std::string::npos;
     }
     EXPECT_EQ(with_dot, 1);
