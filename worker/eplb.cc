@@ -1,0 +1,148 @@
+#include "worker/eplb.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace epserve::worker {
+namespace {
+
+double BalancednessOf(const std::vector<double>& worker_load) {
+  const double max = *std::max_element(worker_load.begin(), worker_load.end());
+  if (max <= 0) return 1.0;
+  const double sum = std::accumulate(worker_load.begin(), worker_load.end(), 0.0);
+  return sum / worker_load.size() / max;
+}
+
+absl::Status CheckArguments(std::span<const double> load, int num_workers, int redundant) {
+  const int64_t experts = static_cast<int64_t>(load.size());
+  if (num_workers < 1 || num_workers > experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EPLB: num_workers must be in [1, num_experts=", experts, "], got ", num_workers));
+  }
+  if (redundant < 0 || redundant > experts * (num_workers - 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EPLB: redundant experts must be in [0, num_experts x (num_workers - 1) = ",
+                     experts * (num_workers - 1),
+                     "] (a worker holds one copy of an expert at most), got ", redundant));
+  }
+  for (size_t e = 0; e < load.size(); ++e) {
+    if (!std::isfinite(load[e]) || load[e] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("EPLB: load of expert ", e, " must be finite and >= 0, got ", load[e]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Step 1: copies per expert after giving each redundant copy to the expert with the highest
+// load per copy (an expert already on every worker takes no more).
+std::vector<int> Replicate(std::span<const double> load, int num_workers, int redundant) {
+  std::vector<int> copies(load.size(), 1);
+  for (int n = 0; n < redundant; ++n) {
+    int best = -1;
+    for (size_t e = 0; e < load.size(); ++e) {
+      if (copies[e] >= num_workers) continue;
+      if (best < 0 || load[e] / copies[e] > load[best] / copies[best]) best = static_cast<int>(e);
+    }
+    ++copies[best];  // exists: redundant <= E x (W - 1) leaves an expert below W copies
+  }
+  return copies;
+}
+
+// Puts a copy of expert e on worker w.
+void Put(BalancedPlacement& p, std::span<const double> load, const std::vector<int>& copies, int e,
+         int w) {
+  p.experts_of[w].push_back(e);
+  p.holders[e].push_back(w);
+  p.worker_load[w] += load[e] / copies[e];
+}
+
+bool Holds(const BalancedPlacement& p, int w, int e) {
+  return std::find(p.experts_of[w].begin(), p.experts_of[w].end(), e) != p.experts_of[w].end();
+}
+
+// Where every worker with a free slot (f) already holds expert e: moves a copy of some expert x
+// that f does not hold from a worker v that does not hold e over to f, and puts e on v (the
+// slot counts stay, and no worker holds an expert twice); false where no such move exists.
+bool Swap(BalancedPlacement& p, std::span<const double> load, const std::vector<int>& copies,
+          int total, int e) {
+  const int workers = p.num_workers;
+  for (int f = 0; f < workers; ++f) {
+    const int slots = total / workers + (f < total % workers ? 1 : 0);
+    if (static_cast<int>(p.experts_of[f].size()) >= slots) continue;
+    for (int v = 0; v < workers; ++v) {
+      if (v == f || Holds(p, v, e)) continue;
+      std::vector<int>& on_v = p.experts_of[v];
+      for (size_t i = 0; i < on_v.size(); ++i) {
+        const int x = on_v[i];
+        if (Holds(p, f, x)) continue;
+        on_v.erase(on_v.begin() + static_cast<std::ptrdiff_t>(i));
+        p.worker_load[v] -= load[x] / copies[x];
+        std::replace(p.holders[x].begin(), p.holders[x].end(), v, f);
+        p.experts_of[f].push_back(x);
+        p.worker_load[f] += load[x] / copies[x];
+        Put(p, load, copies, e, v);
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+double BalancedPlacement::Balancedness() const { return BalancednessOf(worker_load); }
+
+double ContiguousBalancedness(std::span<const double> load, int num_workers) {
+  const int64_t experts = static_cast<int64_t>(load.size());
+  if (num_workers < 1 || num_workers > experts) return 0;
+  std::vector<double> worker_load(num_workers, 0.0);
+  for (int w = 0; w < num_workers; ++w) {
+    for (int64_t e = experts * w / num_workers; e < experts * (w + 1) / num_workers; ++e) {
+      worker_load[w] += load[e];
+    }
+  }
+  return BalancednessOf(worker_load);
+}
+
+absl::StatusOr<BalancedPlacement> BalanceExperts(std::span<const double> load, int num_workers,
+                                                 int redundant) {
+  if (absl::Status s = CheckArguments(load, num_workers, redundant); !s.ok()) return s;
+  const int experts = static_cast<int>(load.size());
+  const std::vector<int> copies = Replicate(load, num_workers, redundant);
+
+  // Step 2: every copy, heaviest per-copy load first (ties: lower expert id).
+  std::vector<int> order;  // one entry per copy: its expert
+  for (int e = 0; e < experts; ++e) order.insert(order.end(), copies[e], e);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return load[a] / copies[a] > load[b] / copies[b]; });
+
+  BalancedPlacement p;
+  p.num_experts = experts;
+  p.num_workers = num_workers;
+  p.holders.assign(experts, {});
+  p.experts_of.assign(num_workers, {});
+  p.worker_load.assign(num_workers, 0.0);
+  const int total = experts + redundant;
+  for (int e : order) {
+    int best = -1;
+    for (int w = 0; w < num_workers; ++w) {
+      const int slots = total / num_workers + (w < total % num_workers ? 1 : 0);
+      if (static_cast<int>(p.experts_of[w].size()) >= slots) continue;
+      if (std::find(p.holders[e].begin(), p.holders[e].end(), w) != p.holders[e].end()) continue;
+      if (best < 0 || p.worker_load[w] < p.worker_load[best]) best = w;
+    }
+    if (best < 0 && !Swap(p, load, copies, total, e)) {
+      return absl::InternalError(absl::StrCat("EPLB: no worker can take a copy of expert ", e, " (",
+                                              copies[e], " copies, ", num_workers, " workers)"));
+    }
+    if (best >= 0) Put(p, load, copies, e, best);
+  }
+  for (std::vector<int>& h : p.holders) std::sort(h.begin(), h.end());
+  return p;
+}
+
+}  // namespace epserve::worker

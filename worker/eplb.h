@@ -1,0 +1,50 @@
+// The expert load balancing policy (EPLB): from per-expert loads (tokens routed to each expert
+// over a window), which experts get redundant copies and which worker holds each copy, so that
+// every worker carries about the same load. It follows the global policy of DeepSeek's
+// Expert Parallelism Load Balancer (DeepSeek-V3 technical report, arXiv:2412.19437, section
+// 3.4, "redundant experts"; the EPLB repository's rebalance_experts without node groups):
+//   1. replicate: start from one copy per expert; give each of the N redundant copies in turn
+//      to the expert whose load per copy is highest (ties: the lower expert id);
+//   2. pack: take the copies in descending load per copy (a copy carries load / copies of its
+//      expert) and put each on the least loaded worker that still has a free slot and holds no
+//      copy of that expert yet (ties: the lower worker id).
+// Worker w has Slots(w) = (E + N) / W slots, the first (E + N) % W workers one more, so slot
+// counts differ by at most one as in the contiguous placement. A worker never holds two copies
+// of one expert, so an expert gets at most W copies.
+//
+// Pure and deterministic (same loads, same placement); thread-compatible. Not wired into the
+// serving path yet: routing a pair to one of several copies, the layout counts, dispatch and
+// combine still read the contiguous ExpertPlacement (worker/placement.h).
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace epserve::worker {
+
+struct BalancedPlacement {
+  int num_experts = 0;
+  int num_workers = 0;
+  // Per expert, the workers holding a copy (ascending); at least one each.
+  std::vector<std::vector<int>> holders;
+  // Per worker, the experts it holds, in the order their copies were packed there.
+  std::vector<std::vector<int>> experts_of;
+  // Per worker, the load its copies carry (each copy of expert e carries load[e] / copies).
+  std::vector<double> worker_load;
+
+  // Mean worker load / max worker load: 1 is perfect balance (1 as well when all loads are 0).
+  double Balancedness() const;
+};
+
+// The balancedness of the contiguous placement (worker w owns experts [E*w/W, E*(w+1)/W)) for
+// the same loads, for comparison.
+double ContiguousBalancedness(std::span<const double> load, int num_workers);
+
+// `load`: one non-negative, finite value per expert. 1 <= num_workers <= load.size(),
+// 0 <= redundant <= load.size() * (num_workers - 1); else INVALID_ARGUMENT naming the bound.
+absl::StatusOr<BalancedPlacement> BalanceExperts(std::span<const double> load, int num_workers,
+                                                 int redundant);
+
+}  // namespace epserve::worker
