@@ -70,11 +70,6 @@ void* HugePageMemory(size_t bytes) {
 }
 void CL_CALLBACK FreeHostMemory(cl_mem, void* host) { std::free(host); }
 
-detail::DotForm DotFormOf(bool bf16_dot, bool bf16_dot_asm) {
-  if (!bf16_dot) return detail::DotForm::kNone;
-  return bf16_dot_asm ? detail::DotForm::kInlineAsm : detail::DotForm::kBuiltin;
-}
-
 }  // namespace
 
 Buffer::Buffer(Buffer&& o) noexcept
@@ -154,20 +149,20 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->tensor_cores_ = options.tensor_cores && rt->info_.nv_compute_capability >= 80;
   rt->bf16_dot_ = options.bf16_dot && detail::HostRunsBf16Dot(rt->info_) &&
                   (rt->info_.target_isa.empty() || rt->info_.target_isa == "avx512f");
+  detail::DotForm dot_form = detail::DotForm::kNone;
   if (rt->bf16_dot_) {
     // clang 16 and later take the builtin's operands as __bf16 vectors: the kernels then
     // spell the instruction out. Neither form building leaves the FP32-FMA kernels.
     std::string why;
-    const detail::DotForm form =
-        detail::ProbeDotForm(rt->context_, rt->device_, options.bf16_dot_inline_asm, &why);
-    rt->bf16_dot_ = form != detail::DotForm::kNone;
-    rt->bf16_dot_asm_ = form == detail::DotForm::kInlineAsm;
+    dot_form = detail::ProbeDotForm(rt->context_, rt->device_, options.bf16_dot_inline_asm, &why);
+    rt->bf16_dot_ = dot_form != detail::DotForm::kNone;
     if (!rt->bf16_dot_) {
       common::LogWarning(
           absl::StrCat("the device's compiler does not build the BF16 dot-product kernels (", why,
                        "); BF16 weights run on the FP32-FMA kernels"));
     }
   }
+  rt->program_options_ = detail::ProgramBuildOptions(rt->info_.is_cpu, dot_form);
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
                              {"expert_ffn",
@@ -261,8 +256,7 @@ absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::str
                                                  std::string_view extra_options,
                                                  std::string_view variant_options) {
   const std::string base =
-      absl::StrCat(detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)),
-                   variant_options.empty() ? "" : " ", Sv(variant_options));
+      absl::StrCat(program_options_, variant_options.empty() ? "" : " ", Sv(variant_options));
   // Alternatives are separated by '|' (drivers spell some options differently); the first
   // that builds wins.
   for (absl::string_view extra : absl::StrSplit(Sv(extra_options), '|', absl::SkipEmpty())) {
@@ -422,10 +416,7 @@ std::string Runtime::FfnProgramKeySource() {
     if (p.name == "expert_ffn") {
       (void)programs_->LoadSource(
           p);  // an unreadable override fails the build that follows instead
-      return absl::StrCat(
-          Sv(p.source), "\n",
-          detail::ProgramBuildOptions(info_.is_cpu, DotFormOf(bf16_dot_, bf16_dot_asm_)), "\n",
-          p.extra_options);
+      return absl::StrCat(Sv(p.source), "\n", program_options_, "\n", p.extra_options);
     }
   }
   return "";

@@ -188,7 +188,8 @@ class Runtime {
   std::string cache_dir_;
   bool tensor_cores_ = false;
   bool bf16_dot_ = false;
-  bool bf16_dot_asm_ = false;  // the dot kernels spell vdpbf16ps as inline assembly
+  // The options every program is built with (detail::ProgramBuildOptions), fixed at Create.
+  std::string program_options_;
   std::unique_ptr<Programs> programs_;
 };
 

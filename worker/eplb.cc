@@ -64,6 +64,13 @@ bool Holds(const BalancedPlacement& p, int w, int e) {
   return std::find(p.experts_of[w].begin(), p.experts_of[w].end(), e) != p.experts_of[w].end();
 }
 
+// Whether worker w has a free slot, `total` copies being spread over the workers: each has
+// total / W slots, the first total % W one more.
+bool HasRoom(const BalancedPlacement& p, int w, int total) {
+  const int slots = total / p.num_workers + (w < total % p.num_workers ? 1 : 0);
+  return static_cast<int>(p.experts_of[w].size()) < slots;
+}
+
 // Where every worker with a free slot (f) already holds expert e: moves a copy of some expert x
 // that f does not hold from a worker v that does not hold e over to f, and puts e on v (the
 // slot counts stay, and no worker holds an expert twice); false where no such move exists.
@@ -71,8 +78,7 @@ bool Swap(BalancedPlacement& p, std::span<const double> load, const std::vector<
           int total, int e) {
   const int workers = p.num_workers;
   for (int f = 0; f < workers; ++f) {
-    const int slots = total / workers + (f < total % workers ? 1 : 0);
-    if (static_cast<int>(p.experts_of[f].size()) >= slots) continue;
+    if (!HasRoom(p, f, total)) continue;
     for (int v = 0; v < workers; ++v) {
       if (v == f || Holds(p, v, e)) continue;
       std::vector<int>& on_v = p.experts_of[v];
@@ -130,9 +136,7 @@ absl::StatusOr<BalancedPlacement> BalanceExperts(std::span<const double> load, i
   for (int e : order) {
     int best = -1;
     for (int w = 0; w < num_workers; ++w) {
-      const int slots = total / num_workers + (w < total % num_workers ? 1 : 0);
-      if (static_cast<int>(p.experts_of[w].size()) >= slots) continue;
-      if (std::find(p.holders[e].begin(), p.holders[e].end(), w) != p.holders[e].end()) continue;
+      if (!HasRoom(p, w, total) || Holds(p, w, e)) continue;
       if (best < 0 || p.worker_load[w] < p.worker_load[best]) best = w;
     }
     if (best < 0 && !Swap(p, load, copies, total, e)) {

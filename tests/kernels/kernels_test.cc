@@ -38,6 +38,7 @@
 #include "model/reference.h"
 #include "model/synthetic.h"
 #include "model/weights.h"
+#include "tests/common/seeded.h"
 
 namespace epserve::kernels {
 namespace {
@@ -76,15 +77,9 @@ RuntimeOptions TestRuntimeOptions() {
   return options;
 }
 
-// One random seed per test, printed with every failure.
-class Seeded : public ::testing::Test {
+// One random seed per test, printed with every failure (tests/common/seeded.h).
+class Seeded : public epserve::tests::SeededTest {
  protected:
-  void SetUp() override {
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    trace_ =
-        std::make_unique<::testing::ScopedTrace>(__FILE__, __LINE__, absl::StrCat("seed=", seed_));
-  }
   std::vector<float> Uniform(size_t count, float lo = -1.0f, float hi = 1.0f) {
     std::uniform_real_distribution<float> dist(lo, hi);
     std::vector<float> v(count);
@@ -123,9 +118,6 @@ class Seeded : public ::testing::Test {
   }
 
   Runtime* rt_ = nullptr;
-  uint32_t seed_ = 0;
-  std::mt19937_64 rng_;
-  std::unique_ptr<::testing::ScopedTrace> trace_;
 };
 
 // A synthetic preset, or "tiny-odd": tiny with H = 72 and 10 experts, top-3 (shapes that are

@@ -12,18 +12,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/common/seeded.h"
 
 namespace epserve::worker {
 namespace {
 
-class EplbTest : public ::testing::Test {
+class EplbTest : public epserve::tests::SeededTest {
  protected:
-  void SetUp() override {
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    trace_ =
-        std::make_unique<::testing::ScopedTrace>(__FILE__, __LINE__, absl::StrCat("seed=", seed_));
-  }
   // Zipf(s) popularity over `experts`, ranks permuted at random (rank r weighs r^-s).
   std::vector<double> Zipf(int experts, double s) {
     std::vector<double> load(experts);
@@ -38,9 +33,6 @@ class EplbTest : public ::testing::Test {
     std::shuffle(load.begin(), load.end(), rng_);
     return load;
   }
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-  std::unique_ptr<::testing::ScopedTrace> trace_;
 };
 
 // Every expert held at least once, each copy on its own worker, E + N copies over slot counts
