@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,20 +27,20 @@ struct RouterWeights {
 absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSource& source,
                                            int layer);
 
-// Experts [first_expert, first_expert + num_experts) of one layer (or the shared expert,
-// num_experts = 1), in the layout the FFN kernels read. Filled straight from the source,
-// without a second host copy of the whole set. The dtype is one of kKernelTypes (others are
-// INVALID_ARGUMENT). With dtype kBf16 the gate, up and down projections are stored as BF16,
-// each value rounded to nearest even (FloatToBf16) once at upload; the shared expert's
-// sigmoid gate stays FP32. BF16 weights on a runtime with tensor_cores() take the tensor-core
-// layout (when H and F are not tiny, see detail::MmaFitsCallerBuffers): the FFN then also
-// rounds its activations x and the intermediate h = silu(gate x) * up x to BF16 (nearest even)
-// before each GEMM, as BF16 GEMM libraries do; sums stay FP32. BF16 weights on a runtime with
+// Experts of one layer (a list of ids, or [first_expert, first_expert + num_experts); or the
+// shared expert, num_experts = 1), local expert i being the i-th, in the layout the FFN kernels
+// read. Filled straight from the source, without a second host copy of the whole set. The dtype is
+// one of kKernelTypes (others are INVALID_ARGUMENT). With dtype kBf16 the gate, up and down
+// projections are stored as BF16, each value rounded to nearest even (FloatToBf16) once at upload;
+// the shared expert's sigmoid gate stays FP32. BF16 weights on a runtime with tensor_cores() take
+// the tensor-core layout (when H and F are not tiny, see detail::MmaFitsCallerBuffers): the FFN
+// then also rounds its activations x and the intermediate h = silu(gate x) * up x to BF16 (nearest
+// even) before each GEMM, as BF16 GEMM libraries do; sums stay FP32. BF16 weights on a runtime with
 // bf16_dot() (x86 CPUs with AVX512-BF16) take the pair-panel layout and round x and h the
 // same way where Runtime::ChooseFfnBlocking picks the dot kernels for the shape ("dot":
 // always where it does not time them, else where they ran faster than the FMA kernels).
 struct ExpertWeights {
-  int first_expert = 0;
+  std::vector<int> experts;  // the layer's expert id of each local expert
   int num_experts = 0;
   int64_t hidden = 0;                                      // H
   int64_t ffn = 0;                                         // F of these experts
@@ -58,6 +59,9 @@ struct ExpertWeights {
 // "bf16 dot products" or "fp32 fma".
 const char* FfnKernelsName(const ExpertWeights& w);
 
+absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
+                                            int layer, std::span<const int> experts,
+                                            common::ElementType dtype = common::ElementType::kFp32);
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, int first_expert, int num_experts,
                                             common::ElementType dtype = common::ElementType::kFp32);

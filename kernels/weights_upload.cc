@@ -51,7 +51,7 @@ absl::Status FillExperts(Runtime& rt, const model::WeightSource& source, int lay
                          GateUpFn&& place_gate_up, DownFn&& place_down) {
   std::vector<float> staging(w.hidden * w.ffn);  // one [F, H] or [H, F] tensor
   for (int i = 0; i < w.num_experts; ++i) {
-    const int expert = w.first_expert + i;
+    const int expert = w.experts[i];
     EPSERVE_RETURN_IF_ERROR(FillMapped<T>(rt, w.gate_up, i * gu_elems, gu_elems, [&](T* dst) {
       for (int half = 0; half < 2; ++half) {
         EPSERVE_RETURN_IF_ERROR(
@@ -198,7 +198,7 @@ absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int laye
 }
 
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
-                                        FfnKinds kinds, int first, int count, int64_t ffn,
+                                        FfnKinds kinds, std::span<const int> experts, int64_t ffn,
                                         common::ElementType dtype) {
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
   const model::MoeLayerConfig& cfg = source.config().layer;
@@ -206,8 +206,9 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   EPSERVE_RETURN_IF_ERROR(NeedIntRange(hidden, "hidden_size"));
   EPSERVE_RETURN_IF_ERROR(NeedIntRange(ffn, "ffn size"));
   ExpertWeights w;
-  w.first_expert = first;
-  w.num_experts = count;
+  w.experts.assign(experts.begin(), experts.end());
+  w.num_experts = static_cast<int>(experts.size());
+  const int64_t count = w.num_experts;
   w.hidden = hidden;
   w.ffn = ffn;
   w.dtype = dtype;
@@ -279,18 +280,33 @@ const char* FfnKernelsName(const ExpertWeights& w) {
 }
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
-                                            int layer, int first_expert, int num_experts,
+                                            int layer, std::span<const int> experts,
                                             common::ElementType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   EPSERVE_RETURN_IF_ERROR(cfg.Validate());
+  for (int e : experts) {
+    if (e < 0 || e >= cfg.num_experts) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expert ", e, " not within [0, num_experts=", cfg.num_experts, ")"));
+    }
+  }
+  return UploadFfn(rt, source, layer,
+                   {TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown},
+                   experts, cfg.expert_ffn_size, dtype);
+}
+
+absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
+                                            int layer, int first_expert, int num_experts,
+                                            common::ElementType dtype) {
+  const model::MoeLayerConfig& cfg = source.config().layer;
   if (first_expert < 0 || num_experts < 0 || first_expert + num_experts > cfg.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat("experts [", first_expert, ", ",
                                                    first_expert + num_experts, ") not within [0, ",
                                                    cfg.num_experts, ")"));
   }
-  return UploadFfn(rt, source, layer,
-                   {TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown},
-                   first_expert, num_experts, cfg.expert_ffn_size, dtype);
+  std::vector<int> ids(static_cast<size_t>(num_experts));
+  for (int i = 0; i < num_experts; ++i) ids[i] = first_expert + i;
+  return UploadExperts(rt, source, layer, ids, dtype);
 }
 
 absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
@@ -303,8 +319,8 @@ absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::Weigh
   EPSERVE_ASSIGN_OR_RETURN(
       ExpertWeights w,
       UploadFfn(rt, source, layer,
-                {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown}, 0, 1,
-                cfg.shared_ffn_size, dtype));
+                {TensorKind::kSharedGate, TensorKind::kSharedUp, TensorKind::kSharedDown},
+                std::vector<int>{0}, cfg.shared_ffn_size, dtype));
   if (cfg.shared_expert_gate) {
     std::vector<float> gate(cfg.hidden_size);
     EPSERVE_RETURN_IF_ERROR(source.Fill(layer, TensorKind::kSharedExpertGate, 0, gate.data()));

@@ -10,7 +10,7 @@
 namespace epserve::model {
 
 absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_workers, int worker,
-                                             bool shared_split) {
+                                             bool shared_split, int redundant) {
   const MoeLayerConfig& c = config.layer;
   if (num_workers < 1 || num_workers > c.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -31,6 +31,16 @@ absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_
   m.first_expert = static_cast<int>(static_cast<int64_t>(worker) * c.num_experts / num_workers);
   m.num_experts = static_cast<int>(static_cast<int64_t>(worker + 1) * c.num_experts / num_workers) -
                   m.first_expert;
+  if (redundant < 0 || redundant > c.num_experts * (num_workers - 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("redundant experts must be in [0, experts x (workers - 1) = ",
+                     c.num_experts * (num_workers - 1), "], got ", redundant));
+  }
+  if (redundant > 0) {
+    const int slots = c.num_experts + redundant;
+    m.first_expert = -1;
+    m.num_experts = slots / num_workers + (worker < slots % num_workers ? 1 : 0);
+  }
   m.num_layers = static_cast<int>(config.moe_layers.size());
   const int64_t layers = m.num_layers;
   m.router_params = layers * (numel(TensorKind::kRouter) + numel(TensorKind::kRouterBias));

@@ -27,8 +27,11 @@ struct RankMemory {
 };
 
 // INVALID_ARGUMENT unless 1 <= num_workers <= num_experts and 0 <= worker < num_workers.
+// With `redundant` > 0 copies per layer beyond one per expert, a worker holds its share of
+// the E + redundant slots (the first (E + redundant) % W workers one more; worker/eplb.h),
+// which experts being the placement's choice (first_expert is then -1).
 absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_workers, int worker,
-                                             bool shared_split = false);
+                                             bool shared_split = false, int redundant = 0);
 
 // "1.50 GiB", "12.0 MiB", "512 B": for logs and tools.
 std::string FormatBytes(int64_t bytes);

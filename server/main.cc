@@ -23,6 +23,7 @@
 #include "model/layers.h"
 #include "model/memory.h"
 #include "model/synthetic.h"
+#include "server/eplb_profile.h"
 #include "server/front_end.h"
 #include "server/main_flags.h"
 #include "shmem/heap.h"
@@ -129,7 +130,7 @@ absl::StatusOr<int64_t> ParseMemoryLimit(const std::string& text) {
 // Refuses, before anything is loaded, a cluster whose ranks on this host would need more
 // than --memory-limit: each worker's weights (model::EstimateRankBytes) plus every local
 // rank's heap segment. All ranks reach the same verdict (allreduce), so all leave together.
-absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_workers,
+absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_workers, int redundant,
                          size_t heap_bytes, int64_t limit, bool bf16_weights, bool shared_split) {
   MPI_Comm node;
   EPSERVE_MPI_CHECK(
@@ -146,7 +147,7 @@ absl::Status CheckMemory(const epserve::model::ModelConfig& config, int num_work
   for (int r : local) {
     if (r == 0) continue;  // the front-end holds no expert weights
     absl::StatusOr<epserve::model::RankMemory> m = epserve::model::EstimateRankBytes(
-        config, num_workers, epserve::worker::WorkerOfRank(r), shared_split);
+        config, num_workers, epserve::worker::WorkerOfRank(r), shared_split, redundant);
     if (!m.ok()) {
       status = m.status();
       break;
@@ -194,7 +195,8 @@ absl::StatusOr<epserve::worker::ExchangePlan> PlanExchange(
        .top_k = config.layer.top_k,
        .hidden = config.layer.hidden_size,
        .max_batch_tokens = flags.fe.batching.max_batch_tokens,
-       .has_shared_expert = config.layer.shared_ffn_size > 0},
+       .has_shared_expert = config.layer.shared_ffn_size > 0,
+       .redundant_experts = flags.redundant_experts},
       flags.exchange);
 }
 
@@ -249,7 +251,7 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
                 const epserve::worker::HeapRegions& regions,
                 const epserve::model::WeightSource& source,
                 epserve::common::ElementType weight_dtype, HostWorkers host_workers,
-                ModelOpener open_model) {
+                ModelOpener open_model, std::vector<epserve::worker::ExpertPlacement> placements) {
   using namespace epserve;
   worker::WorkerOptions options;
   options.device = flags.runtime;
@@ -257,6 +259,7 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   options.workers_on_host = host_workers.count;
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
+  options.placements = std::move(placements);
   absl::StatusOr<std::unique_ptr<worker::Worker>> w =
       worker::Worker::Create(heap, regions, source, options);
   if (!w.ok()) {
@@ -298,12 +301,22 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   absl::StatusOr<common::ElementType> weight_dtype =
       common::ParseFlagName(flags.weight_dtype, "--weight-dtype", kernels::kKernelTypes);
   if (!weight_dtype.ok()) return Fail(rank, weight_dtype.status());
-  if (absl::Status s =
-          CheckMemory(config, plan->shape().num_workers, heap_bytes, *memory_limit,
-                      *weight_dtype == common::ElementType::kBf16, plan->shared_expert_split());
+  if (absl::Status s = CheckMemory(
+          config, plan->shape().num_workers, flags.redundant_experts, heap_bytes, *memory_limit,
+          *weight_dtype == common::ElementType::kBf16, plan->shared_expert_split());
       !s.ok()) {
     return Fail(rank, s);
   }
+  // Every rank places the experts from the same flags and profile, so all agree.
+  std::optional<server::ExpertLoadProfile> profile;
+  if (!flags.eplb_profile.empty()) {
+    absl::StatusOr<server::ExpertLoadProfile> p = server::ReadExpertLoadProfile(flags.eplb_profile);
+    if (!p.ok()) return Fail(rank, p.status());
+    profile = *std::move(p);
+  }
+  absl::StatusOr<std::vector<worker::ExpertPlacement>> placements = server::PlaceExperts(
+      config, plan->shape().num_workers, flags.redundant_experts, profile ? &*profile : nullptr);
+  if (!placements.ok()) return Fail(rank, placements.status());
 
   const absl::StatusOr<HostWorkers> host_workers = WorkersOnThisHost(rank);
   if (!host_workers.ok()) return Fail(rank, host_workers.status());
@@ -312,7 +325,16 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   if (!heap.ok()) return Fail(rank, heap.status());
   absl::StatusOr<worker::HeapRegions> regions = worker::HeapRegions::Allocate(**heap, *plan);
   if (!regions.ok()) return Fail(rank, regions.status());
-  if (rank == 0) LogModel(config, *plan, **heap);
+  if (rank == 0) {
+    LogModel(config, *plan, **heap);
+    for (size_t i = 0; i < placements->size(); ++i) {
+      if (i > 0 && (*placements)[i] == (*placements)[i - 1]) continue;
+      Log(0, absl::StrCat(
+                 "placement of layer ", config.moe_layers[i], ": ", (*placements)[i].Describe(),
+                 "; ", (*placements)[i].redundant(), " redundant copies",
+                 i + 1 < placements->size() ? " (next layers: the same unless logged)" : ""));
+    }
+  }
 
   // Teardown order: a worker is gone (ServeWorker returned) before the heap; rank 0's
   // front-end after it (its teardown, the metrics server's threads, is slow, and the heap's
@@ -321,11 +343,11 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   std::optional<worker::Coordinator> coordinator;
   std::unique_ptr<server::FrontEnd> front_end;
   if (rank == 0) {
-    coordinator.emplace(**heap, *regions);
+    coordinator.emplace(**heap, *regions, *placements);
     code = ServeFrontEnd(flags, config, *coordinator, heap_bytes, open_model, front_end);
   } else {
     code = ServeWorker(rank, flags, **heap, *regions, **source, *weight_dtype, *host_workers,
-                       open_model);
+                       open_model, *std::move(placements));
   }
   // Leaving: if a peer is gone the collective free below could block; never hang.
   std::thread([rank] {

@@ -162,6 +162,14 @@ void RegisterExchangeFlags(common::FlagSet& fs, Flags& flags) {
          "own tokens) or split (each worker holds 1/W of its intermediate columns and runs "
          "them on every token of the batch, which then goes to every worker: balanced and "
          "lighter on weight reads for small batches, more rows exchanged for large ones)");
+  fs.Add("redundant-experts", &flags.redundant_experts,
+         "Copies of experts beyond one each, per layer, spread over the workers (at most "
+         "experts x (workers - 1)); which experts get them and where follows the load of "
+         "--eplb-profile (DeepSeek's EPLB policy). A pair goes to one copy, chosen so that the "
+         "workers' loads even out; answers are bit-identical to an unreplicated service");
+  fs.Add("eplb-profile", &flags.eplb_profile,
+         "A saved expert load profile (JSON, as GET /eplb/profile on the metrics port gives) "
+         "to place the experts and their --redundant-experts copies by; empty: uniform loads");
 }
 
 }  // namespace

@@ -28,6 +28,10 @@ struct Flags {
   std::string weight_dtype = "fp32";  // parsed with kernels::kKernelTypes
   // The exchange's (checked by ExchangePlan::Make).
   worker::ExchangeOptions exchange;
+  // Expert placement (server/eplb_profile.h): redundant copies per layer, and the saved load
+  // profile they follow (empty: uniform loads).
+  int redundant_experts = 0;
+  std::string eplb_profile;
 };
 
 // Registers every flag of epserve, bound to its field of `flags`, whose values are the

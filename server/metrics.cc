@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/status.h"
+#include "server/eplb_profile.h"
 #include "worker/placement.h"
 
 namespace epserve::server {
@@ -108,17 +109,45 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
           .Help(absl::StrCat("Mean over max tokens per expert over the last ",
                              kBalanceWindowBatches, " batches of the layer (1: even)."))
           .Register(r);
-  for (int layer : model.layers) {
+  auto& worker_pairs = prometheus::BuildCounter()
+                           .Name("epserve_worker_pairs_total")
+                           .Help("(token, expert) pairs each worker computed, by layer.")
+                           .Register(r);
+  auto& worker_balancedness =
+      prometheus::BuildGauge()
+          .Name("epserve_worker_balancedness")
+          .Help(absl::StrCat("Mean over max pairs per worker over the last ", kBalanceWindowBatches,
+                             " batches of the layer (1: even; what --redundant-experts evens)."))
+          .Register(r);
+  auto& replicas = prometheus::BuildGauge()
+                       .Name("epserve_expert_replicas")
+                       .Help("Copies of each expert the workers hold, by layer.")
+                       .Register(r);
+  m->layer_ids_ = model.layers;
+  m->num_experts_ = model.num_experts;
+  for (size_t pos = 0; pos < model.layers.size(); ++pos) {
     LayerSeries l;
-    const std::string layer_label = absl::StrCat(layer);
+    const std::string layer_label = absl::StrCat(model.layers[pos]);
     for (int e = 0; e < model.num_experts; ++e) {
       l.expert_tokens.push_back(
           &expert_tokens.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}}));
+      const bool known =
+          pos < model.expert_copies.size() && e < static_cast<int>(model.expert_copies[pos].size());
+      replicas.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}})
+          .Set(known ? model.expert_copies[pos][e] : 1);
+    }
+    for (int w = 0; w < model.num_workers; ++w) {
+      l.worker_pairs.push_back(
+          &worker_pairs.Add({{"layer", layer_label}, {"worker", absl::StrCat(w)}}));
     }
     l.balancedness = &balancedness.Add({{"layer", layer_label}});
     l.balancedness->Set(1.0);
+    l.worker_balancedness = &worker_balancedness.Add({{"layer", layer_label}});
+    l.worker_balancedness->Set(1.0);
     l.window.assign(kBalanceWindowBatches, std::vector<int64_t>(model.num_experts, 0));
     l.window_sum.assign(model.num_experts, 0);
+    l.worker_window.assign(kBalanceWindowBatches, std::vector<int64_t>(model.num_workers, 0));
+    l.worker_window_sum.assign(model.num_workers, 0);
     m->layers_.push_back(std::move(l));
   }
 }
@@ -273,12 +302,25 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsHttpOptions
             self->http_open_->Set(self->http_ != nullptr ? self->http_->open_connections() : 0);
             return prometheus::TextSerializer().Serialize(self->registry_->Collect());
           },
-          [self](HttpEvent e) { self->http_events_[static_cast<int>(e)]->Increment(); }));
+          [self](HttpEvent e) { self->http_events_[static_cast<int>(e)]->Increment(); },
+          {{.path = "/eplb/profile", .content_type = "application/json", .render = [self] {
+              return self->ExpertLoadProfile();
+            }}}));
   m->bound_address_ = m->http_->bound_address();
   return m;
 }
 
 Metrics::~Metrics() { http_.reset(); }
+
+std::string Metrics::ExpertLoadProfile() const {
+  server::ExpertLoadProfile p;
+  p.num_experts = num_experts_;
+  for (size_t pos = 0; pos < layers_.size() && pos < layer_ids_.size(); ++pos) {
+    std::vector<double>& loads = p.layers[layer_ids_[pos]];
+    for (const prometheus::Counter* c : layers_[pos].expert_tokens) loads.push_back(c->Value());
+  }
+  return ExpertLoadProfileJson(p);
+}
 
 void Metrics::SetHeldBytes(int64_t bytes) { held_bytes_->Set(static_cast<double>(bytes)); }
 void Metrics::SetHeldBytesLimit(int64_t bytes) {
@@ -343,7 +385,25 @@ void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int la
   for (size_t e = 0; e < experts; ++e) {
     l.expert_tokens[e]->Increment(static_cast<double>(trace.expert_tokens[e]));
   }
+  const size_t workers = std::min(trace.worker_pairs.size(), l.worker_pairs.size());
+  for (size_t w = 0; w < workers; ++w) {
+    l.worker_pairs[w]->Increment(static_cast<double>(trace.worker_pairs[w]));
+  }
   std::lock_guard<std::mutex> lock(balance_mu_);
+  std::vector<int64_t>& worker_slot = l.worker_window[l.next];
+  int64_t worker_total = 0, worker_most = 0;
+  for (size_t w = 0; w < l.worker_window_sum.size(); ++w) {
+    const int64_t now = w < workers ? trace.worker_pairs[w] : 0;
+    l.worker_window_sum[w] += now - worker_slot[w];
+    worker_slot[w] = now;
+    worker_total += l.worker_window_sum[w];
+    worker_most = std::max(worker_most, l.worker_window_sum[w]);
+  }
+  if (worker_most > 0) {
+    l.worker_balancedness->Set(static_cast<double>(worker_total) /
+                               static_cast<double>(l.worker_window_sum.size()) /
+                               static_cast<double>(worker_most));
+  }
   std::vector<int64_t>& slot = l.window[l.next];
   l.next = (l.next + 1) % l.window.size();
   int64_t total = 0, most = 0;

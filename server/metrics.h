@@ -94,14 +94,23 @@ class Metrics {
   std::vector<std::array<prometheus::Histogram*, worker::kNumWorkerStages>> stage_seconds_;
   prometheus::Histogram* respond_seconds_ = nullptr;
   std::array<prometheus::Counter*, 2> exchange_bytes_{};  // dispatch, combine
-  // Per served layer: per-expert token counters, the balancedness gauge and its window.
+  // Per served layer: per-expert token counters, per-worker pair counters, the balancedness
+  // gauges and their window.
   struct LayerSeries {
     std::vector<prometheus::Counter*> expert_tokens;
+    std::vector<prometheus::Counter*> worker_pairs;
     prometheus::Gauge* balancedness = nullptr;
-    std::vector<std::vector<int64_t>> window;  // ring of the last batches' per-expert counts
-    std::vector<int64_t> window_sum;           // per expert, over the ring
+    prometheus::Gauge* worker_balancedness = nullptr;
+    std::vector<std::vector<int64_t>> window;         // ring of the last batches' per-expert counts
+    std::vector<int64_t> window_sum;                  // per expert, over the ring
+    std::vector<std::vector<int64_t>> worker_window;  // the same per worker
+    std::vector<int64_t> worker_window_sum;
     size_t next = 0;
   };
+  // The expert load profile of every served layer since start (server/eplb_profile.h), JSON.
+  std::string ExpertLoadProfile() const;
+  std::vector<int> layer_ids_;
+  int num_experts_ = 0;
   std::vector<LayerSeries> layers_;  // ObserveBatch runs on one thread at a time
   std::mutex balance_mu_;            // guards the windows
   prometheus::Gauge* inflight_ = nullptr;

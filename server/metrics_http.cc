@@ -62,7 +62,8 @@ std::string Response(int code, absl::string_view reason, absl::string_view conte
   return r;
 }
 
-Answer Respond(absl::string_view request_head, const std::function<std::string()>& render) {
+Answer Respond(absl::string_view request_head, const std::function<std::string()>& render,
+               const std::vector<HttpPage>& pages) {
   Answer a;
   const std::vector<absl::string_view> lines = absl::StrSplit(request_head, "\r\n");
   const std::vector<absl::string_view> parts = absl::StrSplit(lines[0], ' ');
@@ -91,6 +92,11 @@ Answer Respond(absl::string_view request_head, const std::function<std::string()
     return a;
   }
   const absl::string_view path = parts[1].substr(0, parts[1].find('?'));
+  for (const HttpPage& page : pages) {
+    if (path != page.path) continue;
+    a.bytes = Response(200, "OK", page.content_type, page.render(), head, a.keep_alive);
+    return a;
+  }
   if (path != "/metrics") {
     a.bad = true;
     a.bytes = Response(404, "Not Found", "text/plain", "see /metrics\n", head, a.keep_alive);
@@ -294,7 +300,7 @@ struct MetricsHttpServer::Loop {
       }
       return;
     }
-    Answer a = Respond(absl::string_view(c.in).substr(0, end), s.render_);
+    Answer a = Respond(absl::string_view(c.in).substr(0, end), s.render_, s.pages_);
     c.in.erase(0, end + 4);
     if (a.bad) Event(HttpEvent::kBadRequest);
     StartWrite(c, std::move(a.bytes), a.keep_alive);
@@ -410,7 +416,7 @@ struct MetricsHttpServer::Loop {
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const MetricsHttpOptions& options, std::function<std::string()> render,
-    std::function<void(HttpEvent)> on_event) {
+    std::function<void(HttpEvent)> on_event, std::vector<HttpPage> pages) {
   EPSERVE_RETURN_IF_ERROR(CheckOptions(options));
   absl::StatusOr<HostPort> address = ParseAddress(options.address);
   if (!address.ok()) return address.status();
@@ -419,6 +425,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer());
   s->options_ = options;
   s->render_ = std::move(render);
+  s->pages_ = std::move(pages);
   s->on_event_ = std::move(on_event);
   absl::StatusOr<int> fd = Listen(*address, options.address);
   if (!fd.ok()) return fd.status();

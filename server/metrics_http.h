@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -47,13 +48,21 @@ enum class HttpEvent {
 inline constexpr int kNumHttpEvents = 7;
 const char* HttpEventName(HttpEvent event);  // "accepted", "served", "bad_request", ...
 
+// A page served beside /metrics (GET and HEAD), its body rendered on each request.
+struct HttpPage {
+  std::string path;  // "/eplb/profile"
+  std::string content_type;
+  std::function<std::string()> render;
+};
+
 class MetricsHttpServer {
  public:
-  // Binds and starts serving GET (and HEAD) /metrics with the body `render` returns.
-  // Raises the process's soft limit on open files towards max_connections if it is lower.
+  // Binds and starts serving GET (and HEAD) /metrics with the body `render` returns, and
+  // `pages`. Raises the process's soft limit on open files towards max_connections if it is
+  // lower.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
       const MetricsHttpOptions& options, std::function<std::string()> render,
-      std::function<void(HttpEvent)> on_event = {});
+      std::function<void(HttpEvent)> on_event = {}, std::vector<HttpPage> pages = {});
   // Stops the thread and closes every connection, within milliseconds.
   ~MetricsHttpServer();
 
@@ -67,6 +76,7 @@ class MetricsHttpServer {
   struct Loop;
   MetricsHttpOptions options_;
   std::function<std::string()> render_;
+  std::vector<HttpPage> pages_;
   std::function<void(HttpEvent)> on_event_;
   std::string bound_address_;
   int listen_fd_ = -1;

@@ -16,6 +16,9 @@ struct ServedModel {
   int num_experts = 1;
   int top_k = 1;               // routed experts per token: the width of topk_ids, topk_weights
   std::string device = "cpu";  // the workers' OpenCL device (--device), reported in ModelConfig
+  // Per served layer, the copies of each expert the workers hold (--redundant-experts); empty:
+  // one each.
+  std::vector<std::vector<int>> expert_copies = {};
 };
 
 }  // namespace epserve::server

@@ -105,23 +105,28 @@ void DescribeModel(const model::WeightSource& source, const std::vector<int>& se
 // The weight memory of each worker rank serving `served` over `workers` workers, and the
 // total.
 void DescribeMemory(const model::ModelConfig& config, const std::vector<int>& served, int workers,
-                    bool shared_split) {
+                    bool shared_split, int redundant) {
   model::ModelConfig served_config = config;
   served_config.moe_layers = served;
   std::printf(
-      "memory per worker rank, %d worker(s), %zu served layer(s) (router + owned experts + "
-      "%s):\n",
-      workers, served.size(),
+      "memory per worker rank, %d worker(s), %zu served layer(s), %d redundant expert(s) per "
+      "layer (router + held experts + %s):\n",
+      workers, served.size(), redundant,
       shared_split ? "its slice of the shared expert" : "the whole shared expert");
   int64_t total_fp32 = 0, total_bf16 = 0;
   for (int w = 0; w < workers; ++w) {
     absl::StatusOr<model::RankMemory> m =
-        model::EstimateRankBytes(served_config, workers, w, shared_split);
-    if (!m.ok()) return;
+        model::EstimateRankBytes(served_config, workers, w, shared_split, redundant);
+    if (!m.ok()) {
+      std::printf("  %s\n", std::string(m.status().message()).c_str());
+      return;
+    }
     total_fp32 += m->fp32_bytes();
     total_bf16 += m->bf16_bytes();
-    const std::string who = absl::StrCat("worker ", w, " (rank ", worker::RankOfWorker(w),
-                                         "): experts ", Range(m->first_expert, m->num_experts));
+    const std::string who =
+        absl::StrCat("worker ", w, " (rank ", worker::RankOfWorker(w), "): experts ",
+                     m->first_expert < 0 ? absl::StrCat(m->num_experts, " (as placed)")
+                                         : Range(m->first_expert, m->num_experts));
     std::printf("  %-36s FP32 %-10s BF16 %s\n", who.c_str(),
                 model::FormatBytes(m->fp32_bytes()).c_str(),
                 model::FormatBytes(m->bf16_bytes()).c_str());
@@ -137,6 +142,7 @@ int main(int argc, char** argv) {
   int workers = 1;
   std::string layers = "all";
   std::string shared_expert = "split";
+  int redundant = 0;
   epserve::common::FlagSet fs(
       "epserve-inspect",
       "Describes a model as epserve would serve it and the weight memory of each worker.\n"
@@ -144,6 +150,8 @@ int main(int argc, char** argv) {
   fs.Add("model", &spec, "The model, instead of the first argument");
   fs.Add("workers", &workers, "Worker ranks to spread the experts over (mpirun -np 1+W)");
   fs.Add("layers", &layers, "Served MoE layers: all, 3, 1,5, 2-7 or a mix");
+  fs.Add("redundant-experts", &redundant,
+         "As epserve's flag: copies of experts beyond one each, per layer");
   fs.Add("shared-expert", &shared_expert,
          "As epserve's flag: split (each worker holds 1/W of the shared expert) or owner");
   // The first argument, when not a flag, names the model; FlagSet takes flags only.
@@ -190,6 +198,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   DescribeModel(**source, *served);
-  DescribeMemory((*source)->config(), *served, workers, shared_expert == "split");
+  DescribeMemory((*source)->config(), *served, workers, shared_expert == "split", redundant);
   return 0;
 }

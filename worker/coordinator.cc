@@ -192,12 +192,23 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace) {
     }
     std::copy(std::begin(report.stage_ns), std::end(report.stage_ns), trace.stage_ns[w].begin());
     trace.dispatch_bytes += report.rows_received * static_cast<int64_t>(dispatch_row_bytes);
-    trace.combine_bytes += report.rows_received * static_cast<int64_t>(combine_row_bytes);
+    // One row back per pair, and per received row where the shared expert is split.
+    const int64_t combined =
+        report.pairs + (regions_.plan.shared_expert_split() ? report.rows_received : 0);
+    trace.combine_bytes += combined * static_cast<int64_t>(combine_row_bytes);
   }
   if (!timeouts.empty()) return Fail(timeouts);
   if (!first_error.ok()) return first_error;
   const int64_t* expert_tokens = heap_.LocalAs<int64_t>(regions_.expert_tokens);
-  trace.expert_tokens.assign(expert_tokens, expert_tokens + shape.num_experts);
+  trace.expert_tokens.assign(shape.num_experts, 0);
+  trace.worker_pairs.assign(shape.num_workers, 0);
+  for (int w = 0; w < shape.num_workers; ++w) {
+    for (int e = 0; e < shape.num_experts; ++e) {
+      const int64_t pairs = expert_tokens[static_cast<size_t>(w) * shape.num_experts + e];
+      trace.expert_tokens[e] += pairs;
+      trace.worker_pairs[w] += pairs;
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "shmem/heap.h"
 #include "worker/heap_regions.h"
+#include "worker/placement.h"
 
 namespace epserve::worker {
 
@@ -25,7 +26,8 @@ struct BatchTrace {
   int64_t gather_ns = 0;
   // stage_ns[w][stage] as worker w measured it.
   std::vector<std::array<int64_t, kNumWorkerStages>> stage_ns;
-  std::vector<int64_t> expert_tokens;  // pairs routed to each expert
+  std::vector<int64_t> expert_tokens;  // pairs routed to each expert (all its copies)
+  std::vector<int64_t> worker_pairs;   // pairs each worker computed
   int64_t dispatch_bytes = 0;          // token rows stored into receivers, all workers
   int64_t combine_bytes = 0;           // expert output rows returned to owners, all workers
 };
@@ -44,8 +46,13 @@ struct RowChunk {
 // Not thread-safe: one thread runs batches, one at a time.
 class Coordinator {
  public:
-  Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions)
-      : heap_(heap), regions_(regions) {}
+  // `placements`: the workers' placement of each served layer (WorkerOptions::placements),
+  // for metrics and tools; empty: contiguous.
+  Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
+              std::vector<ExpertPlacement> placements = {})
+      : heap_(heap), regions_(regions), placements_(std::move(placements)) {}
+
+  const std::vector<ExpertPlacement>& placements() const { return placements_; }
 
   // Waits until every worker has loaded its weights.
   absl::Status WaitForWorkers(absl::Time deadline);
@@ -111,6 +118,7 @@ class Coordinator {
 
   shmem::SymmetricHeap& heap_;
   const HeapRegions regions_;
+  const std::vector<ExpertPlacement> placements_;
   uint64_t seq_ = 0;
   uint64_t stage_seq_ = 0;  // the kStage's seq of a weight swap under way; 0: none
   std::atomic<bool> healthy_{true};

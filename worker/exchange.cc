@@ -55,11 +55,11 @@ absl::StatusOr<std::unique_ptr<Exchange>> Exchange::Create(shmem::SymmetricHeap&
 }
 
 Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangePlan& plan,
-                   const ExchangeRegions& regions, ExpertPlacement placement, int me)
+                   const ExchangeRegions& regions, ExpertPlacement contiguous, int me)
     : heap_(heap),
       plan_(plan),
       regions_(regions),
-      placement_(std::move(placement)),
+      contiguous_(std::move(contiguous)),
       me_(me),
       num_local_max_(plan.max_local_experts()),
       count_stride_(2 + static_cast<size_t>(plan.max_local_experts())) {
@@ -70,12 +70,27 @@ Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangePlan& plan,
   pair_base_.resize(w * static_cast<size_t>(num_local_max_));
   combine_base_.resize(w + 1);
   source_begin_.resize(w + 1);
-  expert_offsets_.resize(static_cast<size_t>(placement_.count(me)) + 1);
   if (!OutputInHeap()) {
-    out_.resize(static_cast<size_t>(plan.recv_capacity() * plan.shape().hidden));
+    out_.resize(static_cast<size_t>(plan.combine_capacity() * plan.shape().hidden));
   }
+  const size_t pairs = static_cast<size_t>(plan.max_rows_per_worker() * plan.shape().top_k);
   slot_.reserve(static_cast<size_t>(plan.max_rows_per_worker()) * w);
-  pair_local_.reserve(static_cast<size_t>(plan.max_rows_per_worker() * plan.shape().top_k));
+  for (std::vector<int32_t>* v : {&dest_, &local_, &pair_local_}) v->reserve(pairs);
+  pair_at_.reserve(pairs);
+}
+
+absl::Status Exchange::UsePlacement(const ExpertPlacement& placement) {
+  const ExchangeShape& s = plan_.shape();
+  if (placement.num_experts() != s.num_experts || placement.num_workers() != s.num_workers ||
+      placement.max_local() > num_local_max_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a placement of ", placement.num_experts(), " experts over ", placement.num_workers(),
+        " workers with up to ", placement.max_local(), " on one does not fit the exchange's ",
+        s.num_experts, " experts over ", s.num_workers, " workers with up to ", num_local_max_,
+        " on one (--redundant-experts)"));
+  }
+  placement_ = &placement;
+  return absl::OkStatus();
 }
 
 int64_t Exchange::rows_sent() const {
@@ -118,17 +133,20 @@ const int32_t* Exchange::CheckedIds(int64_t n, const int32_t* ids) {
 void Exchange::CountSends() {
   const int num_workers = plan_.shape().num_workers;
   const int k = plan_.shape().top_k;
+  const size_t pairs = static_cast<size_t>(n_) * k;
   std::fill(my_counts_.begin(), my_counts_.end(), 0);
   slot_.assign(static_cast<size_t>(n_) * num_workers, -1);
-  pair_local_.resize(static_cast<size_t>(n_) * k);
+  dest_.resize(pairs);
+  local_.resize(pairs);
+  pair_local_.resize(pairs);
+  ChooseCopies(*placement_, ids_, n_, k, me_, dest_.data(), local_.data());
   for (int64_t t = 0; t < n_; ++t) {
     int64_t* slot = &slot_[t * num_workers];
     for (int j = 0; j < k; ++j) {
-      const int32_t e = ids_[t * k + j];
-      const int d = placement_.owner(e);
+      const int d = dest_[t * k + j];
       int64_t* mine = &my_counts_[d * count_stride_];
       if (slot[d] < 0) slot[d] = mine[0]++;
-      pair_local_[t * k + j] = static_cast<int32_t>(mine[2 + e - placement_.first(d)]++);
+      pair_local_[t * k + j] = static_cast<int32_t>(mine[2 + local_[t * k + j]]++);
     }
     if (plan_.shared_expert_split()) {  // every token to every worker, pairs or not
       for (int d = 0; d < num_workers; ++d) {
@@ -171,7 +189,7 @@ int64_t Exchange::ComputeOffsets() {
     }
     max_recv = std::max(max_recv, rows);
     int64_t expert_begin = 0;
-    for (int e = 0; e < placement_.count(d); ++e) {
+    for (int e = 0; e < placement_->count(d); ++e) {
       int64_t before_me = 0, all = 0;
       for (int s = 0; s < num_workers; ++s) {
         if (s == me_) before_me = all;
@@ -184,8 +202,8 @@ int64_t Exchange::ComputeOffsets() {
   source_begin_[0] = 0;
   for (int s = 0; s < num_workers; ++s)
     source_begin_[s + 1] = source_begin_[s] + count_row(s, me_)[0];
-  expert_offsets_[0] = 0;
-  for (int e = 0; e < placement_.count(me_); ++e) {
+  expert_offsets_.assign(static_cast<size_t>(placement_->count(me_)) + 1, 0);
+  for (int e = 0; e < placement_->count(me_); ++e) {
     int64_t all = 0;
     for (int s = 0; s < num_workers; ++s) all += count_row(s, me_)[2 + e];
     expert_offsets_[e + 1] = expert_offsets_[e] + all;
@@ -193,33 +211,18 @@ int64_t Exchange::ComputeOffsets() {
   combine_base_[0] = 0;
   for (int d = 0; d < num_workers; ++d)
     combine_base_[d + 1] = combine_base_[d] + count_row(me_, d)[0];
+  pair_at_.resize(pair_local_.size());
+  for (size_t i = 0; i < pair_at_.size(); ++i) {
+    pair_at_[i] = pair_base_[dest_[i] * num_local_max_ + local_[i]] + pair_local_[i];
+  }
   return max_recv;
 }
 
-absl::Status Exchange::Dispatch(const float* x, const float* weights, absl::Time deadline) {
-  return RunPass(x, weights, nullptr, false, nullptr, deadline, nullptr, nullptr);
+absl::Status Exchange::Dispatch(const float* x, absl::Time deadline) {
+  return RunPass(x, nullptr, nullptr, false, nullptr, deadline, nullptr, nullptr);
 }
 
-template <typename PairRowFn>
-void Exchange::RowMetadata(int64_t t, int d, const float* weights, int32_t* pair, float* weight,
-                           PairRowFn&& pair_row) const {
-  const int k = plan_.shape().top_k;
-  const int first_expert = placement_.first(d);
-  for (int j = 0; j < k; ++j) {
-    const int32_t e = ids_[t * k + j];
-    weight[j] = weights[t * k + j];
-    if (placement_.owner(e) != d) {
-      pair[j] = -1;
-      continue;
-    }
-    const int le = e - first_expert;
-    const int64_t p = pair_base_[d * num_local_max_ + le] + pair_local_[t * k + j];
-    pair[j] = static_cast<int32_t>(p);
-    pair_row(le, p, pair_local_[t * k + j]);
-  }
-}
-
-void Exchange::DispatchDirect(const float* x, const float* weights) {
+void Exchange::DispatchDirect(const float* x) {
   const int num_workers = plan_.shape().num_workers;
   const int k = plan_.shape().top_k;
   const int64_t hidden = plan_.shape().hidden;
@@ -245,14 +248,14 @@ void Exchange::DispatchDirect(const float* x, const float* weights) {
       heap_.DirectAs<int32_t>(rank, regions_.recv_token)[row] =
           static_cast<int32_t>(token_base_ + t);
       int32_t* pair_row = heap_.DirectAs<int32_t>(rank, regions_.pair_row);
-      RowMetadata(t, d, weights, heap_.DirectAs<int32_t>(rank, regions_.recv_pair) + row * k,
-                  heap_.DirectAs<float>(rank, regions_.recv_weight) + row * k,
-                  [&](int, int64_t p, int32_t) { pair_row[p] = static_cast<int32_t>(row); });
+      for (int j = 0; j < k; ++j) {
+        if (dest_[t * k + j] == d) pair_row[pair_at_[t * k + j]] = static_cast<int32_t>(row);
+      }
     }
   }
 }
 
-absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
+absl::Status Exchange::DispatchStaged(const float* x) {
   const int num_workers = plan_.shape().num_workers;
   const int k = plan_.shape().top_k;
   const int64_t hidden = plan_.shape().hidden;
@@ -260,17 +263,10 @@ absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
   const size_t row_bytes = plan_.dispatch_row_bytes();
   const int64_t streams = combine_base_[num_workers];  // my rows to all destinations
   stage_token_.resize(streams);
-  stage_pair_.resize(streams * k);
-  stage_weight_.resize(streams * k);
   stage_pair_row_.resize(static_cast<size_t>(n_) * k);
   if (dtype != common::ElementType::kFp32) stage_rows_.resize(static_cast<size_t>(n_) * row_bytes);
-  // Runs of my pairs per (d, e) in stage_pair_row_.
-  std::vector<int64_t> run_base(static_cast<size_t>(num_workers) * num_local_max_ + 1, 0);
-  for (int d = 0, i = 0; d < num_workers; ++d) {
-    for (int e = 0; e < num_local_max_; ++e, ++i) {
-      run_base[i + 1] = run_base[i] + my_counts_[d * count_stride_ + 2 + e];
-    }
-  }
+  ComputeRuns();
+  const std::vector<int64_t>& run_base = run_base_;
   for (int64_t t = 0; t < n_; ++t) {
     const int64_t* slot = &slot_[t * num_workers];
     if (dtype != common::ElementType::kFp32) {
@@ -281,11 +277,12 @@ absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
       const int64_t pos = combine_base_[d] + slot[d];
       const int64_t row = row_base_[d] + slot[d];
       stage_token_[pos] = static_cast<int32_t>(token_base_ + t);
-      RowMetadata(t, d, weights, &stage_pair_[pos * k], &stage_weight_[pos * k],
-                  [&](int le, int64_t, int32_t local) {
-                    stage_pair_row_[run_base[d * num_local_max_ + le] + local] =
-                        static_cast<int32_t>(row);
-                  });
+      for (int j = 0; j < k; ++j) {
+        const int64_t i = t * k + j;
+        if (dest_[i] != d) continue;
+        stage_pair_row_[run_base[d * num_local_max_ + local_[i]] + pair_local_[i]] =
+            static_cast<int32_t>(row);
+      }
       const bool fp32 = dtype == common::ElementType::kFp32;
       const void* src = fp32 ? static_cast<const void*>(x + t * hidden)
                              : static_cast<const void*>(&stage_rows_[t * row_bytes]);
@@ -303,11 +300,7 @@ absl::Status Exchange::DispatchStaged(const float* x, const float* weights) {
     const size_t at = static_cast<size_t>(row_base_[d]);
     EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_token + at * sizeof(int32_t),
                                       &stage_token_[pos], rows * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_pair + at * k * sizeof(int32_t),
-                                      &stage_pair_[pos * k], rows * k * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.recv_weight + at * k * sizeof(float),
-                                      &stage_weight_[pos * k], rows * k * sizeof(float)));
-    for (int e = 0; e < placement_.count(d); ++e) {
+    for (int e = 0; e < placement_->count(d); ++e) {
       const int i = d * num_local_max_ + e;
       const int64_t len = run_base[i + 1] - run_base[i];
       if (len == 0) continue;
@@ -328,8 +321,6 @@ void Exchange::PublishReceived(ExchangeStats* stats) {
   received_.top_k = plan_.shape().top_k;
   received_.payload = heap_.Local(regions_.recv_rows);
   received_.token = heap_.LocalAs<int32_t>(regions_.recv_token);
-  received_.pair = heap_.LocalAs<int32_t>(regions_.recv_pair);
-  received_.weight = heap_.LocalAs<float>(regions_.recv_weight);
   received_.pair_row = heap_.LocalAs<int32_t>(regions_.pair_row);
   received_.expert_offsets = expert_offsets_;
   received_.source_begin = source_begin_;
@@ -352,9 +343,9 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
   bool direct = true;
   for (int d = 0; d < num_workers && direct; ++d) direct = heap_.Direct(rank_of(d), 0) != nullptr;
   if (direct) {
-    DispatchDirect(x, weights);
+    DispatchDirect(x);
   } else {
-    EPSERVE_RETURN_IF_ERROR(DispatchStaged(x, weights));
+    EPSERVE_RETURN_IF_ERROR(DispatchStaged(x));
   }
   for (int d = 0; d < num_workers; ++d) {
     EPSERVE_RETURN_IF_ERROR(
@@ -376,14 +367,15 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
 
   // ---- the caller's expert step ----
   t0 = absl::Now();
-  float* out = ExpertOutput();
-  EPSERVE_RETURN_IF_ERROR(expert(received_, out));
+  float* pair_out = PairOutput();
+  float* row_out = RowOutput();
+  EPSERVE_RETURN_IF_ERROR(expert(received_, pair_out, row_out));
   if (stats != nullptr) stats->expert_ns += NanosSince(t0);
 
   // ---- combine and reduce ----
   t0 = absl::Now();
-  EPSERVE_RETURN_IF_ERROR(Combine(out));
-  EPSERVE_RETURN_IF_ERROR(Reduce(y, accumulate, deadline));
+  EPSERVE_RETURN_IF_ERROR(Combine(pair_out, row_out));
+  EPSERVE_RETURN_IF_ERROR(Reduce(weights, y, accumulate, deadline));
   if (stats != nullptr) stats->combine_ns += NanosSince(t0);
   return absl::OkStatus();
 }
@@ -393,28 +385,48 @@ bool Exchange::OutputInHeap() const {
          plan_.combine_row_bytes() == static_cast<size_t>(plan_.shape().hidden) * sizeof(float);
 }
 
-float* Exchange::ExpertOutput() {
+float* Exchange::PairOutput() {
   return OutputInHeap() ? heap_.LocalAs<float>(regions_.combine_rows) : out_.data();
 }
 
-absl::Status Exchange::Combine(const float* out) {
+float* Exchange::RowOutput() {
+  if (!plan_.shared_expert_split()) return nullptr;
+  return PairOutput() + plan_.recv_pair_capacity() * plan_.shape().hidden;
+}
+
+void Exchange::ComputeRuns() {
   const int num_workers = plan_.shape().num_workers;
-  const int64_t hidden = plan_.shape().hidden;
-  const int64_t rows = received_.rows;
-  const size_t row_bytes = plan_.combine_row_bytes();
-  // The output rows go into this worker's own segment, in receive order; each owner reads
-  // its parts from there in Reduce. An expert step that wrote into ExpertOutput() (fp32)
-  // costs no copy here.
-  char* region = heap_.LocalAs<char>(regions_.combine_rows);
-  if (OutputInHeap()) {
-    if (out != reinterpret_cast<const float*>(region) && rows > 0) {
-      std::memcpy(region, out, static_cast<size_t>(rows) * row_bytes);
-    }
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      EncodeRow(plan_.combine_dtype(), out + r * hidden, hidden, region + r * row_bytes);
+  run_base_.assign(static_cast<size_t>(num_workers) * num_local_max_ + 1, 0);
+  for (int d = 0, i = 0; d < num_workers; ++d) {
+    for (int e = 0; e < num_local_max_; ++e, ++i) {
+      run_base_[i + 1] = run_base_[i] + my_counts_[d * count_stride_ + 2 + e];
     }
   }
+}
+
+absl::Status Exchange::Combine(const float* pair_out, const float* row_out) {
+  const int num_workers = plan_.shape().num_workers;
+  const int64_t hidden = plan_.shape().hidden;
+  const size_t row_bytes = plan_.combine_row_bytes();
+  // The output rows go into this worker's own segment, pairs then rows; each owner reads its
+  // rows from there in Reduce. An expert step that wrote into PairOutput() and RowOutput()
+  // (fp32) costs no copy here.
+  char* region = heap_.LocalAs<char>(regions_.combine_rows);
+  char* row_region = region + plan_.recv_pair_capacity() * row_bytes;
+  auto place = [&](const float* src, int64_t rows, char* dst) {
+    if (rows == 0 || src == nullptr) return;
+    if (OutputInHeap()) {
+      if (src != reinterpret_cast<const float*>(dst)) {
+        std::memcpy(dst, src, static_cast<size_t>(rows) * row_bytes);
+      }
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      EncodeRow(plan_.combine_dtype(), src + r * hidden, hidden, dst + r * row_bytes);
+    }
+  };
+  place(pair_out, received_.pairs, region);
+  if (plan_.shared_expert_split()) place(row_out, received_.rows, row_region);
   for (int s = 0; s < num_workers; ++s) {
     EPSERVE_RETURN_IF_ERROR(
         heap_.SignalSet(rank_of(s), signal(regions_.combine_flag, me_), epoch_));
@@ -422,49 +434,87 @@ absl::Status Exchange::Combine(const float* out) {
   return absl::OkStatus();
 }
 
-absl::Status Exchange::Reduce(float* y, bool accumulate, absl::Time deadline) {
+absl::Status Exchange::Reduce(const float* weights, float* y, bool accumulate,
+                              absl::Time deadline) {
   const int num_workers = plan_.shape().num_workers;
+  const int k = plan_.shape().top_k;
   const int64_t hidden = plan_.shape().hidden;
   const common::ElementType dtype = plan_.combine_dtype();
   const size_t row_bytes = plan_.combine_row_bytes();
+  const bool split = plan_.shared_expert_split();
   for (int d = 0; d < num_workers; ++d) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.combine_flag, d), epoch_, deadline,
                                              "combined rows from worker", d));
   }
-  // My parts at worker d: its output rows [row_base_[d], row_base_[d] + rows I sent d), read
-  // in place when d's segment is load/store, else fetched into pulled_ (destination order).
-  std::vector<const char*>& base = part_base_;
-  base.assign(num_workers, nullptr);
+  // Where my rows at worker d are: its pair table's rows (pair_at_ indexes them) and, split,
+  // its row parts [row_base_[d], + rows I sent d). Read in place when d's segment is
+  // load/store; else fetched into pulled_, my pairs in runs per (d, local expert) (run_base_),
+  // then my row parts per d (combine_base_), and pair_at_ re-based to the runs.
+  pair_base_at_.assign(num_workers, nullptr);
+  row_base_at_.assign(num_workers, nullptr);
   bool direct = true;
   for (int d = 0; d < num_workers && direct; ++d) {
-    base[d] = static_cast<const char*>(heap_.Direct(rank_of(d), regions_.combine_rows));
-    direct = base[d] != nullptr;
+    pair_base_at_[d] = static_cast<const char*>(heap_.Direct(rank_of(d), regions_.combine_rows));
+    direct = pair_base_at_[d] != nullptr;
   }
+  const size_t pair_region = static_cast<size_t>(plan_.recv_pair_capacity()) * row_bytes;
+  std::vector<int64_t> pulled_at;  // rma: pair_at_ within pulled_
   if (direct) {
-    for (int d = 0; d < num_workers; ++d) base[d] += row_base_[d] * row_bytes;
-  } else {
-    pulled_.resize(
-        std::max(pulled_.size(), static_cast<size_t>(combine_base_[num_workers]) * row_bytes));
     for (int d = 0; d < num_workers; ++d) {
-      const int64_t rows = combine_base_[d + 1] - combine_base_[d];
-      char* dst = pulled_.data() + combine_base_[d] * row_bytes;
-      if (rows > 0) {
+      row_base_at_[d] = pair_base_at_[d] + pair_region + row_base_[d] * row_bytes;
+    }
+  } else {
+    ComputeRuns();
+    const int64_t my_pairs = run_base_.back();
+    const int64_t my_rows = split ? combine_base_[num_workers] : 0;
+    pulled_.resize(std::max(pulled_.size(), static_cast<size_t>(my_pairs + my_rows) * row_bytes));
+    for (int d = 0; d < num_workers; ++d) {
+      for (int e = 0; e < placement_->count(d); ++e) {
+        const int i = d * num_local_max_ + e;
+        const int64_t len = run_base_[i + 1] - run_base_[i];
+        if (len == 0) continue;
         EPSERVE_RETURN_IF_ERROR(heap_.Get(
-            rank_of(d), regions_.combine_rows + static_cast<size_t>(row_base_[d]) * row_bytes, dst,
-            static_cast<size_t>(rows) * row_bytes));
+            rank_of(d), regions_.combine_rows + static_cast<size_t>(pair_base_[i]) * row_bytes,
+            pulled_.data() + run_base_[i] * row_bytes, static_cast<size_t>(len) * row_bytes));
       }
-      base[d] = dst;
+      char* rows_dst = pulled_.data() + (my_pairs + combine_base_[d]) * row_bytes;
+      const int64_t rows = combine_base_[d + 1] - combine_base_[d];
+      if (split && rows > 0) {
+        EPSERVE_RETURN_IF_ERROR(
+            heap_.Get(rank_of(d), regions_.combine_rows + pair_region + row_base_[d] * row_bytes,
+                      rows_dst, static_cast<size_t>(rows) * row_bytes));
+      }
+      pair_base_at_[d] = pulled_.data();
+      row_base_at_[d] = rows_dst;
+    }
+    pulled_at.resize(pair_at_.size());
+    for (size_t i = 0; i < pair_at_.size(); ++i) {
+      pulled_at[i] = run_base_[dest_[i] * num_local_max_ + local_[i]] + pair_local_[i];
     }
   }
-  std::vector<const void*>& mine = reduce_parts_;
-  mine.resize(num_workers);
+  const std::vector<int64_t>& at = direct ? pair_at_ : pulled_at;
+  // Per token: the row parts in destination order, then each choice's row times its weight in
+  // the order of j (WeightedSumRows: no fused multiply-adds, the same on every host).
+  std::vector<const void*>& parts = reduce_parts_;
+  std::vector<float>& scale = reduce_weights_;
+  parts.resize(num_workers + k);
+  scale.resize(num_workers + k);
   for (int64_t t = 0; t < n_; ++t) {
-    const int64_t* slot = &slot_[t * num_workers];
     int count = 0;
-    for (int d = 0; d < num_workers; ++d) {
-      if (slot[d] >= 0) mine[count++] = base[d] + slot[d] * row_bytes;
+    if (split) {
+      const int64_t* slot = &slot_[t * num_workers];
+      for (int d = 0; d < num_workers; ++d) {
+        if (slot[d] < 0) continue;
+        scale[count] = 1.0f;
+        parts[count++] = row_base_at_[d] + slot[d] * row_bytes;
+      }
     }
-    SumRows(dtype, mine.data(), count, hidden, y + t * hidden, accumulate);
+    for (int j = 0; j < k; ++j) {
+      const int64_t i = t * k + j;
+      scale[count] = weights[i];
+      parts[count++] = pair_base_at_[dest_[i]] + at[i] * row_bytes;
+    }
+    WeightedSumRows(dtype, parts.data(), scale.data(), count, hidden, y + t * hidden, accumulate);
   }
   return absl::OkStatus();
 }

@@ -4,30 +4,36 @@
 // caller's (worker.cc runs the FFN kernels; tests and benchmarks run plain functions).
 //
 // One pass (a batch, or one round of a split batch):
-//   Count     each worker counts, per destination worker d and per local expert of d, the
-//             rows and (token, expert) pairs it sends, and writes its counts into every
-//             worker's segment; after the W count signals every worker knows the whole
-//             matrix and hence, by prefix sums, where each of its rows and pairs lands
-//             (CountAndNotify; the stage metrics call `layout`).
+//   Count     each sender chooses, for each of its (token, expert) pairs, the copy of the
+//             expert that computes it (ChooseCopies, worker/placement.h: one holder, or the
+//             copy whose worker has the fewest of its pairs so far); it counts, per
+//             destination worker d and per local expert of d, the rows and pairs it sends,
+//             and writes its counts into every worker's segment; after the W count signals
+//             every worker knows the whole matrix and hence, by prefix sums, where each of
+//             its rows and pairs lands (CountAndNotify; the stage metrics call `layout`).
 //   Dispatch  each token row is stored once per destination worker (encoded in the
 //             dispatch dtype) into that worker's receive buffer, sender-major, with the
-//             token's metadata: its index at the owner, per choice j the expert-major pair
-//             index (or -1) and the routing weight; the expert-major pair table (pair ->
-//             received row) is written by the senders too, so the receiver never sorts.
-//   (caller)  the receiver computes one output row per received row: the routing-weighted
-//             sum of its local experts' outputs for that token, written (fp32 combine)
-//             straight into its own segment's output region, in receive order.
+//             token's index at the owner; the expert-major pair table (pair -> received row)
+//             is written by the senders too, so the receiver never sorts.
+//   (caller)  the receiver computes one output row per received pair (its expert's output
+//             for the pair's row, not weighted), in pair order, and, when every token goes
+//             to every worker (a split shared expert), one row per received row (what it
+//             adds to every token it gets), written (fp32 combine) straight into its own
+//             segment's combine region.
 //   Combine   the output rows are in that region (encoded in the combine dtype); the worker
 //             signals every owner.
-//   Reduce    each owner reads its parts (at most one per destination worker) where they
-//             are, in the peers' segments, and sums them into its output rows, in destination
-//             order (deterministic). Each returned row is moved once, by the read that sums it.
+//   Reduce    each owner reads its rows where they are, in the peers' segments, and sums,
+//             per token: the per-row parts in destination order, then each choice j's
+//             pair row times its routing weight, in the order of j. The order depends on
+//             the routing alone, not on which worker computed a pair, so every placement
+//             (replicated or not) gives bit-identical answers. Each returned row is moved
+//             once, by the read that sums it.
 // Every signal carries the pass's epoch (a counter all workers advance together), so a
 // signal left from an earlier pass never satisfies a later wait, and buffers are reused
 // across passes without being cleared: a sender writes pass p+1 into a receiver's buffers
 // only after that receiver's combine signal of pass p, which it stores once it has read
-// them; a worker overwrites its output region in pass p+1 only after every peer's dispatch
-// signal of p+1, which each peer sends after it has read its parts of pass p; the count
+// them; a worker overwrites its combine region in pass p+1 only after every peer's dispatch
+// signal of p+1, which each peer sends after it has read its rows of pass p; the count
 // matrix is double-buffered by epoch parity. Every wait has a deadline.
 #pragma once
 
@@ -57,10 +63,9 @@ struct ReceivedRows {
   int top_k = 0;
   const void* payload = nullptr;            // [rows][row_bytes]
   const int32_t* token = nullptr;           // [rows]: the token's index in its owner's batch
-  const int32_t* pair = nullptr;            // [rows][top_k]
-  const float* weight = nullptr;            // [rows][top_k]
-  const int32_t* pair_row = nullptr;        // [pairs], expert-major
-  std::span<const int64_t> expert_offsets;  // [local experts + 1]
+  const int32_t* pair_row = nullptr;        // [pairs], expert-major: the pair's received row
+  std::span<const int64_t> expert_offsets;  // [local experts + 1]: pairs of local expert e
+                                            // are [offsets[e], offsets[e + 1])
   std::span<const int64_t> source_begin;    // [W + 1]: rows of worker s are [b[s], b[s+1])
 
   const void* Row(int64_t r) const { return static_cast<const char*>(payload) + r * row_bytes; }
@@ -90,13 +95,23 @@ class Exchange {
   // with the same plan, in the same order as its other allocations.
   static absl::StatusOr<ExchangeRegions> Allocate(shmem::SymmetricHeap& heap,
                                                   const ExchangePlan& plan);
-  // `me`: this rank's worker index. The Exchange keeps a copy of `plan`.
+  // `me`: this rank's worker index. The Exchange keeps a copy of `plan`; it starts with the
+  // contiguous placement (ExpertPlacement::Contiguous).
   static absl::StatusOr<std::unique_ptr<Exchange>> Create(shmem::SymmetricHeap& heap,
                                                           const ExchangePlan& plan,
                                                           const ExchangeRegions& regions, int me);
 
-  // The caller's step: out[r] for every received row r, [rows][hidden] floats.
-  using ExpertStep = std::function<absl::Status(const ReceivedRows& in, float* out)>;
+  // The placement later passes follow (every worker must use the same one for a pass);
+  // `placement` must outlive its use. INVALID_ARGUMENT where it does not fit the plan (experts,
+  // workers, more than plan().max_local_experts() on one worker).
+  absl::Status UsePlacement(const ExpertPlacement& placement);
+
+  // The caller's step: pair_out[p] [pairs][hidden], local expert e's output for pair p's row
+  // (not weighted); and where every token goes to every worker (a split shared expert),
+  // row_out[r] [rows][hidden], what this worker adds to every token it receives (else
+  // row_out is null).
+  using ExpertStep =
+      std::function<absl::Status(const ReceivedRows& in, float* pair_out, float* row_out)>;
 
   // One batch: x [n][hidden] this worker's token rows, ids/weights [n][k] their routing
   // (global expert ids). y [n][hidden] receives the combined rows (added to y when
@@ -115,27 +130,32 @@ class Exchange {
   // signals it, waits for every worker's counts and computes, by prefix sums, where each
   // row and pair lands. Returns the most rows any worker would receive in this pass.
   absl::StatusOr<int64_t> CountAndNotify(int64_t n, const int32_t* ids, absl::Time deadline);
-  // Sends rows x [n][hidden] with `weights` and waits for every peer's rows.
-  absl::Status Dispatch(const float* x, const float* weights, absl::Time deadline);
+  // Sends rows x [n][hidden] and waits for every peer's rows.
+  absl::Status Dispatch(const float* x, absl::Time deadline);
   const ReceivedRows& received() const { return received_; }
-  // Where the expert step writes its rows, [recv capacity][hidden]: with an fp32 combine
-  // the output region in this worker's segment itself (Combine then copies nothing), else
-  // a buffer that Combine encodes from.
-  float* ExpertOutput();
-  // Makes out [received().rows][hidden] (ExpertOutput() or any other buffer) available to
-  // the owners and signals them.
-  absl::Status Combine(const float* out);
-  // Waits for every part, reads them from the peers and sums them into y [n][hidden].
-  absl::Status Reduce(float* y, bool accumulate, absl::Time deadline);
+  // Where the expert step writes its rows, [pair capacity][hidden] and [recv capacity][hidden]
+  // (null unless every token goes to every worker): with an fp32 combine the combine region
+  // in this worker's segment itself (Combine then copies nothing), else buffers that Combine
+  // encodes from.
+  float* PairOutput();
+  float* RowOutput();
+  // Makes pair_out [received().pairs][hidden] and row_out [received().rows][hidden] (the
+  // buffers above or any others) available to the owners and signals them.
+  absl::Status Combine(const float* pair_out, const float* row_out);
+  // Waits for every worker's rows, reads them and sums them into y [n][hidden] (onto y when
+  // `accumulate`), each pair row times its weight in `weights` [n][k].
+  absl::Status Reduce(const float* weights, float* y, bool accumulate, absl::Time deadline);
 
   const ExchangePlan& plan() const { return plan_; }
-  const ExpertPlacement& placement() const { return placement_; }
+  const ExpertPlacement& placement() const { return *placement_; }
+  // The worker that computes choice j of token t of the current pass (ChooseCopies).
+  int destination(int64_t t, int j) const { return dest_[t * plan_.shape().top_k + j]; }
   // Rows this worker sends in the current pass (all destinations).
   int64_t rows_sent() const;
 
  private:
   Exchange(shmem::SymmetricHeap& heap, const ExchangePlan& plan, const ExchangeRegions& regions,
-           ExpertPlacement placement, int me);
+           ExpertPlacement contiguous, int me);
   // Dispatch, the expert step (when set), combine and reduce of the pass counted last.
   absl::Status RunPass(const float* x, const float* weights, float* y, bool accumulate,
                        const ExpertStep& expert, absl::Time deadline, ExchangeStats* stats,
@@ -143,25 +163,23 @@ class Exchange {
   // CountAndNotify's steps. `ids`, or a copy with out-of-range ids replaced by expert 0
   // (the error is kept for Run to return).
   const int32_t* CheckedIds(int64_t n, const int32_t* ids);
-  // My rows and pairs per destination (my_counts_), each token's stream position per
-  // destination (slot_) and each pair's index among mine to its expert (pair_local_).
+  // Each pair's copy (dest_, local_), my rows and pairs per destination (my_counts_), each
+  // token's stream position per destination (slot_) and each pair's index among mine to its
+  // copy (pair_local_).
   void CountSends();
   // Puts my counts into every worker's segment, signals it, waits for every worker's counts
   // and copies the matrix (counts_).
   absl::Status ShareCounts(absl::Time deadline);
   // Prefix sums over the matrix (row_base_, pair_base_, source_begin_, expert_offsets_,
-  // combine_base_); returns the most rows any worker receives.
+  // combine_base_) and each pair's index in its destination's pair table (pair_at_);
+  // returns the most rows any worker receives.
   int64_t ComputeOffsets();
   // Dispatch's two ways of sending: stores straight into peers' segments (backends with
   // load/store access), or rows encoded once into staging and put (the others).
-  void DispatchDirect(const float* x, const float* weights);
-  absl::Status DispatchStaged(const float* x, const float* weights);
-  // Token t's metadata for destination d: weight[j] for each choice j, pair[j] its index in
-  // d's expert-major pair table or -1 where d does not own the expert; pair_row(local expert,
-  // pair index, index among my pairs of that expert) for each pair d owns.
-  template <typename PairRowFn>
-  void RowMetadata(int64_t t, int d, const float* weights, int32_t* pair, float* weight,
-                   PairRowFn&& pair_row) const;
+  void DispatchDirect(const float* x);
+  absl::Status DispatchStaged(const float* x);
+  // run_base_: where my pairs of each (destination, local expert) start among all of mine.
+  void ComputeRuns();
   // Points received() at what peers dispatched this pass; adds its counts to stats.
   void PublishReceived(ExchangeStats* stats);
   absl::Status TakeBadIdError();
@@ -175,7 +193,8 @@ class Exchange {
   shmem::SymmetricHeap& heap_;
   const ExchangePlan plan_;
   const ExchangeRegions regions_;
-  const ExpertPlacement placement_;
+  const ExpertPlacement contiguous_;
+  const ExpertPlacement* placement_ = &contiguous_;
   const int me_;
   const int num_local_max_;    // L
   const size_t count_stride_;  // 2 + L
@@ -190,7 +209,9 @@ class Exchange {
   std::vector<int64_t> counts_;          // [W][W][2 + L] copy of the matrix
   std::vector<int64_t> my_counts_;       // [W][2 + L] what I send to each destination
   std::vector<int64_t> slot_;            // [n][W]: my stream position to d, or -1
-  std::vector<int32_t> pair_local_;      // [n][k]: index among my pairs to (owner, local e)
+  std::vector<int32_t> dest_, local_;    // [n][k]: the copy computing each pair
+  std::vector<int32_t> pair_local_;      // [n][k]: index among my pairs to that copy
+  std::vector<int64_t> pair_at_;         // [n][k]: the pair's index in its dest's pair table
   std::vector<int64_t> row_base_;        // [W]: where my rows start in d's receive buffer
   std::vector<int64_t> pair_base_;       // [W][L]: where my pairs of (d, e) start in d's table
   std::vector<int64_t> combine_base_;    // [W + 1]: prefix sums of my rows per destination
@@ -199,12 +220,13 @@ class Exchange {
   ReceivedRows received_;
   // Staging for backends without load/store access to peers.
   std::vector<char> stage_rows_;
-  std::vector<int32_t> stage_token_, stage_pair_, stage_pair_row_;
-  std::vector<float> stage_weight_;
-  std::vector<float> out_;              // the expert step's output when not OutputInHeap()
-  std::vector<char> pulled_;            // my parts fetched from peers without load/store access
-  std::vector<const char*> part_base_;  // [W]: where my parts at each worker start
+  std::vector<int32_t> stage_token_, stage_pair_row_;
+  std::vector<int64_t> run_base_;  // [W * L + 1]: runs of my pairs per (d, local e)
+  std::vector<float> out_;         // the expert step's output when not OutputInHeap()
+  std::vector<char> pulled_;       // my rows fetched from peers without load/store access
+  std::vector<const char*> pair_base_at_, row_base_at_;  // [W]: where my rows at d start
   std::vector<const void*> reduce_parts_;
+  std::vector<float> reduce_weights_;
 };
 
 }  // namespace epserve::worker

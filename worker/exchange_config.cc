@@ -71,6 +71,12 @@ absl::StatusOr<ExchangePlan> ExchangePlan::Make(const ExchangeShape& shape,
     return absl::InvalidArgumentError(
         absl::StrCat("top_k ", s.top_k, " outside [1, ", s.num_experts, "]"));
   }
+  const int most_redundant = s.num_experts * (s.num_workers - 1);
+  if (s.redundant_experts < 0 || s.redundant_experts > most_redundant) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--redundant-experts must be in [0, experts x (workers - 1) = ", most_redundant,
+        "] (a worker holds at most one copy of an expert), got ", s.redundant_experts));
+  }
   if (s.hidden < 1 || s.max_batch_tokens < 1 || s.first_rank < 0) {
     return absl::InvalidArgumentError(absl::StrCat("bad exchange shape: hidden ", s.hidden,
                                                    ", max_batch_tokens ", s.max_batch_tokens,
@@ -117,10 +123,9 @@ absl::StatusOr<ExchangeRegions> ExchangeRegions::Make(const ExchangePlan& plan,
       {&r.combine_flag, w * kSignalStride, 64},
       {&r.recv_rows, cap * plan.dispatch_row_bytes(), 4096},
       {&r.recv_token, cap * sizeof(int32_t), 64},
-      {&r.recv_pair, cap * k * sizeof(int32_t), 64},
-      {&r.recv_weight, cap * k * sizeof(float), 64},
       {&r.pair_row, cap * k * sizeof(int32_t), 64},
-      {&r.combine_rows, cap * plan.combine_row_bytes(), 4096},
+      {&r.combine_rows, static_cast<size_t>(plan.combine_capacity()) * plan.combine_row_bytes(),
+       4096},
   };
   for (const Item& item : items) {
     EPSERVE_ASSIGN_OR_RETURN(*item.offset, alloc(item.bytes, item.align));
@@ -140,15 +145,16 @@ size_t ExchangeRegions::BytesNeeded(const ExchangePlan& plan) {
 
 std::string ExchangeRegions::Describe(const ExchangePlan& plan) {
   const int64_t cap = plan.recv_capacity();
+  const int64_t combine = plan.combine_capacity();
   const size_t dispatch_row = plan.dispatch_row_bytes();
   const size_t combine_row = plan.combine_row_bytes();
   return absl::StrCat("exchange: receive ", cap, " rows x ", dispatch_row, " B (",
                       common::FlagName(plan.dispatch_dtype()), ") = ", cap * dispatch_row,
-                      " B, combine ", cap, " rows x ", combine_row, " B (",
-                      common::FlagName(plan.combine_dtype()), ") = ", cap * combine_row,
-                      " B, metadata ", cap * (1 + 3 * plan.shape().top_k) * 4,
-                      " B; overflow policy ", OverflowPolicyName(plan.overflow()), "; ",
-                      BytesNeeded(plan), " B per rank in all");
+                      " B, combine ", combine, " rows x ", combine_row, " B (",
+                      common::FlagName(plan.combine_dtype()), ") = ", combine * combine_row,
+                      " B, metadata ", cap * (1 + plan.shape().top_k) * 4, " B; overflow policy ",
+                      OverflowPolicyName(plan.overflow()), "; ", BytesNeeded(plan),
+                      " B per rank in all");
 }
 
 }  // namespace epserve::worker

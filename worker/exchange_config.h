@@ -68,6 +68,9 @@ struct ExchangeShape {
   int64_t hidden = 1;
   int64_t max_batch_tokens = 1;    // most token rows of one batch, over all workers
   bool has_shared_expert = false;  // the model has a shared expert (--shared-expert applies)
+  // Copies of experts beyond one each, per layer, over all workers (--redundant-experts):
+  // sizes the per-expert counts for the most experts a placement may put on one worker.
+  int redundant_experts = 0;
 };
 
 // The exchange as every worker runs it. Immutable once made; thread-safe to read.
@@ -100,9 +103,15 @@ class ExchangePlan {
   }
   // Most rows one worker receives in one pass: --max-recv-tokens-per-rank, at most a batch.
   int64_t recv_capacity() const;
-  // L: the most experts one worker owns (ExpertPlacement::Contiguous).
+  // L: the most experts one worker holds, ceil((E + redundant) / W) (SlotsOfWorker).
   int max_local_experts() const {
-    return (shape_.num_experts + shape_.num_workers - 1) / shape_.num_workers;
+    return SlotsOfWorker(shape_.num_experts, shape_.redundant_experts, 0, shape_.num_workers);
+  }
+  // Most pairs one worker receives in one pass (each received row brings at most k).
+  int64_t recv_pair_capacity() const { return recv_capacity() * shape_.top_k; }
+  // Rows of the combine region: one per pair, then (a split shared expert) one per row.
+  int64_t combine_capacity() const {
+    return recv_pair_capacity() + (shared_expert_split_ ? recv_capacity() : 0);
   }
   size_t dispatch_row_bytes() const { return PayloadRowBytes(dispatch_dtype_, shape_.hidden); }
   size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype_, shape_.hidden); }
@@ -134,11 +143,10 @@ struct ExchangeRegions {
   size_t combine_flag;   // uint64[W] signals: epoch once dst's combine rows landed
   size_t recv_rows;      // [capacity][dispatch_row_bytes]
   size_t recv_token;     // int32[capacity]: token index at its owner
-  size_t recv_pair;      // int32[capacity][k]: expert-major pair index, or -1
-  size_t recv_weight;    // float[capacity][k]
   size_t pair_row;       // int32[capacity * k]: received row of each pair, expert-major
-  size_t combine_rows;   // [capacity][combine_row_bytes]: this worker's output rows, in
-                         // receive order; owners read their parts from here
+  size_t combine_rows;   // [combine capacity][combine_row_bytes]: this worker's output rows,
+                         // one per pair (pair order), then one per received row (receive
+                         // order; a split shared expert); owners read theirs from here
 
   // Lays the regions out with `alloc(bytes, align) -> offset`, in a fixed order.
   using Allocator = std::function<absl::StatusOr<size_t>(size_t bytes, size_t align)>;

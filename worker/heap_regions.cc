@@ -33,7 +33,7 @@ absl::Status Reserve(const ExchangePlan& plan, HeapRegions& l, Alloc alloc) {
       {&l.ready, w * sig, 64},
       {&l.done_seq, w * sig, 64},
       {&l.reports, w * sizeof(WorkerReport), 64},
-      {&l.expert_tokens, static_cast<size_t>(s.num_experts) * sizeof(int64_t), 64},
+      {&l.expert_tokens, static_cast<size_t>(s.num_workers) * s.num_experts * sizeof(int64_t), 64},
       {&l.heartbeats, w * sig, 64},
       {&l.staged, w * sig, 64},
       {&l.stage_reports, w * sizeof(WorkerReport), 64},

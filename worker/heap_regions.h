@@ -70,7 +70,7 @@ struct HeapRegions {
   size_t ready;          // uint64[W]: worker w stored 1 once its weights are loaded
   size_t done_seq;       // uint64[W] signals, 64 bytes apart
   size_t reports;        // WorkerReport[W]
-  size_t expert_tokens;  // int64[E]: pairs per expert in the last batch
+  size_t expert_tokens;  // int64[W][E]: pairs per expert each worker computed in the last batch
   // uint64[W], 64 bytes apart: worker w's heartbeat, advanced every kHeartbeatInterval by a
   // thread of its own while it lives (backends with load/store access to rank 0's segment).
   size_t heartbeats;

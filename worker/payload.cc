@@ -205,4 +205,17 @@ EPSERVE_ROW_CODEC void SumRows(ElementType type, const void* const* parts, int n
   }
 }
 
+EPSERVE_ROW_CODEC void WeightedSumRows(ElementType type, const void* const* parts,
+                                       const float* scale, int num_parts, int64_t hidden,
+                                       float* dst, bool accumulate) {
+  if (!accumulate) std::fill(dst, dst + hidden, 0.0f);
+  for (int m = 0; m < num_parts; ++m) {
+    const float s = scale[m];
+    ForEachDecoded(type, parts[m], hidden, [dst, s](int64_t i, float v) {
+      const float product = s * v;
+      dst[i] += product;
+    });
+  }
+}
+
 }  // namespace epserve::worker

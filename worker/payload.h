@@ -50,6 +50,12 @@ void AccumulateRow(common::ElementType type, const void* src, int64_t hidden, fl
 void SumRows(common::ElementType type, const void* const* parts, int num_parts, int64_t hidden,
              float* dst, bool accumulate);
 
+// dst = (dst +) scale[0] * parts[0] + scale[1] * parts[1] + ... (decoded), left to right in
+// fp32, each term a product then a sum (never fused), so the result is a function of the
+// parts and scales in their order alone, on every host.
+void WeightedSumRows(common::ElementType type, const void* const* parts, const float* scale,
+                     int num_parts, int64_t hidden, float* dst, bool accumulate);
+
 // Scalar conversions, exposed for tests (BF16: common/half.h).
 using common::Bf16ToFloat;
 using common::FloatToBf16;

@@ -1,6 +1,9 @@
 #include "worker/placement.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace epserve::worker {
 
@@ -10,16 +13,118 @@ absl::StatusOr<ExpertPlacement> ExpertPlacement::Contiguous(int num_experts, int
         absl::StrCat("worker count must be in [1, num_experts=", num_experts, "], got ",
                      num_workers, " (launch with mpirun -np 1+W, W <= ", num_experts, ")"));
   }
-  ExpertPlacement p;
-  p.first_.resize(num_workers + 1);
-  p.owner_.resize(num_experts);
-  for (int w = 0; w <= num_workers; ++w) {
-    p.first_[w] = static_cast<int>(static_cast<long long>(w) * num_experts / num_workers);
-  }
+  std::vector<std::vector<int>> experts_of(num_workers);
   for (int w = 0; w < num_workers; ++w) {
-    for (int e = p.first_[w]; e < p.first_[w + 1]; ++e) p.owner_[e] = w;
+    const int first = static_cast<int>(static_cast<long long>(w) * num_experts / num_workers);
+    const int end = static_cast<int>(static_cast<long long>(w + 1) * num_experts / num_workers);
+    for (int e = first; e < end; ++e) experts_of[w].push_back(e);
   }
+  return FromSlots(num_experts, std::move(experts_of));
+}
+
+absl::StatusOr<ExpertPlacement> ExpertPlacement::FromSlots(
+    int num_experts, std::vector<std::vector<int>> experts_of) {
+  if (experts_of.empty() || num_experts < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a placement needs at least one worker and one expert, got ",
+                     experts_of.size(), " and ", num_experts));
+  }
+  ExpertPlacement p;
+  p.copies_.resize(num_experts);
+  for (int w = 0; w < static_cast<int>(experts_of.size()); ++w) {
+    if (experts_of[w].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("worker ", w, " holds no expert"));
+    }
+    for (int local = 0; local < static_cast<int>(experts_of[w].size()); ++local) {
+      const int e = experts_of[w][local];
+      if (e < 0 || e >= num_experts) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("worker ", w, " holds expert ", e, ", outside [0, ", num_experts, ")"));
+      }
+      if (!p.copies_[e].empty() && p.copies_[e].back().worker == w) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("worker ", w, " holds expert ", e, " twice"));
+      }
+      p.copies_[e].push_back({w, local});
+    }
+    p.max_local_ = std::max(p.max_local_, static_cast<int>(experts_of[w].size()));
+  }
+  for (int e = 0; e < num_experts; ++e) {
+    if (p.copies_[e].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("expert ", e, " has no copy on any worker"));
+    }
+  }
+  p.experts_of_ = std::move(experts_of);
   return p;
+}
+
+int ExpertPlacement::LocalIndex(int worker, int expert) const {
+  for (const Copy& c : copies_[expert]) {
+    if (c.worker == worker) return c.local;
+  }
+  return -1;
+}
+
+int ExpertPlacement::redundant() const {
+  int copies = 0;
+  for (const std::vector<Copy>& c : copies_) copies += static_cast<int>(c.size());
+  return copies - num_experts();
+}
+
+std::string ExpertPlacement::Describe() const {
+  std::vector<std::string> workers;
+  for (int w = 0; w < num_workers(); ++w) {
+    std::vector<int> ids = experts_of_[w];
+    std::sort(ids.begin(), ids.end());
+    std::vector<std::string> runs;
+    for (size_t i = 0; i < ids.size();) {
+      size_t j = i;
+      while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+      runs.push_back(j == i ? absl::StrCat(ids[i]) : absl::StrCat(ids[i], "-", ids[j]));
+      i = j + 1;
+    }
+    workers.push_back(absl::StrCat("w", w, ": ", absl::StrJoin(runs, " ")));
+  }
+  return absl::StrJoin(workers, ", ");
+}
+
+void ChooseCopies(const ExpertPlacement& placement, const int32_t* ids, int64_t n, int k,
+                  int sender, int32_t* dest, int32_t* local) {
+  const int num_workers = placement.num_workers();
+  std::vector<int64_t> given(num_workers, 0);  // this sender's pairs per worker so far
+  for (int64_t t = 0; t < n; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const std::span<const ExpertPlacement::Copy> copies = placement.copies(ids[t * k + j]);
+      const ExpertPlacement::Copy* best = &copies[0];
+      if (copies.size() > 1) {
+        auto goes_to = [&](int w) {
+          for (int i = 0; i < j; ++i) {
+            if (dest[t * k + i] == w) return true;
+          }
+          return false;
+        };
+        auto rotated = [&](int w) {
+          return (w - sender % num_workers + num_workers) % num_workers;
+        };
+        for (const ExpertPlacement::Copy& c : copies.subspan(1)) {
+          const int64_t a = given[c.worker], b = given[best->worker];
+          if (a != b) {
+            if (a < b) best = &c;
+            continue;
+          }
+          const bool ca = goes_to(c.worker), cb = goes_to(best->worker);
+          if (ca != cb) {
+            if (ca) best = &c;
+            continue;
+          }
+          if (rotated(c.worker) < rotated(best->worker)) best = &c;
+        }
+      }
+      dest[t * k + j] = best->worker;
+      local[t * k + j] = best->local;
+      ++given[best->worker];
+    }
+  }
 }
 
 }  // namespace epserve::worker

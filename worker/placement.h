@@ -1,8 +1,10 @@
-// Which worker owns which experts, which rank is which worker, and how a batch's rows are
+// Which worker holds which experts, which rank is which worker, and how a batch's rows are
 // split over the workers: the placement every part reads.
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -23,22 +25,68 @@ constexpr int64_t RowSplit(int64_t total_rows, int worker, int num_workers) {
   return total_rows * worker / num_workers;
 }
 
-// Contiguous placement: worker w owns experts [first(w), first(w) + count(w)), counts
-// differing by at most one when E is not a multiple of W. Immutable, thread-safe.
+// Slots per worker when E experts and N redundant copies are spread over W workers: the
+// first (E + N) % W workers hold one more than the others. Its maximum, ceil((E + N) / W), is
+// the L every rank sizes the exchange's per-expert counts for (ExchangePlan).
+constexpr int SlotsOfWorker(int num_experts, int redundant, int worker, int num_workers) {
+  return (num_experts + redundant) / num_workers +
+         (worker < (num_experts + redundant) % num_workers ? 1 : 0);
+}
+
+// The map from expert to the workers holding a copy of it, and from each worker's local
+// expert index ("slot") to the expert: one per served layer. Every expert has at least one
+// copy, no worker holds two copies of one expert. Which copy computes a pair is the sender's
+// choice (ChooseCopies); the combine sums a token's pairs in the order of its choices
+// whichever copies computed them (worker/exchange.h), so every placement of the same experts
+// gives bit-identical answers. Immutable, thread-safe.
 class ExpertPlacement {
  public:
+  struct Copy {
+    int worker;
+    int local;  // index among the worker's experts
+  };
+
+  // Worker w holds experts [E*w/W, E*(w+1)/W), one copy each: counts differ by at most one.
   // 1 <= num_workers <= num_experts, else INVALID_ARGUMENT.
   static absl::StatusOr<ExpertPlacement> Contiguous(int num_experts, int num_workers);
+  // `experts_of[w]`: the experts worker w holds, in its local order. INVALID_ARGUMENT naming
+  // the worker and the expert where an id is outside [0, num_experts), a worker holds an
+  // expert twice or no experts, or an expert has no copy.
+  static absl::StatusOr<ExpertPlacement> FromSlots(int num_experts,
+                                                   std::vector<std::vector<int>> experts_of);
 
-  int num_experts() const { return static_cast<int>(owner_.size()); }
-  int num_workers() const { return static_cast<int>(first_.size()) - 1; }
-  int first(int worker) const { return first_[worker]; }
-  int count(int worker) const { return first_[worker + 1] - first_[worker]; }
-  int owner(int expert) const { return owner_[expert]; }
+  int num_experts() const { return static_cast<int>(copies_.size()); }
+  int num_workers() const { return static_cast<int>(experts_of_.size()); }
+  // Experts worker w holds, and the id of its local expert `local`.
+  int count(int worker) const { return static_cast<int>(experts_of_[worker].size()); }
+  int expert(int worker, int local) const { return experts_of_[worker][local]; }
+  std::span<const int> experts(int worker) const { return experts_of_[worker]; }
+  // Copies of expert e, by ascending worker.
+  std::span<const Copy> copies(int expert) const { return copies_[expert]; }
+  // Worker w's local index of expert e, or -1 where it holds none.
+  int LocalIndex(int worker, int expert) const;
+  // The most experts one worker holds.
+  int max_local() const { return max_local_; }
+  // Copies beyond one per expert.
+  int redundant() const;
+  // "w0: 0-14 20, w1: 15-29 20" (runs of consecutive ids), for logs and epserve-inspect.
+  std::string Describe() const;
+
+  bool operator==(const ExpertPlacement& other) const { return experts_of_ == other.experts_of_; }
 
  private:
-  std::vector<int> first_;  // num_workers + 1 entries
-  std::vector<int> owner_;  // per expert
+  std::vector<std::vector<int>> experts_of_;
+  std::vector<std::vector<Copy>> copies_;
+  int max_local_ = 0;
 };
+
+// The copy of each of a sender's pairs: dest[t*k + j] = the worker that computes choice j of
+// token t, copies[...] its local index there. Single-copy experts go to their one holder; a
+// pair of a replicated expert goes to the copy whose worker has so far been given the fewest
+// of this sender's pairs (ties: a worker the token already goes to, saving a row; then the
+// lower worker after rotating by `sender`, so that senders spread their ties differently). A
+// pure function of its inputs, so tests and benchmarks can follow any sender's choices.
+void ChooseCopies(const ExpertPlacement& placement, const int32_t* ids, int64_t n, int k,
+                  int sender, int32_t* dest, int32_t* local);
 
 }  // namespace epserve::worker

@@ -37,6 +37,16 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
       Exchange::Create(heap, regions.plan, regions.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
   w->exchange_ = *std::move(exchange);
+  w->contiguous_ = w->exchange_->placement();
+  if (!options.placements.empty() &&
+      options.placements.size() != source.config().moe_layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(options.placements.size(), " placements for ",
+                                                   source.config().moe_layers.size(),
+                                                   " served layers"));
+  }
+  for (const ExpertPlacement& p : options.placements) {
+    EPSERVE_RETURN_IF_ERROR(w->exchange_->UsePlacement(p));
+  }
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(options.device);
   if (!rt.ok()) return rt.status();
   w->rt_ = *std::move(rt);
@@ -49,14 +59,15 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
 }
 
 absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(const model::WeightSource& source) {
-  const ExpertPlacement& placement = exchange_->placement();
   std::vector<Layer> layers;
-  for (int layer : source.config().moe_layers) {
+  for (size_t pos = 0; pos < source.config().moe_layers.size(); ++pos) {
+    const int layer = source.config().moe_layers[pos];
     Layer l;
+    l.placement = options_.placements.empty() ? &contiguous_ : &options_.placements[pos];
     EPSERVE_ASSIGN_OR_RETURN(l.router, kernels::UploadRouter(*rt_, source, layer));
     EPSERVE_ASSIGN_OR_RETURN(l.experts,
-                             kernels::UploadExperts(*rt_, source, layer, placement.first(me_),
-                                                    placement.count(me_), options_.weight_dtype));
+                             kernels::UploadExperts(*rt_, source, layer, l.placement->experts(me_),
+                                                    options_.weight_dtype));
     if (cfg_.shared_ffn_size > 0) {
       // Split: this worker's slice of the shared expert's intermediate columns.
       std::unique_ptr<model::WeightSource> slice;
@@ -180,19 +191,12 @@ absl::Status Worker::EndStage(bool use_new) {
 }
 
 absl::Status Worker::WarmUp() {
-  const int k = cfg_.top_k;
   const int64_t hidden = cfg_.hidden_size;
   const std::vector<float> zeros(static_cast<size_t>(hidden), 0.0f);
-  std::vector<int32_t> pair(static_cast<size_t>(k), -1);
-  pair[0] = 0;
-  const std::vector<float> weight(static_cast<size_t>(k), 0.0f);
   const int32_t row0 = 0;
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, zeros.data(), zeros.size() * sizeof(float)));
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, zeros.data(), zeros.size() * sizeof(float)));
   EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, &row0, sizeof(row0)));
-  EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, pair.data(), pair.size() * sizeof(int32_t)));
-  EPSERVE_RETURN_IF_ERROR(
-      rt_->Write(pair_weight_, 0, weight.data(), weight.size() * sizeof(float)));
   // Rows reach the expert FFN as FP32, or as BF16 where they are dispatched so and the shared
   // expert's slice does not need them widened (RunBatch's expert step).
   const bool bf16_rows = regions_.plan.dispatch_dtype() == common::ElementType::kBf16;
@@ -209,12 +213,9 @@ absl::Status Worker::WarmUp() {
             kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_, bf16));
       }
     }
-    EPSERVE_RETURN_IF_ERROR(
-        kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, 1, k, hidden, out_recv_));
     if (layer.shared.num_experts > 0) {
       EPSERVE_RETURN_IF_ERROR(
           kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, 1, shared_h_, shared_y_));
-      EPSERVE_RETURN_IF_ERROR(kernels::AddInto(*rt_, shared_y_, hidden, out_recv_));
     }
   }
   return rt_->Finish();
@@ -267,9 +268,6 @@ absl::Status Worker::AllocateBuffers() {
       {&row_index_, pairs * sizeof(int32_t)},
       {&h_, pairs * static_cast<size_t>(cfg_.expert_ffn_size) * f},
       {&y_, pairs * h * f},
-      {&pair_index_, r * k * sizeof(int32_t)},
-      {&pair_weight_, r * k * f},
-      {&out_recv_, r * h * f},
   };
   for (const Item& item : items) {
     absl::StatusOr<kernels::Buffer> b = rt_->Allocate(std::max<size_t>(item.bytes, 64));
@@ -399,10 +397,10 @@ absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, cons
 }
 
 // The expert step of a batch (Exchange::ExpertStep): the rows this worker received through
-// its experts' FFN and the weighted combine, plus the shared expert's slice when it is split.
+// its experts' FFN, one output row per pair, plus the shared expert's slice on every row when
+// it is split.
 absl::Status Worker::ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
-                                float* out) {
-  const int k = cfg_.top_k;
+                                float* pair_out, float* row_out) {
   const int64_t hidden = cfg_.hidden_size;
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
   if (in.rows == 0) return absl::OkStatus();
@@ -422,28 +420,28 @@ absl::Status Worker::ExpertStep(const Layer& layer, bool split_shared, const Rec
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, rows, rows_bytes));
   if (in.pairs > 0) {
     EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, in.pair_row, in.pairs * sizeof(int32_t)));
+    EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_,
+                                               in.expert_offsets, h_, y_, x_format));
   }
-  EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_index_, 0, in.pair, in.rows * k * sizeof(int32_t)));
-  EPSERVE_RETURN_IF_ERROR(rt_->Write(pair_weight_, 0, in.weight, in.rows * k * sizeof(float)));
-  EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_,
-                                             in.expert_offsets, h_, y_, x_format));
-  EPSERVE_RETURN_IF_ERROR(
-      kernels::WeightedCombine(*rt_, y_, pair_index_, pair_weight_, in.rows, k, hidden, out_recv_));
   if (split_shared) {
     EPSERVE_RETURN_IF_ERROR(
         kernels::SharedExpertFfn(*rt_, layer.shared, x_recv_, in.rows, shared_h_, shared_y_));
-    EPSERVE_RETURN_IF_ERROR(kernels::AddInto(*rt_, shared_y_, in.rows * hidden, out_recv_));
   }
-  return rt_->Read(out_recv_, 0, out, in.rows * row_bytes);
+  if (in.pairs > 0) EPSERVE_RETURN_IF_ERROR(rt_->Read(y_, 0, pair_out, in.pairs * row_bytes));
+  if (split_shared) return rt_->Read(shared_y_, 0, row_out, in.rows * row_bytes);
+  return absl::OkStatus();
 }
 
-// Pairs per local expert in the last batch, into rank 0's expert_tokens.
-absl::Status Worker::PublishExpertLoad(const ExchangeStats& stats) {
-  const ExpertPlacement& placement = exchange_->placement();
-  expert_tokens_.assign(stats.expert_pairs.begin(), stats.expert_pairs.end());
-  expert_tokens_.resize(placement.count(me_), 0);
+// Pairs per expert this worker computed in the last batch: its row of rank 0's
+// expert_tokens (every expert, so that a copy it no longer holds reads 0).
+absl::Status Worker::PublishExpertLoad(const Layer& layer, const ExchangeStats& stats) {
+  const int num_experts = cfg_.num_experts;
+  expert_tokens_.assign(num_experts, 0);
+  for (size_t i = 0; i < stats.expert_pairs.size(); ++i) {
+    expert_tokens_[layer.placement->expert(me_, static_cast<int>(i))] += stats.expert_pairs[i];
+  }
   return heap_.Put(
-      0, regions_.expert_tokens + static_cast<size_t>(placement.first(me_)) * sizeof(int64_t),
+      0, regions_.expert_tokens + static_cast<size_t>(me_) * num_experts * sizeof(int64_t),
       expert_tokens_.data(), expert_tokens_.size() * sizeof(int64_t));
 }
 
@@ -482,9 +480,11 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
       return rt_->Read(shared_y_, 0, y, n * row_bytes);
     };
   }
-  const Exchange::ExpertStep experts = [&](const ReceivedRows& in, float* out) {
-    return ExpertStep(layer, split_shared, in, out);
+  const Exchange::ExpertStep experts = [&](const ReceivedRows& in, float* pair_out,
+                                           float* row_out) {
+    return ExpertStep(layer, split_shared, in, pair_out, row_out);
   };
+  EPSERVE_RETURN_IF_ERROR(exchange_->UsePlacement(*layer.placement));
   ExchangeStats stats;
   EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
                                          owner_shared, experts, deadline, &stats, shared));
@@ -492,7 +492,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
     EPSERVE_RETURN_IF_ERROR(heap_.Put(
         0, regions_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));
   }
-  EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(stats));
+  EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(layer, stats));
   report.stage_ns[kLayout] = stats.layout_ns;
   report.stage_ns[kDispatch] = stats.dispatch_ns;
   report.stage_ns[kExpertFfn] = stats.expert_ns;

@@ -32,6 +32,9 @@ struct WorkerOptions {
   // Workers on this host (this one included): a weight swap stages a second copy of every
   // one's weights at once, so each checks that all those copies fit the host's memory.
   int workers_on_host = 1;
+  // Which worker holds which experts, one placement per served layer (the same on every rank;
+  // worker/placement.h); empty: the contiguous placement for every layer.
+  std::vector<ExpertPlacement> placements;
   // Opens the model a weight swap names (as --model names one, with the served layers
   // selected as at start); without it the worker refuses swaps (UNIMPLEMENTED).
   std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(const std::string& model,
@@ -68,9 +71,10 @@ class Worker {
 
  private:
   struct Layer {
+    const ExpertPlacement* placement = nullptr;  // options_.placements' or contiguous_
     kernels::RouterWeights router;
-    kernels::ExpertWeights experts;
-    kernels::ExpertWeights shared;  // num_experts == 0 when the model has none
+    kernels::ExpertWeights experts;  // this worker's, in the placement's local order
+    kernels::ExpertWeights shared;   // num_experts == 0 when the model has none
   };
 
   Worker(shmem::SymmetricHeap& heap, const HeapRegions& regions, const model::ModelConfig& model,
@@ -96,8 +100,8 @@ class Worker {
   // load report to rank 0.
   absl::Status Route(const Layer& layer, const BatchDescriptor& desc, const float* x_in);
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
-                          float* out);
-  absl::Status PublishExpertLoad(const ExchangeStats& stats);
+                          float* pair_out, float* row_out);
+  absl::Status PublishExpertLoad(const Layer& layer, const ExchangeStats& stats);
   absl::Status AllocateBuffers();
   // Runs, on one row of zeros, every device kernel RunBatch can reach for every served layer
   // (router, expert FFN from FP32 and, where rows arrive as BF16, BF16 rows, combine, the
@@ -113,8 +117,9 @@ class Worker {
   const model::MoeLayerConfig cfg_;
   const WorkerOptions options_;
   std::unique_ptr<Exchange> exchange_;
-  int me_ = 0;    // worker index
-  int rank_ = 0;  // heap rank, RankOfWorker(me_)
+  ExpertPlacement contiguous_;  // the placement of layers options_.placements does not give
+  int me_ = 0;                  // worker index
+  int rank_ = 0;                // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;
   std::vector<Layer> layers_;
   // A weight swap's new layers: loaded by loader_ (which alone touches staged_ while it
@@ -130,13 +135,13 @@ class Worker {
   // Device buffers, sized for the largest batch.
   absl::Duration orphan_grace_ = absl::Seconds(3);  // WorkerOptions::orphan_grace
   kernels::Buffer x_local_, ids_, weights_, shared_h_, shared_y_;
-  kernels::Buffer x_recv_, row_index_, h_, y_, pair_index_, pair_weight_, out_recv_;
+  kernels::Buffer x_recv_, row_index_, h_, y_;
   // Host scratch, sized for the largest batch.
   std::vector<int32_t> ids_host_;
   std::vector<float> weights_host_;
-  std::vector<float> x_recv_host_;  // decoded rows when the payload is not plain fp32
-  std::vector<float> y_host_;       // output rows when rank 0's segment is not load/store
-  std::vector<int64_t> expert_tokens_;
+  std::vector<float> x_recv_host_;      // decoded rows when the payload is not plain fp32
+  std::vector<float> y_host_;           // output rows when rank 0's segment is not load/store
+  std::vector<int64_t> expert_tokens_;  // [E]: pairs per expert this worker computed
   double warmup_seconds_ = 0;
 };
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "worker/exchange.h"
 #include "worker/heap_regions.h"
 #include "worker/payload.h"
 #include "worker/placement.h"
@@ -21,7 +22,16 @@ TEST(ExpertPlacement, EveryExpertHasExactlyOneOwnerForAnyWorkerCount) {
         total += p->count(w);
         min_count = std::min(min_count, p->count(w));
         max_count = std::max(max_count, p->count(w));
-        for (int e = p->first(w); e < p->first(w) + p->count(w); ++e) EXPECT_EQ(p->owner(e), w);
+        for (int local = 0; local < p->count(w); ++local) {
+          const int e = p->expert(w, local);
+          ASSERT_EQ(p->copies(e).size(), 1u);
+          EXPECT_EQ(p->copies(e)[0].worker, w);
+          EXPECT_EQ(p->copies(e)[0].local, local);
+          EXPECT_EQ(p->LocalIndex(w, e), local);
+          if (local > 0) {
+            EXPECT_EQ(e, p->expert(w, local - 1) + 1);  // contiguous
+          }
+        }
       }
       EXPECT_EQ(total, experts);
       EXPECT_GE(min_count, 1);
@@ -37,6 +47,65 @@ TEST(ExpertPlacement, MoreWorkersThanExpertsIsAClearError) {
   EXPECT_NE(p.status().message().find("num_experts=8"), absl::string_view::npos) << p.status();
 }
 
+TEST(ExpertPlacement, FromSlotsNamesWhatIsWrong) {
+  struct Bad {
+    std::vector<std::vector<int>> slots;
+    const char* says;
+  } bad[] = {
+      {{{0, 1}, {1}}, "expert 2 has no copy"},
+      {{{0, 1, 1}, {2}}, "worker 0 holds expert 1 twice"},
+      {{{0, 1}, {2, 3}}, "worker 1 holds expert 3, outside [0, 3)"},
+      {{{0, 1, 2}, {}}, "worker 1 holds no expert"},
+  };
+  for (const Bad& b : bad) {
+    absl::StatusOr<ExpertPlacement> p = ExpertPlacement::FromSlots(3, b.slots);
+    ASSERT_FALSE(p.ok()) << b.says;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(p.status().message().find(b.says), absl::string_view::npos) << p.status();
+  }
+  absl::StatusOr<ExpertPlacement> p = ExpertPlacement::FromSlots(3, {{2, 0}, {1, 2}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->redundant(), 1);
+  EXPECT_EQ(p->max_local(), 2);
+  ASSERT_EQ(p->copies(2).size(), 2u);
+  EXPECT_EQ(p->copies(2)[0].worker, 0);
+  EXPECT_EQ(p->copies(2)[0].local, 0);
+  EXPECT_EQ(p->copies(2)[1].worker, 1);
+  EXPECT_EQ(p->copies(2)[1].local, 1);
+  EXPECT_EQ(p->LocalIndex(1, 0), -1);
+  EXPECT_EQ(p->Describe(), "w0: 0 2, w1: 1-2");
+}
+
+// A sender's pairs of a replicated expert go to its copies so that the workers' pair counts
+// even out; single-copy experts go to their holder; the choice is a function of the inputs.
+TEST(ExpertPlacement, ChooseCopiesEvensOutTheSendersPairs) {
+  // Expert 0 on both workers, 1 and 2 on worker 0, 3 on worker 1.
+  absl::StatusOr<ExpertPlacement> p = ExpertPlacement::FromSlots(4, {{0, 1, 2}, {3, 0}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  std::mt19937 rng(std::random_device{}());
+  const int n = 200, k = 2;
+  std::vector<int32_t> ids(n * k);
+  for (int t = 0; t < n; ++t) {
+    ids[t * k] = 0;  // every token: expert 0 and one of 1, 2
+    ids[t * k + 1] = 1 + static_cast<int>(rng() % 2);
+  }
+  std::vector<int32_t> dest(n * k), local(n * k), dest2(n * k), local2(n * k);
+  ChooseCopies(*p, ids.data(), n, k, 0, dest.data(), local.data());
+  ChooseCopies(*p, ids.data(), n, k, 0, dest2.data(), local2.data());
+  EXPECT_EQ(dest, dest2);
+  EXPECT_EQ(local, local2);
+  int on[2] = {0, 0};
+  for (int i = 0; i < n * k; ++i) {
+    ++on[dest[i]];
+    EXPECT_EQ(p->expert(dest[i], local[i]), ids[i]) << i;
+    if (ids[i] != 0) {
+      EXPECT_EQ(dest[i], 0) << "single copy";
+    }
+  }
+  // Worker 0 gets every second choice; expert 0 goes to worker 1 so that both get n pairs.
+  EXPECT_LE(std::abs(on[0] - on[1]), 2) << on[0] << " vs " << on[1];
+}
+
 ExchangeShape TestShape() {
   return {.num_workers = 3, .num_experts = 8, .top_k = 2, .hidden = 64, .max_batch_tokens = 100};
 }
@@ -49,10 +118,26 @@ TEST(HeapRegions, HeapSizeFollowsCapacityAndDtypes) {
   EXPECT_EQ(plan->recv_capacity(), 100);  // a receiver gets each token at most once
   const size_t bytes = HeapRegions::BytesNeeded(*plan);
   const size_t row = 64 * sizeof(float);
-  // input + output + receive + combine (one per received row) rows, plus metadata and
-  // alignment.
-  EXPECT_GE(bytes, (34 + 100 + 100 + 100) * row);
-  EXPECT_LT(bytes, (34 + 100 + 100 + 100) * row + 12 * 4096 + 100 * 7 * 4);
+  // input + output + receive + combine (one per received pair, k = 2) rows, plus metadata
+  // and alignment.
+  EXPECT_GE(bytes, (34 + 100 + 100 + 200) * row);
+  EXPECT_LT(bytes, (34 + 100 + 100 + 200) * row + 12 * 4096 + 100 * 7 * 4);
+  EXPECT_EQ(plan->combine_capacity(), 200);
+  // Redundant experts widen the per-expert counts only; more than one copy per worker of
+  // every expert is refused, naming the flag.
+  ExchangeShape replicated = TestShape();
+  replicated.redundant_experts = 4;
+  absl::StatusOr<ExchangePlan> wide = ExchangePlan::Make(replicated, {});
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  EXPECT_EQ(plan->max_local_experts(), 3);
+  EXPECT_EQ(wide->max_local_experts(), 4);
+  EXPECT_LE(HeapRegions::BytesNeeded(*wide), bytes + 4096);
+  replicated.redundant_experts = 17;
+  EXPECT_NE(ExchangePlan::Make(replicated, {})
+                .status()
+                .message()
+                .find("--redundant-experts must be in [0, experts x (workers - 1) = 16]"),
+            absl::string_view::npos);
 
   // A smaller capacity and narrower payloads shrink the heap.
   ExchangeOptions narrow;
