@@ -50,18 +50,22 @@ struct ExpertWeights {
   // The portable kernels' blocking (neither tensor_cores nor bf16_dot), chosen at upload by
   // Runtime::ChooseFfnBlocking; the panel layout follows it.
   FfnBlocking blocking;
-  Buffer gate_up;  // layout private to kernels/
-  Buffer down;     // layout private to kernels/
-  Buffer gate;     // [H] FP32 sigmoid gate of a gated shared expert, else empty
+  Buffer gate_up;                // layout private to kernels/
+  Buffer down;                   // layout private to kernels/
+  Buffer gate;                   // [H] FP32 sigmoid gate of a gated shared expert, else empty
+  size_t bytes_from_source = 0;  // of gate_up and down filled from the source (not reused)
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
 // Which FFN kernels run these weights, for logs and benchmark output: "tensor cores",
 // "bf16 dot products" or "fp32 fma".
 const char* FfnKernelsName(const ExpertWeights& w);
 
+// With `reuse` (an upload of the same layer of the same weights): the experts it holds, in
+// the same layout, are copied from it on the device instead of read from the source.
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, std::span<const int> experts,
-                                            common::ElementType dtype = common::ElementType::kFp32);
+                                            common::ElementType dtype = common::ElementType::kFp32,
+                                            const ExpertWeights* reuse = nullptr);
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, int first_expert, int num_experts,
                                             common::ElementType dtype = common::ElementType::kFp32);

@@ -36,8 +36,11 @@ absl::Status FillMapped(Runtime& rt, const Buffer& dst, int64_t offset, int64_t 
 inline float ToElement(float v, float*) { return v; }
 inline uint16_t ToElement(float v, uint16_t*) { return FloatToBf16(v); }
 
+// What the experts are filled from: the source's tensors of these kinds, except the experts
+// `reuse` (same layer, same layout) holds, which are copied from it on the device.
 struct FfnKinds {
   TensorKind gate, up, down;
+  const ExpertWeights* reuse = nullptr;
 };
 
 // Fills the weights of every expert of `w`, one host tensor at a time: for expert i it maps
@@ -47,11 +50,25 @@ struct FfnKinds {
 // place functions write every value of the region (padding included) in their layout.
 template <typename T, typename GateUpFn, typename DownFn>
 absl::Status FillExperts(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
-                         const ExpertWeights& w, int64_t gu_elems, int64_t down_elems,
+                         ExpertWeights& w, int64_t gu_elems, int64_t down_elems,
                          GateUpFn&& place_gate_up, DownFn&& place_down) {
   std::vector<float> staging(w.hidden * w.ffn);  // one [F, H] or [H, F] tensor
   for (int i = 0; i < w.num_experts; ++i) {
     const int expert = w.experts[i];
+    const std::vector<int>* held = kinds.reuse != nullptr ? &kinds.reuse->experts : nullptr;
+    const auto j = held != nullptr ? std::find(held->begin(), held->end(), expert)
+                                   : std::vector<int>::const_iterator();
+    if (held != nullptr && j != held->end()) {
+      const size_t from = static_cast<size_t>(j - held->begin());
+      const size_t gu = static_cast<size_t>(gu_elems) * sizeof(T);
+      const size_t down = static_cast<size_t>(down_elems) * sizeof(T);
+      CL_CHECK(clEnqueueCopyBuffer(rt.queue(), kinds.reuse->gate_up.mem(), w.gate_up.mem(),
+                                   from * gu, i * gu, gu, 0, nullptr, nullptr));
+      CL_CHECK(clEnqueueCopyBuffer(rt.queue(), kinds.reuse->down.mem(), w.down.mem(), from * down,
+                                   i * down, down, 0, nullptr, nullptr));
+      continue;
+    }
+    w.bytes_from_source += static_cast<size_t>(gu_elems + down_elems) * sizeof(T);
     EPSERVE_RETURN_IF_ERROR(FillMapped<T>(rt, w.gate_up, i * gu_elems, gu_elems, [&](T* dst) {
       for (int half = 0; half < 2; ++half) {
         EPSERVE_RETURN_IF_ERROR(
@@ -81,7 +98,7 @@ inline int64_t PanelSlot(uint16_t*, int64_t c, int64_t pw) {
 // bits).
 template <typename T>
 absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
-                     const ExpertWeights& w) {
+                     ExpertWeights& w) {
   const int64_t hidden = w.hidden;
   const int64_t ffn = w.ffn;
   const int64_t pw = w.blocking.panel_cols();
@@ -126,7 +143,7 @@ absl::Status FillFfn(Runtime& rt, const model::WeightSource& source, int layer, 
 
 // The tensor-core layout of kernels/detail/ffn_layout.h (BF16 [N, K] in tiles, zero padding).
 absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
-                        const ExpertWeights& w) {
+                        ExpertWeights& w) {
   const int64_t hidden = w.hidden;
   const int64_t ffn = w.ffn;
   const int64_t k_pad = detail::MmaKPad(hidden);
@@ -161,7 +178,7 @@ absl::Status FillFfnMma(Runtime& rt, const model::WeightSource& source, int laye
 
 // The pair-panel layout of kernels/detail/ffn_layout.h (BF16, K in pairs, zero padding).
 absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int layer, FfnKinds kinds,
-                        const ExpertWeights& w) {
+                        ExpertWeights& w) {
   const int64_t hidden = w.hidden;
   const int64_t ffn = w.ffn;
   const int64_t pw = detail::kDotPanelCols;
@@ -199,7 +216,8 @@ absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int laye
 
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
                                         FfnKinds kinds, std::span<const int> experts, int64_t ffn,
-                                        common::ElementType dtype) {
+                                        common::ElementType dtype,
+                                        const ExpertWeights* reuse = nullptr) {
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
   const model::MoeLayerConfig& cfg = source.config().layer;
   const int64_t hidden = cfg.hidden_size;
@@ -233,6 +251,12 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   EPSERVE_ASSIGN_OR_RETURN(Buffer down, rt.Allocate(down_values * count * elem));
   w.gate_up = std::move(gate_up);
   w.down = std::move(down);
+  // Experts another upload of the same layer holds in the same layout are copied from it.
+  if (reuse != nullptr && reuse->dtype == w.dtype && reuse->tensor_cores == w.tensor_cores &&
+      reuse->bf16_dot == w.bf16_dot && reuse->blocking == w.blocking && reuse->hidden == w.hidden &&
+      reuse->ffn == w.ffn) {
+    kinds.reuse = reuse;
+  }
   if (w.tensor_cores) {
     EPSERVE_RETURN_IF_ERROR(FillFfnMma(rt, source, layer, kinds, w));
   } else if (w.bf16_dot) {
@@ -281,7 +305,7 @@ const char* FfnKernelsName(const ExpertWeights& w) {
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, std::span<const int> experts,
-                                            common::ElementType dtype) {
+                                            common::ElementType dtype, const ExpertWeights* reuse) {
   const model::MoeLayerConfig& cfg = source.config().layer;
   EPSERVE_RETURN_IF_ERROR(cfg.Validate());
   for (int e : experts) {
@@ -292,7 +316,7 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
   }
   return UploadFfn(rt, source, layer,
                    {TensorKind::kExpertGate, TensorKind::kExpertUp, TensorKind::kExpertDown},
-                   experts, cfg.expert_ffn_size, dtype);
+                   experts, cfg.expert_ffn_size, dtype, reuse);
 }
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,

@@ -14,6 +14,7 @@
 #include "common/files.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "worker/eplb.h"
 
 namespace epserve::server {
 namespace {
@@ -140,6 +141,8 @@ absl::Status FrontEndOptions::Validate() const {
   if (grpc_memory_quota != 0 && grpc_memory_quota < (int64_t{1} << 20)) {
     return bad("--grpc-memory-quota must be 0 (derived) or >= 1048576");
   }
+  if (eplb.interval_batches < 0) return bad("--eplb-interval must be >= 0 (0: off)");
+  if (!(eplb.min_gain >= 0 && eplb.min_gain <= 1)) return bad("--eplb-min-gain must be in [0, 1]");
   if (grpc_handshake_timeout <= absl::ZeroDuration()) {
     return bad("--grpc-handshake-timeout must be > 0");
   }
@@ -180,6 +183,7 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(
   fe->model_ = model;
   fe->open_model_ = std::move(open_model);
   fe->default_seed_ = default_seed;
+  fe->serving_seed_ = default_seed;
   FrontEnd* self = fe.get();
   absl::Status s = fe->Init([self](int layer_pos, std::span<const worker::RowChunk> c) {
     return self->RunBatch(layer_pos, c);
@@ -269,6 +273,10 @@ absl::Status FrontEnd::Init(Batcher::Executor executor) {
   SetReady(true);
   if (coordinator_ != nullptr) {
     watcher_ = std::thread([this, w = served_.num_workers] { WatchHeartbeats(w); });
+    if (o.eplb.interval_batches > 0 && open_model_) {
+      eplb_load_.assign(served_.layers.size(), std::vector<double>(served_.num_experts, 0.0));
+      rebalancer_ = std::thread([this] { RebalanceLoop(); });
+    }
   }
   if (!o.ready_file.empty()) {
     absl::Status s = WriteReadyFile(o.ready_file, grpc_address_, metrics_address());
@@ -305,23 +313,24 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
     return trace.status();
   }
   metrics_->ObserveBatch(*trace, rows, layer_pos);
+  if (options_.eplb.interval_batches > 0) {
+    std::lock_guard<std::mutex> lock(eplb_mu_);
+    if (layer_pos >= 0 && layer_pos < static_cast<int>(eplb_load_.size())) {
+      std::vector<double>& load = eplb_load_[layer_pos];
+      for (size_t e = 0; e < load.size() && e < trace->expert_tokens.size(); ++e) {
+        load[e] += static_cast<double>(trace->expert_tokens[e]);
+      }
+      ++eplb_batches_;
+    }
+  }
   return absl::OkStatus();
 }
 
-absl::Status FrontEnd::SwapWeights(const std::string& model, std::optional<uint64_t> seed) {
-  std::lock_guard<std::mutex> lock(swap_mu_);
-  const uint64_t s = seed.value_or(default_seed_);
-  const absl::Time start = absl::Now();
-  // The cheap checks first, here: the folder opens and has the served shape.
-  {
-    absl::StatusOr<std::unique_ptr<model::WeightSource>> next = open_model_(model, s);
-    if (!next.ok()) return next.status();
-    EPSERVE_RETURN_IF_ERROR(model::CheckSameShape(model_, (*next)->config()));
-  }
-  common::LogInfo(absl::StrCat("loading the weights of ", model.substr(0, 128), " (seed ", s,
-                               ") on every worker"));
+absl::Status FrontEnd::StageAndSwitch(const std::string& model, uint64_t seed,
+                                      const std::vector<worker::ExpertPlacement>* placements,
+                                      bool between_requests, int64_t* bytes) {
   // Loading runs on the workers beside the batches; each coordinator step runs between
-  // batches (exec_mu_), and the switch between requests.
+  // batches (exec_mu_), and the switch between requests where asked.
   const absl::Time deadline = absl::Now() + options_.weight_swap_timeout;
   auto between_batches = [&](auto step) -> decltype(step()) {
     std::lock_guard<std::mutex> exec(exec_mu_);
@@ -329,7 +338,7 @@ absl::Status FrontEnd::SwapWeights(const std::string& model, std::optional<uint6
     return step();
   };
   absl::Status status =
-      between_batches([&] { return coordinator_->BeginStage(model, s, deadline); });
+      between_batches([&] { return coordinator_->BeginStage(model, seed, deadline, placements); });
   while (status.ok()) {
     absl::StatusOr<bool> done = between_batches([&] { return coordinator_->StageDone(); });
     if (!done.ok()) {
@@ -345,28 +354,128 @@ absl::Status FrontEnd::SwapWeights(const std::string& model, std::optional<uint6
     }
   }
   if (status.ok()) {
-    status = batcher_->RunBetweenRequests(
-        [&] { return between_batches([&] { return coordinator_->EndStage(true, deadline); }); });
+    *bytes = coordinator_->StagedBytes();
+    auto end = [&] {
+      return between_batches([&] { return coordinator_->EndStage(true, deadline); });
+    };
+    status = between_requests ? batcher_->RunBetweenRequests(end) : end();
   } else if (coordinator_->healthy()) {
     absl::Status discarded =
         between_batches([&] { return coordinator_->EndStage(false, deadline); });
     if (!discarded.ok()) status = discarded;
   }
+  if (!status.ok() && !coordinator_->healthy()) {
+    SetReady(false);
+    metrics_->SetWorkersReady(0);
+  }
+  return status;
+}
+
+absl::Status FrontEnd::SwapWeights(const std::string& model, std::optional<uint64_t> seed) {
+  std::lock_guard<std::mutex> lock(swap_mu_);
+  const uint64_t s = seed.value_or(default_seed_);
+  const absl::Time start = absl::Now();
+  // The cheap checks first, here: the folder opens and has the served shape.
+  {
+    absl::StatusOr<std::unique_ptr<model::WeightSource>> next = open_model_(model, s);
+    if (!next.ok()) return next.status();
+    EPSERVE_RETURN_IF_ERROR(model::CheckSameShape(model_, (*next)->config()));
+  }
+  common::LogInfo(absl::StrCat("loading the weights of ", model.substr(0, 128), " (seed ", s,
+                               ") on every worker"));
+  int64_t bytes = 0;
+  const absl::Status status = StageAndSwitch(model, s, nullptr, /*between_requests=*/true, &bytes);
   const absl::Duration took = absl::Now() - start;
   metrics_->ObserveWeightSwap(status.code(), took);
   if (!status.ok()) {
-    if (!coordinator_->healthy()) {
-      SetReady(false);
-      metrics_->SetWorkersReady(0);
-    }
     common::LogWarning(absl::StrCat("the weights of ", model.substr(0, 128), " were not loaded (",
                                     absl::FormatDuration(took), "): ", status.ToString()));
     return status;
   }
   model_.source = model;
+  serving_seed_ = s;
   common::LogInfo(absl::StrCat("serving the weights of ", model.substr(0, 128), " (seed ", s,
                                "), swapped in ", absl::FormatDuration(took)));
   return absl::OkStatus();
+}
+
+void FrontEnd::RebalanceLoop() {
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  while (
+      !watch_cv_.wait_for(lock, std::chrono::milliseconds(100), [this] { return watch_stop_; })) {
+    bool due = false;
+    {
+      std::lock_guard<std::mutex> eplb(eplb_mu_);
+      due = eplb_batches_ >= options_.eplb.interval_batches;
+    }
+    if (!due) continue;
+    lock.unlock();
+    Rebalance();
+    lock.lock();
+  }
+}
+
+void FrontEnd::Rebalance() {
+  std::lock_guard<std::mutex> lock(swap_mu_);
+  std::vector<std::vector<double>> load;
+  int64_t batches = 0;
+  {
+    std::lock_guard<std::mutex> eplb(eplb_mu_);
+    load = eplb_load_;
+    batches = eplb_batches_;
+    for (std::vector<double>& l : eplb_load_) std::fill(l.begin(), l.end(), 0.0);
+    eplb_batches_ = 0;
+  }
+  std::vector<worker::ExpertPlacement> current;
+  {
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    current = coordinator_->placements();
+  }
+  const worker::ExchangeShape& shape = coordinator_->shape();
+  if (current.size() != load.size()) {
+    absl::StatusOr<worker::ExpertPlacement> contiguous =
+        worker::ExpertPlacement::Contiguous(shape.num_experts, shape.num_workers);
+    if (!contiguous.ok()) return;
+    current.assign(load.size(), *contiguous);
+  }
+  // The new placements, and the worst layer's expected balancedness before and after.
+  std::vector<worker::ExpertPlacement> next;
+  double before = 1, after = 1;
+  for (size_t l = 0; l < load.size(); ++l) {
+    absl::StatusOr<worker::BalancedPlacement> b =
+        worker::BalanceExperts(load[l], shape.num_workers, shape.redundant_experts);
+    absl::StatusOr<worker::ExpertPlacement> p =
+        b.ok() ? worker::ExpertPlacement::FromSlots(shape.num_experts, b->experts_of)
+               : absl::StatusOr<worker::ExpertPlacement>(b.status());
+    if (!p.ok()) {
+      common::LogWarning(absl::StrCat("rebalance: ", p.status().ToString()));
+      metrics_->ObserveRebalance("failed", absl::ZeroDuration(), 0, nullptr);
+      return;
+    }
+    before = std::min(before, worker::PlacementBalancedness(current[l], load[l]));
+    after = std::min(after, worker::PlacementBalancedness(*p, load[l]));
+    next.push_back(worker::KeepInPlace(*p, current[l]));
+  }
+  if (next == current || after - before < options_.eplb.min_gain) {
+    metrics_->ObserveRebalance("skipped", absl::ZeroDuration(), 0, nullptr);
+    return;
+  }
+  const absl::Time start = absl::Now();
+  int64_t bytes = 0;
+  const absl::Status status =
+      StageAndSwitch(model_.source, serving_seed_, &next, /*between_requests=*/false, &bytes);
+  const absl::Duration took = absl::Now() - start;
+  if (!status.ok()) {
+    metrics_->ObserveRebalance("failed", took, 0, nullptr);
+    common::LogWarning(absl::StrCat("rebalance failed after ", absl::FormatDuration(took), ": ",
+                                    status.ToString()));
+    return;
+  }
+  metrics_->ObserveRebalance("done", took, bytes, &next);
+  common::LogInfo(absl::StrCat("rebalanced the experts over the loads of ", batches, " batches in ",
+                               absl::FormatDuration(took), ": expected worker balancedness ",
+                               before, " -> ", after, ", ", bytes, " weight bytes loaded; layer ",
+                               served_.layers[0], ": ", next[0].Describe()));
 }
 
 void FrontEnd::WatchHeartbeats(int num_workers) {
@@ -398,14 +507,13 @@ absl::Status FrontEnd::Shutdown() {
   if (shut_down_) return absl::OkStatus();
   shut_down_ = true;
   stopping_.store(true);
-  if (watcher_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(watch_mu_);
-      watch_stop_ = true;
-    }
-    watch_cv_.notify_all();
-    watcher_.join();
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watch_stop_ = true;
   }
+  watch_cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+  if (rebalancer_.joinable()) rebalancer_.join();
   stream_guard_.reset();
   SetReady(false);      // new requests get UNAVAILABLE; health says NOT_SERVING
   health_->Shutdown();  // ends health Watch streams

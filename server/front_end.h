@@ -35,6 +35,17 @@ namespace epserve::server {
 // flags straight to these fields). Settings another component reads are grouped in that
 // component's struct, which checks them (Validate, where it is defined) and which the
 // component takes by const reference; the rest are the FrontEnd's own.
+// Expert load balancing while serving: every `interval_batches` batches, rank 0 places each
+// served layer's experts and redundant copies anew (worker/eplb.h) for the loads those
+// batches brought, and, where that evens the workers' expected loads by at least `min_gain`
+// (balancedness, mean / max), has the workers load the new layout beside the serving one
+// (batches go on) and switches between two batches. Answers do not change with the placement
+// (worker/exchange.h), so nothing waits for requests to finish.
+struct EplbOptions {
+  int64_t interval_batches = 0;  // --eplb-interval; 0: off
+  double min_gain = 0.02;        // --eplb-min-gain, in [0, 1]
+};
+
 struct FrontEndOptions {
   RequestOptions requests;     // server/validation.h: model name, request size, priorities
   BatchingOptions batching;    // server/batcher.h: batch size, queue delay and bound
@@ -76,8 +87,9 @@ struct FrontEndOptions {
   bool reflection = true;
   // Shutdown and worker waits.
   absl::Duration batch_timeout = absl::Seconds(60);
-  // How long the workers may take to load new weights (RepositoryModelLoad).
+  // How long the workers may take to load new weights (RepositoryModelLoad, a rebalance).
   absl::Duration weight_swap_timeout = absl::Minutes(10);
+  EplbOptions eplb;
   absl::Duration drain_timeout = absl::Milliseconds(300);
 
   // Every group's Validate, the bounds between groups and the front-end's own: the first
@@ -129,6 +141,17 @@ class FrontEnd {
   absl::Status SwapWeights(const std::string& model, std::optional<uint64_t> seed);
   // The stall monitor's thread: readiness follows the workers' heartbeats.
   void WatchHeartbeats(int num_workers);
+  // The rebalancer's thread (EplbOptions), and one rebalance of the loads counted since the
+  // last (under swap_mu_: never beside a weight swap).
+  void RebalanceLoop();
+  void Rebalance();
+  // Stages `placements` (nullptr: the serving ones) with the weights of `model`, `seed` on
+  // every worker beside the serving ones, then switches: between requests when
+  // `between_requests` (the answers change), else between two batches. The bytes loaded
+  // into *bytes.
+  absl::Status StageAndSwitch(const std::string& model, uint64_t seed,
+                              const std::vector<worker::ExpertPlacement>* placements,
+                              bool between_requests, int64_t* bytes);
 
   // The settings and the model facts; the components refer to them (declared first, so they
   // outlive every component).
@@ -138,8 +161,9 @@ class FrontEnd {
   model::ModelConfig model_;                // with a coordinator: what the workers serve
   ModelOpener open_model_;                  // empty: no weight swaps
   uint64_t default_seed_ = 0;
-  std::mutex swap_mu_;  // one SwapWeights at a time
-  std::mutex exec_mu_;  // held while the coordinator runs a batch or a weight swap's step
+  uint64_t serving_seed_ = 0;  // of the serving weights (under swap_mu_)
+  std::mutex swap_mu_;         // one SwapWeights or Rebalance at a time
+  std::mutex exec_mu_;         // held while the coordinator runs a batch or a weight swap's step
   std::atomic<bool> stopping_{false};  // Shutdown began: weight swaps take no further step
   std::unique_ptr<Metrics> metrics_;
   Statistics statistics_;
@@ -153,8 +177,13 @@ class FrontEnd {
   // The stall monitor (with a coordinator): stopped first in Shutdown.
   std::mutex watch_mu_;
   std::condition_variable watch_cv_;
-  bool watch_stop_ = false;  // guarded by watch_mu_
+  bool watch_stop_ = false;  // guarded by watch_mu_ (it stops the rebalancer too)
   std::thread watcher_;
+  std::thread rebalancer_;
+  // Per served layer, the pairs each expert took since the last rebalance, and the batches.
+  std::mutex eplb_mu_;
+  std::vector<std::vector<double>> eplb_load_;  // guarded by eplb_mu_
+  int64_t eplb_batches_ = 0;                    // guarded by eplb_mu_
 };
 
 // Writes {"grpc": "...", "metrics": "..."} to `path` (temporary file, then rename).

@@ -308,9 +308,9 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     return Fail(rank, s);
   }
   // Every rank places the experts from the same flags and profile, so all agree.
-  std::optional<server::ExpertLoadProfile> profile;
+  std::optional<model::ExpertLoadProfile> profile;
   if (!flags.eplb_profile.empty()) {
-    absl::StatusOr<server::ExpertLoadProfile> p = server::ReadExpertLoadProfile(flags.eplb_profile);
+    absl::StatusOr<model::ExpertLoadProfile> p = model::ReadExpertLoadProfile(flags.eplb_profile);
     if (!p.ok()) return Fail(rank, p.status());
     profile = *std::move(p);
   }

@@ -167,6 +167,13 @@ void RegisterExchangeFlags(common::FlagSet& fs, Flags& flags) {
          "experts x (workers - 1)); which experts get them and where follows the load of "
          "--eplb-profile (DeepSeek's EPLB policy). A pair goes to one copy, chosen so that the "
          "workers' loads even out; answers are bit-identical to an unreplicated service");
+  fs.Add("eplb-interval", &flags.fe.eplb.interval_batches,
+         "Rebalance the experts while serving every this many batches, by the loads those "
+         "batches brought (new copies loaded beside the serving ones, switched between two "
+         "batches); 0: never");
+  fs.Add("eplb-min-gain", &flags.fe.eplb.min_gain,
+         "A rebalance goes ahead only where it raises the expected worker balancedness "
+         "(mean / max load, the worst layer) by at least this");
   fs.Add("eplb-profile", &flags.eplb_profile,
          "A saved expert load profile (JSON, as GET /eplb/profile on the metrics port gives) "
          "to place the experts and their --redundant-experts copies by; empty: uniform loads");

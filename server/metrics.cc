@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/status.h"
-#include "server/eplb_profile.h"
+#include "model/load_profile.h"
 #include "worker/placement.h"
 
 namespace epserve::server {
@@ -123,6 +123,26 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
                        .Name("epserve_expert_replicas")
                        .Help("Copies of each expert the workers hold, by layer.")
                        .Register(r);
+  auto& rebalances = prometheus::BuildCounter()
+                         .Name("epserve_eplb_rebalances_total")
+                         .Help(
+                             "Expert rebalances while serving (--eplb-interval), by outcome: "
+                             "done, skipped (the expected gain was below --eplb-min-gain), "
+                             "failed.")
+                         .Register(r);
+  for (const char* outcome : {"done", "skipped", "failed"}) {
+    m->rebalances_[outcome] = &rebalances.Add({{"outcome", outcome}});
+  }
+  m->rebalance_seconds_ = &prometheus::BuildGauge()
+                               .Name("epserve_eplb_rebalance_seconds")
+                               .Help("How long the last rebalance took, loading to switch.")
+                               .Register(r)
+                               .Add({});
+  m->rebalance_bytes_ = &prometheus::BuildCounter()
+                             .Name("epserve_eplb_loaded_bytes_total")
+                             .Help("Weight bytes the workers read from the source for rebalances (experts a worker already held are copied on its device).")
+                             .Register(r)
+                             .Add({});
   m->layer_ids_ = model.layers;
   m->num_experts_ = model.num_experts;
   for (size_t pos = 0; pos < model.layers.size(); ++pos) {
@@ -133,8 +153,8 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
           &expert_tokens.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}}));
       const bool known =
           pos < model.expert_copies.size() && e < static_cast<int>(model.expert_copies[pos].size());
-      replicas.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}})
-          .Set(known ? model.expert_copies[pos][e] : 1);
+      l.replicas.push_back(&replicas.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}}));
+      l.replicas.back()->Set(known ? model.expert_copies[pos][e] : 1);
     }
     for (int w = 0; w < model.num_workers; ++w) {
       l.worker_pairs.push_back(
@@ -313,13 +333,30 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const MetricsHttpOptions
 Metrics::~Metrics() { http_.reset(); }
 
 std::string Metrics::ExpertLoadProfile() const {
-  server::ExpertLoadProfile p;
+  model::ExpertLoadProfile p;
   p.num_experts = num_experts_;
   for (size_t pos = 0; pos < layers_.size() && pos < layer_ids_.size(); ++pos) {
     std::vector<double>& loads = p.layers[layer_ids_[pos]];
     for (const prometheus::Counter* c : layers_[pos].expert_tokens) loads.push_back(c->Value());
   }
-  return ExpertLoadProfileJson(p);
+  return model::ExpertLoadProfileJson(p);
+}
+
+void Metrics::ObserveRebalance(const char* outcome, absl::Duration took, int64_t bytes,
+                               const std::vector<worker::ExpertPlacement>* placements) {
+  auto it = rebalances_.find(outcome);
+  if (it != rebalances_.end()) it->second->Increment();
+  if (std::string_view(outcome) != "done") return;
+  rebalance_seconds_->Set(absl::ToDoubleSeconds(took));
+  rebalance_bytes_->Increment(static_cast<double>(bytes));
+  if (placements == nullptr) return;
+  for (size_t pos = 0; pos < placements->size() && pos < layers_.size(); ++pos) {
+    const worker::ExpertPlacement& p = (*placements)[pos];
+    for (int e = 0; e < p.num_experts() && e < static_cast<int>(layers_[pos].replicas.size());
+         ++e) {
+      layers_[pos].replicas[e]->Set(static_cast<double>(p.copies(e).size()));
+    }
+  }
 }
 
 void Metrics::SetHeldBytes(int64_t bytes) { held_bytes_->Set(static_cast<double>(bytes)); }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,6 +68,10 @@ class Metrics {
   void ObserveSkippedRows(absl::StatusCode code, int64_t rows);
   // A weight swap (RepositoryModelLoad with new weights): its outcome and how long it took.
   void ObserveWeightSwap(absl::StatusCode code, absl::Duration took);
+  // A rebalance (EplbOptions): "done" (how long it took, the weight bytes the workers
+  // loaded, the new placements), "skipped" (the gain was too small) or "failed".
+  void ObserveRebalance(const char* outcome, absl::Duration took, int64_t bytes,
+                        const std::vector<worker::ExpertPlacement>* placements);
 
  private:
   Metrics() = default;
@@ -99,6 +104,7 @@ class Metrics {
   struct LayerSeries {
     std::vector<prometheus::Counter*> expert_tokens;
     std::vector<prometheus::Counter*> worker_pairs;
+    std::vector<prometheus::Gauge*> replicas;  // per expert
     prometheus::Gauge* balancedness = nullptr;
     prometheus::Gauge* worker_balancedness = nullptr;
     std::vector<std::vector<int64_t>> window;         // ring of the last batches' per-expert counts
@@ -111,6 +117,9 @@ class Metrics {
   std::string ExpertLoadProfile() const;
   std::vector<int> layer_ids_;
   int num_experts_ = 0;
+  std::map<std::string, prometheus::Counter*> rebalances_;
+  prometheus::Gauge* rebalance_seconds_ = nullptr;
+  prometheus::Counter* rebalance_bytes_ = nullptr;
   std::vector<LayerSeries> layers_;  // ObserveBatch runs on one thread at a time
   std::mutex balance_mu_;            // guards the windows
   prometheus::Gauge* inflight_ = nullptr;

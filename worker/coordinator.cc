@@ -240,7 +240,8 @@ absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, absl::Time deadline) {
+absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, absl::Time deadline,
+                                     const std::vector<ExpertPlacement>* placements) {
   if (!healthy_) {
     return absl::UnavailableError(
         "the expert workers stopped answering; the service needs a restart");
@@ -253,8 +254,26 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
   message.seed = seed;
   message.model_bytes = static_cast<uint32_t>(model.size());
   std::memcpy(message.model, model.data(), model.size());
+  std::vector<int32_t> table;
+  staged_placements_.clear();
+  if (placements != nullptr) {
+    table = EncodePlacements(*placements);
+    if (table.size() * sizeof(int32_t) > regions_.InputBytes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the placement table (", table.size() * sizeof(int32_t),
+                       " bytes) does not fit a worker's input region (", regions_.InputBytes(),
+                       " bytes; --max-batch-tokens sizes it)"));
+    }
+    message.placement_words = static_cast<uint32_t>(table.size());
+    staged_placements_ = *placements;
+  }
   for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
     absl::Status s = heap_.Put(RankOfWorker(w), regions_.control, &message, sizeof(message));
+    // The table goes where the worker's next batch rows would: the worker copies it out when
+    // it takes the kStage, before any later batch.
+    if (s.ok() && !table.empty()) {
+      s = heap_.Put(RankOfWorker(w), regions_.input, table.data(), table.size() * sizeof(int32_t));
+    }
     if (!s.ok()) return Fail(s.ToString());
   }
   absl::Status s = Control(BatchOp::kStage, deadline);
@@ -276,9 +295,18 @@ absl::StatusOr<bool> Coordinator::StageDone() {
   return all;
 }
 
+int64_t Coordinator::StagedBytes() const {
+  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.stage_reports);
+  int64_t bytes = 0;
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) bytes += reports[w].weight_bytes;
+  return bytes;
+}
+
 absl::Status Coordinator::EndStage(bool use_new, absl::Time deadline) {
   stage_seq_ = 0;
   absl::Status s = Control(use_new ? BatchOp::kSwitch : BatchOp::kDiscard, deadline);
+  if (use_new && s.ok() && !staged_placements_.empty()) placements_.swap(staged_placements_);
+  staged_placements_.clear();
   if (use_new && !s.ok() && healthy_) {
     // Some workers may have switched and others not: answers could mix weights.
     return Fail(absl::StrCat("switching to the new weights failed: ", s.message()));

@@ -52,6 +52,7 @@ class Coordinator {
               std::vector<ExpertPlacement> placements = {})
       : heap_(heap), regions_(regions), placements_(std::move(placements)) {}
 
+  // The serving placements, one per served layer; empty where none were given (contiguous).
   const std::vector<ExpertPlacement>& placements() const { return placements_; }
 
   // Waits until every worker has loaded its weights.
@@ -74,9 +75,15 @@ class Coordinator {
   // worker has loaded it (or the first worker's error); EndStage(true) makes the new weights
   // the serving ones on every worker and frees the old, EndStage(false) frees the new ones
   // (after any error: the old weights go on serving). A worker that does not answer by
-  // `deadline` turns the exchange unhealthy (UNAVAILABLE).
-  absl::Status BeginStage(const std::string& model, uint64_t seed, absl::Time deadline);
+  // `deadline` turns the exchange unhealthy (UNAVAILABLE). With `placements` (one per served
+  // layer; a rebalance) the staged weights are laid out by them, and they serve from
+  // EndStage(true) on; else the serving placements stay. INVALID_ARGUMENT where their table
+  // does not fit a worker's input region.
+  absl::Status BeginStage(const std::string& model, uint64_t seed, absl::Time deadline,
+                          const std::vector<ExpertPlacement>* placements = nullptr);
   absl::StatusOr<bool> StageDone();
+  // Once StageDone said true: the bytes of weights the workers loaded, all together.
+  int64_t StagedBytes() const;
   absl::Status EndStage(bool use_new, absl::Time deadline);
   // The three steps in a row, polling StageDone every 10 ms (no batches run meanwhile).
   absl::Status SwapWeights(const std::string& model, uint64_t seed, absl::Time deadline);
@@ -118,7 +125,8 @@ class Coordinator {
 
   shmem::SymmetricHeap& heap_;
   const HeapRegions regions_;
-  const std::vector<ExpertPlacement> placements_;
+  std::vector<ExpertPlacement> placements_;
+  std::vector<ExpertPlacement> staged_placements_;  // of the stage under way, if it brings any
   uint64_t seq_ = 0;
   uint64_t stage_seq_ = 0;  // the kStage's seq of a weight swap under way; 0: none
   std::atomic<bool> healthy_{true};

@@ -149,4 +149,52 @@ absl::StatusOr<BalancedPlacement> BalanceExperts(std::span<const double> load, i
   return p;
 }
 
+double PlacementBalancedness(const ExpertPlacement& placement, std::span<const double> load) {
+  std::vector<double> worker(placement.num_workers(), 0.0);
+  for (int e = 0; e < placement.num_experts() && e < static_cast<int>(load.size()); ++e) {
+    const std::span<const ExpertPlacement::Copy> copies = placement.copies(e);
+    for (const ExpertPlacement::Copy& c : copies) worker[c.worker] += load[e] / copies.size();
+  }
+  double total = 0, most = 0;
+  for (double w : worker) {
+    total += w;
+    most = std::max(most, w);
+  }
+  return most > 0 ? total / worker.size() / most : 1.0;
+}
+
+ExpertPlacement KeepInPlace(const ExpertPlacement& next, const ExpertPlacement& current) {
+  const int workers = next.num_workers();
+  struct Match {
+    int overlap, from, to;  // next's worker `from` becomes worker `to`
+  };
+  std::vector<Match> matches;
+  for (int from = 0; from < workers; ++from) {
+    for (int to = 0; to < workers; ++to) {
+      if (next.count(from) != current.count(to)) continue;
+      int overlap = 0;
+      for (int e : next.experts(from)) overlap += current.LocalIndex(to, e) >= 0;
+      matches.push_back({overlap, from, to});
+    }
+  }
+  std::stable_sort(matches.begin(), matches.end(),
+                   [](const Match& a, const Match& b) { return a.overlap > b.overlap; });
+  std::vector<int> to_of(workers, -1);
+  std::vector<bool> taken(workers, false);
+  for (const Match& m : matches) {
+    if (to_of[m.from] >= 0 || taken[m.to]) continue;
+    to_of[m.from] = m.to;
+    taken[m.to] = true;
+  }
+  std::vector<std::vector<int>> experts_of(workers);
+  for (int from = 0; from < workers; ++from) {
+    if (to_of[from] < 0) return next;  // slot counts differ: keep the names
+    const std::span<const int> e = next.experts(from);
+    experts_of[to_of[from]].assign(e.begin(), e.end());
+  }
+  absl::StatusOr<ExpertPlacement> renamed =
+      ExpertPlacement::FromSlots(next.num_experts(), std::move(experts_of));
+  return renamed.ok() ? *std::move(renamed) : next;
+}
+
 }  // namespace epserve::worker

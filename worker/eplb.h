@@ -12,15 +12,16 @@
 // counts differ by at most one as in the contiguous placement. A worker never holds two copies
 // of one expert, so an expert gets at most W copies.
 //
-// Pure and deterministic (same loads, same placement); thread-compatible. Not wired into the
-// serving path yet: routing a pair to one of several copies, the layout counts, dispatch and
-// combine still read the contiguous ExpertPlacement (worker/placement.h).
+// Pure and deterministic (same loads, same placement); thread-compatible. The serving path
+// reads its result as an ExpertPlacement (worker/placement.h; ExpertPlacement::FromSlots of
+// experts_of): at start (server/eplb_profile.h) and at each rebalance (server/front_end.h).
 #pragma once
 
 #include <span>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "worker/placement.h"
 
 namespace epserve::worker {
 
@@ -41,6 +42,16 @@ struct BalancedPlacement {
 // The balancedness of the contiguous placement (worker w owns experts [E*w/W, E*(w+1)/W)) for
 // the same loads, for comparison.
 double ContiguousBalancedness(std::span<const double> load, int num_workers);
+
+// Mean worker load / max worker load of `placement` under `load` (one value per expert; each
+// copy of an expert carries load / copies, as ChooseCopies spreads it): 1 is even.
+double PlacementBalancedness(const ExpertPlacement& placement, std::span<const double> load);
+
+// `next` with its workers renamed so that as many experts as possible stay where `current`
+// has them (a worker's set of experts goes to the worker of the same slot count that holds
+// most of them, greedily, the largest overlaps first): the same balance, fewer copies to
+// load. Both over the same experts and workers.
+ExpertPlacement KeepInPlace(const ExpertPlacement& next, const ExpertPlacement& current);
 
 // `load`: one non-negative, finite value per expert. 1 <= num_workers <= load.size(),
 // 0 <= redundant <= load.size() * (num_workers - 1); else INVALID_ARGUMENT naming the bound.

@@ -32,11 +32,15 @@ enum class BatchOp : int32_t { kRun = 1, kStop = 2, kStage = 3, kSwitch = 4, kDi
 
 // Written by rank 0 into each worker's segment before a kStage: the model to load, as
 // --model names it (a checkpoint folder or synthetic:<preset>), and its seed.
+// With placement_words > 0 (a rebalance: the serving weights, placed anew) the new placements
+// of the served layers, as EncodePlacements' words, are at the start of the worker's `input`
+// region (free between batches; the worker reads them when it takes the kStage); the worker
+// copies the experts it already holds on its device and reads only its new copies.
 struct ControlMessage {
   static constexpr size_t kMaxModel = 4080;
   uint64_t seed;
   uint32_t model_bytes;
-  uint32_t pad;
+  uint32_t placement_words;
   char model[kMaxModel];
 };
 
@@ -57,6 +61,7 @@ struct WorkerReport {
   int64_t stage_ns[kNumWorkerStages];
   int64_t rows_received;
   int64_t pairs;
+  int64_t weight_bytes;  // a stage report: bytes of weights read from the source
 };
 
 // Offsets of the regions in each rank's segment (the worker-to-worker ones in `exchange`).
@@ -92,6 +97,11 @@ struct HeapRegions {
   static absl::StatusOr<HeapRegions> Allocate(shmem::SymmetricHeap& heap, const ExchangePlan& plan);
   // Bytes per rank the regions need, for sizing the heap.
   static size_t BytesNeeded(const ExchangePlan& plan);
+
+  // Bytes of a worker's `input` region.
+  size_t InputBytes() const {
+    return static_cast<size_t>(plan.max_rows_per_worker() * plan.shape().hidden) * sizeof(float);
+  }
 
   // Offset of signal `index` of the array at `base` (worker::SignalOffset).
   static size_t Signal(size_t base, int index) { return SignalOffset(base, index); }

@@ -88,6 +88,64 @@ std::string ExpertPlacement::Describe() const {
   return absl::StrJoin(workers, ", ");
 }
 
+std::vector<int32_t> EncodePlacements(std::span<const ExpertPlacement> placements) {
+  std::vector<int32_t> words = {static_cast<int32_t>(placements.size()),
+                                placements.empty() ? 0 : placements[0].num_workers()};
+  for (const ExpertPlacement& p : placements) {
+    for (int w = 0; w < p.num_workers(); ++w) {
+      words.push_back(p.count(w));
+      for (int e : p.experts(w)) words.push_back(e);
+    }
+  }
+  return words;
+}
+
+absl::StatusOr<std::vector<ExpertPlacement>> DecodePlacements(std::span<const int32_t> words,
+                                                              int num_experts, int num_workers) {
+  size_t at = 0;
+  auto next = [&](int32_t& v) {
+    if (at >= words.size()) return false;
+    v = words[at++];
+    return true;
+  };
+  int32_t layers = 0, workers = 0;
+  if (!next(layers) || !next(workers) || layers < 0 || workers != num_workers) {
+    return absl::InvalidArgumentError(absl::StrCat("a placement table for ", num_workers,
+                                                   " workers must start with its layer "
+                                                   "count and ",
+                                                   num_workers, "; got ", layers, ", ", workers));
+  }
+  std::vector<ExpertPlacement> out;
+  for (int l = 0; l < layers; ++l) {
+    std::vector<std::vector<int>> experts_of(num_workers);
+    for (int w = 0; w < num_workers; ++w) {
+      int32_t count = 0;
+      if (!next(count) || count < 0 || count > num_experts) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("placement table: layer ", l, " worker ", w, ": bad or missing count"));
+      }
+      for (int32_t i = 0, e = 0; i < count; ++i) {
+        if (!next(e)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("placement table: layer ", l, " worker ", w, ": ends early"));
+        }
+        experts_of[w].push_back(e);
+      }
+    }
+    absl::StatusOr<ExpertPlacement> p = ExpertPlacement::FromSlots(num_experts, experts_of);
+    if (!p.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement table: layer ", l, ": ", p.status().message()));
+    }
+    out.push_back(*std::move(p));
+  }
+  if (at != words.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("placement table: ", words.size() - at, " words past its end"));
+  }
+  return out;
+}
+
 void ChooseCopies(const ExpertPlacement& placement, const int32_t* ids, int64_t n, int k,
                   int sender, int32_t* dest, int32_t* local) {
   const int num_workers = placement.num_workers();

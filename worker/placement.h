@@ -80,6 +80,13 @@ class ExpertPlacement {
   int max_local_ = 0;
 };
 
+// The placements of a job's served layers as int32 words, to send them to the workers
+// (a rebalance): [layers, workers, then per layer and worker: its count, its experts].
+// Decode checks every word: INVALID_ARGUMENT naming what is wrong.
+std::vector<int32_t> EncodePlacements(std::span<const ExpertPlacement> placements);
+absl::StatusOr<std::vector<ExpertPlacement>> DecodePlacements(std::span<const int32_t> words,
+                                                              int num_experts, int num_workers);
+
 // The copy of each of a sender's pairs: dest[t*k + j] = the worker that computes choice j of
 // token t, copies[...] its local index there. Single-copy experts go to their one holder; a
 // pair of a replicated expert goes to the copy whose worker has so far been given the fewest

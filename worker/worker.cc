@@ -37,20 +37,15 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
       Exchange::Create(heap, regions.plan, regions.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
   w->exchange_ = *std::move(exchange);
-  w->contiguous_ = w->exchange_->placement();
-  if (!options.placements.empty() &&
-      options.placements.size() != source.config().moe_layers.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(options.placements.size(), " placements for ",
-                                                   source.config().moe_layers.size(),
-                                                   " served layers"));
-  }
-  for (const ExpertPlacement& p : options.placements) {
-    EPSERVE_RETURN_IF_ERROR(w->exchange_->UsePlacement(p));
-  }
+  const size_t num_layers = source.config().moe_layers.size();
+  w->placements_ = options.placements.empty()
+                       ? std::vector<ExpertPlacement>(num_layers, w->exchange_->placement())
+                       : options.placements;
+  EPSERVE_RETURN_IF_ERROR(w->CheckPlacements(w->placements_));
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(options.device);
   if (!rt.ok()) return rt.status();
   w->rt_ = *std::move(rt);
-  EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source));
+  EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source, w->placements_));
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
   const absl::Time warm_start = absl::Now();
   EPSERVE_RETURN_IF_ERROR(w->WarmUp());
@@ -58,16 +53,29 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   return w;
 }
 
-absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(const model::WeightSource& source) {
+absl::Status Worker::CheckPlacements(const std::vector<ExpertPlacement>& placements) {
+  if (placements.size() != model_.moe_layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(placements.size(), " placements for ",
+                                                   model_.moe_layers.size(), " served layers"));
+  }
+  for (const ExpertPlacement& p : placements) EPSERVE_RETURN_IF_ERROR(exchange_->UsePlacement(p));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(
+    const model::WeightSource& source, const std::vector<ExpertPlacement>& placements,
+    const std::vector<Layer>* reuse) {
   std::vector<Layer> layers;
   for (size_t pos = 0; pos < source.config().moe_layers.size(); ++pos) {
     const int layer = source.config().moe_layers[pos];
     Layer l;
-    l.placement = options_.placements.empty() ? &contiguous_ : &options_.placements[pos];
+    l.placement = &placements[pos];
     EPSERVE_ASSIGN_OR_RETURN(l.router, kernels::UploadRouter(*rt_, source, layer));
+    const kernels::ExpertWeights* have =
+        reuse != nullptr && pos < reuse->size() ? &(*reuse)[pos].experts : nullptr;
     EPSERVE_ASSIGN_OR_RETURN(l.experts,
                              kernels::UploadExperts(*rt_, source, layer, l.placement->experts(me_),
-                                                    options_.weight_dtype));
+                                                    options_.weight_dtype, have));
     if (cfg_.shared_ffn_size > 0) {
       // Split: this worker's slice of the shared expert's intermediate columns.
       std::unique_ptr<model::WeightSource> slice;
@@ -123,6 +131,23 @@ absl::Status Worker::Stage(uint64_t seq) {
   const ControlMessage& msg = *heap_.LocalAs<ControlMessage>(regions_.control);
   const std::string spec(msg.model, std::min<size_t>(msg.model_bytes, ControlMessage::kMaxModel));
   const uint64_t seed = msg.seed;
+  // New placements (a rebalance) come in the input region, free between batches; else the
+  // serving ones stay.
+  staged_placements_ = placements_;
+  const bool rebalance = msg.placement_words > 0;
+  if (rebalance) {
+    const size_t words = msg.placement_words;
+    if (words * sizeof(int32_t) > regions_.InputBytes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a placement table of ", words, " words does not fit the input region"));
+    }
+    absl::StatusOr<std::vector<ExpertPlacement>> placements =
+        DecodePlacements(std::span<const int32_t>(heap_.LocalAs<int32_t>(regions_.input), words),
+                         cfg_.num_experts, regions_.plan.shape().num_workers);
+    if (!placements.ok()) return placements.status();
+    EPSERVE_RETURN_IF_ERROR(CheckPlacements(*placements));
+    staged_placements_ = *std::move(placements);
+  }
   absl::StatusOr<std::unique_ptr<model::WeightSource>> source = options_.open_model(spec, seed);
   if (!source.ok()) return source.status();
   EPSERVE_RETURN_IF_ERROR(model::CheckSameShape(model_, (*source)->config()));
@@ -130,9 +155,13 @@ absl::Status Worker::Stage(uint64_t seq) {
   stage_seq_ = seq;
   stage_published_ = false;
   load_done_.store(false);
-  loader_ = std::thread([this, spec, seed, src = *std::move(source)] {
+  loader_ = std::thread([this, spec, seed, rebalance, src = *std::move(source)] {
     const absl::Time start = absl::Now();
-    absl::StatusOr<std::vector<Layer>> layers = LoadLayers(*src);
+    // A rebalance keeps the weights: the experts this worker holds are copied on its device,
+    // only its new copies come from the source (the serving layers change only at kSwitch,
+    // after this thread has ended).
+    absl::StatusOr<std::vector<Layer>> layers =
+        LoadLayers(*src, staged_placements_, rebalance ? &layers_ : nullptr);
     if (layers.ok()) {
       staged_ = *std::move(layers);
       staged_model_ = src->config();
@@ -160,6 +189,12 @@ absl::Status Worker::PublishStage() {
     const std::string msg =
         absl::StrCat("worker ", me_, " (rank ", rank_, "): ", load_status_.message());
     std::strncpy(report.message, msg.c_str(), sizeof(report.message) - 1);
+  } else {
+    for (const Layer& l : staged_) {
+      report.weight_bytes += static_cast<int64_t>(
+          l.router.router.bytes() + l.router.bias.bytes() + l.experts.bytes_from_source +
+          l.shared.bytes_from_source + l.shared.gate.bytes());
+    }
   }
   EPSERVE_RETURN_IF_ERROR(
       heap_.Put(0, regions_.stage_reports + static_cast<size_t>(me_) * sizeof(WorkerReport),
@@ -177,12 +212,15 @@ absl::Status Worker::EndStage(bool use_new) {
   if (loader_.joinable()) loader_.join();
   absl::Status status = load_status_;
   if (use_new && status.ok()) {
+    // Each layer points at its placement: both move together.
     layers_.swap(staged_);
+    placements_.swap(staged_placements_);
     model_ = staged_model_;
     common::LogInfo(
         absl::StrCat("worker ", me_, ": serving the weights of ", model_.source.substr(0, 128)));
   }
   staged_.clear();  // the old weights' device buffers, or the unused new ones
+  staged_placements_.clear();
   stage_seq_ = 0;
   stage_published_ = false;
   load_status_ = absl::OkStatus();
@@ -232,11 +270,13 @@ const char* Worker::ffn_kernels() const {
   return layers_.empty() ? "none" : kernels::FfnKernelsName(layers_.front().experts);
 }
 
+size_t Worker::LayerBytes(const Layer& l) {
+  return l.router.router.bytes() + l.router.bias.bytes() + l.experts.bytes() + l.shared.bytes();
+}
+
 size_t Worker::weight_bytes() const {
   size_t bytes = 0;
-  for (const Layer& l : layers_) {
-    bytes += l.router.router.bytes() + l.router.bias.bytes() + l.experts.bytes() + l.shared.bytes();
-  }
+  for (const Layer& l : layers_) bytes += LayerBytes(l);
   return bytes;
 }
 

@@ -33,7 +33,8 @@ struct WorkerOptions {
   // one's weights at once, so each checks that all those copies fit the host's memory.
   int workers_on_host = 1;
   // Which worker holds which experts, one placement per served layer (the same on every rank;
-  // worker/placement.h); empty: the contiguous placement for every layer.
+  // worker/placement.h); empty: the contiguous placement for every layer. A kStage may bring
+  // new ones (a rebalance), served from its kSwitch on.
   std::vector<ExpertPlacement> placements;
   // Opens the model a weight swap names (as --model names one, with the served layers
   // selected as at start); without it the worker refuses swaps (UNIMPLEMENTED).
@@ -71,7 +72,7 @@ class Worker {
 
  private:
   struct Layer {
-    const ExpertPlacement* placement = nullptr;  // options_.placements' or contiguous_
+    const ExpertPlacement* placement = nullptr;  // an element of placements_ (or staged_...)
     kernels::RouterWeights router;
     kernels::ExpertWeights experts;  // this worker's, in the placement's local order
     kernels::ExpertWeights shared;   // num_experts == 0 when the model has none
@@ -81,8 +82,15 @@ class Worker {
          const WorkerOptions& options)
       : heap_(heap), regions_(regions), model_(model), cfg_(model.layer), options_(options) {}
 
+  static size_t LayerBytes(const Layer& layer);
   // This worker's part of every served layer of `source`, on its device.
-  absl::StatusOr<std::vector<Layer>> LoadLayers(const model::WeightSource& source);
+  // With `reuse` (the serving layers, when the weights stay the same), experts they hold
+  // are copied on the device instead of read from the source.
+  absl::StatusOr<std::vector<Layer>> LoadLayers(const model::WeightSource& source,
+                                                const std::vector<ExpertPlacement>& placements,
+                                                const std::vector<Layer>* reuse = nullptr);
+  // One placement per served layer, each fitting the exchange.
+  absl::Status CheckPlacements(const std::vector<ExpertPlacement>& placements);
   // kStage (batch `seq`): checks the model the ControlMessage names, then loads it into
   // staged_ on loader_ (the serving layers stay and batches go on).
   absl::Status Stage(uint64_t seq);
@@ -117,9 +125,10 @@ class Worker {
   const model::MoeLayerConfig cfg_;
   const WorkerOptions options_;
   std::unique_ptr<Exchange> exchange_;
-  ExpertPlacement contiguous_;  // the placement of layers options_.placements does not give
-  int me_ = 0;                  // worker index
-  int rank_ = 0;                // heap rank, RankOfWorker(me_)
+  // The serving layers' placements, and a kStage's (loader_ reads them while it runs).
+  std::vector<ExpertPlacement> placements_, staged_placements_;
+  int me_ = 0;    // worker index
+  int rank_ = 0;  // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;
   std::vector<Layer> layers_;
   // A weight swap's new layers: loaded by loader_ (which alone touches staged_ while it

@@ -970,6 +970,31 @@ TEST_F(ExpertFfnTest, Bf16DotFormsAgreeBitForBit) {
   }
 }
 
+// A rebalance's upload: experts an earlier upload of the same layer holds are copied from it
+// on the device, in any order, and the result is the fresh upload byte for byte; only the
+// others are read from the source.
+TEST_F(ExpertFfnTest, UploadReusingAnotherUploadMatchesAFreshOne) {
+  const model::SyntheticWeights source = Preset("tiny", seed_);
+  for (ElementType dtype : {ElementType::kFp32, ElementType::kBf16}) {
+    const std::vector<int> held = {0, 1, 2, 3}, next = {3, 5, 0, 6};
+    absl::StatusOr<ExpertWeights> old = UploadExperts(Rt(), source, 0, held, dtype);
+    absl::StatusOr<ExpertWeights> reused = UploadExperts(Rt(), source, 0, next, dtype, &*old);
+    absl::StatusOr<ExpertWeights> fresh = UploadExperts(Rt(), source, 0, next, dtype);
+    ASSERT_TRUE(old.ok() && reused.ok() && fresh.ok());
+    EXPECT_EQ(reused->bytes_from_source * 2, fresh->bytes_from_source);  // 2 of 4 read
+    EXPECT_EQ(fresh->bytes_from_source, fresh->gate_up.bytes() + fresh->down.bytes());
+    for (auto part : {&ExpertWeights::gate_up, &ExpertWeights::down}) {
+      const Buffer& a = *reused.*part;
+      const Buffer& b = *fresh.*part;
+      ASSERT_EQ(a.bytes(), b.bytes());
+      std::vector<char> ha(a.bytes(), 1), hb(b.bytes(), 2);
+      ASSERT_TRUE(Rt().Read(a, 0, ha.data(), ha.size()).ok());
+      ASSERT_TRUE(Rt().Read(b, 0, hb.data(), hb.size()).ok());
+      EXPECT_EQ(std::memcmp(ha.data(), hb.data(), ha.size()), 0) << common::FlagName(dtype);
+    }
+  }
+}
+
 TEST_F(ExpertFfnTest, RejectsBadOffsets) {
   const model::SyntheticWeights source = Preset("tiny", seed_);
   absl::StatusOr<ExpertWeights> w = UploadExperts(Rt(), source, 0, 0, 2);

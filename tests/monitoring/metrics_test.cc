@@ -90,9 +90,12 @@ TEST(Metrics, KnownTrafficGivesExactCountsAndEveryRanksStages) {
   // Every request has been answered: nothing in flight, nothing queued.
   EXPECT_EQ(Sum(m, "epserve_inflight_requests"), 0);
   EXPECT_EQ(Sum(m, "epserve_queue_tokens"), 0);
-  // FP32 rows both ways: a token reaches at least one and at most k workers.
+  // FP32 rows both ways: a token reaches at least one and at most k workers (with the shared
+  // expert split, every worker); one row comes back per pair and, split, per row received.
   const double dispatch = Sum(m, "epserve_exchange_bytes_total", {"direction=\"dispatch\""});
-  EXPECT_EQ(Sum(m, "epserve_exchange_bytes_total", {"direction=\"combine\""}), dispatch);
+  EXPECT_EQ(Sum(m, "epserve_exchange_bytes_total", {"direction=\"combine\""}),
+            dispatch + kGood * kTokens * kTopK * 64 * 4);
+  EXPECT_EQ(Sum(m, "epserve_worker_pairs_total"), kGood * kTokens * kTopK);
   EXPECT_GE(dispatch, kGood * kTokens * 64 * 4);
   EXPECT_LE(dispatch, kGood * kTokens * 64 * 4 * kTopK);
   const double batches = Sum(m, "epserve_batch_tokens_count");

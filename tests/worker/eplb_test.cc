@@ -158,5 +158,45 @@ TEST_F(EplbTest, BadArgumentsNameTheBound) {
   EXPECT_NE(message(bad, 2, 0).find("expert 5"), std::string::npos);
 }
 
+// The expected balancedness of a placement splits each expert's load over its copies; the
+// policy's own placement, read back as an ExpertPlacement, scores what the policy computed.
+TEST(PlacementBalancedness, SplitsLoadOverCopiesAndAgreesWithThePolicy) {
+  absl::StatusOr<ExpertPlacement> p = ExpertPlacement::FromSlots(3, {{0, 1}, {0, 2}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::vector<double> load = {4, 1, 3};  // w0: 2 + 1, w1: 2 + 3
+  EXPECT_DOUBLE_EQ(PlacementBalancedness(*p, load), 4.0 / 5.0);
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<double> skewed(60);
+  for (double& v : skewed) v = 1 + static_cast<double>(rng() % 100);
+  for (int workers : {2, 3, 4}) {
+    absl::StatusOr<BalancedPlacement> b = BalanceExperts(skewed, workers, 2 * workers);
+    ASSERT_TRUE(b.ok()) << b.status();
+    absl::StatusOr<ExpertPlacement> q = ExpertPlacement::FromSlots(60, b->experts_of);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_NEAR(PlacementBalancedness(*q, skewed), b->Balancedness(), 1e-12);
+    EXPECT_EQ(q->redundant(), 2 * workers);
+    for (int w = 0; w < workers; ++w)
+      EXPECT_EQ(q->count(w), SlotsOfWorker(60, 2 * workers, w, workers));
+  }
+}
+
+// Renaming the workers of a new placement keeps what they already hold: a placement renamed
+// against itself is itself, and against a relabelled copy of itself moves nothing.
+TEST(KeepInPlace, RenamesWorkersToKeepTheirExperts) {
+  absl::StatusOr<ExpertPlacement> p =
+      ExpertPlacement::FromSlots(6, {{0, 1, 2}, {3, 4, 5}, {0, 3, 1}});
+  absl::StatusOr<ExpertPlacement> swapped =
+      ExpertPlacement::FromSlots(6, {{3, 4, 5}, {0, 3, 1}, {0, 1, 2}});
+  ASSERT_TRUE(p.ok() && swapped.ok());
+  EXPECT_TRUE(KeepInPlace(*p, *p) == *p);
+  const ExpertPlacement kept = KeepInPlace(*swapped, *p);
+  for (int w = 0; w < 3; ++w) {
+    for (int e : p->experts(w)) EXPECT_GE(kept.LocalIndex(w, e), 0) << "worker " << w;
+  }
+  // Balance is a property of the sets, not of their names.
+  const std::vector<double> load = {5, 1, 2, 3, 1, 4};
+  EXPECT_DOUBLE_EQ(PlacementBalancedness(kept, load), PlacementBalancedness(*swapped, load));
+}
+
 }  // namespace
 }  // namespace epserve::worker

@@ -106,6 +106,31 @@ TEST(ExpertPlacement, ChooseCopiesEvensOutTheSendersPairs) {
   EXPECT_LE(std::abs(on[0] - on[1]), 2) << on[0] << " vs " << on[1];
 }
 
+TEST(ExpertPlacement, PlacementTablesRoundTripAndBadOnesAreRefused) {
+  std::vector<ExpertPlacement> layers;
+  layers.push_back(*ExpertPlacement::Contiguous(5, 2));
+  layers.push_back(*ExpertPlacement::FromSlots(5, {{4, 0, 1}, {2, 3, 4}}));
+  const std::vector<int32_t> words = EncodePlacements(layers);
+  absl::StatusOr<std::vector<ExpertPlacement>> back = DecodePlacements(words, 5, 2);
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_EQ(back->size(), 2u);
+  EXPECT_TRUE((*back)[0] == layers[0]);
+  EXPECT_TRUE((*back)[1] == layers[1]);
+  EXPECT_EQ((*back)[1].expert(0, 0), 4);  // slot order kept
+  // Wrong worker count, cut short, one word too many, an expert out of range.
+  EXPECT_FALSE(DecodePlacements(words, 5, 3).ok());
+  EXPECT_FALSE(
+      DecodePlacements(std::span<const int32_t>(words).first(words.size() - 1), 5, 2).ok());
+  std::vector<int32_t> longer = words;
+  longer.push_back(0);
+  EXPECT_NE(DecodePlacements(longer, 5, 2).status().message().find("past its end"),
+            absl::string_view::npos);
+  std::vector<int32_t> bad = words;
+  bad.back() = 7;
+  EXPECT_NE(DecodePlacements(bad, 5, 2).status().message().find("outside [0, 5)"),
+            absl::string_view::npos);
+}
+
 ExchangeShape TestShape() {
   return {.num_workers = 3, .num_experts = 8, .top_k = 2, .hidden = 64, .max_batch_tokens = 100};
 }

@@ -1,0 +1,222 @@
+// Expert placement end to end: the service with --redundant-experts (uniform, and placed by a
+// saved --eplb-profile) answers bit-identically to the unreplicated service at 2, 3 and 4
+// workers, every answer right against the reference; the server's GET /eplb/profile is a
+// profile --eplb-profile reads; the placement's metrics are exported.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "model/load_profile.h"
+#include "tests/common/http_get.h"
+#include "tests/e2e/reference.h"
+#include "tests/e2e/server_process.h"
+
+namespace epserve::testing {
+namespace {
+
+constexpr int kExperts = 8;  // synthetic:tiny
+
+// Answers of `server` to `requests` (each [tokens, H]) on `layer`, in order; empty on error.
+std::vector<std::vector<float>> Answers(ServerProcess& server,
+                                        const std::vector<std::vector<float>>& requests,
+                                        int layer) {
+  auto stub = server.NewStub();
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const int64_t tokens = static_cast<int64_t>(requests[i].size()) / kHidden;
+    inference::ModelInferRequest req = Request(requests[i], tokens, absl::StrCat("r", i));
+    auto* p = req.mutable_parameters();
+    (*p)["layer"].set_int64_param(layer);
+    inference::ModelInferResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
+    if (!s.ok() || resp.raw_output_contents_size() != 1) return {};
+    std::vector<float>& y = out.emplace_back(tokens * kHidden);
+    EXPECT_EQ(resp.raw_output_contents(0).size(), y.size() * sizeof(float));
+    std::memcpy(y.data(), resp.raw_output_contents(0).data(),
+                std::min(resp.raw_output_contents(0).size(), y.size() * sizeof(float)));
+  }
+  return out;
+}
+
+class Placement : public ::testing::TestWithParam<int> {};
+
+TEST_P(Placement, ReplicatedServiceAnswersBitIdenticallyToTheUnreplicatedOne) {
+  const int workers = GetParam();
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<float>> requests;
+  for (int64_t tokens : {1, 5, 16, 37, 3}) requests.push_back(RandomRows(tokens, rng));
+  Reference ref;
+  const std::vector<std::string> common_args = {"--max-batch-tokens=32",
+                                                "--max-queue-delay-us=500"};
+
+  // The unreplicated service: the baseline, and the profile of its load.
+  std::vector<std::vector<float>> base[2];
+  std::string profile_json;
+  {
+    absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+        ServerProcess::Start(1 + workers, common_args);
+    ASSERT_TRUE(server.ok()) << server.status();
+    for (int layer : {0, 1}) base[layer] = Answers(**server, requests, layer);
+    profile_json = HttpGet((*server)->metrics_address(), "/eplb/profile");
+    (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
+  }
+  ASSERT_EQ(base[0].size(), requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_LE(ref.RelError(requests[i], base[0][i].data(),
+                           static_cast<int64_t>(requests[i].size()) / kHidden),
+              1e-4);
+  }
+  absl::StatusOr<model::ExpertLoadProfile> profile = model::ParseExpertLoadProfile(profile_json);
+  ASSERT_TRUE(profile.ok()) << profile.status() << "\n" << profile_json;
+  EXPECT_EQ(profile->num_experts, kExperts);
+  ASSERT_EQ(profile->layers.size(), 2u);
+  double pairs = 0;
+  for (double v : profile->layers[0]) pairs += v;
+  EXPECT_EQ(pairs, (1 + 5 + 16 + 37 + 3) * 2);  // every token of layer 0, top-2
+  const std::string profile_path = ::testing::TempDir() + "/eplb_profile.json";
+  std::ofstream(profile_path) << profile_json;
+
+  // Replicated: uniform (redundant copies of the lowest experts), then by the profile.
+  const int redundant = workers + 1;
+  for (bool use_profile : {false, true}) {
+    std::vector<std::string> args = common_args;
+    args.push_back(absl::StrCat("--redundant-experts=", redundant));
+    if (use_profile) args.push_back("--eplb-profile=" + profile_path);
+    absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(1 + workers, args);
+    ASSERT_TRUE(server.ok()) << server.status();
+    for (int layer : {0, 1}) {
+      const std::vector<std::vector<float>> got = Answers(**server, requests, layer);
+      ASSERT_EQ(got.size(), base[layer].size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(std::memcmp(got[i].data(), base[layer][i].data(), got[i].size() * 4), 0)
+            << workers << " workers, layer " << layer << ", request " << i << ", profile "
+            << use_profile << ", seed " << seed;
+      }
+    }
+    const std::string metrics = HttpGet((*server)->metrics_address(), "/metrics");
+    // Every copy counted: the experts' replicas sum to E + redundant per layer.
+    double copies = 0;
+    size_t at = 0;
+    const std::string series = "epserve_expert_replicas{";
+    while ((at = metrics.find(series, at)) != std::string::npos) {
+      const size_t line_end = metrics.find('\n', at);
+      const std::string line = metrics.substr(at, line_end - at);
+      if (line.find("layer=\"0\"") != std::string::npos) {
+        copies += std::stod(line.substr(line.rfind(' ') + 1));
+      }
+      at = line_end;
+    }
+    EXPECT_EQ(copies, kExperts + redundant) << metrics;
+    EXPECT_NE(metrics.find("epserve_worker_balancedness{layer=\"0\"}"), std::string::npos);
+    EXPECT_NE(metrics.find(absl::StrCat("epserve_worker_pairs_total{layer=\"0\",worker=\"",
+                                        workers - 1, "\"}")),
+              std::string::npos)
+        << metrics;
+    if (HasFailure()) ADD_FAILURE() << (*server)->Log();
+    (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, Placement, ::testing::Values(2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return absl::StrCat(p.param, "_workers");
+                         });
+
+// A metric's value in a scrape (the first series whose line starts with `series`), or -1.
+double MetricValue(const std::string& metrics, const std::string& series) {
+  const size_t at = metrics.find("\n" + series);
+  if (at == std::string::npos) return -1;
+  const size_t end = metrics.find('\n', at + 1);
+  const std::string line = metrics.substr(at + 1, end - at - 1);
+  return std::stod(line.substr(line.rfind(' ') + 1));
+}
+
+// Rebalancing while serving: 4 clients verify every answer against the reference while the
+// server rebalances every few batches (--eplb-min-gain=0: whenever the placement for the
+// window's loads differs); nothing fails, nothing is wrong, and rebalances happened.
+TEST(Rebalance, UnderFourVerifyingClientsNothingIsLost) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+      ServerProcess::Start(3, {"--max-batch-tokens=32", "--max-queue-delay-us=500",
+                               "--redundant-experts=3", "--eplb-interval=4", "--eplb-min-gain=0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint64_t seed = std::random_device{}();
+  std::atomic<int> wrong{0}, failed{0}, answered{0};
+  std::vector<std::thread> clients;
+  const absl::Time end = absl::Now() + absl::Seconds(8);
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&, c] {
+      Reference ref;
+      auto stub = (*server)->NewStub();
+      std::mt19937_64 rng(seed + c);
+      for (int i = 0; absl::Now() < end; ++i) {
+        const int64_t tokens = 1 + static_cast<int64_t>(rng() % 24);
+        std::vector<float> x = RandomRows(tokens, rng);
+        // Skewed: most rows lean towards one direction, so some experts stay hot.
+        for (int64_t t = 0; t < tokens; ++t) x[t * kHidden + c % 4] += 2.0f;
+        inference::ModelInferRequest req = Request(x, tokens, absl::StrCat(c, "-", i));
+        inference::ModelInferResponse resp;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+        grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+        if (!s.ok() || resp.raw_output_contents_size() != 1 ||
+            resp.raw_output_contents(0).size() != static_cast<size_t>(tokens * kHidden * 4)) {
+          ++failed;
+          continue;
+        }
+        std::vector<float> y(tokens * kHidden);
+        std::memcpy(y.data(), resp.raw_output_contents(0).data(), y.size() * 4);
+        if (!(ref.RelError(x, y.data(), tokens) <= 1e-4)) ++wrong;
+        ++answered;
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  const std::string metrics = HttpGet((*server)->metrics_address(), "/metrics");
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(answered.load(), 40);
+  EXPECT_GE(MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"done\"}"), 1) << metrics;
+  EXPECT_EQ(MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"failed\"}"), 0);
+  EXPECT_GT(MetricValue(metrics, "epserve_eplb_loaded_bytes_total"), 0);
+  std::cerr << answered.load() << " answers checked; rebalances done "
+            << MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"done\"}")
+            << ", skipped "
+            << MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"skipped\"}")
+            << "\n";
+  if (HasFailure()) ADD_FAILURE() << "seed " << seed << "\n" << (*server)->Log();
+  (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
+}
+
+TEST(PlacementFlags, BadValuesAreClearErrors) {
+  // More copies than workers can hold, and a profile of another model.
+  absl::StatusOr<std::pair<int, std::string>> r =
+      ServerProcess::RunToExit(3, {"--redundant-experts=9"}, absl::Seconds(120));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->first, 0);
+  EXPECT_NE(r->second.find("--redundant-experts must be in [0, experts x (workers - 1) = 8]"),
+            std::string::npos)
+      << r->second;
+  const std::string path = ::testing::TempDir() + "/other_profile.json";
+  std::ofstream(path) << "{\"num_experts\": 4, \"layers\": {\"0\": [1, 2, 3, 4]}}";
+  r = ServerProcess::RunToExit(3, {"--eplb-profile=" + path}, absl::Seconds(120));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->first, 0);
+  EXPECT_NE(r->second.find("--eplb-profile is of a model with 4 experts; the served one has 8"),
+            std::string::npos)
+      << r->second;
+}
+
+}  // namespace
+}  // namespace epserve::testing
