@@ -43,7 +43,7 @@ namespace epserve::server {
 // (worker/exchange.h), so nothing waits for requests to finish.
 struct EplbOptions {
   int64_t interval_batches = 0;  // --eplb-interval; 0: off
-  double min_gain = 0.02;        // --eplb-min-gain, in [0, 1]
+  double min_gain = 0.05;        // --eplb-min-gain, in [0, 1]
 };
 
 struct FrontEndOptions {

@@ -140,7 +140,9 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
                                .Add({});
   m->rebalance_bytes_ = &prometheus::BuildCounter()
                              .Name("epserve_eplb_loaded_bytes_total")
-                             .Help("Weight bytes the workers read from the source for rebalances (experts a worker already held are copied on its device).")
+                             .Help(
+                                 "Weight bytes the workers read from the source for rebalances "
+                                 "(experts a worker already held are copied on its device).")
                              .Register(r)
                              .Add({});
   m->layer_ids_ = model.layers;

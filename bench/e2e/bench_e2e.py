@@ -89,17 +89,18 @@ def run(cmd, env, timeout=3600):
 
 
 class Cluster:
-    """mpirun -np 3 epserve (rank 0 front-end, 2 workers), port 0, ready file."""
+    """mpirun -np 1+W epserve (rank 0 front-end, W workers, 2 by default, each with
+    `worker_threads` PoCL threads), port 0, ready file; `address` and `metrics` once ready."""
 
-    def __init__(self, build, env, model, extra=()):
+    def __init__(self, build, env, model, extra=(), workers=2, worker_threads=1):
         self.dir = tempfile.mkdtemp(prefix="epserve-bench-")
         ready = os.path.join(self.dir, "ready.json")
-        cmd = ["mpirun", "-np", "3", "--oversubscribe", "--bind-to", "none",
+        cmd = ["mpirun", "-np", str(1 + workers), "--oversubscribe", "--bind-to", "none",
                os.path.join(build, "server", "epserve"), f"--model={model}", "--seed=0",
                "--grpc-address=127.0.0.1:0", "--metrics-address=127.0.0.1:0",
                f"--ready-file={ready}", *extra]
         log("  $ " + " ".join(cmd))
-        env = dict(env, POCL_MAX_PTHREAD_COUNT="1")
+        env = dict(env, POCL_MAX_PTHREAD_COUNT=str(worker_threads))
         self.log = open(os.path.join(self.dir, "log.txt"), "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -111,7 +112,13 @@ class Cluster:
             time.sleep(0.5)
         time.sleep(0.2)
         with open(ready) as f:
-            self.address = json.load(f)["grpc"]
+            r = json.load(f)
+        self.address, self.metrics = r["grpc"], r["metrics"]
+
+    def text(self):
+        """Everything the job printed so far."""
+        with open(self.log.name) as f:
+            return f.read()
 
     def stop(self):
         if self.proc.poll() is None:

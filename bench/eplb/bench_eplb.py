@@ -24,17 +24,15 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 
-
-def log(*args):
-    print(*args, file=sys.stderr, flush=True)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "e2e"))
+from bench_e2e import Cluster, base_env, log  # noqa: E402
 
 
 def machine():
@@ -50,58 +48,9 @@ def machine():
     return f"{model} ({os.cpu_count()} cores; {' '.join(isa)})"
 
 
-def base_env(build):
-    env = dict(os.environ)
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMPI_MCA_rmaps_base_oversubscribe": "1", "POCL_MAX_PTHREAD_COUNT": "1"})
-    env.setdefault("POCL_CACHE_DIR", os.path.join(build, "pocl-cache"))
-    env.setdefault("EPSERVE_KERNEL_CACHE", os.path.join(build, "kernel-cache"))
-    return env
-
-
-class Cluster:
-    """mpirun -np 1+W epserve, port 0, ready file."""
-
-    def __init__(self, build, env, workers, args):
-        self.dir = tempfile.mkdtemp(prefix="epserve-eplb-")
-        ready = os.path.join(self.dir, "ready.json")
-        cmd = ["mpirun", "-np", str(1 + workers), "--oversubscribe", "--bind-to", "none",
-               os.path.join(build, "server", "epserve"), "--grpc-address=127.0.0.1:0",
-               "--metrics-address=127.0.0.1:0", f"--ready-file={ready}", *args]
-        log("  $ " + " ".join(cmd))
-        self.log = open(os.path.join(self.dir, "log.txt"), "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.time() + 900
-        while not os.path.exists(ready) or os.path.getsize(ready) == 0:
-            if self.proc.poll() is not None or time.time() > deadline:
-                text = open(self.log.name).read()
-                self.stop()
-                raise RuntimeError("epserve did not start:\n" + text)
-            time.sleep(0.5)
-        time.sleep(0.2)
-        with open(ready) as f:
-            r = json.load(f)
-        self.address, self.metrics = r["grpc"], r["metrics"]
-
-    def get(self, path):
-        with urllib.request.urlopen(f"http://{self.metrics}{path}", timeout=30) as r:
-            return r.read().decode()
-
-    def placement_lines(self):
-        with open(self.log.name) as f:
-            return [l.strip() for l in f if "placement of layer" in l]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def get(cluster, path):
+    with urllib.request.urlopen(f"http://{cluster.metrics}{path}", timeout=30) as r:
+        return r.read().decode()
 
 
 def worker_pairs(metrics_text):
@@ -130,15 +79,16 @@ def run_load(a, env, cluster, skew):
 
 
 def one(a, env, workers, skew, extra):
-    args = [f"--model={a.model}", "--seed=0", f"--weight-dtype={a.weight_dtype}",
-            f"--max-batch-tokens={a.max_batch_tokens}", *extra]
-    cluster = Cluster(a.build, env, workers, args)
+    args = [f"--weight-dtype={a.weight_dtype}", f"--max-batch-tokens={a.max_batch_tokens}",
+            *extra]
+    cluster = Cluster(a.build, env, a.model, args, workers=workers,
+                      worker_threads=a.worker_threads)
     try:
         step = run_load(a, env, cluster, skew)
-        metrics = cluster.get("/metrics")
+        metrics = get(cluster, "/metrics")
         pairs = worker_pairs(metrics)
-        profile = cluster.get("/eplb/profile")
-        placement = cluster.placement_lines()
+        profile = get(cluster, "/eplb/profile")
+        placement = [l.strip() for l in cluster.text().splitlines() if "placement of layer" in l]
     finally:
         cluster.stop()
     failed = step["requests"] - step["ok"]
@@ -168,13 +118,15 @@ def main():
                    help="the online run's --eplb-interval (batches)")
     p.add_argument("--skew-seed", type=int, default=1)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--worker-threads", type=int, default=1,
+                   help="PoCL threads per worker (POCL_MAX_PTHREAD_COUNT)")
     a = p.parse_args()
     a.build = os.path.abspath(a.build)
     env = base_env(a.build)
     print(f"# machine: {machine()}")
     print(f"# model {a.model}, {a.weight_dtype} weights, {a.tokens} tokens/request, "
           f"{a.concurrency} clients, --max-batch-tokens={a.max_batch_tokens}, {a.duration} "
-          f"per run, POCL_MAX_PTHREAD_COUNT=1 per worker; skew ranks permuted by seed "
+          f"per run, POCL_MAX_PTHREAD_COUNT={a.worker_threads} per worker; skew ranks permuted by seed "
           f"{a.skew_seed}; warmup {a.warmup}; online: --eplb-interval={a.eplb_interval}")
     print("| workers | load | EPLB | tokens/s (each run) | p50 ms | p99 ms | failed | "
           "worker pairs | balancedness | vs off (each run) | bound (1 / off balancedness) |")

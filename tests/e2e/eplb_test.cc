@@ -193,8 +193,7 @@ TEST(Rebalance, UnderFourVerifyingClientsNothingIsLost) {
   std::cerr << answered.load() << " answers checked; rebalances done "
             << MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"done\"}")
             << ", skipped "
-            << MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"skipped\"}")
-            << "\n";
+            << MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"skipped\"}") << "\n";
   if (HasFailure()) ADD_FAILURE() << "seed " << seed << "\n" << (*server)->Log();
   (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
 }
