@@ -412,7 +412,7 @@ TEST_P(ExchangeTest, ReplicatedPlacementsGiveBitIdenticalAnswers) {
           continue;
         }
         ASSERT_EQ(y.size(), first.size());
-        EXPECT_EQ(std::memcmp(y.data(), first.data(), y.size() * sizeof(float)), 0)
+        EXPECT_TRUE(y.empty() || std::memcmp(y.data(), first.data(), y.size() * sizeof(float)) == 0)
             << "placement " << q << " (" << placements[q].Describe() << "), batch " << i
             << ", split " << split << ", rank " << rank_;
       }
