@@ -153,14 +153,14 @@ TEST(Rebalance, UnderFourVerifyingClientsNothingIsLost) {
   ASSERT_TRUE(server.ok()) << server.status();
   const uint64_t seed = std::random_device{}();
   std::atomic<int> wrong{0}, failed{0}, answered{0};
+  std::atomic<bool> stop{false};
   std::vector<std::thread> clients;
-  const absl::Time end = absl::Now() + absl::Seconds(8);
   for (int c = 0; c < 4; ++c) {
     clients.emplace_back([&, c] {
       Reference ref;
       auto stub = (*server)->NewStub();
       std::mt19937_64 rng(seed + c);
-      for (int i = 0; absl::Now() < end; ++i) {
+      for (int i = 0; !stop.load(); ++i) {
         const int64_t tokens = 1 + static_cast<int64_t>(rng() % 24);
         std::vector<float> x = RandomRows(tokens, rng);
         // Skewed: most rows lean towards one direction, so some experts stay hot.
@@ -182,6 +182,15 @@ TEST(Rebalance, UnderFourVerifyingClientsNothingIsLost) {
       }
     });
   }
+  // At least 8 s of load, and on until a rebalance is done (at most 40 s: a slow machine).
+  const absl::Time start = absl::Now();
+  const std::string done = "epserve_eplb_rebalances_total{outcome=\"done\"}";
+  while (absl::Now() - start < absl::Seconds(8) ||
+         (absl::Now() - start < absl::Seconds(40) &&
+          MetricValue(HttpGet((*server)->metrics_address(), "/metrics"), done) < 1)) {
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  stop.store(true);
   for (std::thread& t : clients) t.join();
   const std::string metrics = HttpGet((*server)->metrics_address(), "/metrics");
   EXPECT_EQ(failed.load(), 0);
