@@ -174,11 +174,7 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(
                      .num_experts = shape.num_experts,
                      .top_k = shape.top_k,
                      .device = device};
-  for (const worker::ExpertPlacement& p : coordinator.placements()) {
-    std::vector<int>& copies = served.expert_copies.emplace_back();
-    for (int e = 0; e < p.num_experts(); ++e)
-      copies.push_back(static_cast<int>(p.copies(e).size()));
-  }
+  served.placements = coordinator.placements();
   std::unique_ptr<FrontEnd> fe(new FrontEnd(options, std::move(served), &coordinator));
   fe->model_ = model;
   fe->open_model_ = std::move(open_model);

@@ -153,10 +153,8 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
     for (int e = 0; e < model.num_experts; ++e) {
       l.expert_tokens.push_back(
           &expert_tokens.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}}));
-      const bool known =
-          pos < model.expert_copies.size() && e < static_cast<int>(model.expert_copies[pos].size());
       l.replicas.push_back(&replicas.Add({{"layer", layer_label}, {"expert", absl::StrCat(e)}}));
-      l.replicas.back()->Set(known ? model.expert_copies[pos][e] : 1);
+      l.replicas.back()->Set(1);
     }
     for (int w = 0; w < model.num_workers; ++w) {
       l.worker_pairs.push_back(
@@ -166,12 +164,11 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
     l.balancedness->Set(1.0);
     l.worker_balancedness = &worker_balancedness.Add({{"layer", layer_label}});
     l.worker_balancedness->Set(1.0);
-    l.window.assign(kBalanceWindowBatches, std::vector<int64_t>(model.num_experts, 0));
-    l.window_sum.assign(model.num_experts, 0);
-    l.worker_window.assign(kBalanceWindowBatches, std::vector<int64_t>(model.num_workers, 0));
-    l.worker_window_sum.assign(model.num_workers, 0);
+    l.experts = BalanceWindow(model.num_experts);
+    l.workers = BalanceWindow(model.num_workers);
     m->layers_.push_back(std::move(l));
   }
+  m->SetReplicas(model.placements);
 }
 
 // The server's state: in flight, queued, workers ready, memory.
@@ -351,14 +348,32 @@ void Metrics::ObserveRebalance(const char* outcome, absl::Duration took, int64_t
   if (std::string_view(outcome) != "done") return;
   rebalance_seconds_->Set(absl::ToDoubleSeconds(took));
   rebalance_bytes_->Increment(static_cast<double>(bytes));
-  if (placements == nullptr) return;
-  for (size_t pos = 0; pos < placements->size() && pos < layers_.size(); ++pos) {
-    const worker::ExpertPlacement& p = (*placements)[pos];
+  if (placements != nullptr) SetReplicas(*placements);
+}
+
+void Metrics::SetReplicas(const std::vector<worker::ExpertPlacement>& placements) {
+  for (size_t pos = 0; pos < placements.size() && pos < layers_.size(); ++pos) {
+    const worker::ExpertPlacement& p = placements[pos];
     for (int e = 0; e < p.num_experts() && e < static_cast<int>(layers_[pos].replicas.size());
          ++e) {
       layers_[pos].replicas[e]->Set(static_cast<double>(p.copies(e).size()));
     }
   }
+}
+
+std::optional<double> Metrics::BalanceWindow::Add(std::span<const int64_t> counts) {
+  std::vector<int64_t>& slot = ring_[next_];
+  next_ = (next_ + 1) % ring_.size();
+  int64_t total = 0, most = 0;
+  for (size_t i = 0; i < sum_.size(); ++i) {
+    const int64_t now = i < counts.size() ? counts[i] : 0;
+    sum_[i] += now - slot[i];
+    slot[i] = now;
+    total += sum_[i];
+    most = std::max(most, sum_[i]);
+  }
+  if (most == 0) return std::nullopt;
+  return static_cast<double>(total) / static_cast<double>(sum_.size()) / static_cast<double>(most);
 }
 
 void Metrics::SetHeldBytes(int64_t bytes) { held_bytes_->Set(static_cast<double>(bytes)); }
@@ -429,33 +444,11 @@ void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int la
     l.worker_pairs[w]->Increment(static_cast<double>(trace.worker_pairs[w]));
   }
   std::lock_guard<std::mutex> lock(balance_mu_);
-  std::vector<int64_t>& worker_slot = l.worker_window[l.next];
-  int64_t worker_total = 0, worker_most = 0;
-  for (size_t w = 0; w < l.worker_window_sum.size(); ++w) {
-    const int64_t now = w < workers ? trace.worker_pairs[w] : 0;
-    l.worker_window_sum[w] += now - worker_slot[w];
-    worker_slot[w] = now;
-    worker_total += l.worker_window_sum[w];
-    worker_most = std::max(worker_most, l.worker_window_sum[w]);
+  if (std::optional<double> b = l.workers.Add(std::span(trace.worker_pairs).first(workers))) {
+    l.worker_balancedness->Set(*b);
   }
-  if (worker_most > 0) {
-    l.worker_balancedness->Set(static_cast<double>(worker_total) /
-                               static_cast<double>(l.worker_window_sum.size()) /
-                               static_cast<double>(worker_most));
-  }
-  std::vector<int64_t>& slot = l.window[l.next];
-  l.next = (l.next + 1) % l.window.size();
-  int64_t total = 0, most = 0;
-  for (size_t e = 0; e < l.window_sum.size(); ++e) {
-    const int64_t now = e < experts ? trace.expert_tokens[e] : 0;
-    l.window_sum[e] += now - slot[e];
-    slot[e] = now;
-    total += l.window_sum[e];
-    most = std::max(most, l.window_sum[e]);
-  }
-  if (most > 0) {
-    l.balancedness->Set(static_cast<double>(total) / static_cast<double>(l.window_sum.size()) /
-                        static_cast<double>(most));
+  if (std::optional<double> b = l.experts.Add(std::span(trace.expert_tokens).first(experts))) {
+    l.balancedness->Set(*b);
   }
 }
 

@@ -8,6 +8,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -99,20 +101,33 @@ class Metrics {
   std::vector<std::array<prometheus::Histogram*, worker::kNumWorkerStages>> stage_seconds_;
   prometheus::Histogram* respond_seconds_ = nullptr;
   std::array<prometheus::Counter*, 2> exchange_bytes_{};  // dispatch, combine
-  // Per served layer: per-expert token counters, per-worker pair counters, the balancedness
-  // gauges and their window.
+  // Per-entry counts (experts, workers) of the last kBalanceWindowBatches batches of a layer:
+  // a ring of batches and the sums over it.
+  class BalanceWindow {
+   public:
+    explicit BalanceWindow(size_t entries)
+        : ring_(kBalanceWindowBatches, std::vector<int64_t>(entries, 0)), sum_(entries, 0) {}
+    // Replaces the oldest batch with `counts` (entries past its end count 0); the window's
+    // mean / max, or nothing while every entry is 0.
+    std::optional<double> Add(std::span<const int64_t> counts);
+
+   private:
+    std::vector<std::vector<int64_t>> ring_;
+    std::vector<int64_t> sum_;
+    size_t next_ = 0;
+  };
+  // Per served layer: per-expert token counters, per-worker pair counters, copies per expert,
+  // the balancedness gauges and their windows.
   struct LayerSeries {
     std::vector<prometheus::Counter*> expert_tokens;
     std::vector<prometheus::Counter*> worker_pairs;
     std::vector<prometheus::Gauge*> replicas;  // per expert
     prometheus::Gauge* balancedness = nullptr;
     prometheus::Gauge* worker_balancedness = nullptr;
-    std::vector<std::vector<int64_t>> window;         // ring of the last batches' per-expert counts
-    std::vector<int64_t> window_sum;                  // per expert, over the ring
-    std::vector<std::vector<int64_t>> worker_window;  // the same per worker
-    std::vector<int64_t> worker_window_sum;
-    size_t next = 0;
+    BalanceWindow experts{0}, workers{0};
   };
+  // epserve_expert_replicas from the placement of each served layer.
+  void SetReplicas(const std::vector<worker::ExpertPlacement>& placements);
   // The expert load profile of every served layer since start (server/eplb_profile.h), JSON.
   std::string ExpertLoadProfile() const;
   std::vector<int> layer_ids_;

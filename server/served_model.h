@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "worker/placement.h"
+
 namespace epserve::server {
 
 struct ServedModel {
@@ -16,9 +18,9 @@ struct ServedModel {
   int num_experts = 1;
   int top_k = 1;               // routed experts per token: the width of topk_ids, topk_weights
   std::string device = "cpu";  // the workers' OpenCL device (--device), reported in ModelConfig
-  // Per served layer, the copies of each expert the workers hold (--redundant-experts); empty:
-  // one each.
-  std::vector<std::vector<int>> expert_copies = {};
+  // Per served layer, which workers hold which experts (--redundant-experts); empty: one copy
+  // of each.
+  std::vector<worker::ExpertPlacement> placements = {};
 };
 
 }  // namespace epserve::server
