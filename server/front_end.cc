@@ -5,6 +5,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -18,6 +19,49 @@
 
 namespace epserve::server {
 namespace {
+
+// A layer's placement for `load` over the workers of `live` (all of them until one dies):
+// DeepSeek's EPLB policy (worker::BalanceExperts) over the live workers, with as many
+// redundant copies as still fit the slots each worker has room for, worker sets renamed to
+// where most of their experts already are (worker::KeepInPlace on `current`); dead workers
+// hold nothing; each expert keeps `min_copies` copies where they fit.
+absl::StatusOr<worker::ExpertPlacement> PlaceOverLiveWorkers(const std::vector<double>& load,
+                                                             const worker::ExpertPlacement& current,
+                                                             const worker::WorkerSet& live,
+                                                             const worker::ExchangeShape& shape,
+                                                             int min_copies) {
+  std::vector<int> ids;  // the live workers, in order
+  for (int w = 0; w < shape.num_workers; ++w) {
+    if (live.Has(w)) ids.push_back(w);
+  }
+  const int n = static_cast<int>(ids.size());
+  const int slots = (shape.num_experts + shape.redundant_experts + shape.num_workers - 1) /
+                    shape.num_workers;  // each worker's room
+  const int redundant = std::min(
+      {shape.redundant_experts, slots * n - shape.num_experts, shape.num_experts * (n - 1)});
+  if (n == 0 || redundant < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        n, " live workers with room for ", slots, " experts each cannot hold ", shape.num_experts));
+  }
+  // As many copies of each expert as asked, where the live workers have room for them.
+  const int copies =
+      std::max(1, std::min({min_copies, n, (shape.num_experts + redundant) / shape.num_experts}));
+  EPSERVE_ASSIGN_OR_RETURN(worker::BalancedPlacement b,
+                           worker::BalanceExperts(load, n, redundant, copies));
+  EPSERVE_ASSIGN_OR_RETURN(worker::ExpertPlacement balanced,
+                           worker::ExpertPlacement::FromSlots(shape.num_experts, b.experts_of));
+  std::vector<std::vector<int>> held(n);  // what each live worker holds now
+  for (int i = 0; i < n; ++i)
+    held[i].assign(current.experts(ids[i]).begin(), current.experts(ids[i]).end());
+  EPSERVE_ASSIGN_OR_RETURN(worker::ExpertPlacement now,
+                           worker::ExpertPlacement::FromSlots(shape.num_experts, held, true));
+  const worker::ExpertPlacement kept = worker::KeepInPlace(balanced, now);
+  std::vector<std::vector<int>> experts_of(shape.num_workers);
+  for (int i = 0; i < n; ++i)
+    experts_of[ids[i]].assign(kept.experts(i).begin(), kept.experts(i).end());
+  return worker::ExpertPlacement::FromSlots(shape.num_experts, std::move(experts_of),
+                                            /*idle_workers=*/true);
+}
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
   absl::StatusOr<std::string> pem = common::ReadWholeFile(path);
@@ -143,6 +187,7 @@ absl::Status FrontEndOptions::Validate() const {
   }
   if (eplb.interval_batches < 0) return bad("--eplb-interval must be >= 0 (0: off)");
   if (!(eplb.min_gain >= 0 && eplb.min_gain <= 1)) return bad("--eplb-min-gain must be in [0, 1]");
+  if (eplb.min_copies < 1) return bad("--eplb-min-copies must be at least 1");
   if (grpc_handshake_timeout <= absl::ZeroDuration()) {
     return bad("--grpc-handshake-timeout must be > 0");
   }
@@ -297,6 +342,13 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
   std::unique_lock<std::mutex> exec(exec_mu_);
   absl::StatusOr<worker::BatchTrace> trace =
       coordinator_->Run(layer_pos, chunks, absl::Now() + options_.batch_timeout);
+  if (const int lost = coordinator_->lost_workers();
+      lost != lost_seen_ && coordinator_->healthy()) {
+    // A worker died and the service goes on with the survivors: their placements now.
+    lost_seen_ = lost;
+    metrics_->SetWorkersLost(lost);
+    metrics_->SetReplicas(coordinator_->placements());
+  }
   exec.unlock();
   if (!trace.ok()) {
     if (!coordinator_->healthy()) {
@@ -423,9 +475,11 @@ void FrontEnd::Rebalance() {
     eplb_batches_ = 0;
   }
   std::vector<worker::ExpertPlacement> current;
+  worker::WorkerSet live;
   {
     std::lock_guard<std::mutex> exec(exec_mu_);
     current = coordinator_->placements();
+    live = coordinator_->live_workers();
   }
   const worker::ExchangeShape& shape = coordinator_->shape();
   if (current.size() != load.size()) {
@@ -438,11 +492,8 @@ void FrontEnd::Rebalance() {
   std::vector<worker::ExpertPlacement> next;
   double before = 1, after = 1;
   for (size_t l = 0; l < load.size(); ++l) {
-    absl::StatusOr<worker::BalancedPlacement> b =
-        worker::BalanceExperts(load[l], shape.num_workers, shape.redundant_experts);
     absl::StatusOr<worker::ExpertPlacement> p =
-        b.ok() ? worker::ExpertPlacement::FromSlots(shape.num_experts, b->experts_of)
-               : absl::StatusOr<worker::ExpertPlacement>(b.status());
+        PlaceOverLiveWorkers(load[l], current[l], live, shape, options_.eplb.min_copies);
     if (!p.ok()) {
       common::LogWarning(absl::StrCat("rebalance: ", p.status().ToString()));
       metrics_->ObserveRebalance("failed", absl::ZeroDuration(), 0, nullptr);
@@ -450,7 +501,7 @@ void FrontEnd::Rebalance() {
     }
     before = std::min(before, worker::PlacementBalancedness(current[l], load[l]));
     after = std::min(after, worker::PlacementBalancedness(*p, load[l]));
-    next.push_back(worker::KeepInPlace(*p, current[l]));
+    next.push_back(*std::move(p));
   }
   if (next == current || after - before < options_.eplb.min_gain) {
     metrics_->ObserveRebalance("skipped", absl::ZeroDuration(), 0, nullptr);
@@ -476,15 +527,22 @@ void FrontEnd::Rebalance() {
 
 void FrontEnd::WatchHeartbeats(int num_workers) {
   bool stalled = false;
+  int lost = 0;  // workers whose process died (Coordinator's watch)
   std::unique_lock<std::mutex> lock(watch_mu_);
   while (
       !watch_cv_.wait_for(lock, std::chrono::milliseconds(250), [this] { return watch_stop_; })) {
     const int n = coordinator_->StalledWorkers(options_.worker_stall_timeout);
     if (n < 0) return;  // no heartbeats on this heap backend
+    if (const int now_lost = coordinator_->lost_workers(); now_lost != lost) {
+      // Dead workers are not stalled ones: readiness stays while the survivors serve.
+      lost = now_lost;
+      metrics_->SetWorkersLost(lost);
+      if (coordinator_->healthy()) metrics_->SetWorkersReady(num_workers - lost - n);
+    }
     if (n > 0 && !stalled) {
       stalled = true;
       SetReady(false);
-      metrics_->SetWorkersReady(num_workers - n);
+      metrics_->SetWorkersReady(num_workers - lost - n);
       common::LogWarning(absl::StrCat(n, " worker(s) sent no heartbeat for ",
                                       absl::FormatDuration(options_.worker_stall_timeout),
                                       ": not ready until they do"));
@@ -492,8 +550,8 @@ void FrontEnd::WatchHeartbeats(int num_workers) {
       stalled = false;
       if (coordinator_->healthy()) {
         SetReady(true);
-        metrics_->SetWorkersReady(num_workers);
-        common::LogInfo("every worker beats again: ready");
+        metrics_->SetWorkersReady(num_workers - lost);
+        common::LogInfo("every live worker beats again: ready");
       }
     }
   }

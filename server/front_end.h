@@ -44,6 +44,9 @@ namespace epserve::server {
 struct EplbOptions {
   int64_t interval_batches = 0;  // --eplb-interval; 0: off
   double min_gain = 0.05;        // --eplb-min-gain, in [0, 1]
+  // --eplb-min-copies: copies of every expert each placement keeps (where the workers alive
+  // have room), so that a worker's death leaves one of each (Coordinator, "A worker's death").
+  int min_copies = 1;
 };
 
 struct FrontEndOptions {
@@ -164,6 +167,7 @@ class FrontEnd {
   uint64_t serving_seed_ = 0;  // of the serving weights (under swap_mu_)
   std::mutex swap_mu_;         // one SwapWeights or Rebalance at a time
   std::mutex exec_mu_;         // held while the coordinator runs a batch or a weight swap's step
+  int lost_seen_ = 0;          // workers lost as the metrics last showed (under exec_mu_)
   std::atomic<bool> stopping_{false};  // Shutdown began: weight swaps take no further step
   std::unique_ptr<Metrics> metrics_;
   Statistics statistics_;

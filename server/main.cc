@@ -37,6 +37,9 @@ namespace {
 std::atomic<bool> g_stop{false};
 // The stop signal came from this rank's parent: mpirun (or its orted), ending the job.
 std::atomic<bool> g_stopped_by_launcher{false};
+// A rank of the job died and this one served on without it: MPI's collective teardown (the
+// heap's free, MPI_Finalize) would wait for the dead rank, so the job's ranks leave without.
+std::atomic<bool> g_peer_died{false};
 void OnSignal(int, siginfo_t* info, void*) {
   if (info != nullptr && info->si_pid == getppid()) g_stopped_by_launcher.store(true);
   g_stop.store(true);
@@ -220,6 +223,14 @@ int ServeFrontEnd(const Flags& flags, const epserve::model::ModelConfig& config,
                   epserve::worker::Coordinator& coordinator, size_t heap_bytes,
                   ModelOpener open_model, std::unique_ptr<epserve::server::FrontEnd>& front_end) {
   using namespace epserve;
+  // A worker's death the survivors cannot serve through ends the job, as mpirun does
+  // without --enable-recovery, so that the supervisor starts a new one.
+  coordinator.set_on_fatal_death([](const std::string& why) {
+    Log(0, absl::StrCat("error: a worker died and the service cannot go on without it (", why,
+                        "); ending the job"));
+    std::fflush(nullptr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  });
   absl::Status s = coordinator.WaitForWorkers(absl::Now() + flags.startup_timeout);
   if (!s.ok()) {
     Log(0, absl::StrCat("error: ", s.ToString()));
@@ -243,6 +254,7 @@ int ServeFrontEnd(const Flags& flags, const epserve::model::ModelConfig& config,
   if (!s.ok()) Log(0, absl::StrCat("workers did not stop cleanly: ", s.ToString()));
   Log(0, absl::StrCat("stopped serving in ", absl::FormatDuration(absl::Now() - stop_start)));
   front_end = *std::move(fe);
+  if (coordinator.lost_workers() > 0) g_peer_died.store(true);
   return 0;
 }
 
@@ -274,6 +286,7 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
                          "; kernels warmed up in ",
                          absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
   absl::Status s = (*w)->Serve(g_stop);
+  if ((*w)->peers_lost()) g_peer_died.store(true);
   if (!s.ok()) {
     Log(rank, s.ToString());
     return 1;
@@ -314,8 +327,9 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     if (!p.ok()) return Fail(rank, p.status());
     profile = *std::move(p);
   }
-  absl::StatusOr<std::vector<worker::ExpertPlacement>> placements = server::PlaceExperts(
-      config, plan->shape().num_workers, flags.redundant_experts, profile ? &*profile : nullptr);
+  absl::StatusOr<std::vector<worker::ExpertPlacement>> placements =
+      server::PlaceExperts(config, plan->shape().num_workers, flags.redundant_experts,
+                           profile ? &*profile : nullptr, flags.fe.eplb.min_copies);
   if (!placements.ok()) return Fail(rank, placements.status());
 
   const absl::StatusOr<HostWorkers> host_workers = WorkersOnThisHost(rank);
@@ -348,6 +362,12 @@ int Run(int rank, int num_ranks, const Flags& flags) {
   } else {
     code = ServeWorker(rank, flags, **heap, *regions, **source, *weight_dtype, *host_workers,
                        open_model, *std::move(placements));
+  }
+  if (g_peer_died.load()) {
+    // Every answer is sent; the heap's free and MPI_Finalize would wait for the dead rank.
+    Log(rank, "a rank of this job died earlier: leaving without MPI's collective teardown");
+    std::fflush(nullptr);
+    std::_Exit(code);
   }
   // Leaving: if a peer is gone the collective free below could block; never hang.
   std::thread([rank] {

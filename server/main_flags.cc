@@ -174,6 +174,10 @@ void RegisterExchangeFlags(common::FlagSet& fs, Flags& flags) {
   fs.Add("eplb-min-gain", &flags.fe.eplb.min_gain,
          "A rebalance goes ahead only where it raises the expected worker balancedness "
          "(mean / max load, the worst layer) by at least this");
+  fs.Add("eplb-min-copies", &flags.fe.eplb.min_copies,
+         "Copies of every expert each placement keeps, at start and at every rebalance "
+         "(needs --redundant-experts >= experts x (copies - 1)); 2: the job serves on through "
+         "any one worker's death (under mpirun --enable-recovery, --shared-expert=owner)");
   fs.Add("eplb-profile", &flags.eplb_profile,
          "A saved expert load profile (JSON, as GET /eplb/profile on the metrics port gives) "
          "to place the experts and their --redundant-experts copies by; empty: uniform loads");

@@ -196,6 +196,13 @@ void Metrics::RegisterStateMetrics(const ServedModel& model, int64_t queue_capac
                            .Help("Expert workers that have loaded their weights and answer.")
                            .Register(r)
                            .Add({});
+  m->workers_lost_ = &prometheus::BuildGauge()
+                          .Name("epserve_workers_lost")
+                          .Help(
+                              "Expert workers of this job whose process died; the job serves "
+                              "on the survivors where every expert kept a copy.")
+                          .Register(r)
+                          .Add({});
   prometheus::BuildGauge()
       .Name("epserve_workers_configured")
       .Help("Expert workers the cluster was launched with.")
@@ -458,6 +465,7 @@ void Metrics::ObserveRespond(absl::Duration duration) {
 
 void Metrics::SetQueueTokens(int64_t tokens) { queue_tokens_->Set(static_cast<double>(tokens)); }
 void Metrics::SetWorkersReady(int workers) { workers_ready_->Set(workers); }
+void Metrics::SetWorkersLost(int workers) { workers_lost_->Set(workers); }
 void Metrics::SetHeapBytes(int64_t bytes) { heap_bytes_->Set(static_cast<double>(bytes)); }
 
 }  // namespace epserve::server

@@ -53,6 +53,7 @@ class Metrics {
   void ObserveRespond(absl::Duration duration);
   void SetQueueTokens(int64_t tokens);
   void SetWorkersReady(int workers);
+  void SetWorkersLost(int workers);
   void SetHeapBytes(int64_t bytes);
   // Bytes of requests and answers held for calls (MemoryBudget), and its bound.
   void SetHeldBytes(int64_t bytes);
@@ -74,6 +75,9 @@ class Metrics {
   // loaded, the new placements), "skipped" (the gain was too small) or "failed".
   void ObserveRebalance(const char* outcome, absl::Duration took, int64_t bytes,
                         const std::vector<worker::ExpertPlacement>* placements);
+  // epserve_expert_replicas from the placement of each served layer (at start, after a
+  // rebalance, after a worker's death: the survivors' copies).
+  void SetReplicas(const std::vector<worker::ExpertPlacement>& placements);
 
  private:
   Metrics() = default;
@@ -126,8 +130,6 @@ class Metrics {
     prometheus::Gauge* worker_balancedness = nullptr;
     BalanceWindow experts{0}, workers{0};
   };
-  // epserve_expert_replicas from the placement of each served layer.
-  void SetReplicas(const std::vector<worker::ExpertPlacement>& placements);
   // The expert load profile of every served layer since start (server/eplb_profile.h), JSON.
   std::string ExpertLoadProfile() const;
   std::vector<int> layer_ids_;
@@ -140,6 +142,7 @@ class Metrics {
   prometheus::Gauge* inflight_ = nullptr;
   prometheus::Gauge* queue_tokens_ = nullptr;
   prometheus::Gauge* workers_ready_ = nullptr;
+  prometheus::Gauge* workers_lost_ = nullptr;
   prometheus::Gauge* heap_bytes_ = nullptr;
   prometheus::Gauge* held_bytes_ = nullptr;
   prometheus::Gauge* held_bytes_limit_ = nullptr;

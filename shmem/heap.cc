@@ -135,7 +135,9 @@ absl::Status WaitLoop(Load load, uint64_t target, absl::Time deadline, absl::str
   while (true) {
     const uint64_t seen = load();
     if (seen >= target) return absl::OkStatus();
-    if (wait.cancel != nullptr && wait.cancel->load(std::memory_order_relaxed)) {
+    if ((wait.cancel != nullptr && wait.cancel->load(std::memory_order_relaxed)) ||
+        (wait.cancel_signal != nullptr &&
+         SignalLoad(const_cast<uint64_t*>(wait.cancel_signal)) > wait.cancel_above)) {
       return absl::CancelledError(absl::StrCat("cancelled while waiting for ", what,
                                                index >= 0 ? " " : "",
                                                index >= 0 ? absl::StrCat(index) : ""));

@@ -53,6 +53,11 @@ struct WaitOptions {
   // the signal at most about fraction * T late. For waits that routinely last milliseconds.
   double sleep_fraction = 0;
   const std::atomic<bool>* cancel = nullptr;  // CANCELLED once it turns true
+  // CANCELLED once the word at cancel_signal (a signal in this rank's own memory, stored
+  // with SignalStore) exceeds cancel_above: how rank 0 ends a batch's waits on every worker
+  // at once when a peer of theirs died.
+  const uint64_t* cancel_signal = nullptr;
+  uint64_t cancel_above = 0;
 };
 
 // Thread-safety: Allocate is not thread-safe. The data and signal functions may be called

@@ -1,6 +1,13 @@
 #include "worker/coordinator.h"
 #include "worker/placement.h"
 
+#include <poll.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
@@ -20,56 +27,252 @@ absl::Status ReportStatus(const WorkerReport& report) {
   return absl::Status(static_cast<absl::StatusCode>(report.status_code), ReportMessage(report));
 }
 
+// A pidfd for `pid` (readable once the process has ended), or -1 where the kernel has none.
+int OpenPidfd(int64_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
+std::string WorkerList(const WorkerSet& set, int num_workers) {
+  std::string out;
+  for (int w = 0; w < num_workers; ++w) {
+    if (set.Has(w)) absl::StrAppend(&out, out.empty() ? "" : ", ", w);
+  }
+  return out;
+}
+
 }  // namespace
+
+Coordinator::Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
+                         std::vector<ExpertPlacement> placements)
+    : heap_(heap),
+      regions_(regions),
+      placements_(std::move(placements)),
+      serving_live_(WorkerSet::All(regions.plan.shape().num_workers)) {}
+
+Coordinator::~Coordinator() {
+  if (watch_.joinable()) {
+    const uint64_t one = 1;
+    if (write(watch_stop_fd_, &one, sizeof(one)) < 0) common::LogError("ending the worker watch");
+    watch_.join();
+  }
+  if (watch_stop_fd_ >= 0) close(watch_stop_fd_);
+}
 
 absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
   shmem::WaitOptions wait;
   wait.max_sleep = absl::Milliseconds(5);
-  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+  const int num_workers = regions_.plan.shape().num_workers;
+  for (int w = 0; w < num_workers; ++w) {
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.ready, w), 1, deadline,
                                              "weights loaded by worker", w, wait));
+  }
+  // Only the shm heap has every worker on this host, and survives one's death.
+  if (heap_.backend() != shmem::HeapBackend::kShm || watch_.joinable()) return absl::OkStatus();
+  std::vector<int> pidfds(num_workers, -1);
+  std::vector<int64_t> pids(num_workers, 0);
+  for (int w = 0; w < num_workers; ++w) {
+    pids[w] = static_cast<int64_t>(heap_.SignalLoad(HeapRegions::Signal(regions_.pids, w)));
+    pidfds[w] = OpenPidfd(pids[w]);
+  }
+  watch_stop_fd_ = eventfd(0, EFD_CLOEXEC);
+  if (watch_stop_fd_ < 0) {
+    for (int fd : pidfds) {
+      if (fd >= 0) close(fd);
+    }
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  watch_ = std::thread([this, pidfds, pids] { Watch(pidfds, pids); });
+  return absl::OkStatus();
+}
+
+void Coordinator::Watch(std::vector<int> pidfds, std::vector<int64_t> pids) {
+  const int num_workers = static_cast<int>(pidfds.size());
+  std::vector<bool> gone(num_workers, false);
+  while (true) {
+    // Workers without a pidfd (a kernel before 5.3) are probed with kill(pid, 0) every 20 ms.
+    std::vector<pollfd> fds = {{watch_stop_fd_, POLLIN, 0}};
+    std::vector<int> of;  // worker of fds[i + 1]
+    bool probe = false;
+    for (int w = 0; w < num_workers; ++w) {
+      if (gone[w]) continue;
+      if (pidfds[w] >= 0) {
+        fds.push_back({pidfds[w], POLLIN, 0});
+        of.push_back(w);
+      } else {
+        probe = true;
+      }
+    }
+    const int ready = poll(fds.data(), fds.size(), probe ? 20 : -1);
+    if (ready < 0 && errno != EINTR) {
+      common::LogError(absl::StrCat("watching the workers: poll: ", std::strerror(errno)));
+      break;
+    }
+    if (fds[0].revents != 0) break;
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      const int w = of[i - 1];
+      gone[w] = true;
+      OnDeath(w, pids[w]);
+    }
+    for (int w = 0; probe && w < num_workers; ++w) {
+      if (!gone[w] && pidfds[w] < 0 && kill(static_cast<pid_t>(pids[w]), 0) != 0 &&
+          errno == ESRCH) {
+        gone[w] = true;
+        OnDeath(w, pids[w]);
+      }
+    }
+  }
+  for (int fd : pidfds) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+void Coordinator::OnDeath(int w, int64_t pid) {
+  const int num_workers = regions_.plan.shape().num_workers;
+  WorkerSet live;
+  {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    dead_.Add(w);
+    live = WorkerSet::All(num_workers);
+    for (int i = 0; i < num_workers; ++i) {
+      if (dead_.Has(i)) live.Remove(i);
+    }
+  }
+  ++lost_;
+  // A new generation ends the waits of the batch under way, here and on every worker.
+  const uint64_t generation = shmem::SignalLoad(&cancel_word_) + 1;
+  for (int i = 0; i < num_workers; ++i) {
+    uint64_t* cancel = heap_.DirectAs<uint64_t>(RankOfWorker(i), regions_.cancel);
+    if (cancel != nullptr) shmem::SignalStore(cancel, generation);
+  }
+  shmem::SignalStore(&cancel_word_, generation);
+  const absl::Status survivable = Survivable(live);
+  common::LogError(absl::StrCat(
+      "worker ", w, " (rank ", RankOfWorker(w), ", pid ", pid,
+      ") died; live workers: ", WorkerList(live, num_workers),
+      survivable.ok() ? "; serving on with them" : absl::StrCat("; ", survivable.message())));
+  if (!survivable.ok()) {
+    healthy_ = false;
+    if (on_fatal_death_) on_fatal_death_(std::string(survivable.message()));
+  }
+}
+
+WorkerSet Coordinator::live_workers() const {
+  const int num_workers = regions_.plan.shape().num_workers;
+  std::lock_guard<std::mutex> lock(live_mu_);
+  WorkerSet live = WorkerSet::All(num_workers);
+  for (int i = 0; i < num_workers; ++i) {
+    if (dead_.Has(i)) live.Remove(i);
+  }
+  return live;
+}
+
+absl::Status Coordinator::Survivable(const WorkerSet& live) const {
+  if (live.Count() == 0) return absl::UnavailableError("no worker is left");
+  if (regions_.plan.shared_expert_split()) {
+    return absl::UnavailableError(
+        "the shared expert is split over every worker, so a slice of it is gone");
+  }
+  const int num_workers = regions_.plan.shape().num_workers;
+  std::vector<ExpertPlacement> all = placements_;
+  if (all.empty()) {
+    absl::StatusOr<ExpertPlacement> contiguous =
+        ExpertPlacement::Contiguous(regions_.plan.shape().num_experts, num_workers);
+    if (!contiguous.ok()) return contiguous.status();
+    all.push_back(*contiguous);
+  }
+  for (size_t l = 0; l < all.size(); ++l) {
+    absl::StatusOr<ExpertPlacement> only = all[l].OnlyOn(live);
+    if (!only.ok()) {
+      return absl::UnavailableError(absl::StrCat("served layer ", l, ": ", only.status().message(),
+                                                 " (--redundant-experts places second copies)"));
+    }
   }
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline) {
+absl::Status Coordinator::UseLiveWorkers(const WorkerSet& live) {
+  if (live == serving_live_) return absl::OkStatus();
+  absl::Status s = Survivable(live);
+  if (!s.ok()) return Fail(s.message());
+  std::vector<ExpertPlacement> only;
+  for (const ExpertPlacement& p : placements_) only.push_back(*p.OnlyOn(live));
+  survivor_placements_ = std::move(only);
+  serving_live_ = live;
+  common::LogInfo(
+      absl::StrCat("serving with workers ", WorkerList(live, regions_.plan.shape().num_workers)));
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
+                               const WorkerSet& live, uint64_t generation) {
   const int num_workers = regions_.plan.shape().num_workers;
   ++seq_;
   // Workers give up a little before rank 0 does, so their reports arrive in time.
   const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
   const absl::Time worker_deadline = deadline - std::min(left / 5, absl::Milliseconds(100));
   for (int w = 0; w < num_workers; ++w) {
-    const int64_t begin = RowSplit(total_rows, w, num_workers);
-    const int64_t end = RowSplit(total_rows, w + 1, num_workers);
+    if (!live.Has(w)) continue;
+    const int64_t begin = RowSplit(total_rows, w, num_workers, live);
+    const int64_t end = RowSplit(total_rows, w + 1, num_workers, live);
     BatchDescriptor desc{};
     desc.op = op;
     desc.layer_pos = layer_pos;
     desc.row_start = begin;
     desc.num_rows = end - begin;
     desc.deadline_unix_us = absl::ToUnixMicros(worker_deadline);
+    desc.live = live;
+    desc.generation = generation;
     EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.descriptor, &desc, sizeof(desc)));
     EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), regions_.batch_seq, seq_));
   }
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::WaitDone(absl::Time deadline) {
+absl::Status Coordinator::WaitDone(absl::Time deadline, const WorkerSet& workers,
+                                   uint64_t generation) {
   shmem::WaitOptions wait;
   wait.cancel = &abort_;
+  wait.cancel_signal = &cancel_word_;
+  wait.cancel_above = generation;
   // A batch runs for milliseconds to seconds; polling every 50 us throughout cost rank 0
   // about 8% of a core (20,000 wake-ups a second) on the cores the workers compute on.
   wait.sleep_fraction = 1.0 / 64;
   for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+    if (!workers.Has(w)) continue;
     EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.done_seq, w), seq_,
                                              deadline, "the end of the batch on worker", w, wait));
   }
   return absl::OkStatus();
 }
 
+absl::Status Coordinator::WaitForSurvivors(absl::Time deadline, const WorkerSet& posted) {
+  while (true) {
+    const uint64_t generation = shmem::SignalLoad(&cancel_word_);
+    const WorkerSet alive = live_workers();
+    WorkerSet survivors;
+    for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+      if (posted.Has(w) && alive.Has(w)) survivors.Add(w);
+    }
+    absl::Status s = WaitDone(deadline, survivors, generation);
+    if (s.ok()) return s;
+    // Another death: wait again, for the workers still alive.
+    if (shmem::SignalLoad(&cancel_word_) == generation || abort_.load()) {
+      return FailBatch(s, survivors);
+    }
+  }
+}
+
 int Coordinator::StalledWorkers(absl::Duration timeout) {
   const int w = regions_.plan.shape().num_workers;
   uint64_t* beats = heap_.DirectAs<uint64_t>(0, regions_.heartbeats);
   if (beats == nullptr || heap_.backend() != shmem::HeapBackend::kShm) return -1;
+  const WorkerSet live = live_workers();
   std::lock_guard<std::mutex> lock(beat_mu_);
   const absl::Time now = absl::Now();
   if (last_beat_.empty()) {
@@ -84,7 +287,7 @@ int Coordinator::StalledWorkers(absl::Duration timeout) {
     if (beat != last_beat_[i]) {
       last_beat_[i] = beat;
       beat_seen_[i] = now;
-    } else if (now - beat_seen_[i] > timeout) {
+    } else if (now - beat_seen_[i] > timeout && live.Has(i)) {
       ++stalled;
     }
   }
@@ -113,18 +316,104 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
         absl::StrCat("batch of ", total, " rows outside [1, ", shape.max_batch_tokens, "]"));
   }
   deadline = std::min(deadline, absl::Now() + regions_.plan.timeout());
-  BatchTrace trace;
+  const absl::Time start = absl::Now();
+  BatchTrace all;
+  std::vector<RowChunk> slice;
+  bool retried = false;
+  for (int64_t done = 0; done < total;) {
+    // The generation before the live set: a death between the two only cancels this attempt.
+    const uint64_t generation = shmem::SignalLoad(&cancel_word_);
+    const WorkerSet live = live_workers();
+    EPSERVE_RETURN_IF_ERROR(UseLiveWorkers(live));
+    // After a worker's death the survivors' input regions hold fewer rows than a batch may
+    // have: it runs in slices that fit them (and, where --max-recv-tokens-per-rank sized
+    // their receive buffers below a batch, that one survivor can take whole).
+    int64_t fit = regions_.plan.max_rows_per_worker() * live.Count();
+    if (live.Count() < shape.num_workers) fit = std::min(fit, regions_.plan.recv_capacity());
+    const int64_t rows = std::min(fit, total - done);
+    Slice(chunks, done, rows, slice);
+    bool died = false;
+    absl::StatusOr<BatchTrace> trace =
+        RunOnce(layer_pos, slice, rows, deadline, live, generation, died);
+    if (died && healthy_) {
+      // A worker died under the slice and every survivor has left it. Run it again over the
+      // survivors, once per batch, if the deadline leaves at least the time spent so far.
+      if (retried || deadline - absl::Now() < absl::Now() - start ||
+          !Survivable(live_workers()).ok()) {
+        return absl::UnavailableError(
+            absl::StrCat("a worker died while this batch ran; it was abandoned (",
+                         trace.status().message(), "); the service goes on with the live workers"));
+      }
+      retried = true;
+      continue;
+    }
+    if (!trace.ok()) return trace.status();
+    if (done == 0 && rows == total) return trace;
+    Accumulate(all, *trace);
+    done += rows;
+  }
+  return all;
+}
 
+void Coordinator::Slice(std::span<const RowChunk> chunks, int64_t begin, int64_t rows,
+                        std::vector<RowChunk>& out) const {
+  const int64_t hidden = regions_.plan.shape().hidden;
+  const int k = regions_.plan.shape().top_k;
+  out.clear();
+  int64_t at = 0;  // first row of the chunk
+  for (const RowChunk& c : chunks) {
+    const int64_t from = std::max(begin, at), to = std::min(begin + rows, at + c.rows);
+    if (from < to) {
+      const int64_t skip = from - at;
+      RowChunk part = c;
+      part.rows = to - from;
+      part.input += skip * hidden;
+      part.output += skip * hidden;
+      if (part.topk_ids != nullptr) part.topk_ids += skip * k;
+      if (part.topk_weights != nullptr) part.topk_weights += skip * k;
+      out.push_back(part);
+    }
+    at += c.rows;
+  }
+}
+
+void Coordinator::Accumulate(BatchTrace& all, const BatchTrace& part) {
+  all.scatter_ns += part.scatter_ns;
+  all.gather_ns += part.gather_ns;
+  all.dispatch_bytes += part.dispatch_bytes;
+  all.combine_bytes += part.combine_bytes;
+  auto add = [](auto& to, const auto& from) {
+    if (to.size() < from.size()) to.resize(from.size());
+    for (size_t i = 0; i < from.size(); ++i) to[i] += from[i];
+  };
+  add(all.expert_tokens, part.expert_tokens);
+  add(all.worker_pairs, part.worker_pairs);
+  if (all.stage_ns.size() < part.stage_ns.size()) all.stage_ns.resize(part.stage_ns.size());
+  for (size_t w = 0; w < part.stage_ns.size(); ++w) {
+    for (int st = 0; st < kNumWorkerStages; ++st) all.stage_ns[w][st] += part.stage_ns[w][st];
+  }
+}
+
+absl::StatusOr<BatchTrace> Coordinator::RunOnce(int layer_pos, std::span<const RowChunk> chunks,
+                                                int64_t total, absl::Time deadline,
+                                                const WorkerSet& live, uint64_t generation,
+                                                bool& died) {
+  BatchTrace trace;
   absl::Time t0 = absl::Now();
-  absl::Status s = Scatter(chunks, total);
+  absl::Status s = Scatter(chunks, total, live);
   if (!s.ok()) return Fail(s.ToString());
   trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
 
-  s = Post(BatchOp::kRun, layer_pos, total, deadline);
+  s = Post(BatchOp::kRun, layer_pos, total, deadline, live, generation);
   if (!s.ok()) return Fail(s.ToString());
-  s = WaitDone(deadline);
-  if (!s.ok()) return FailBatch(s);
-  EPSERVE_RETURN_IF_ERROR(CollectReports(trace));
+  s = WaitDone(deadline, live, generation);
+  if (absl::IsCancelled(s) && !abort_.load()) {
+    died = true;
+    EPSERVE_RETURN_IF_ERROR(WaitForSurvivors(deadline, live));
+    return s;
+  }
+  if (!s.ok()) return FailBatch(s, live);
+  EPSERVE_RETURN_IF_ERROR(CollectReports(trace, live));
 
   t0 = absl::Now();
   Gather(chunks);
@@ -132,7 +421,8 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
   return trace;
 }
 
-absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t total) {
+absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t total,
+                                  const WorkerSet& live) {
   const ExchangeShape& shape = regions_.plan.shape();
   const int num_workers = shape.num_workers;
   const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
@@ -141,9 +431,9 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
   int w = 0;
   for (const RowChunk& c : chunks) {
     for (int64_t done = 0; done < c.rows;) {
-      while (row >= RowSplit(total, w + 1, num_workers)) ++w;
-      const int64_t begin = RowSplit(total, w, num_workers);
-      const int64_t end = RowSplit(total, w + 1, num_workers);
+      while (row >= RowSplit(total, w + 1, num_workers, live)) ++w;
+      const int64_t begin = RowSplit(total, w, num_workers, live);
+      const int64_t end = RowSplit(total, w + 1, num_workers, live);
       const int64_t take = std::min(c.rows - done, end - row);
       EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.input + (row - begin) * row_bytes,
                                         c.input + done * shape.hidden, take * row_bytes));
@@ -154,14 +444,15 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::FailBatch(const absl::Status& wait) {
-  if (absl::IsCancelled(wait)) {
+absl::Status Coordinator::FailBatch(const absl::Status& wait, const WorkerSet& posted) {
+  if (absl::IsCancelled(wait) && abort_.load()) {
     healthy_ = false;
     return wait;
   }
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
   std::string why = std::string(wait.message());
   for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+    if (!posted.Has(w)) continue;
     if (heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) < seq_) {
       absl::StrAppend(&why, "; worker ", w, " (rank ", RankOfWorker(w), ") did not finish");
     } else if (reports[w].status_code != 0) {
@@ -171,7 +462,7 @@ absl::Status Coordinator::FailBatch(const absl::Status& wait) {
   return Fail(why);
 }
 
-absl::Status Coordinator::CollectReports(BatchTrace& trace) {
+absl::Status Coordinator::CollectReports(BatchTrace& trace, const WorkerSet& posted) {
   const ExchangeShape& shape = regions_.plan.shape();
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
   trace.stage_ns.resize(shape.num_workers);
@@ -180,6 +471,7 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace) {
   std::string timeouts;
   absl::Status first_error;
   for (int w = 0; w < shape.num_workers; ++w) {
+    if (!posted.Has(w)) continue;
     const WorkerReport& report = reports[w];
     if (report.status_code != 0) {
       if (static_cast<absl::StatusCode>(report.status_code) ==
@@ -203,6 +495,7 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace) {
   trace.expert_tokens.assign(shape.num_experts, 0);
   trace.worker_pairs.assign(shape.num_workers, 0);
   for (int w = 0; w < shape.num_workers; ++w) {
+    if (!posted.Has(w)) continue;  // its row is what it wrote before it died
     for (int e = 0; e < shape.num_experts; ++e) {
       const int64_t pairs = expert_tokens[static_cast<size_t>(w) * shape.num_experts + e];
       trace.expert_tokens[e] += pairs;
@@ -230,12 +523,20 @@ void Coordinator::Gather(std::span<const RowChunk> chunks) {
 }
 
 absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
-  absl::Status s = Post(op, 0, 0, deadline);
-  if (s.ok()) s = WaitDone(deadline);
+  const uint64_t generation = shmem::SignalLoad(&cancel_word_);
+  WorkerSet posted = live_workers();
+  absl::Status s = Post(op, 0, 0, deadline, posted, generation);
+  if (s.ok()) s = WaitDone(deadline, posted, generation);
+  if (absl::IsCancelled(s) && !abort_.load()) {
+    // A worker died meanwhile: what counts is that every survivor did it.
+    s = WaitForSurvivors(deadline, posted);
+    if (!s.ok()) return s;
+    posted = live_workers();
+  }
   if (!s.ok()) return Fail(s.ToString());
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
   for (int i = 0; i < regions_.plan.shape().num_workers; ++i) {
-    if (reports[i].status_code != 0) return ReportStatus(reports[i]);
+    if (posted.Has(i) && reports[i].status_code != 0) return ReportStatus(reports[i]);
   }
   return absl::OkStatus();
 }
@@ -267,7 +568,9 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
     message.placement_words = static_cast<uint32_t>(table.size());
     staged_placements_ = *placements;
   }
+  const WorkerSet live = live_workers();
   for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+    if (!live.Has(w)) continue;
     absl::Status s = heap_.Put(RankOfWorker(w), regions_.control, &message, sizeof(message));
     // The table goes where the worker's next batch rows would: the worker copies it out when
     // it takes the kStage, before any later batch.
@@ -284,8 +587,10 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
 absl::StatusOr<bool> Coordinator::StageDone() {
   if (stage_seq_ == 0) return absl::FailedPreconditionError("no weight swap under way");
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.stage_reports);
+  const WorkerSet live = live_workers();
   bool all = true;
   for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+    if (!live.Has(w)) continue;
     if (heap_.SignalLoad(HeapRegions::Signal(regions_.staged, w)) < stage_seq_) {
       all = false;
     } else if (reports[w].status_code != 0) {
@@ -297,15 +602,25 @@ absl::StatusOr<bool> Coordinator::StageDone() {
 
 int64_t Coordinator::StagedBytes() const {
   const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.stage_reports);
+  const WorkerSet live = live_workers();
   int64_t bytes = 0;
-  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) bytes += reports[w].weight_bytes;
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+    if (live.Has(w)) bytes += reports[w].weight_bytes;
+  }
   return bytes;
 }
 
 absl::Status Coordinator::EndStage(bool use_new, absl::Time deadline) {
   stage_seq_ = 0;
   absl::Status s = Control(use_new ? BatchOp::kSwitch : BatchOp::kDiscard, deadline);
-  if (use_new && s.ok() && !staged_placements_.empty()) placements_.swap(staged_placements_);
+  if (use_new && s.ok() && !staged_placements_.empty()) {
+    placements_.swap(staged_placements_);
+    if (!survivor_placements_.empty()) {
+      // The survivors' view of the new placements, on the next batch.
+      survivor_placements_.clear();
+      serving_live_ = WorkerSet::All(regions_.plan.shape().num_workers);
+    }
+  }
   staged_placements_.clear();
   if (use_new && !s.ok() && healthy_) {
     // Some workers may have switched and others not: answers could mix weights.
@@ -337,8 +652,10 @@ absl::Status Coordinator::SwapWeights(const std::string& model, uint64_t seed,
 absl::Status Coordinator::Stop(absl::Time deadline) {
   // Workers still finishing an aborted batch see the stop right after it.
   abort_.store(false);
-  absl::Status s = Post(BatchOp::kStop, 0, 0, deadline);
-  if (s.ok()) s = WaitDone(deadline);
+  const uint64_t generation = shmem::SignalLoad(&cancel_word_);
+  const WorkerSet live = live_workers();
+  absl::Status s = Post(BatchOp::kStop, 0, 0, deadline, live, generation);
+  if (s.ok()) s = WaitDone(deadline, live, generation);
   return s;
 }
 

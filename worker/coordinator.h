@@ -5,9 +5,11 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -49,14 +51,38 @@ class Coordinator {
   // `placements`: the workers' placement of each served layer (WorkerOptions::placements),
   // for metrics and tools; empty: contiguous.
   Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
-              std::vector<ExpertPlacement> placements = {})
-      : heap_(heap), regions_(regions), placements_(std::move(placements)) {}
+              std::vector<ExpertPlacement> placements = {});
+  ~Coordinator();  // ends the watch of the workers' processes
 
-  // The serving placements, one per served layer; empty where none were given (contiguous).
-  const std::vector<ExpertPlacement>& placements() const { return placements_; }
+  // The serving placements, one per served layer (after a worker's death: OnlyOn the
+  // survivors); empty where none were given (contiguous).
+  const std::vector<ExpertPlacement>& placements() const {
+    return survivor_placements_.empty() ? placements_ : survivor_placements_;
+  }
 
-  // Waits until every worker has loaded its weights.
+  // Waits until every worker has loaded its weights. On the shm heap (every worker on this
+  // host) it then watches each worker's process (a pidfd per worker, from the pid it stored
+  // in the heap) for the rest of the job: see "A worker's death" below.
   absl::Status WaitForWorkers(absl::Time deadline);
+
+  // ---- A worker's death (shm heap; launched with `mpirun --enable-recovery`, so that the
+  // MPI job outlives a rank) ----
+  // The watch thread notices a worker's process end within milliseconds, counts it out of
+  // the live workers and stores a new generation into every worker's `cancel` signal, which
+  // ends the running batch's waits for the dead one at once (on rank 0 too). Where every
+  // expert of every served layer still has a copy on a live worker (and the shared expert is
+  // not split over the workers), Run waits for the survivors to give up the batch and runs
+  // it again over the survivors when its deadline leaves time, then the service goes on with
+  // them: a batch's rows are split over the live workers, each layer's placement OnlyOn them
+  // (they hold those weights already). Otherwise, or on the rma heap, the death cannot be
+  // served through: `on_fatal_death` runs (the server ends the MPI job there, as mpirun
+  // would without --enable-recovery, so that its supervisor restarts it).
+  void set_on_fatal_death(std::function<void(const std::string& why)> f) {
+    on_fatal_death_ = std::move(f);
+  }
+  // The workers alive as far as the watch knows, and how many died. Thread-safe.
+  WorkerSet live_workers() const;
+  int lost_workers() const { return lost_.load(); }
 
   // Runs one batch of `layer_pos` over the rows of `chunks` (at most max_batch_tokens in all).
   // Every wait ends by `deadline`; the workers get a slightly earlier one, so that their
@@ -96,7 +122,7 @@ class Coordinator {
 
   bool healthy() const { return healthy_.load(); }
 
-  // Workers whose heartbeat (HeapRegions::heartbeats) has not advanced for `timeout`, as
+  // Live workers whose heartbeat (HeapRegions::heartbeats) has not advanced for `timeout`, as
   // of this call; -1 where the heap gives rank 0 no load/store view of its segment for the
   // workers to beat into (the rma backend: not monitored). Thread-safe, and independent of
   // Run: a stopped (SIGSTOP) or wedged worker shows here within `timeout` even while no
@@ -105,8 +131,25 @@ class Coordinator {
   const ExchangeShape& shape() const { return regions_.plan.shape(); }
 
  private:
-  absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline);
-  absl::Status WaitDone(absl::Time deadline);
+  // Posts `op` to the workers of `live` (rows split over them), as generation `generation`.
+  absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
+                    const WorkerSet& live, uint64_t generation);
+  // Waits for the end of the posted batch on every worker of `workers`. CANCELLED when Abort
+  // was called, or when a worker died after the batch's `generation` was taken.
+  absl::Status WaitDone(absl::Time deadline, const WorkerSet& workers, uint64_t generation);
+  // After a death cancelled the batch posted to `posted`: waits until each of its workers
+  // still alive has left it (they no longer touch the heap for it). FailBatch's error when
+  // one does not in time.
+  absl::Status WaitForSurvivors(absl::Time deadline, const WorkerSet& posted);
+  // Makes `live` the serving set (survivor_placements_ OnlyOn it) if it is not yet; an error
+  // (the exchange turns unhealthy) where an expert has no copy left.
+  absl::Status UseLiveWorkers(const WorkerSet& live);
+  // The watch thread's body, and what it does when worker w's process has ended.
+  void Watch(std::vector<int> pidfds, std::vector<int64_t> pids);
+  void OnDeath(int w, int64_t pid);
+  // Whether the placements (and the exchange) can serve without the workers outside `live`;
+  // the reason where not.
+  absl::Status Survivable(const WorkerSet& live) const;
   // Posts a control op (no rows) and waits for every worker: the first error a worker
   // reports, or Fail when one does not answer.
   absl::Status Control(BatchOp op, absl::Time deadline);
@@ -118,15 +161,38 @@ class Coordinator {
   // not finish and each finished worker's error. CollectReports reads the workers' reports
   // into `trace`: Fail when any timed out, else the first other error as it is. Gather copies
   // the output rows and their routing out of rank 0's segment into `chunks`.
-  absl::Status Scatter(std::span<const RowChunk> chunks, int64_t total);
-  absl::Status FailBatch(const absl::Status& wait);
-  absl::Status CollectReports(BatchTrace& trace);
+  absl::Status Scatter(std::span<const RowChunk> chunks, int64_t total, const WorkerSet& live);
+  absl::Status FailBatch(const absl::Status& wait, const WorkerSet& posted);
+  absl::Status CollectReports(BatchTrace& trace, const WorkerSet& posted);
+  // Rows [begin, begin + rows) of the batch `chunks`, as chunks of their own, into `out`.
+  void Slice(std::span<const RowChunk> chunks, int64_t begin, int64_t rows,
+             std::vector<RowChunk>& out) const;
+  // Adds a slice's trace to the batch's.
+  static void Accumulate(BatchTrace& all, const BatchTrace& part);
+  // One attempt of Run over `live` as `generation`; CANCELLED with `died` set when a worker
+  // died under it (every survivor has then left it).
+  absl::StatusOr<BatchTrace> RunOnce(int layer_pos, std::span<const RowChunk> chunks, int64_t total,
+                                     absl::Time deadline, const WorkerSet& live,
+                                     uint64_t generation, bool& died);
   void Gather(std::span<const RowChunk> chunks);
 
   shmem::SymmetricHeap& heap_;
   const HeapRegions regions_;
   std::vector<ExpertPlacement> placements_;
   std::vector<ExpertPlacement> staged_placements_;  // of the stage under way, if it brings any
+  // The live set batches run over, and placements_ OnlyOn it (empty while all live).
+  WorkerSet serving_live_;
+  std::vector<ExpertPlacement> survivor_placements_;
+  // The watch: which workers died (guarded by live_mu_), how many, and the generation: the
+  // deaths noticed so far, stored (SignalStore) into cancel_word_ and every worker's
+  // `cancel` signal.
+  mutable std::mutex live_mu_;
+  WorkerSet dead_;
+  std::atomic<int> lost_{0};
+  uint64_t cancel_word_ = 0;
+  std::function<void(const std::string&)> on_fatal_death_;
+  std::thread watch_;
+  int watch_stop_fd_ = -1;  // an eventfd: written to end the watch
   uint64_t seq_ = 0;
   uint64_t stage_seq_ = 0;  // the kStage's seq of a weight swap under way; 0: none
   std::atomic<bool> healthy_{true};

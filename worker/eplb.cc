@@ -39,9 +39,11 @@ absl::Status CheckArguments(std::span<const double> load, int num_workers, int r
 
 // Step 1: copies per expert after giving each redundant copy to the expert with the highest
 // load per copy (an expert already on every worker takes no more).
-std::vector<int> Replicate(std::span<const double> load, int num_workers, int redundant) {
-  std::vector<int> copies(load.size(), 1);
-  for (int n = 0; n < redundant; ++n) {
+std::vector<int> Replicate(std::span<const double> load, int num_workers, int redundant,
+                           int min_copies) {
+  std::vector<int> copies(load.size(), min_copies);
+  const int left = redundant - static_cast<int>(load.size()) * (min_copies - 1);
+  for (int n = 0; n < left; ++n) {
     int best = -1;
     for (size_t e = 0; e < load.size(); ++e) {
       if (copies[e] >= num_workers) continue;
@@ -115,10 +117,18 @@ double ContiguousBalancedness(std::span<const double> load, int num_workers) {
 }
 
 absl::StatusOr<BalancedPlacement> BalanceExperts(std::span<const double> load, int num_workers,
-                                                 int redundant) {
+                                                 int redundant, int min_copies) {
   if (absl::Status s = CheckArguments(load, num_workers, redundant); !s.ok()) return s;
   const int experts = static_cast<int>(load.size());
-  const std::vector<int> copies = Replicate(load, num_workers, redundant);
+  if (min_copies < 1 || min_copies > num_workers ||
+      redundant < static_cast<int64_t>(experts) * (min_copies - 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EPLB: at least ", min_copies, " copies of each expert need 1 <= copies <= workers (",
+        num_workers,
+        ") and experts x (copies - 1) = ", static_cast<int64_t>(experts) * (min_copies - 1),
+        " redundant copies or more, got ", redundant));
+  }
+  const std::vector<int> copies = Replicate(load, num_workers, redundant, min_copies);
 
   // Step 2: every copy, heaviest per-copy load first (ties: lower expert id).
   std::vector<int> order;  // one entry per copy: its expert

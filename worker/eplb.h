@@ -3,8 +3,9 @@
 // every worker carries about the same load. It follows the global policy of DeepSeek's
 // Expert Parallelism Load Balancer (DeepSeek-V3 technical report, arXiv:2412.19437, section
 // 3.4, "redundant experts"; the EPLB repository's rebalance_experts without node groups):
-//   1. replicate: start from one copy per expert; give each of the N redundant copies in turn
-//      to the expert whose load per copy is highest (ties: the lower expert id);
+//   1. replicate: start from one copy per expert (or a given minimum); give each of the
+//      redundant copies left in turn to the expert whose load per copy is highest (ties: the
+//      lower expert id);
 //   2. pack: take the copies in descending load per copy (a copy carries load / copies of its
 //      expert) and put each on the least loaded worker that still has a free slot and holds no
 //      copy of that expert yet (ties: the lower worker id).
@@ -55,7 +56,10 @@ ExpertPlacement KeepInPlace(const ExpertPlacement& next, const ExpertPlacement& 
 
 // `load`: one non-negative, finite value per expert. 1 <= num_workers <= load.size(),
 // 0 <= redundant <= load.size() * (num_workers - 1); else INVALID_ARGUMENT naming the bound.
+// `min_copies` (1 <= min_copies <= num_workers, and redundant >= E x (min_copies - 1)): copies
+// every expert gets before step 1 hands out the rest by load (2: any one worker's death leaves
+// a copy of every expert on the others).
 absl::StatusOr<BalancedPlacement> BalanceExperts(std::span<const double> load, int num_workers,
-                                                 int redundant);
+                                                 int redundant, int min_copies = 1);
 
 }  // namespace epserve::worker

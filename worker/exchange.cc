@@ -64,6 +64,7 @@ Exchange::Exchange(shmem::SymmetricHeap& heap, const ExchangePlan& plan,
       num_local_max_(plan.max_local_experts()),
       count_stride_(2 + static_cast<size_t>(plan.max_local_experts())) {
   const size_t w = static_cast<size_t>(plan.shape().num_workers);
+  live_ = WorkerSet::All(plan.shape().num_workers);
   counts_.resize(w * w * count_stride_);
   my_counts_.resize(w * count_stride_);
   row_base_.resize(w);
@@ -93,6 +94,29 @@ absl::Status Exchange::UsePlacement(const ExpertPlacement& placement) {
   return absl::OkStatus();
 }
 
+absl::Status Exchange::UseLiveWorkers(const WorkerSet& live, uint64_t generation) {
+  if (!live.Has(me_)) {
+    return absl::InternalError(absl::StrCat("worker ", me_, " is not among the live workers"));
+  }
+  if (generation < generation_) {
+    return absl::InternalError(
+        absl::StrCat("exchange generation went back from ", generation_, " to ", generation));
+  }
+  if (generation != generation_) {
+    generation_ = generation;
+    epoch_ = generation << 40;
+  }
+  live_ = live;
+  return absl::OkStatus();
+}
+
+absl::Status Exchange::WaitFor(size_t base, int index, absl::Time deadline, const char* what) {
+  shmem::WaitOptions wait;
+  wait.cancel_signal = cancel_signal_;
+  wait.cancel_above = cancel_above_;
+  return heap_.WaitSignal(signal(base, index), epoch_, deadline, what, index, wait);
+}
+
 int64_t Exchange::rows_sent() const {
   int64_t rows = 0;
   for (int d = 0; d < plan_.shape().num_workers; ++d) rows += my_counts_[d * count_stride_];
@@ -104,6 +128,15 @@ absl::StatusOr<int64_t> Exchange::CountAndNotify(int64_t n, const int32_t* ids,
   if (n < 0 || n > plan_.max_rows_per_worker()) {
     return absl::InternalError(
         absl::StrCat(n, " tokens outside [0, ", plan_.max_rows_per_worker(), "]"));
+  }
+  for (int w = 0; w < plan_.shape().num_workers; ++w) {
+    if (live_.Has(w)) continue;
+    if (placement_->count(w) > 0 || plan_.shared_expert_split()) {
+      return absl::InternalError(absl::StrCat("worker ", w, " is not live but ",
+                                              plan_.shared_expert_split()
+                                                  ? "the shared expert is split over every worker"
+                                                  : "the placement gives it experts"));
+    }
   }
   ++epoch_;
   n_ = n;
@@ -164,15 +197,23 @@ absl::Status Exchange::ShareCounts(absl::Time deadline) {
   const size_t block = static_cast<size_t>(num_workers) * count_stride_ * sizeof(int64_t);
   const size_t my_block = regions_.counts + (parity * num_workers + me_) * block;
   for (int d = 0; d < num_workers; ++d) {
+    if (!live_.Has(d)) continue;
     EPSERVE_RETURN_IF_ERROR(heap_.Put(rank_of(d), my_block, my_counts_.data(), block));
     EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(rank_of(d), signal(regions_.count_flag, me_), epoch_));
   }
   for (int s = 0; s < num_workers; ++s) {
-    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.count_flag, s), epoch_, deadline,
-                                             "counts from worker", s));
+    if (live_.Has(s))
+      EPSERVE_RETURN_IF_ERROR(WaitFor(regions_.count_flag, s, deadline, "counts from worker"));
   }
   std::memcpy(counts_.data(), heap_.Local(regions_.counts + parity * num_workers * block),
               num_workers * block);
+  // A dead worker sends nothing: its row of the matrix (whatever an old pass left) is zeros.
+  for (int s = 0; s < num_workers; ++s) {
+    if (!live_.Has(s)) {
+      std::fill_n(counts_.begin() + static_cast<size_t>(s) * num_workers * count_stride_,
+                  static_cast<size_t>(num_workers) * count_stride_, 0);
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -348,6 +389,7 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
     EPSERVE_RETURN_IF_ERROR(DispatchStaged(x));
   }
   for (int d = 0; d < num_workers; ++d) {
+    if (!live_.Has(d)) continue;
     EPSERVE_RETURN_IF_ERROR(
         heap_.SignalSet(rank_of(d), signal(regions_.dispatch_flag, me_), epoch_));
   }
@@ -358,8 +400,8 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
     t0 += absl::Now() - o0;
   }
   for (int s = 0; s < num_workers; ++s) {
-    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.dispatch_flag, s), epoch_, deadline,
-                                             "rows from worker", s));
+    if (live_.Has(s))
+      EPSERVE_RETURN_IF_ERROR(WaitFor(regions_.dispatch_flag, s, deadline, "rows from worker"));
   }
   PublishReceived(stats);
   if (stats != nullptr) stats->dispatch_ns += NanosSince(t0);
@@ -428,6 +470,7 @@ absl::Status Exchange::Combine(const float* pair_out, const float* row_out) {
   place(pair_out, received_.pairs, region);
   if (plan_.shared_expert_split()) place(row_out, received_.rows, row_region);
   for (int s = 0; s < num_workers; ++s) {
+    if (!live_.Has(s)) continue;
     EPSERVE_RETURN_IF_ERROR(
         heap_.SignalSet(rank_of(s), signal(regions_.combine_flag, me_), epoch_));
   }
@@ -443,8 +486,9 @@ absl::Status Exchange::Reduce(const float* weights, float* y, bool accumulate,
   const size_t row_bytes = plan_.combine_row_bytes();
   const bool split = plan_.shared_expert_split();
   for (int d = 0; d < num_workers; ++d) {
-    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(signal(regions_.combine_flag, d), epoch_, deadline,
-                                             "combined rows from worker", d));
+    if (live_.Has(d))
+      EPSERVE_RETURN_IF_ERROR(
+          WaitFor(regions_.combine_flag, d, deadline, "combined rows from worker"));
   }
   // Where my rows at worker d are: its pair table's rows (pair_at_ indexes them) and, split,
   // its row parts [row_base_[d], + rows I sent d). Read in place when d's segment is

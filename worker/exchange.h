@@ -146,6 +146,21 @@ class Exchange {
   // `accumulate`), each pair row times its weight in `weights` [n][k].
   absl::Status Reduce(const float* weights, float* y, bool accumulate, absl::Time deadline);
 
+  // The workers that take part in later passes (a worker outside `live` died: nothing is
+  // sent to it, nothing awaited from it; the placement must give it no experts and the
+  // shared expert must not be split). `generation` counts the passes rank 0 ended early
+  // (CancelWhen); when it differs from the last one, the signal epochs restart at
+  // generation << 40, above any signal a pass of an older generation left, so that workers
+  // that stopped a pass at different steps start the next one together. It never goes back.
+  absl::Status UseLiveWorkers(const WorkerSet& live, uint64_t generation);
+  const WorkerSet& live_workers() const { return live_; }
+  // Every later wait ends with CANCELLED once the signal word at `signal` (this worker's own
+  // memory) exceeds `above`; null: never.
+  void CancelWhen(const uint64_t* signal, uint64_t above) {
+    cancel_signal_ = signal;
+    cancel_above_ = above;
+  }
+
   const ExchangePlan& plan() const { return plan_; }
   const ExpertPlacement& placement() const { return *placement_; }
   // The worker that computes choice j of token t of the current pass (ChooseCopies).
@@ -186,6 +201,8 @@ class Exchange {
   bool OutputInHeap() const;  // the expert step writes straight into the output region
   int rank_of(int worker) const { return plan_.shape().first_rank + worker; }
   size_t signal(size_t base, int index) const { return SignalOffset(base, index); }
+  // Waits for peer `index`'s signal at `base` to reach this pass's epoch.
+  absl::Status WaitFor(size_t base, int index, absl::Time deadline, const char* what);
   const int64_t* count_row(int src, int dst) const {
     return &counts_[(static_cast<size_t>(src) * plan_.shape().num_workers + dst) * count_stride_];
   }
@@ -199,6 +216,10 @@ class Exchange {
   const int num_local_max_;    // L
   const size_t count_stride_;  // 2 + L
   uint64_t epoch_ = 0;
+  WorkerSet live_;
+  uint64_t generation_ = 0;
+  const uint64_t* cancel_signal_ = nullptr;
+  uint64_t cancel_above_ = 0;
 
   // The current pass.
   int64_t n_ = 0;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "worker/placement.h"
 
 namespace epserve::worker {
 namespace {
@@ -63,9 +64,10 @@ absl::StatusOr<ExchangePlan> ExchangePlan::Make(const ExchangeShape& shape,
                                                 const ExchangeOptions& options) {
   EPSERVE_ASSIGN_OR_RETURN(ParsedOptions parsed, Parse(options));
   const ExchangeShape& s = shape;
-  if (s.num_workers < 1 || s.num_workers > s.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the exchange needs 1 <= workers (", s.num_workers, ") <= experts (", s.num_experts, ")"));
+  if (s.num_workers < 1 || s.num_workers > s.num_experts || s.num_workers > kMaxWorkers) {
+    return absl::InvalidArgumentError(absl::StrCat("the exchange needs 1 <= workers (",
+                                                   s.num_workers, ") <= experts (", s.num_experts,
+                                                   ") and at most ", kMaxWorkers, " workers"));
   }
   if (s.top_k < 1 || s.top_k > s.num_experts) {
     return absl::InvalidArgumentError(

@@ -35,6 +35,8 @@ absl::Status Reserve(const ExchangePlan& plan, HeapRegions& l, Alloc alloc) {
       {&l.reports, w * sizeof(WorkerReport), 64},
       {&l.expert_tokens, static_cast<size_t>(s.num_workers) * s.num_experts * sizeof(int64_t), 64},
       {&l.heartbeats, w * sig, 64},
+      {&l.pids, w * sig, 64},
+      {&l.cancel, sig, 64},
       {&l.staged, w * sig, 64},
       {&l.stage_reports, w * sizeof(WorkerReport), 64},
       {&l.input, rows_per_worker * row_bytes, 4096},

@@ -51,6 +51,12 @@ struct BatchDescriptor {
   int64_t row_start;         // first batch row this worker owns
   int64_t num_rows;          // rows this worker owns
   int64_t deadline_unix_us;  // every wait of this batch ends by then
+  // The workers taking part: all of them, until one dies (then the survivors, each serving
+  // its layers' placements OnlyOn them; Exchange::UseLiveWorkers).
+  WorkerSet live;
+  // Passes rank 0 ended early so far: the batch's waits end (CANCELLED) once the worker's
+  // `cancel` signal exceeds it (Exchange::CancelWhen).
+  uint64_t generation;
 };
 
 // Written by worker w into rank 0's segment before it stores done_seq.
@@ -79,6 +85,12 @@ struct HeapRegions {
   // uint64[W], 64 bytes apart: worker w's heartbeat, advanced every kHeartbeatInterval by a
   // thread of its own while it lives (backends with load/store access to rank 0's segment).
   size_t heartbeats;
+  // uint64[W], 64 bytes apart: worker w's process id, stored before its `ready` (rank 0
+  // watches for the process's end: a worker's death).
+  size_t pids;
+  // uint64 signal (worker segments): rank 0 stores a generation above the running batch's
+  // when a worker died under it, ending the survivors' waits for the dead one at once.
+  size_t cancel;
   // uint64[W] signals and WorkerReport[W]: worker w's loading of a weight swap's new weights
   // ended (the kStage's batch seq), with its outcome.
   size_t staged;

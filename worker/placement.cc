@@ -22,8 +22,16 @@ absl::StatusOr<ExpertPlacement> ExpertPlacement::Contiguous(int num_experts, int
   return FromSlots(num_experts, std::move(experts_of));
 }
 
-absl::StatusOr<ExpertPlacement> ExpertPlacement::FromSlots(
-    int num_experts, std::vector<std::vector<int>> experts_of) {
+int64_t RowSplit(int64_t total_rows, int worker, int num_workers, const WorkerSet& live) {
+  int before = 0;  // live workers before `worker`
+  for (int w = 0; w < worker && w < num_workers; ++w) before += live.Has(w) ? 1 : 0;
+  const int count = live.Count();
+  return count == 0 ? 0 : total_rows * before / count;
+}
+
+absl::StatusOr<ExpertPlacement> ExpertPlacement::FromSlots(int num_experts,
+                                                           std::vector<std::vector<int>> experts_of,
+                                                           bool idle_workers) {
   if (experts_of.empty() || num_experts < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("a placement needs at least one worker and one expert, got ",
@@ -32,7 +40,7 @@ absl::StatusOr<ExpertPlacement> ExpertPlacement::FromSlots(
   ExpertPlacement p;
   p.copies_.resize(num_experts);
   for (int w = 0; w < static_cast<int>(experts_of.size()); ++w) {
-    if (experts_of[w].empty()) {
+    if (experts_of[w].empty() && !idle_workers) {
       return absl::InvalidArgumentError(absl::StrCat("worker ", w, " holds no expert"));
     }
     for (int local = 0; local < static_cast<int>(experts_of[w].size()); ++local) {
@@ -56,6 +64,26 @@ absl::StatusOr<ExpertPlacement> ExpertPlacement::FromSlots(
   }
   p.experts_of_ = std::move(experts_of);
   return p;
+}
+
+absl::StatusOr<ExpertPlacement> ExpertPlacement::OnlyOn(const WorkerSet& live) const {
+  std::vector<std::vector<int>> experts_of(num_workers());
+  for (int w = 0; w < num_workers(); ++w) {
+    if (live.Has(w)) experts_of[w] = experts_of_[w];
+  }
+  for (int e = 0; e < num_experts(); ++e) {
+    bool held = false;
+    for (const Copy& c : copies_[e]) held = held || live.Has(c.worker);
+    if (!held) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "expert ", e, " has no copy on a live worker (its copies were on worker",
+          copies_[e].size() > 1 ? "s " : " ",
+          absl::StrJoin(copies_[e], ", ",
+                        [](std::string* out, const Copy& c) { absl::StrAppend(out, c.worker); }),
+          ")"));
+    }
+  }
+  return FromSlots(num_experts(), std::move(experts_of), /*idle_workers=*/true);
 }
 
 int ExpertPlacement::LocalIndex(int worker, int expert) const {
@@ -132,7 +160,9 @@ absl::StatusOr<std::vector<ExpertPlacement>> DecodePlacements(std::span<const in
         experts_of[w].push_back(e);
       }
     }
-    absl::StatusOr<ExpertPlacement> p = ExpertPlacement::FromSlots(num_experts, experts_of);
+    // A rebalance over the survivors of a worker's death leaves that worker idle.
+    absl::StatusOr<ExpertPlacement> p =
+        ExpertPlacement::FromSlots(num_experts, experts_of, /*idle_workers=*/true);
     if (!p.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("placement table: layer ", l, ": ", p.status().message()));

@@ -19,11 +19,43 @@ constexpr int WorkerOfRank(int rank) { return rank - kFirstWorkerRank; }
 // Workers in a job of `num_ranks` ranks (the front-end is not one).
 constexpr int NumWorkers(int num_ranks) { return num_ranks - kFirstWorkerRank; }
 
+// The most workers a job may have: the size of a WorkerSet.
+inline constexpr int kMaxWorkers = 256;
+
+// A set of workers (the live ones of a job), plain bits so that it travels in the heap.
+struct WorkerSet {
+  uint64_t words[kMaxWorkers / 64] = {};
+
+  // Workers [0, num_workers).
+  static WorkerSet All(int num_workers) {
+    WorkerSet s;
+    for (int w = 0; w < num_workers; ++w) s.Add(w);
+    return s;
+  }
+  bool Has(int w) const { return (words[w / 64] >> (w % 64)) & 1; }
+  void Add(int w) { words[w / 64] |= uint64_t{1} << (w % 64); }
+  void Remove(int w) { words[w / 64] &= ~(uint64_t{1} << (w % 64)); }
+  int Count() const {
+    int n = 0;
+    for (uint64_t x : words) n += __builtin_popcountll(x);
+    return n;
+  }
+  bool operator==(const WorkerSet& o) const {
+    for (int i = 0; i < kMaxWorkers / 64; ++i) {
+      if (words[i] != o.words[i]) return false;
+    }
+    return true;
+  }
+};
+
 // How a batch's rows are split over the workers: worker w takes rows
 // [RowSplit(total, w, W), RowSplit(total, w + 1, W)), sizes differing by at most one.
 constexpr int64_t RowSplit(int64_t total_rows, int worker, int num_workers) {
   return total_rows * worker / num_workers;
 }
+// The same over the live workers of `live` (of num_workers): the i-th live worker takes the
+// i-th of live.Count() even shares, a worker outside `live` none.
+int64_t RowSplit(int64_t total_rows, int worker, int num_workers, const WorkerSet& live);
 
 // Slots per worker when E experts and N redundant copies are spread over W workers: the
 // first (E + N) % W workers hold one more than the others. Its maximum, ceil((E + N) / W), is
@@ -51,9 +83,16 @@ class ExpertPlacement {
   static absl::StatusOr<ExpertPlacement> Contiguous(int num_experts, int num_workers);
   // `experts_of[w]`: the experts worker w holds, in its local order. INVALID_ARGUMENT naming
   // the worker and the expert where an id is outside [0, num_experts), a worker holds an
-  // expert twice or no experts, or an expert has no copy.
+  // expert twice, or an expert has no copy; and where a worker holds no expert, unless
+  // `idle_workers` (a placement over the survivors of a worker's death).
   static absl::StatusOr<ExpertPlacement> FromSlots(int num_experts,
-                                                   std::vector<std::vector<int>> experts_of);
+                                                   std::vector<std::vector<int>> experts_of,
+                                                   bool idle_workers = false);
+
+  // This placement over the workers of `live` only: every other worker holds nothing, the
+  // live ones keep their experts in their local order (so their weights serve as they are).
+  // FAILED_PRECONDITION naming an expert with no copy on a live worker.
+  absl::StatusOr<ExpertPlacement> OnlyOn(const WorkerSet& live) const;
 
   int num_experts() const { return static_cast<int>(copies_.size()); }
   int num_workers() const { return static_cast<int>(experts_of_.size()); }

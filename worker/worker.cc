@@ -1,6 +1,7 @@
 #include "worker/worker.h"
 
 #include <malloc.h>
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -32,6 +33,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   std::unique_ptr<Worker> w(new Worker(heap, regions, source.config(), options));
   w->rank_ = heap.rank();
   w->me_ = WorkerOfRank(heap.rank());
+  w->live_ = WorkerSet::All(regions.plan.shape().num_workers);
   w->orphan_grace_ = options.orphan_grace;
   absl::StatusOr<std::unique_ptr<Exchange>> exchange =
       Exchange::Create(heap, regions.plan, regions.exchange, w->me_);
@@ -215,6 +217,7 @@ absl::Status Worker::EndStage(bool use_new) {
     // Each layer points at its placement: both move together.
     layers_.swap(staged_);
     placements_.swap(staged_placements_);
+    survivor_placements_.clear();
     model_ = staged_model_;
     common::LogInfo(
         absl::StrCat("worker ", me_, ": serving the weights of ", model_.source.substr(0, 128)));
@@ -363,6 +366,8 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   const Heart heart(heap_.backend() == shmem::HeapBackend::kShm
                         ? heap_.DirectAs<uint64_t>(0, HeapRegions::Signal(regions_.heartbeats, me_))
                         : nullptr);
+  EPSERVE_RETURN_IF_ERROR(
+      heap_.SignalSet(0, HeapRegions::Signal(regions_.pids, me_), static_cast<uint64_t>(getpid())));
   EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, HeapRegions::Signal(regions_.ready, me_), 1));
   uint64_t seq = 0;
   absl::Time stop_seen = absl::InfiniteFuture();
@@ -474,15 +479,41 @@ absl::Status Worker::ExpertStep(const Layer& layer, bool split_shared, const Rec
 
 // Pairs per expert this worker computed in the last batch: its row of rank 0's
 // expert_tokens (every expert, so that a copy it no longer holds reads 0).
-absl::Status Worker::PublishExpertLoad(const Layer& layer, const ExchangeStats& stats) {
+absl::Status Worker::PublishExpertLoad(const ExpertPlacement& placement,
+                                       const ExchangeStats& stats) {
   const int num_experts = cfg_.num_experts;
   expert_tokens_.assign(num_experts, 0);
   for (size_t i = 0; i < stats.expert_pairs.size(); ++i) {
-    expert_tokens_[layer.placement->expert(me_, static_cast<int>(i))] += stats.expert_pairs[i];
+    expert_tokens_[placement.expert(me_, static_cast<int>(i))] += stats.expert_pairs[i];
   }
   return heap_.Put(
       0, regions_.expert_tokens + static_cast<size_t>(me_) * num_experts * sizeof(int64_t),
       expert_tokens_.data(), expert_tokens_.size() * sizeof(int64_t));
+}
+
+absl::StatusOr<const ExpertPlacement*> Worker::PlacementFor(const BatchDescriptor& desc,
+                                                            const Layer& layer) {
+  const int num_workers = regions_.plan.shape().num_workers;
+  if (!(desc.live == live_)) {
+    if (!(desc.live == WorkerSet::All(num_workers))) {
+      std::string lost;
+      for (int w = 0; w < num_workers; ++w) {
+        if (!desc.live.Has(w)) absl::StrAppend(&lost, lost.empty() ? "" : ", ", w);
+      }
+      common::LogWarning(absl::StrCat("worker ", me_, ": serving with ", desc.live.Count(),
+                                      " live workers of ", num_workers, " (lost: ", lost, ")"));
+    }
+    live_ = desc.live;
+    survivor_placements_.clear();
+  }
+  if (live_ == WorkerSet::All(num_workers)) return layer.placement;
+  if (survivor_placements_.empty()) {
+    for (const ExpertPlacement& p : placements_) {
+      EPSERVE_ASSIGN_OR_RETURN(ExpertPlacement only, p.OnlyOn(live_));
+      survivor_placements_.push_back(std::move(only));
+    }
+  }
+  return &survivor_placements_[desc.layer_pos];
 }
 
 absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report) {
@@ -524,7 +555,10 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
                                            float* row_out) {
     return ExpertStep(layer, split_shared, in, pair_out, row_out);
   };
-  EPSERVE_RETURN_IF_ERROR(exchange_->UsePlacement(*layer.placement));
+  EPSERVE_ASSIGN_OR_RETURN(const ExpertPlacement* placement, PlacementFor(desc, layer));
+  EPSERVE_RETURN_IF_ERROR(exchange_->UseLiveWorkers(desc.live, desc.generation));
+  exchange_->CancelWhen(heap_.LocalAs<uint64_t>(regions_.cancel), desc.generation);
+  EPSERVE_RETURN_IF_ERROR(exchange_->UsePlacement(*placement));
   ExchangeStats stats;
   EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
                                          owner_shared, experts, deadline, &stats, shared));
@@ -532,7 +566,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
     EPSERVE_RETURN_IF_ERROR(heap_.Put(
         0, regions_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));
   }
-  EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(layer, stats));
+  EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(*placement, stats));
   report.stage_ns[kLayout] = stats.layout_ns;
   report.stage_ns[kDispatch] = stats.dispatch_ns;
   report.stage_ns[kExpertFfn] = stats.expert_ns;

@@ -69,6 +69,10 @@ class Worker {
   // Seconds Create spent running every kernel of a batch once (WarmUp), so that the first
   // batches pay no kernel build.
   double warmup_seconds() const { return warmup_seconds_; }
+  // Whether rank 0 has told this worker that a peer died (its batches name fewer live
+  // workers than the job has): the MPI job is then short of a rank, and collective calls
+  // (the heap's free, MPI_Finalize) would wait for it.
+  bool peers_lost() const { return live_.Count() < regions_.plan.shape().num_workers; }
 
  private:
   struct Layer {
@@ -109,7 +113,12 @@ class Worker {
   absl::Status Route(const Layer& layer, const BatchDescriptor& desc, const float* x_in);
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
                           float* pair_out, float* row_out);
-  absl::Status PublishExpertLoad(const Layer& layer, const ExchangeStats& stats);
+  absl::Status PublishExpertLoad(const ExpertPlacement& placement, const ExchangeStats& stats);
+  // The placement batch `desc` runs `layer` with: the layer's own while every worker lives,
+  // else the layer's placement OnlyOn the live workers (computed once per set of survivors
+  // and serving placements).
+  absl::StatusOr<const ExpertPlacement*> PlacementFor(const BatchDescriptor& desc,
+                                                      const Layer& layer);
   absl::Status AllocateBuffers();
   // Runs, on one row of zeros, every device kernel RunBatch can reach for every served layer
   // (router, expert FFN from FP32 and, where rows arrive as BF16, BF16 rows, combine, the
@@ -127,6 +136,10 @@ class Worker {
   std::unique_ptr<Exchange> exchange_;
   // The serving layers' placements, and a kStage's (loader_ reads them while it runs).
   std::vector<ExpertPlacement> placements_, staged_placements_;
+  // The workers of the last batch, and placements_ OnlyOn them (empty until a worker died,
+  // cleared when placements_ change).
+  WorkerSet live_;
+  std::vector<ExpertPlacement> survivor_placements_;
   int me_ = 0;    // worker index
   int rank_ = 0;  // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;

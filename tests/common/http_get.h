@@ -33,4 +33,13 @@ inline std::string HttpGet(const std::string& address, const std::string& path) 
   return body == std::string::npos ? "" : out.substr(body + 4);
 }
 
+// A metric's value in a scrape (the first series whose line starts with `series`), or -1.
+inline double MetricValue(const std::string& metrics, const std::string& series) {
+  const size_t at = metrics.find("\n" + series);
+  if (at == std::string::npos) return -1;
+  const size_t end = metrics.find('\n', at + 1);
+  const std::string line = metrics.substr(at + 1, end - at - 1);
+  return std::stod(line.substr(line.rfind(' ') + 1));
+}
+
 }  // namespace epserve::testing

@@ -134,15 +134,6 @@ INSTANTIATE_TEST_SUITE_P(Workers, Placement, ::testing::Values(2, 3, 4),
                            return absl::StrCat(p.param, "_workers");
                          });
 
-// A metric's value in a scrape (the first series whose line starts with `series`), or -1.
-double MetricValue(const std::string& metrics, const std::string& series) {
-  const size_t at = metrics.find("\n" + series);
-  if (at == std::string::npos) return -1;
-  const size_t end = metrics.find('\n', at + 1);
-  const std::string line = metrics.substr(at + 1, end - at - 1);
-  return std::stod(line.substr(line.rfind(' ') + 1));
-}
-
 // Rebalancing while serving: 4 clients verify every answer against the reference while the
 // server rebalances every few batches (--eplb-min-gain=0: whenever the placement for the
 // window's loads differs); nothing fails, nothing is wrong, and rebalances happened.
@@ -222,6 +213,15 @@ TEST(PlacementFlags, BadValuesAreClearErrors) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_NE(r->first, 0);
   EXPECT_NE(r->second.find("--eplb-profile is of a model with 4 experts; the served one has 8"),
+            std::string::npos)
+      << r->second;
+  // Two copies of each expert need as many redundant copies as experts.
+  r = ServerProcess::RunToExit(3, {"--redundant-experts=4", "--eplb-min-copies=2"},
+                               absl::Seconds(120));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->first, 0);
+  EXPECT_NE(r->second.find("--eplb-min-copies=2 needs --redundant-experts >= experts x (2 - 1) "
+                           "= 8, got 4"),
             std::string::npos)
       << r->second;
 }

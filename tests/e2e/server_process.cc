@@ -27,10 +27,12 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-pid_t Spawn(int ranks, const std::vector<std::string>& args, const std::string& log) {
+pid_t Spawn(int ranks, const std::vector<std::string>& args, const std::string& log,
+            const std::vector<std::string>& mpirun_args = {}) {
   std::vector<std::string> argv = {EPSERVE_MPIEXEC,   "-np",       std::to_string(ranks),
-                                   "--oversubscribe", "--bind-to", "none",
-                                   EPSERVE_BINARY};
+                                   "--oversubscribe", "--bind-to", "none"};
+  argv.insert(argv.end(), mpirun_args.begin(), mpirun_args.end());
+  argv.push_back(EPSERVE_BINARY);
   argv.insert(argv.end(), args.begin(), args.end());
   const pid_t pid = fork();
   if (pid == 0) {
@@ -93,12 +95,12 @@ std::string TempDir() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(int ranks,
-                                                                    std::vector<std::string> args,
-                                                                    absl::Duration ready_timeout) {
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
+    int ranks, std::vector<std::string> args, absl::Duration ready_timeout,
+    std::vector<std::string> mpirun_args) {
   auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
   p->dir_ = TempDir();
-  p->pid_ = Spawn(ranks, WithDefaults(std::move(args), p->dir_), p->dir_ + "/log.txt");
+  p->pid_ = Spawn(ranks, WithDefaults(std::move(args), p->dir_), p->dir_ + "/log.txt", mpirun_args);
   const absl::Time deadline = absl::Now() + ready_timeout;
   const std::regex re("\"grpc\": \"([^\"]+)\", \"metrics\": \"([^\"]+)\"");
   while (absl::Now() < deadline) {
@@ -141,6 +143,30 @@ ServerProcess::~ServerProcess() {
 }
 
 std::string ServerProcess::Log() const { return ReadFile(dir_ + "/log.txt"); }
+
+pid_t ServerProcess::RankPid(int rank) const {
+  if (pid_ <= 0) return -1;
+  const std::string want = absl::StrCat("OMPI_COMM_WORLD_RANK=", rank);
+  for (const common::ProcStat& p : JobProcesses(pid_)) {
+    if (p.pid == pid_) continue;
+    std::string env = ReadFile(absl::StrCat("/proc/", p.pid, "/environ"));
+    for (size_t at = 0; at < env.size();) {
+      const size_t end = std::min(env.find('\0', at), env.size());
+      if (env.compare(at, end - at, want) == 0) return p.pid;
+      at = end + 1;
+    }
+  }
+  return -1;
+}
+
+bool ServerProcess::Exited(int* code) {
+  if (pid_ <= 0) return true;
+  int status = 0;
+  if (waitpid(pid_, &status, WNOHANG) != pid_) return false;
+  if (code != nullptr) *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  pid_ = -1;
+  return true;
+}
 
 std::unique_ptr<inference::GRPCInferenceService::Stub> ServerProcess::NewStub() const {
   grpc::ChannelArguments ch;

@@ -22,8 +22,10 @@ class ServerProcess {
  public:
   // Launches ranks processes with `args` after the defaults (tiny model, port 0 on
   // 127.0.0.1 for gRPC and metrics, a ready file in a fresh temporary folder).
+  // `mpirun_args` go to mpirun before the program (e.g. --enable-recovery).
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
-      int ranks, std::vector<std::string> args, absl::Duration ready_timeout = absl::Seconds(120));
+      int ranks, std::vector<std::string> args, absl::Duration ready_timeout = absl::Seconds(120),
+      std::vector<std::string> mpirun_args = {});
   // Runs the job to completion (for startup errors): exit code and everything it printed.
   static absl::StatusOr<std::pair<int, std::string>> RunToExit(int ranks,
                                                                std::vector<std::string> args,
@@ -34,6 +36,10 @@ class ServerProcess {
   const std::string& metrics_address() const { return metrics_address_; }
   std::unique_ptr<inference::GRPCInferenceService::Stub> NewStub() const;
   std::string Log() const;  // everything the job printed so far
+  // The process of MPI rank `rank` (from its OMPI_COMM_WORLD_RANK), or -1.
+  pid_t RankPid(int rank) const;
+  // Whether mpirun has exited (reaps it); its exit code then in *code (-1: killed).
+  bool Exited(int* code = nullptr);
 
   // Sends `signal` to mpirun and waits up to `timeout` for it to exit. On timeout the error
   // lists every process of the job still there, with its state.

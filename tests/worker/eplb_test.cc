@@ -110,6 +110,53 @@ TEST_F(EplbTest, ReplicasGoToTheHeaviestExpertFirst) {
   EXPECT_GE(p->Balancedness(), 0.9);
 }
 
+TEST_F(EplbTest, AMinimumOfCopiesHoldsWhateverTheLoad) {
+  // Two copies of each of 16 experts on 4 workers, 4 more copies by load: every expert keeps
+  // two (on two workers), the hot one gets the extra ones; any one worker's death leaves a
+  // copy of every expert.
+  std::mt19937_64 rng(seed_);
+  std::vector<double> load(16);
+  for (double& l : load) l = static_cast<double>(rng() % 100);
+  load[5] = 2000;
+  absl::StatusOr<BalancedPlacement> p = BalanceExperts(load, 4, 20, 2);
+  ASSERT_TRUE(p.ok()) << p.status();
+  for (int e = 0; e < 16; ++e) EXPECT_GE(p->holders[e].size(), 2u) << e;
+  EXPECT_EQ(p->holders[5].size(), 4u);
+  absl::StatusOr<ExpertPlacement> placement = ExpertPlacement::FromSlots(16, p->experts_of);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  for (int dead = 0; dead < 4; ++dead) {
+    WorkerSet live = WorkerSet::All(4);
+    live.Remove(dead);
+    absl::StatusOr<ExpertPlacement> survivors = placement->OnlyOn(live);
+    ASSERT_TRUE(survivors.ok()) << survivors.status();
+    EXPECT_EQ(survivors->count(dead), 0);
+    for (int w = 0; w < 4; ++w) {
+      if (w != dead) {
+        EXPECT_TRUE(std::ranges::equal(survivors->experts(w), placement->experts(w)));
+      }
+    }
+  }
+  // Too few redundant copies for the minimum, or more copies than workers: named bounds.
+  absl::StatusOr<BalancedPlacement> bad = BalanceExperts(load, 4, 15, 2);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("experts x (copies - 1) = 16"), absl::string_view::npos)
+      << bad.status();
+  EXPECT_EQ(BalanceExperts(load, 4, 48, 5).status().code(), absl::StatusCode::kInvalidArgument);
+  // One copy each: a worker's death loses its experts, and OnlyOn names one.
+  p = BalanceExperts(load, 4, 0);
+  ASSERT_TRUE(p.ok()) << p.status();
+  placement = ExpertPlacement::FromSlots(16, p->experts_of);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  WorkerSet live = WorkerSet::All(4);
+  live.Remove(2);
+  absl::StatusOr<ExpertPlacement> survivors = placement->OnlyOn(live);
+  EXPECT_EQ(survivors.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(survivors.status().message().find("has no copy on a live worker (its copies were on "
+                                              "worker 2)"),
+            absl::string_view::npos)
+      << survivors.status();
+}
+
 TEST_F(EplbTest, UniformLoadNeedsNoReplica) {
   const std::vector<double> load(60, 2.0);
   for (int workers : {2, 3, 4}) {

@@ -544,6 +544,132 @@ TEST_P(StallTest, OthersFailByTheDeadline) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// A worker's death as the survivors see it (shm): the last rank stops taking part in a batch;
+// rank 0 (here: rank 0 itself, from a thread) bumps every survivor's cancel signal, and their
+// waits end at once with CANCELLED instead of at the deadline. The survivors then serve the
+// next batches without it: live set without the last rank, a new generation, every expert's
+// copy on a live worker; every pair is computed and every output is right.
+TEST(LostWorkerTest, SurvivorsCancelThenServeOnWithoutIt) {
+  int rank = 0, ranks = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  constexpr int kHidden = 64, kTokens = 8, kTopK = 2;
+  // Every expert on two workers: worker w holds experts w and w + 1 (mod W).
+  const ExchangePlan plan = *ExchangePlan::Make({.num_workers = ranks,
+                                                 .first_rank = 0,
+                                                 .num_experts = ranks,
+                                                 .top_k = std::min(kTopK, ranks),
+                                                 .hidden = kHidden,
+                                                 .max_batch_tokens = kTokens * ranks,
+                                                 .redundant_experts = ranks},
+                                                {});
+  const int k = plan.shape().top_k;
+  std::vector<std::vector<int>> slots(ranks);
+  for (int w = 0; w < ranks; ++w) slots[w] = {w, (w + 1) % ranks};
+  if (ranks == 1) slots[0] = {0};
+  const ExpertPlacement placement = *ExpertPlacement::FromSlots(ranks, slots);
+  std::unique_ptr<shmem::SymmetricHeap> heap = *shmem::SymmetricHeap::Create(
+      MPI_COMM_WORLD, ExchangeRegions::BytesNeeded(plan) + 4096, shmem::HeapBackend::kShm);
+  const ExchangeRegions regions = *Exchange::Allocate(*heap, plan);
+  const size_t cancel = *heap->Allocate(64);
+  std::unique_ptr<Exchange> ex = *Exchange::Create(*heap, plan, regions, rank);
+  ASSERT_TRUE(ex->UsePlacement(placement).ok());
+  uint64_t* my_cancel = heap->LocalAs<uint64_t>(cancel);
+  ex->CancelWhen(my_cancel, 0);
+
+  // The expert step copies each pair's row: with weights 1/k each, y is x again (exactly,
+  // for k = 1 and 2).
+  const Exchange::ExpertStep copy = [&](const ReceivedRows& in, float* pair_out, float*) {
+    for (int64_t p = 0; p < in.pairs; ++p) {
+      in.Decode(in.pair_row[p], 1, pair_out + p * kHidden);
+    }
+    return absl::OkStatus();
+  };
+  uint64_t seed = std::random_device{}();
+  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  std::mt19937_64 rng(seed + rank);
+  std::vector<float> x(kTokens * kHidden), y(kTokens * kHidden), w(kTokens * k, 1.0f / k);
+  std::vector<int32_t> ids(kTokens * k);
+  auto batch = [&](const char* what) {
+    std::uniform_real_distribution<float> u(-1, 1);
+    for (float& v : x) v = u(rng);
+    std::fill(y.begin(), y.end(), NAN);
+    for (int t = 0; t < kTokens; ++t) {
+      const int first = static_cast<int>(rng() % ranks);
+      for (int j = 0; j < k; ++j) ids[t * k + j] = (first + j) % ranks;
+    }
+    absl::Status s = ex->Run(x.data(), kTokens, ids.data(), w.data(), y.data(), false, copy,
+                             absl::Now() + absl::Seconds(30));
+    if (s.ok()) {
+      int wrong = 0;
+      for (size_t i = 0; i < x.size(); ++i) wrong += y[i] != x[i];
+      EXPECT_EQ(wrong, 0) << what << ", rank " << rank;
+    }
+    return s;
+  };
+  EXPECT_TRUE(batch("all live").ok());
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (ranks < 2) return;
+
+  const int lost = ranks - 1;
+  if (rank != lost) {
+    std::thread canceller;
+    if (rank == 0) {
+      canceller = std::thread([&] {
+        absl::SleepFor(absl::Milliseconds(300));
+        for (int r = 0; r < lost; ++r) {
+          shmem::SignalStore(heap->DirectAs<uint64_t>(r, cancel), 1);
+        }
+      });
+    }
+    const absl::Time start = absl::Now();
+    absl::Status s = batch("the lost worker's batch");
+    const absl::Duration took = absl::Now() - start;
+    if (canceller.joinable()) canceller.join();
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_LT(took, absl::Seconds(5)) << "rank " << rank << ": cancelled only at the deadline";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // the survivors have all left the abandoned pass
+  if (rank != lost) {
+    WorkerSet live = WorkerSet::All(ranks);
+    live.Remove(lost);
+    const absl::StatusOr<ExpertPlacement> survivors = placement.OnlyOn(live);
+    ASSERT_TRUE(survivors.ok()) << survivors.status();
+    EXPECT_EQ(survivors->count(lost), 0);
+    ASSERT_TRUE(ex->UseLiveWorkers(live, 1).ok());
+    ASSERT_TRUE(ex->UsePlacement(*survivors).ok());
+    ex->CancelWhen(my_cancel, 1);
+    for (int i = 0; i < 3; ++i) {
+      absl::Status s = batch("over the survivors");
+      EXPECT_TRUE(s.ok()) << s << ", rank " << rank << ", batch " << i;
+    }
+    // A placement that still gives the lost worker experts is refused, not run.
+    absl::Status s = ex->UsePlacement(placement);
+    if (s.ok()) {
+      s = ex->Run(x.data(), kTokens, ids.data(), w.data(), y.data(), false, copy,
+                  absl::Now() + absl::Seconds(30));
+    }
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST(WorkerSetTest, RowSplitGivesTheDeadNothing) {
+  WorkerSet live = WorkerSet::All(4);
+  live.Remove(1);
+  EXPECT_EQ(live.Count(), 3);
+  std::vector<int64_t> rows;
+  for (int w = 0; w < 4; ++w)
+    rows.push_back(RowSplit(10, w + 1, 4, live) - RowSplit(10, w, 4, live));
+  EXPECT_EQ(rows, (std::vector<int64_t>{3, 0, 3, 4}));
+  EXPECT_EQ(RowSplit(10, 4, 4, live), 10);
+  WorkerSet all = WorkerSet::All(kMaxWorkers);
+  EXPECT_EQ(all.Count(), kMaxWorkers);
+  all.Remove(200);
+  EXPECT_FALSE(all.Has(200));
+  EXPECT_TRUE(all.Has(199));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, StallTest,
                          ::testing::Values(shmem::HeapBackend::kShm, shmem::HeapBackend::kRma),
                          [](const ::testing::TestParamInfo<shmem::HeapBackend>& p) {
