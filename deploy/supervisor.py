@@ -1,5 +1,6 @@
 """epserve's launcher and supervisor: runs `mpirun -np 1+W epserve ...`, restarts the job
-with exponential backoff when a rank dies or the workers stop answering, and stops it
+with exponential backoff when a rank dies or the workers stop answering, replaces a job that
+serves on after a worker's death with a new one on the same addresses, and stops it
 cleanly on SIGTERM/SIGINT. Run through deploy/epserve-local (which sets deploy/env.sh's
 environment); `deploy/epserve-local --help` lists the options.
 
@@ -53,6 +54,14 @@ LAUNCHER_KEYS = {
     "mpirun": (str, "mpirun"),                # the MPI launcher program
     "mpirun_args": (list, ["--bind-to", "none"]),  # extra mpirun arguments
     "binary": (str, ""),                      # epserve; "": $EPSERVE_BINARY or <build>/server/epserve
+    # Every rank on this host (no hostfile) and the shm heap: mpirun --enable-recovery, so that
+    # the survivors of a worker's death serve on where every expert has a second copy
+    # (epserve --redundant-experts, --eplb-min-copies=2, --shared-expert=owner).
+    "serve_through_worker_death": (bool, True),
+    # A job that serves on after a worker's death (epserve_workers_lost > 0 on /metrics):
+    # start a new job beside it on the same addresses (both bind them with SO_REUSEPORT),
+    # and once it serves, SIGTERM the old one, which answers what it accepted and leaves.
+    "replace_degraded": (bool, True),
 }
 RESTART_MODES = ("on-failure", "never")
 
@@ -152,11 +161,19 @@ class Settings:
         build = os.environ.get("BUILD_DIR", os.path.join(ROOT, "build"))
         return os.path.join(build, "server", "epserve")
 
+    def recovers(self):
+        """Whether jobs run under mpirun --enable-recovery (serve_through_worker_death)."""
+        return (self.serve_through_worker_death and not self.hostfile
+                and flag_value(self.epserve_args, "heap") != "rma"
+                and "--enable-recovery" not in self.mpirun_args)
+
     def command(self, ready_file):
         """The mpirun command line of one job."""
         cmd = [self.mpirun, "-np", str(self.workers + 1)]
         if self.hostfile:
             cmd += ["--hostfile", self.hostfile]
+        if self.recovers():
+            cmd.append("--enable-recovery")
         cmd += self.mpirun_args + [self.binary()] + self.epserve_args
         if ready_file and flag_value(self.epserve_args, "ready-file") is None:
             cmd.append(f"--ready-file={ready_file}")
@@ -221,15 +238,20 @@ def grpc_serving(probe, target, timeout_seconds, tls_ca=""):
     return {0: True, 1: False}.get(r.returncode)
 
 
-def workers_ready(url, timeout_seconds):
-    """epserve_workers_ready from rank 0's /metrics; None when it does not answer."""
+def metric(url, name, timeout_seconds):
+    """Gauge `name` (no labels) from rank 0's /metrics; None when it does not answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_seconds) as r:
             text = r.read().decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
-    m = re.search(r"^epserve_workers_ready(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M)
+    m = re.search(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
     return float(m.group(1)) if m else None
+
+
+def workers_ready(url, timeout_seconds):
+    """epserve_workers_ready from rank 0's /metrics; None when it does not answer."""
+    return metric(url, "epserve_workers_ready", timeout_seconds)
 
 
 class Job:
@@ -241,7 +263,9 @@ class Job:
                       r"exited on signal (\d+)")
     NONZERO = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
     EXIT_CODE = re.compile(r"^\s*Exit code:\s*(\d+)")
-    LEFT = re.compile(r"^\[epserve rank (\d+)\] left the heap")
+    LEFT = re.compile(r"^\[epserve rank (\d+)\] (?:left the heap|a rank of this job died)")
+    # rank 0 under --enable-recovery: a worker's process ended.
+    WORKER_DIED = re.compile(r"^\[epserve rank 0\] worker (\d+) \(rank (\d+), pid \d+\) died")
     STOPPED = re.compile(r"^\[epserve rank 0\] stopped serving in")
 
     def __init__(self, settings, number, ready_file):
@@ -254,6 +278,9 @@ class Job:
         self.nonzero_rank = None
         self.nonzero_code = None
         self.served_since = None  # monotonic time the ready file appeared
+        self.lost_worker = False  # a worker died (rank 0 said so)
+        self.degraded = False     # ... and the job serves on with the survivors
+        self.replace_after = 0.0  # monotonic time a failed replacement may be tried again
         self.lock = threading.Lock()
         cmd = settings.command(ready_file)
         log(f"job {number}: {shlex.join(cmd)}")
@@ -277,6 +304,10 @@ class Job:
                 elif m := self.DIED.search(line):
                     self.death = (f"rank {m.group(1)} (node {m.group(2)}) was killed by "
                                   f"signal {m.group(3)}")
+                elif m := self.WORKER_DIED.match(line):
+                    self.death = f"rank {m.group(2)} (worker {m.group(1)}) died"
+                    self.lost_worker = True
+                    self.degraded = line.rstrip().endswith("serving on with them")
                 elif m := self.NONZERO.search(line):
                     self.nonzero_rank = int(m.group(1))
                 elif (m := self.EXIT_CODE.match(line)) and self.nonzero_rank is not None:
@@ -320,12 +351,15 @@ class Job:
 
     def clean_stop(self):
         """Whether every rank left cleanly: rank 0 finished serving and every rank left the
-        heap. mpirun's own exit status says nothing here: it is 1 after it forwarded SIGTERM
-        even when every rank left cleanly."""
+        heap (or, after a worker's death, every survivor left). mpirun's own exit status says
+        nothing here: it is 1 after it forwarded SIGTERM even when every rank left cleanly."""
         with self.lock:
             missing = sorted(set(range(self.settings.workers + 1)) - self.left)
-            if self.death:
+            if self.death and not self.lost_worker:
                 return False, self.death
+            if self.lost_worker:
+                m = re.match(r"rank (\d+)", self.death or "")
+                missing = [r for r in missing if not m or r != int(m.group(1))]
             if not self.stopped_serving:
                 return False, "rank 0 did not report that it stopped serving"
             if missing:
@@ -397,16 +431,26 @@ class Supervisor:
         failures = 0   # consecutive, for the backoff
         restarts = 0
         number = 0
+        job = None
         while True:
-            number += 1
-            try:
-                os.unlink(self.ready_file)
-            except FileNotFoundError:
-                pass
-            job = Job(s, number, self.ready_file)
+            if job is None:
+                number += 1
+                try:
+                    os.unlink(self.ready_file)
+                except FileNotFoundError:
+                    pass
+                job = Job(s, number, self.ready_file)
             outcome = self.watch(job)
             if outcome == "stopped":
                 return self.stop(job)
+            if outcome == "degraded":
+                replacement = self.replace(job, number + 1)
+                if replacement is None:
+                    job.replace_after = time.monotonic() + s.backoff_max_seconds
+                else:
+                    number += 1
+                    job = replacement
+                continue
             # The job ended or was ended without a stop request.
             lived = time.monotonic() - job.started
             if outcome == "exited":
@@ -437,6 +481,49 @@ class Supervisor:
             if self.sleep(delay):
                 log("stopped before the restart")
                 return s.stopped_exit_status
+            job = None
+
+    def replace(self, old, number):
+        """Job `number` beside `old`, which serves on without a dead worker: same flags and
+        addresses (both bind them with SO_REUSEPORT, so clients reach either); once it
+        serves, `old` gets SIGTERM and answers what it accepted before it leaves (its clients'
+        connections then go to the new job). The new job, or None when it did not come up
+        (then `old` serves on, and the next try is backoff_max_seconds later)."""
+        s = self.settings
+        log(f"job {old.number} lost a worker and serves on without it: starting job {number} "
+            "to take its place")
+        try:
+            os.unlink(self.ready_file)
+        except FileNotFoundError:
+            pass
+        new = Job(s, number, self.ready_file)
+        while True:
+            if self.stop_signal is not None:
+                self.end(new)
+                return None
+            if not new.running():
+                new.wait(5)
+                log(f"job {number} ended before it served ({new.why_it_ended()}); job "
+                    f"{old.number} serves on without its lost worker")
+                return None
+            ready = read_ready_file(self.ready_file)
+            if ready is not None and "metrics" in ready:
+                break
+            if time.monotonic() - new.started > s.startup_timeout_seconds:
+                log(f"job {number} not serving after {s.startup_timeout_seconds:.0f} s; job "
+                    f"{old.number} serves on without its lost worker")
+                self.end(new)
+                return None
+            self.sleep(0.1)
+        log(f"job {number} is serving on {ready.get('grpc')} (after "
+            f"{time.monotonic() - new.started:.1f} s): stopping job {old.number}, which answers "
+            "what it accepted")
+        old.signal(signal.SIGTERM)
+        if old.wait(s.stop_timeout_seconds) is None:
+            old.kill_all()
+            old.wait(10)
+        log(f"job {old.number} left; job {number} serves in its place")
+        return new
 
     def watch(self, job):
         """Until the job ends ("exited"), a stop signal comes ("stopped"), or the job must be
@@ -465,6 +552,9 @@ class Supervisor:
                         f"(after {now - job.started:.1f} s)")
                 elif now - job.started > s.startup_timeout_seconds:
                     return f"not serving after {s.startup_timeout_seconds:.0f} s"
+            elif (s.replace_degraded and job.degraded and job.running()
+                  and now >= job.replace_after):
+                return "degraded"
             elif s.unhealthy_seconds > 0:
                 healthy, what = check()
                 if healthy is not None:

@@ -135,6 +135,8 @@ void ApplyConnectionLimits(grpc::ServerBuilder& builder, const FrontEndOptions& 
       static_cast<int>(EffectiveMessageBytes(o.max_request_bytes, o, model.hidden_size)));
   builder.SetMaxSendMessageSize(
       static_cast<int>(EffectiveMessageBytes(o.max_response_bytes, o, model.hidden_size)));
+  // A replacement job binds the same port while this one drains (deploy/supervisor.py).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, Millis(o.max_connection_idle));
   if (o.max_connection_age > absl::ZeroDuration()) {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, Millis(o.max_connection_age));

@@ -181,7 +181,10 @@ absl::StatusOr<int> Listen(const HostPort& a, const std::string& address) {
   }
   const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   const int one = 1;
+  // SO_REUSEPORT (as gRPC's port has it): a replacement job binds the same address while the
+  // one it replaces drains (deploy/supervisor.py, replace_degraded).
   if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one)) != 0 ||
       bind(fd, found->ai_addr, found->ai_addrlen) != 0 || listen(fd, 1024) != 0) {
     const absl::Status st =
         Errno(absl::StrCat("cannot serve metrics on --metrics-address=", address));

@@ -64,6 +64,8 @@ Coordinator::~Coordinator() {
 }
 
 absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
+  EPSERVE_RETURN_IF_ERROR(
+      heap_.SignalSet(0, regions_.front_end_pid, static_cast<uint64_t>(getpid())));
   shmem::WaitOptions wait;
   wait.max_sleep = absl::Milliseconds(5);
   const int num_workers = regions_.plan.shape().num_workers;

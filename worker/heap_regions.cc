@@ -36,6 +36,7 @@ absl::Status Reserve(const ExchangePlan& plan, HeapRegions& l, Alloc alloc) {
       {&l.expert_tokens, static_cast<size_t>(s.num_workers) * s.num_experts * sizeof(int64_t), 64},
       {&l.heartbeats, w * sig, 64},
       {&l.pids, w * sig, 64},
+      {&l.front_end_pid, sig, 64},
       {&l.cancel, sig, 64},
       {&l.staged, w * sig, 64},
       {&l.stage_reports, w * sizeof(WorkerReport), 64},

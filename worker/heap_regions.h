@@ -88,6 +88,9 @@ struct HeapRegions {
   // uint64[W], 64 bytes apart: worker w's process id, stored before its `ready` (rank 0
   // watches for the process's end: a worker's death).
   size_t pids;
+  // uint64 (rank 0's segment): rank 0's process id, stored before it waits for the workers
+  // (a worker whose rank 0 died leaves, so that mpirun --enable-recovery ends the job).
+  size_t front_end_pid;
   // uint64 signal (worker segments): rank 0 stores a generation above the running batch's
   // when a worker died under it, ending the survivors' waits for the dead one at once.
   size_t cancel;

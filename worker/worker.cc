@@ -1,9 +1,12 @@
 #include "worker/worker.h"
 
 #include <malloc.h>
+#include <signal.h>
 #include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -362,6 +365,17 @@ class Worker::Heart {
   std::thread thread_;
 };
 
+bool Worker::FrontEndDied() {
+  // Only where every rank is on this host (shm): rank 0's pid names a process here.
+  if (heap_.backend() != shmem::HeapBackend::kShm) return false;
+  const uint64_t* pid = heap_.DirectAs<uint64_t>(0, regions_.front_end_pid);
+  if (pid == nullptr) return false;
+  const uint64_t p = shmem::SignalLoad(const_cast<uint64_t*>(pid));
+  if (p == 0 || kill(static_cast<pid_t>(p), 0) == 0 || errno != ESRCH) return false;
+  front_end_lost_ = true;
+  return true;
+}
+
 absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   const Heart heart(heap_.backend() == shmem::HeapBackend::kShm
                         ? heap_.DirectAs<uint64_t>(0, HeapRegions::Signal(regions_.heartbeats, me_))
@@ -378,6 +392,10 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
         regions_.batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250), "next batch", -1, idle);
     EPSERVE_RETURN_IF_ERROR(PublishStage());
     if (absl::IsDeadlineExceeded(wait)) {
+      if (FrontEndDied()) {
+        return absl::UnavailableError(
+            "rank 0 (the front-end) died: leaving, so that the MPI job ends");
+      }
       if (stop.load()) {
         if (stop_seen == absl::InfiniteFuture()) stop_seen = absl::Now();
         if (absl::Now() - stop_seen > orphan_grace_) {

@@ -69,10 +69,12 @@ class Worker {
   // Seconds Create spent running every kernel of a batch once (WarmUp), so that the first
   // batches pay no kernel build.
   double warmup_seconds() const { return warmup_seconds_; }
-  // Whether rank 0 has told this worker that a peer died (its batches name fewer live
+  // Whether rank 0 died or has told this worker that a peer died (its batches name fewer live
   // workers than the job has): the MPI job is then short of a rank, and collective calls
   // (the heap's free, MPI_Finalize) would wait for it.
-  bool peers_lost() const { return live_.Count() < regions_.plan.shape().num_workers; }
+  bool peers_lost() const {
+    return front_end_lost_ || live_.Count() < regions_.plan.shape().num_workers;
+  }
 
  private:
   struct Layer {
@@ -140,6 +142,10 @@ class Worker {
   // cleared when placements_ change).
   WorkerSet live_;
   std::vector<ExpertPlacement> survivor_placements_;
+  // Serve's idle check (shm heap): rank 0's process has ended (the job runs on without it
+  // under mpirun --enable-recovery, so this worker leaves).
+  bool FrontEndDied();
+  bool front_end_lost_ = false;
   int me_ = 0;    // worker index
   int rank_ = 0;  // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;

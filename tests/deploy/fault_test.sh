@@ -72,7 +72,7 @@ sleep 4
 touch "$dir/stop"
 wait $load || fail "wrong or late answers around the kill: $(cat "$dir/load.json")"
 cat "$dir/load.json"
-grep -q "rank 1 (node [^)]*) was killed by signal 9; restarting in" "$dir/supervisor.log" ||
+grep -Eq "rank 1 \((node [^)]*\) was killed by signal 9|worker 0\) died); restarting in" "$dir/supervisor.log" ||
   fail "the supervisor did not say why it restarted"
 /usr/bin/python3 - "$dir/load.json" "$t_kill" "$t_ready" <<'EOF' || fail "fault properties"
 import json, sys
