@@ -368,19 +368,22 @@ void Metrics::SetReplicas(const std::vector<worker::ExpertPlacement>& placements
   }
 }
 
-std::optional<double> Metrics::BalanceWindow::Add(std::span<const int64_t> counts) {
+std::optional<double> Metrics::BalanceWindow::Add(std::span<const int64_t> counts,
+                                                   const std::vector<bool>& counted) {
   std::vector<int64_t>& slot = ring_[next_];
   next_ = (next_ + 1) % ring_.size();
-  int64_t total = 0, most = 0;
+  int64_t total = 0, most = 0, entries = 0;
   for (size_t i = 0; i < sum_.size(); ++i) {
     const int64_t now = i < counts.size() ? counts[i] : 0;
     sum_[i] += now - slot[i];
     slot[i] = now;
+    if (!counted.empty() && (i >= counted.size() || !counted[i])) continue;
+    ++entries;
     total += sum_[i];
     most = std::max(most, sum_[i]);
   }
   if (most == 0) return std::nullopt;
-  return static_cast<double>(total) / static_cast<double>(sum_.size()) / static_cast<double>(most);
+  return static_cast<double>(total) / static_cast<double>(entries) / static_cast<double>(most);
 }
 
 void Metrics::SetHeldBytes(int64_t bytes) { held_bytes_->Set(static_cast<double>(bytes)); }
@@ -435,7 +438,12 @@ void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int la
   exchange_bytes_[1]->Increment(static_cast<double>(trace.combine_bytes));
   scatter_seconds_->Observe(trace.scatter_ns * 1e-9);
   gather_seconds_->Observe(trace.gather_ns * 1e-9);
+  // A trace that names no workers (tests, executors) counts them all.
+  auto took_part = [&](size_t w) {
+    return trace.workers.Count() == 0 || trace.workers.Has(static_cast<int>(w));
+  };
   for (size_t w = 0; w < trace.stage_ns.size() && w < stage_seconds_.size(); ++w) {
+    if (!took_part(w)) continue;  // a dead worker measured nothing
     for (int s = 0; s < worker::kNumWorkerStages; ++s) {
       stage_seconds_[w][s]->Observe(trace.stage_ns[w][s] * 1e-9);
     }
@@ -450,8 +458,10 @@ void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int la
   for (size_t w = 0; w < workers; ++w) {
     l.worker_pairs[w]->Increment(static_cast<double>(trace.worker_pairs[w]));
   }
+  std::vector<bool> live(workers);  // a dead worker's idleness is not imbalance
+  for (size_t w = 0; w < workers; ++w) live[w] = took_part(w);
   std::lock_guard<std::mutex> lock(balance_mu_);
-  if (std::optional<double> b = l.workers.Add(std::span(trace.worker_pairs).first(workers))) {
+  if (std::optional<double> b = l.workers.Add(std::span(trace.worker_pairs).first(workers), live)) {
     l.worker_balancedness->Set(*b);
   }
   if (std::optional<double> b = l.experts.Add(std::span(trace.expert_tokens).first(experts))) {

@@ -112,8 +112,10 @@ class Metrics {
     explicit BalanceWindow(size_t entries)
         : ring_(kBalanceWindowBatches, std::vector<int64_t>(entries, 0)), sum_(entries, 0) {}
     // Replaces the oldest batch with `counts` (entries past its end count 0); the window's
-    // mean / max, or nothing while every entry is 0.
-    std::optional<double> Add(std::span<const int64_t> counts);
+    // mean / max over the entries `counted` has (all where empty: a dead worker's is not),
+    // or nothing while every such entry is 0.
+    std::optional<double> Add(std::span<const int64_t> counts,
+                              const std::vector<bool>& counted = {});
 
    private:
     std::vector<std::vector<int64_t>> ring_;

@@ -384,6 +384,7 @@ void Coordinator::Accumulate(BatchTrace& all, const BatchTrace& part) {
   all.gather_ns += part.gather_ns;
   all.dispatch_bytes += part.dispatch_bytes;
   all.combine_bytes += part.combine_bytes;
+  all.workers = part.workers;  // the last slice's: after any death under an earlier one
   auto add = [](auto& to, const auto& from) {
     if (to.size() < from.size()) to.resize(from.size());
     for (size_t i = 0; i < from.size(); ++i) to[i] += from[i];
@@ -496,6 +497,7 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace, const WorkerSet& pos
   const int64_t* expert_tokens = heap_.LocalAs<int64_t>(regions_.expert_tokens);
   trace.expert_tokens.assign(shape.num_experts, 0);
   trace.worker_pairs.assign(shape.num_workers, 0);
+  trace.workers = posted;
   for (int w = 0; w < shape.num_workers; ++w) {
     if (!posted.Has(w)) continue;  // its row is what it wrote before it died
     for (int e = 0; e < shape.num_experts; ++e) {

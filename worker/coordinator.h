@@ -30,6 +30,7 @@ struct BatchTrace {
   std::vector<std::array<int64_t, kNumWorkerStages>> stage_ns;
   std::vector<int64_t> expert_tokens;  // pairs routed to each expert (all its copies)
   std::vector<int64_t> worker_pairs;   // pairs each worker computed
+  WorkerSet workers;  // the workers that took part (all but the dead); empty: all
   int64_t dispatch_bytes = 0;          // token rows stored into receivers, all workers
   int64_t combine_bytes = 0;           // expert output rows returned to owners, all workers
 };

@@ -153,6 +153,10 @@ TEST_P(WorkerDeath, WithFullCoverageTheSurvivorsServeOn) {
   // Health right after the death, and 5 s of load with the survivors.
   absl::SleepFor(absl::Milliseconds(500));
   EXPECT_EQ(Health(**server), grpc::health::v1::HealthCheckResponse::SERVING);
+  // The dead worker's stage histograms stop (no zero-length stages for it).
+  const std::string dead_stage = "epserve_stage_duration_seconds_count{rank=\"2\",stage=\"route\"}";
+  const double dead_batches =
+      MetricValue(HttpGet((*server)->metrics_address(), "/metrics"), dead_stage);
   absl::SleepFor(absl::Seconds(5));
   EXPECT_EQ(Health(**server), grpc::health::v1::HealthCheckResponse::SERVING);
   clients.Stop();
@@ -184,6 +188,8 @@ TEST_P(WorkerDeath, WithFullCoverageTheSurvivorsServeOn) {
   EXPECT_EQ(MetricValue(metrics, "epserve_workers_ready"), 2) << metrics;
   EXPECT_EQ(MetricValue(metrics, "epserve_workers_lost"), 1);
   EXPECT_EQ(MetricValue(metrics, "epserve_workers_configured"), 3);
+  EXPECT_GT(dead_batches, 0) << metrics;
+  EXPECT_EQ(MetricValue(metrics, dead_stage), dead_batches);
   // The survivors' copies: every expert keeps at least one, fewer copies in all than before.
   const std::vector<double> now = Replicas(metrics);
   double total = 0;
