@@ -1,8 +1,15 @@
 #include "server/batcher.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/parallel.h"
 
 namespace epserve::server {
+namespace {
+
+// The fewest rows a thread converts: below this a thread's start costs more than it saves.
+constexpr int64_t kRowsPerThread = 128;
+
+}  // namespace
 
 void Batcher::Channel::Push(Batch* b) {
   {
@@ -258,8 +265,13 @@ void Batcher::StageInputs(Batch& b, size_t first) {
     const InferTask& t = *p.task;
     if (t.input_type != common::ElementType::kFp32) {
       if (b.input_staging.empty()) b.input_staging.resize(options_.max_batch_tokens * h);
-      ToFp32(t.input_type, t.input + p.row * h * common::ElementBytes(t.input_type),
-             b.input_staging.data() + p.at * h, p.rows * h);
+      const char* src = t.input + p.row * h * common::ElementBytes(t.input_type);
+      float* dst = b.input_staging.data() + p.at * h;
+      common::ParallelFor(
+          options_.copy_threads, p.rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
+            ToFp32(t.input_type, src + begin * h * common::ElementBytes(t.input_type),
+                   dst + begin * h, (end - begin) * h);
+          });
     }
     if (t.output_type != common::ElementType::kFp32 && b.output_staging.empty()) {
       b.output_staging.resize(options_.max_batch_tokens * h);
@@ -387,8 +399,13 @@ void Batcher::CompleteLoop() {
       if (!b->status.ok()) {
         Fail(t, b->status);
       } else if (t.output_type != common::ElementType::kFp32 && !t.failed.load()) {
-        FromFp32(t.output_type, b->output_staging.data() + p.at * h,
-                 t.output + p.row * h * common::ElementBytes(t.output_type), p.rows * h);
+        const float* src = b->output_staging.data() + p.at * h;
+        char* dst = t.output + p.row * h * common::ElementBytes(t.output_type);
+        common::ParallelFor(
+            options_.copy_threads, p.rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
+              FromFp32(t.output_type, src + begin * h,
+                       dst + begin * h * common::ElementBytes(t.output_type), (end - begin) * h);
+            });
       }
     }
     b->output_time = absl::Now() - t0;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/files.h"
 #include "common/log.h"
+#include "common/parallel.h"
 #include "common/status.h"
 #include "worker/eplb.h"
 
@@ -189,6 +190,9 @@ absl::Status FrontEndOptions::Validate() const {
   }
   if (eplb.interval_batches < 0) return bad("--eplb-interval must be >= 0 (0: off)");
   if (!(eplb.min_gain >= 0 && eplb.min_gain <= 1)) return bad("--eplb-min-gain must be in [0, 1]");
+  if (host_copy_threads < 0 || host_copy_threads > 256) {
+    return bad("--host-copy-threads must be in [0, 256], got ", host_copy_threads);
+  }
   if (eplb.min_copies < 1) return bad("--eplb-min-copies must be at least 1");
   if (grpc_handshake_timeout <= absl::ZeroDuration()) {
     return bad("--grpc-handshake-timeout must be > 0");
@@ -272,8 +276,19 @@ absl::Status FrontEnd::Init(Batcher::Executor executor) {
 
   EPSERVE_ASSIGN_OR_RETURN(metrics_, Metrics::Start(o.metrics, o.requests.model_name, served_,
                                                     o.batching.max_queue_tokens));
+  // Rank 0's per-row work (row copies into and out of the heap, dtype conversions) on
+  // threads where the host has cores to spare.
+  const int copy_threads =
+      o.host_copy_threads > 0 ? o.host_copy_threads : common::DefaultCopyThreads();
+  BatchingOptions batching = o.batching;
+  batching.copy_threads = copy_threads;
+  if (coordinator_ != nullptr) coordinator_->set_copy_threads(copy_threads);
+  common::LogInfo(absl::StrCat(
+      "rank 0: ", copy_threads, " thread(s) for row copies and conversions (",
+      o.host_copy_threads > 0 ? "--host-copy-threads" : "a quarter of the host's hardware threads",
+      ")"));
   batcher_ = std::make_unique<Batcher>(
-      o.batching, served_, o.requests.priority_levels, std::move(executor),
+      batching, served_, o.requests.priority_levels, std::move(executor),
       [this](int64_t rows, absl::Duration in, absl::Duration infer, absl::Duration out,
              absl::Duration respond) {
         statistics_.ObserveBatch(rows, in, infer, out);

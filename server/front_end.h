@@ -76,6 +76,9 @@ struct FrontEndOptions {
   // A worker whose heartbeat stops this long (stopped, wedged) turns the server not ready
   // until it beats again (shm heap only; see Coordinator::StalledWorkers).
   absl::Duration worker_stall_timeout = absl::Seconds(3);
+  // --host-copy-threads: rank 0's threads for a batch's row copies into and out of the heap
+  // and its dtype conversions; 0: common::DefaultCopyThreads() (a quarter of the host's).
+  int host_copy_threads = 0;
   // Keepalive (gRPC channel arguments of the server).
   absl::Duration keepalive_time = absl::Hours(2);
   absl::Duration keepalive_timeout = absl::Seconds(20);

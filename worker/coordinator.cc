@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/parallel.h"
 #include "common/status.h"
 
 namespace epserve::worker {
@@ -429,7 +430,10 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
   const ExchangeShape& shape = regions_.plan.shape();
   const int num_workers = shape.num_workers;
   const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
-  // Batch row r goes to worker w with begin(w) <= r < end(w).
+  // Batch row r goes to worker w with begin(w) <= r < end(w). Where every worker's segment
+  // is load/store (shm), the copies run on copy_threads_ threads; else as Puts.
+  copies_.clear();
+  bool direct = true;
   int64_t row = 0;
   int w = 0;
   for (const RowChunk& c : chunks) {
@@ -438,12 +442,20 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
       const int64_t begin = RowSplit(total, w, num_workers, live);
       const int64_t end = RowSplit(total, w + 1, num_workers, live);
       const int64_t take = std::min(c.rows - done, end - row);
-      EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.input + (row - begin) * row_bytes,
-                                        c.input + done * shape.hidden, take * row_bytes));
+      const size_t offset = regions_.input + (row - begin) * row_bytes;
+      const float* src = c.input + done * shape.hidden;
+      void* dst = direct ? heap_.Direct(RankOfWorker(w), offset) : nullptr;
+      if (dst != nullptr) {
+        copies_.push_back({dst, src, static_cast<size_t>(take) * row_bytes});
+      } else {
+        direct = false;
+        EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), offset, src, take * row_bytes));
+      }
       row += take;
       done += take;
     }
   }
+  common::ParallelCopy(copy_threads_, copies_);
   return absl::OkStatus();
 }
 
@@ -516,14 +528,16 @@ void Coordinator::Gather(std::span<const RowChunk> chunks) {
   const float* out = heap_.LocalAs<float>(regions_.output);
   const int32_t* ids = heap_.LocalAs<int32_t>(regions_.topk_ids);
   const float* weights = heap_.LocalAs<float>(regions_.topk_weights);
+  copies_.clear();
   for (const RowChunk& c : chunks) {
-    std::memcpy(c.output, out, c.rows * row_bytes);
+    copies_.push_back({c.output, out, c.rows * row_bytes});
     out += c.rows * shape.hidden;
     if (c.topk_ids != nullptr) std::memcpy(c.topk_ids, ids, c.rows * k * sizeof(int32_t));
     if (c.topk_weights != nullptr) std::memcpy(c.topk_weights, weights, c.rows * k * sizeof(float));
     ids += c.rows * k;
     weights += c.rows * k;
   }
+  common::ParallelCopy(copy_threads_, copies_);
 }
 
 absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {

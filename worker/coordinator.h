@@ -2,6 +2,7 @@
 // starts the batch, waits for every worker and gathers the output rows.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/parallel.h"
 #include "shmem/heap.h"
 #include "worker/heap_regions.h"
 #include "worker/placement.h"
@@ -30,7 +32,7 @@ struct BatchTrace {
   std::vector<std::array<int64_t, kNumWorkerStages>> stage_ns;
   std::vector<int64_t> expert_tokens;  // pairs routed to each expert (all its copies)
   std::vector<int64_t> worker_pairs;   // pairs each worker computed
-  WorkerSet workers;  // the workers that took part (all but the dead); empty: all
+  WorkerSet workers;                   // the workers that took part (all but the dead); empty: all
   int64_t dispatch_bytes = 0;          // token rows stored into receivers, all workers
   int64_t combine_bytes = 0;           // expert output rows returned to owners, all workers
 };
@@ -131,6 +133,10 @@ class Coordinator {
   int StalledWorkers(absl::Duration timeout);
   const ExchangeShape& shape() const { return regions_.plan.shape(); }
 
+  // Threads that copy a batch's rows into the workers' input regions and its output rows out
+  // of rank 0's segment (where the heap gives load/store access; common::ParallelCopy).
+  void set_copy_threads(int threads) { copy_threads_ = std::max(threads, 1); }
+
  private:
   // Posts `op` to the workers of `live` (rows split over them), as generation `generation`.
   absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
@@ -180,6 +186,8 @@ class Coordinator {
   shmem::SymmetricHeap& heap_;
   const HeapRegions regions_;
   std::vector<ExpertPlacement> placements_;
+  int copy_threads_ = 1;
+  std::vector<common::CopyJob> copies_;             // Scatter's and Gather's, reused
   std::vector<ExpertPlacement> staged_placements_;  // of the stage under way, if it brings any
   // The live set batches run over, and placements_ OnlyOn it (empty while all live).
   WorkerSet serving_live_;

@@ -1,0 +1,35 @@
+// Data-parallel loops for rank 0's per-row work (copies of a batch's rows into and out of the
+// heap, dtype conversions): a batch of 4096 rows x 2048 floats is 32 MiB, which one thread
+// copies in several milliseconds, on the critical path of every batch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+
+namespace epserve::common {
+
+// Host threads for rank 0's row copies when not forced: a quarter of the host's hardware
+// threads (the workers and gRPC keep the rest), at least 1, at most 8 (beyond that a copy is
+// bound by memory bandwidth). 1 on a 2-core machine: no threads at all.
+int DefaultCopyThreads();
+
+// Runs fn(begin, end) over [0, n) split into at most `threads` contiguous ranges of at least
+// `min_grain` items (fewer ranges where n is small), the first range on the calling thread,
+// the others on threads started for the call; returns when every range is done. threads <= 1
+// or n < 2 * min_grain: one call on this thread.
+void ParallelFor(int threads, int64_t n, int64_t min_grain,
+                 const std::function<void(int64_t begin, int64_t end)>& fn);
+
+// One copy of a list of copies.
+struct CopyJob {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+// The copies of `jobs` (non-overlapping), their bytes split evenly over up to `threads`
+// threads, at least 1 MiB each.
+void ParallelCopy(int threads, std::span<const CopyJob> jobs);
+
+}  // namespace epserve::common
