@@ -269,6 +269,7 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   options.device = flags.runtime;
   options.device.local_rank = host_workers.index;
   options.workers_on_host = host_workers.count;
+  options.host_threads = flags.worker_host_threads;
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
   options.placements = std::move(placements);
@@ -282,7 +283,9 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   Log(rank, absl::StrCat("worker ", me, " on ", (*w)->device().Describe(), ": ",
                          (*w)->weight_bytes(), " weight bytes (expert FFN on ", (*w)->ffn_kernels(),
                          "), resident ", ResidentBytes(), " bytes"));
-  Log(rank, absl::StrCat("worker ", me, " FFN blocking: ", (*w)->ffn_blocking(),
+  Log(rank, absl::StrCat("worker ", me, " FFN blocking: ", (*w)->ffn_blocking(), "; combine on ",
+                         (*w)->host_threads(), " host thread(s)",
+                         flags.worker_host_threads > 0 ? " (--worker-host-threads)" : "",
                          "; kernels warmed up in ",
                          absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
   absl::Status s = (*w)->Serve(g_stop);
@@ -309,6 +312,11 @@ int Run(int rank, int num_ranks, const Flags& flags) {
       PlanExchange(config, worker::NumWorkers(num_ranks), flags);
   if (!plan.ok()) return Fail(rank, plan.status());
   const size_t heap_bytes = worker::HeapRegions::BytesNeeded(*plan);
+  if (flags.worker_host_threads < 0 || flags.worker_host_threads > 256) {
+    return Fail(rank,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "--worker-host-threads must be in [0, 256], got ", flags.worker_host_threads)));
+  }
   absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
   if (!memory_limit.ok()) return Fail(rank, memory_limit.status());
   absl::StatusOr<common::ElementType> weight_dtype =

@@ -59,6 +59,9 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
          "Most token rows in one request; larger ones get INVALID_ARGUMENT");
   fs.Add("max-response-bytes", &fe.max_response_bytes,
          "Largest gRPC message sent, in bytes; 0: derived as --max-request-bytes is");
+  fs.Add("worker-host-threads", &flags.worker_host_threads,
+         "Each worker's host threads for its combine (summing its tokens' returned rows); 0: "
+         "the host's hardware threads over its workers and rank 0, 1 to 8");
   fs.Add("host-copy-threads", &fe.host_copy_threads,
          "Rank 0's threads for a batch's row copies into and out of the shared heap and its "
          "dtype conversions; 0: a quarter of the host's hardware threads, 1 to 8");

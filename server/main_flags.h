@@ -31,6 +31,7 @@ struct Flags {
   // Expert placement (server/eplb_profile.h): redundant copies per layer, and the saved load
   // profile they follow (empty: uniform loads).
   int redundant_experts = 0;
+  int worker_host_threads = 0;  // --worker-host-threads (WorkerOptions::host_threads)
   std::string eplb_profile;
 };
 

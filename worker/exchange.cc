@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/parallel.h"
 #include "common/status.h"
 
 namespace epserve::worker {
@@ -538,28 +539,29 @@ absl::Status Exchange::Reduce(const float* weights, float* y, bool accumulate,
   }
   const std::vector<int64_t>& at = direct ? pair_at_ : pulled_at;
   // Per token: the row parts in destination order, then each choice's row times its weight in
-  // the order of j (WeightedSumRows: no fused multiply-adds, the same on every host).
-  std::vector<const void*>& parts = reduce_parts_;
-  std::vector<float>& scale = reduce_weights_;
-  parts.resize(num_workers + k);
-  scale.resize(num_workers + k);
-  for (int64_t t = 0; t < n_; ++t) {
-    int count = 0;
-    if (split) {
-      const int64_t* slot = &slot_[t * num_workers];
-      for (int d = 0; d < num_workers; ++d) {
-        if (slot[d] < 0) continue;
-        scale[count] = 1.0f;
-        parts[count++] = row_base_at_[d] + slot[d] * row_bytes;
+  // the order of j (WeightedSumRows: no fused multiply-adds, the same on every host). Tokens
+  // are independent: ranges of them on reduce_threads_ threads give the same bits.
+  common::ParallelFor(reduce_threads_, n_, reduce_grain_, [&](int64_t begin, int64_t end) {
+    std::vector<const void*> parts(num_workers + k);
+    std::vector<float> scale(num_workers + k);
+    for (int64_t t = begin; t < end; ++t) {
+      int count = 0;
+      if (split) {
+        const int64_t* slot = &slot_[t * num_workers];
+        for (int d = 0; d < num_workers; ++d) {
+          if (slot[d] < 0) continue;
+          scale[count] = 1.0f;
+          parts[count++] = row_base_at_[d] + slot[d] * row_bytes;
+        }
       }
+      for (int j = 0; j < k; ++j) {
+        const int64_t i = t * k + j;
+        scale[count] = weights[i];
+        parts[count++] = pair_base_at_[dest_[i]] + at[i] * row_bytes;
+      }
+      WeightedSumRows(dtype, parts.data(), scale.data(), count, hidden, y + t * hidden, accumulate);
     }
-    for (int j = 0; j < k; ++j) {
-      const int64_t i = t * k + j;
-      scale[count] = weights[i];
-      parts[count++] = pair_base_at_[dest_[i]] + at[i] * row_bytes;
-    }
-    WeightedSumRows(dtype, parts.data(), scale.data(), count, hidden, y + t * hidden, accumulate);
-  }
+  });
   return absl::OkStatus();
 }
 

@@ -37,6 +37,7 @@
 // matrix is double-buffered by epoch parity. Every wait has a deadline.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -161,6 +162,16 @@ class Exchange {
     cancel_above_ = above;
   }
 
+  // The fewest tokens a Reduce thread sums by default: below this a thread's start costs more
+  // than it saves.
+  static constexpr int64_t kTokensPerThread = 64;
+  // Threads Reduce sums a pass's tokens on (common::ParallelFor; 1: the calling thread), each
+  // at least `min_tokens` of them.
+  void set_reduce_threads(int threads, int64_t min_tokens = kTokensPerThread) {
+    reduce_threads_ = std::max(threads, 1);
+    reduce_grain_ = std::max<int64_t>(min_tokens, 1);
+  }
+
   const ExchangePlan& plan() const { return plan_; }
   const ExpertPlacement& placement() const { return *placement_; }
   // The worker that computes choice j of token t of the current pass (ChooseCopies).
@@ -246,8 +257,8 @@ class Exchange {
   std::vector<float> out_;         // the expert step's output when not OutputInHeap()
   std::vector<char> pulled_;       // my rows fetched from peers without load/store access
   std::vector<const char*> pair_base_at_, row_base_at_;  // [W]: where my rows at d start
-  std::vector<const void*> reduce_parts_;
-  std::vector<float> reduce_weights_;
+  int reduce_threads_ = 1;
+  int64_t reduce_grain_ = kTokensPerThread;
 };
 
 }  // namespace epserve::worker

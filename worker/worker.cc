@@ -42,6 +42,12 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
       Exchange::Create(heap, regions.plan, regions.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
   w->exchange_ = *std::move(exchange);
+  w->host_threads_ = options.host_threads > 0
+                         ? options.host_threads
+                         : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) /
+                                          (std::max(options.workers_on_host, 1) + 1),
+                                      1, 8);
+  w->exchange_->set_reduce_threads(w->host_threads_);
   const size_t num_layers = source.config().moe_layers.size();
   w->placements_ = options.placements.empty()
                        ? std::vector<ExpertPlacement>(num_layers, w->exchange_->placement())

@@ -32,6 +32,10 @@ struct WorkerOptions {
   // Workers on this host (this one included): a weight swap stages a second copy of every
   // one's weights at once, so each checks that all those copies fit the host's memory.
   int workers_on_host = 1;
+  // Host threads of this worker's combine (the owner's sum of its tokens' returned rows,
+  // Exchange::set_reduce_threads); 0: the host's hardware threads shared among its workers
+  // and rank 0, 1 to 8 (--worker-host-threads).
+  int host_threads = 0;
   // Which worker holds which experts, one placement per served layer (the same on every rank;
   // worker/placement.h); empty: the contiguous placement for every layer. A kStage may bring
   // new ones (a rebalance), served from its kSwitch on.
@@ -69,6 +73,8 @@ class Worker {
   // Seconds Create spent running every kernel of a batch once (WarmUp), so that the first
   // batches pay no kernel build.
   double warmup_seconds() const { return warmup_seconds_; }
+  // Host threads of the combine's sum (WorkerOptions::host_threads, resolved).
+  int host_threads() const { return host_threads_; }
   // Whether rank 0 died or has told this worker that a peer died (its batches name fewer live
   // workers than the job has): the MPI job is then short of a rank, and collective calls
   // (the heap's free, MPI_Finalize) would wait for it.
@@ -146,6 +152,7 @@ class Worker {
   // under mpirun --enable-recovery, so this worker leaves).
   bool FrontEndDied();
   bool front_end_lost_ = false;
+  int host_threads_ = 1;
   int me_ = 0;    // worker index
   int rank_ = 0;  // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;

@@ -128,6 +128,9 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
     absl::StatusOr<std::unique_ptr<Exchange>> ex = Exchange::Create(*s.heap, plan, *regions, rank_);
     EXPECT_TRUE(ex.ok()) << ex.status();
     s.exchange = *std::move(ex);
+    // The owner's sum on up to 3 threads of at least 4 tokens (rank 0: 1 thread): every check
+    // below is exact, so a split sum must give the same bits.
+    if (s.exchange != nullptr) s.exchange->set_reduce_threads(rank_ == 0 ? 1 : 3, 4);
     return s;
   }
 
