@@ -18,6 +18,7 @@
 #include "tests/common/http_get.h"
 #include "tests/e2e/reference.h"
 #include "tests/e2e/server_process.h"
+#include "tests/e2e/verifying_clients.h"
 
 namespace epserve::testing {
 namespace {
@@ -142,37 +143,7 @@ TEST(Rebalance, UnderFourVerifyingClientsNothingIsLost) {
       ServerProcess::Start(3, {"--max-batch-tokens=32", "--max-queue-delay-us=500",
                                "--redundant-experts=3", "--eplb-interval=4", "--eplb-min-gain=0"});
   ASSERT_TRUE(server.ok()) << server.status();
-  const uint64_t seed = std::random_device{}();
-  std::atomic<int> wrong{0}, failed{0}, answered{0};
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> clients;
-  for (int c = 0; c < 4; ++c) {
-    clients.emplace_back([&, c] {
-      Reference ref;
-      auto stub = (*server)->NewStub();
-      std::mt19937_64 rng(seed + c);
-      for (int i = 0; !stop.load(); ++i) {
-        const int64_t tokens = 1 + static_cast<int64_t>(rng() % 24);
-        std::vector<float> x = RandomRows(tokens, rng);
-        // Skewed: most rows lean towards one direction, so some experts stay hot.
-        for (int64_t t = 0; t < tokens; ++t) x[t * kHidden + c % 4] += 2.0f;
-        inference::ModelInferRequest req = Request(x, tokens, absl::StrCat(c, "-", i));
-        inference::ModelInferResponse resp;
-        grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-        grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
-        if (!s.ok() || resp.raw_output_contents_size() != 1 ||
-            resp.raw_output_contents(0).size() != static_cast<size_t>(tokens * kHidden * 4)) {
-          ++failed;
-          continue;
-        }
-        std::vector<float> y(tokens * kHidden);
-        std::memcpy(y.data(), resp.raw_output_contents(0).data(), y.size() * 4);
-        if (!(ref.RelError(x, y.data(), tokens) <= 1e-4)) ++wrong;
-        ++answered;
-      }
-    });
-  }
+  VerifyingClients clients(**server);
   // At least 8 s of load, and on until a rebalance is done (at most 40 s: a slow machine).
   const absl::Time start = absl::Now();
   const std::string done = "epserve_eplb_rebalances_total{outcome=\"done\"}";
@@ -181,20 +152,20 @@ TEST(Rebalance, UnderFourVerifyingClientsNothingIsLost) {
           MetricValue(HttpGet((*server)->metrics_address(), "/metrics"), done) < 1)) {
     absl::SleepFor(absl::Milliseconds(200));
   }
-  stop.store(true);
-  for (std::thread& t : clients) t.join();
+  clients.Stop();
   const std::string metrics = HttpGet((*server)->metrics_address(), "/metrics");
-  EXPECT_EQ(failed.load(), 0);
-  EXPECT_EQ(wrong.load(), 0);
-  EXPECT_GT(answered.load(), 40);
+  EXPECT_EQ(clients.failures().size(), 0u);
+  for (const std::string& f : clients.failures()) ADD_FAILURE() << f;
+  EXPECT_EQ(clients.wrong(), 0);
+  EXPECT_GT(clients.answered(), 40u);
   EXPECT_GE(MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"done\"}"), 1) << metrics;
   EXPECT_EQ(MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"failed\"}"), 0);
   EXPECT_GT(MetricValue(metrics, "epserve_eplb_loaded_bytes_total"), 0);
-  std::cerr << answered.load() << " answers checked; rebalances done "
+  std::cerr << clients.answered() << " answers checked; rebalances done "
             << MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"done\"}")
             << ", skipped "
             << MetricValue(metrics, "epserve_eplb_rebalances_total{outcome=\"skipped\"}") << "\n";
-  if (HasFailure()) ADD_FAILURE() << "seed " << seed << "\n" << (*server)->Log();
+  if (HasFailure()) ADD_FAILURE() << "seed " << clients.seed() << "\n" << (*server)->Log();
   (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
 }
 
