@@ -14,7 +14,6 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 trap cleanup EXIT
-verify="$EPSERVE_VERIFY"
 
 port=$(free_port); metrics_port=$(free_port)
 "$root/deploy/epserve-local" -w 3 --model=synthetic:tiny --grpc-address=127.0.0.1:$port \
@@ -37,16 +36,7 @@ EOF
 }
 rank0=$(rank_pid $supervisor 0)
 
-"$verify" --target=$target --concurrency=4 --deadline=5s --until-file="$dir/stop" \
-  >"$dir/load.json" 2>"$dir/load.log" &
-load=$!
-pids+=($load)
-sleep 3
-victim=$(rank_pid $supervisor 2)
-[ -n "$victim" ] || fail "cannot find rank 2"
-t_kill=$(now)
-kill -KILL "$victim"
-echo "killed rank 2 (worker 1, pid $victim) under load"
+kill_rank_under_load $target $supervisor 2  # worker 1
 
 # The job serves on degraded: rank 0 says so at once (polled from one process: a Python
 # start per scrape would measure itself).

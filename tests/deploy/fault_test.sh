@@ -51,16 +51,7 @@ echo "hostile clients: $calls cancelled or expired calls and 3 killed clients; r
 [ "$growth_mib" -le 64 ] || fail "rank 0 grew by $growth_mib MiB over the hostile clients"
 
 # ---- 2. kill -9 of a worker under load
-"$verify" --target=$target --concurrency=4 --deadline=5s --until-file="$dir/stop" \
-  >"$dir/load.json" 2>"$dir/load.log" &
-load=$!
-pids+=($load)
-sleep 3
-victim=$(rank_pid $supervisor 1)
-[ -n "$victim" ] || fail "cannot find rank 1"
-t_kill=$(now)
-kill -KILL "$victim"
-echo "killed rank 1 (pid $victim) under load"
+kill_rank_under_load $target $supervisor 1
 # The supervisor notices, restarts the job (a fresh ready file) and the job serves again.
 for _ in $(seq 1 300); do [ -e "$dir/ready.json" ] || break; sleep 0.1; done
 wait_ready "$dir/ready.json" 120 $supervisor || fail "the supervisor did not bring the job back"

@@ -63,3 +63,19 @@ cleanup() {
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
+
+# Starts 4 verifying clients (5 s deadlines) against $1 until $dir/stop exists (answers summed
+# into $dir/load.json; $load is their pid), lets them run 3 s, then kills MPI rank $3 under
+# supervisor $2 with SIGKILL; sets $victim and $t_kill.
+kill_rank_under_load() {
+  "$EPSERVE_VERIFY" --target="$1" --concurrency=4 --deadline=5s --until-file="$dir/stop" \
+    >"$dir/load.json" 2>"$dir/load.log" &
+  load=$!
+  pids+=($load)
+  sleep 3
+  victim=$(rank_pid "$2" "$3")
+  [ -n "$victim" ] || fail "cannot find rank $3"
+  t_kill=$(now)
+  kill -KILL "$victim"
+  echo "killed rank $3 (pid $victim) under load"
+}
