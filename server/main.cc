@@ -270,7 +270,6 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   options.device.local_rank = host_workers.index;
   options.workers_on_host = host_workers.count;
   options.host_threads = flags.worker_host_threads;
-  options.pin_heap = flags.pin_heap;
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
   options.placements = std::move(placements);
@@ -284,8 +283,8 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   Log(rank, absl::StrCat("worker ", me, " on ", (*w)->device().Describe(), ": ",
                          (*w)->weight_bytes(), " weight bytes (expert FFN on ", (*w)->ffn_kernels(),
                          "), resident ", ResidentBytes(), " bytes"));
-  Log(rank, absl::StrCat("worker ", me, " FFN blocking: ", (*w)->ffn_blocking(), "; heap: ",
-                         (*w)->pinning(), "; combine on ", (*w)->host_threads(), " host thread(s)",
+  Log(rank, absl::StrCat("worker ", me, " FFN blocking: ", (*w)->ffn_blocking(), "; combine on ",
+                         (*w)->host_threads(), " host thread(s)",
                          flags.worker_host_threads > 0 ? " (--worker-host-threads)" : "",
                          "; kernels warmed up in ",
                          absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));

@@ -62,9 +62,6 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
   fs.Add("worker-host-threads", &flags.worker_host_threads,
          "Each worker's host threads for its combine (summing its tokens' returned rows); 0: "
          "the host's hardware threads over its workers and rank 0, 1 to 8");
-  fs.Add("pin-heap", &flags.pin_heap,
-         "On NVIDIA GPUs (shm heap): page-lock each worker's heap segment and rank 0's through "
-         "the CUDA driver, so that the rows' uploads and downloads run by DMA");
   fs.Add("host-copy-threads", &fe.host_copy_threads,
          "Rank 0's threads for a batch's row copies into and out of the shared heap and its "
          "dtype conversions; 0: a quarter of the host's hardware threads, 1 to 8");

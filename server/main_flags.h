@@ -32,7 +32,6 @@ struct Flags {
   // profile they follow (empty: uniform loads).
   int redundant_experts = 0;
   int worker_host_threads = 0;  // --worker-host-threads (WorkerOptions::host_threads)
-  bool pin_heap = true;         // --pin-heap (WorkerOptions::pin_heap)
   std::string eplb_profile;
 };
 

@@ -21,7 +21,6 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "model/layers.h"
-#include "shmem/pinning.h"
 
 namespace epserve::worker {
 namespace {
@@ -57,17 +56,6 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(options.device);
   if (!rt.ok()) return rt.status();
   w->rt_ = *std::move(rt);
-  if (!options.pin_heap) {
-    w->pinning_ = "off (--pin-heap=false)";
-  } else if (w->rt_->device_info().nv_compute_capability == 0 ||
-             heap.backend() != shmem::HeapBackend::kShm) {
-    w->pinning_ = "off (not an NVIDIA GPU on the shm heap)";
-  } else {
-    absl::Status s = shmem::PinForGpuTransfers(heap.Local(0), heap.bytes_per_rank());
-    if (s.ok()) s = shmem::PinForGpuTransfers(heap.Direct(0, 0), heap.bytes_per_rank());
-    w->pinning_ = s.ok() ? "this worker's and rank 0's heap segments pinned"
-                         : absl::StrCat("not pinned: ", s.message());
-  }
   EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source, w->placements_));
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
   const absl::Time warm_start = absl::Now();

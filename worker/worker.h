@@ -36,9 +36,6 @@ struct WorkerOptions {
   // Exchange::set_reduce_threads); 0: the host's hardware threads shared among its workers
   // and rank 0, 1 to 8 (--worker-host-threads).
   int host_threads = 0;
-  // On an NVIDIA GPU (shm heap): page-lock this worker's heap segment and rank 0's through the
-  // CUDA driver (shmem/pinning.h), so its uploads and downloads run by DMA (--pin-heap).
-  bool pin_heap = true;
   // Which worker holds which experts, one placement per served layer (the same on every rank;
   // worker/placement.h); empty: the contiguous placement for every layer. A kStage may bring
   // new ones (a rebalance), served from its kSwitch on.
@@ -78,8 +75,6 @@ class Worker {
   double warmup_seconds() const { return warmup_seconds_; }
   // Host threads of the combine's sum (WorkerOptions::host_threads, resolved).
   int host_threads() const { return host_threads_; }
-  // What became of --pin-heap: "pinned", "off", "not an NVIDIA GPU" or the driver's error.
-  const std::string& pinning() const { return pinning_; }
   // Whether rank 0 died or has told this worker that a peer died (its batches name fewer live
   // workers than the job has): the MPI job is then short of a rank, and collective calls
   // (the heap's free, MPI_Finalize) would wait for it.
@@ -158,7 +153,6 @@ class Worker {
   bool FrontEndDied();
   bool front_end_lost_ = false;
   int host_threads_ = 1;
-  std::string pinning_ = "off";
   int me_ = 0;    // worker index
   int rank_ = 0;  // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;
