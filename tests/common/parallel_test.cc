@@ -49,7 +49,9 @@ TEST(ParallelCopy, CopiesEveryJobWhole) {
     for (auto& d : dst) std::fill(d.begin(), d.end(), '\x5a');
     ParallelCopy(threads, jobs);
     for (size_t i = 0; i < sizes.size(); ++i) {
-      EXPECT_EQ(std::memcmp(dst[i].data(), src[i].data(), sizes[i]), 0) << i;
+      if (sizes[i] > 0) {  // (memcmp of an empty vector's null data is undefined)
+        EXPECT_EQ(std::memcmp(dst[i].data(), src[i].data(), sizes[i]), 0) << i;
+      }
       for (size_t g = sizes[i]; g < dst[i].size(); ++g) ASSERT_EQ(dst[i][g], '\x5a') << i;
     }
   }
