@@ -278,7 +278,7 @@ class Job:
         self.nonzero_rank = None
         self.nonzero_code = None
         self.served_since = None  # monotonic time the ready file appeared
-        self.lost_worker = False  # a worker died (rank 0 said so)
+        self.dead_rank = None     # a worker's rank that died (rank 0 said so)
         self.degraded = False     # ... and the job serves on with the survivors
         self.replace_after = 0.0  # monotonic time a failed replacement may be tried again
         self.lock = threading.Lock()
@@ -306,7 +306,7 @@ class Job:
                                   f"signal {m.group(3)}")
                 elif m := self.WORKER_DIED.match(line):
                     self.death = f"rank {m.group(2)} (worker {m.group(1)}) died"
-                    self.lost_worker = True
+                    self.dead_rank = int(m.group(2))
                     self.degraded = line.rstrip().endswith("serving on with them")
                 elif m := self.NONZERO.search(line):
                     self.nonzero_rank = int(m.group(1))
@@ -355,11 +355,9 @@ class Job:
         nothing here: it is 1 after it forwarded SIGTERM even when every rank left cleanly."""
         with self.lock:
             missing = sorted(set(range(self.settings.workers + 1)) - self.left)
-            if self.death and not self.lost_worker:
+            if self.death and self.dead_rank is None:
                 return False, self.death
-            if self.lost_worker:
-                m = re.match(r"rank (\d+)", self.death or "")
-                missing = [r for r in missing if not m or r != int(m.group(1))]
+            missing = [r for r in missing if r != self.dead_rank]
             if not self.stopped_serving:
                 return False, "rank 0 did not report that it stopped serving"
             if missing:

@@ -80,7 +80,7 @@ struct BatchingOptions {
   int64_t max_batch_tokens = 256;    // --max-batch-tokens: most rows in one batch
   int64_t max_queue_delay_us = 0;    // --max-queue-delay-us: longest wait for more rows
   int64_t max_queue_tokens = 65536;  // --max-queue-tokens: most rows queued
-  int copy_threads = 1;  // threads of a batch's dtype conversions (--host-copy-threads)
+  int copy_threads = 1;              // threads of a batch's dtype conversions (--host-copy-threads)
 
   absl::Duration max_queue_delay() const { return absl::Microseconds(max_queue_delay_us); }
   // INVALID_ARGUMENT naming the flag and its bound.

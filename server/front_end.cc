@@ -361,9 +361,9 @@ absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk>
       coordinator_->Run(layer_pos, chunks, absl::Now() + options_.batch_timeout);
   if (const int lost = coordinator_->lost_workers();
       lost != lost_seen_ && coordinator_->healthy()) {
-    // A worker died and the service goes on with the survivors: their placements now.
+    // A worker died and the service goes on with the survivors: their placements now (the
+    // heartbeat watch sets epserve_workers_lost and _ready).
     lost_seen_ = lost;
-    metrics_->SetWorkersLost(lost);
     metrics_->SetReplicas(coordinator_->placements());
   }
   exec.unlock();

@@ -369,7 +369,7 @@ void Metrics::SetReplicas(const std::vector<worker::ExpertPlacement>& placements
 }
 
 std::optional<double> Metrics::BalanceWindow::Add(std::span<const int64_t> counts,
-                                                   const std::vector<bool>& counted) {
+                                                  const std::vector<bool>& counted) {
   std::vector<int64_t>& slot = ring_[next_];
   next_ = (next_ + 1) % ring_.size();
   int64_t total = 0, most = 0, entries = 0;

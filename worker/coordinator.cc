@@ -38,14 +38,6 @@ int OpenPidfd(int64_t pid) {
 #endif
 }
 
-std::string WorkerList(const WorkerSet& set, int num_workers) {
-  std::string out;
-  for (int w = 0; w < num_workers; ++w) {
-    if (set.Has(w)) absl::StrAppend(&out, out.empty() ? "" : ", ", w);
-  }
-  return out;
-}
-
 }  // namespace
 
 Coordinator::Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
@@ -53,7 +45,8 @@ Coordinator::Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
     : heap_(heap),
       regions_(regions),
       placements_(std::move(placements)),
-      serving_live_(WorkerSet::All(regions.plan.shape().num_workers)) {}
+      serving_live_(WorkerSet::All(regions.plan.shape().num_workers)),
+      live_(serving_live_) {}
 
 Coordinator::~Coordinator() {
   if (watch_.joinable()) {
@@ -140,11 +133,8 @@ void Coordinator::OnDeath(int w, int64_t pid) {
   WorkerSet live;
   {
     std::lock_guard<std::mutex> lock(live_mu_);
-    dead_.Add(w);
-    live = WorkerSet::All(num_workers);
-    for (int i = 0; i < num_workers; ++i) {
-      if (dead_.Has(i)) live.Remove(i);
-    }
+    live_.Remove(w);
+    live = live_;
   }
   ++lost_;
   // A new generation ends the waits of the batch under way, here and on every worker.
@@ -154,10 +144,10 @@ void Coordinator::OnDeath(int w, int64_t pid) {
     if (cancel != nullptr) shmem::SignalStore(cancel, generation);
   }
   shmem::SignalStore(&cancel_word_, generation);
-  const absl::Status survivable = Survivable(live);
+  const absl::Status survivable = SurvivorPlacements(live).status();
   common::LogError(absl::StrCat(
       "worker ", w, " (rank ", RankOfWorker(w), ", pid ", pid,
-      ") died; live workers: ", WorkerList(live, num_workers),
+      ") died; live workers: ", live.List(num_workers),
       survivable.ok() ? "; serving on with them" : absl::StrCat("; ", survivable.message())));
   if (!survivable.ok()) {
     healthy_ = false;
@@ -166,49 +156,47 @@ void Coordinator::OnDeath(int w, int64_t pid) {
 }
 
 WorkerSet Coordinator::live_workers() const {
-  const int num_workers = regions_.plan.shape().num_workers;
   std::lock_guard<std::mutex> lock(live_mu_);
-  WorkerSet live = WorkerSet::All(num_workers);
-  for (int i = 0; i < num_workers; ++i) {
-    if (dead_.Has(i)) live.Remove(i);
-  }
-  return live;
+  return live_;
 }
 
-absl::Status Coordinator::Survivable(const WorkerSet& live) const {
+absl::StatusOr<std::vector<ExpertPlacement>> Coordinator::SurvivorPlacements(
+    const WorkerSet& live) const {
   if (live.Count() == 0) return absl::UnavailableError("no worker is left");
   if (regions_.plan.shared_expert_split()) {
     return absl::UnavailableError(
         "the shared expert is split over every worker, so a slice of it is gone");
   }
-  const int num_workers = regions_.plan.shape().num_workers;
-  std::vector<ExpertPlacement> all = placements_;
-  if (all.empty()) {
-    absl::StatusOr<ExpertPlacement> contiguous =
-        ExpertPlacement::Contiguous(regions_.plan.shape().num_experts, num_workers);
-    if (!contiguous.ok()) return contiguous.status();
-    all.push_back(*contiguous);
+  // No placements given: every layer is contiguous.
+  std::vector<ExpertPlacement> contiguous;
+  if (placements_.empty()) {
+    EPSERVE_ASSIGN_OR_RETURN(ExpertPlacement c,
+                             ExpertPlacement::Contiguous(regions_.plan.shape().num_experts,
+                                                         regions_.plan.shape().num_workers));
+    contiguous.push_back(std::move(c));
   }
+  const std::vector<ExpertPlacement>& all = placements_.empty() ? contiguous : placements_;
+  std::vector<ExpertPlacement> only;
   for (size_t l = 0; l < all.size(); ++l) {
-    absl::StatusOr<ExpertPlacement> only = all[l].OnlyOn(live);
-    if (!only.ok()) {
-      return absl::UnavailableError(absl::StrCat("served layer ", l, ": ", only.status().message(),
+    absl::StatusOr<ExpertPlacement> p = all[l].OnlyOn(live);
+    if (!p.ok()) {
+      return absl::UnavailableError(absl::StrCat("served layer ", l, ": ", p.status().message(),
                                                  " (--redundant-experts places second copies)"));
     }
+    only.push_back(*std::move(p));
   }
-  return absl::OkStatus();
+  if (placements_.empty()) only.clear();  // the workers serve contiguous layers
+  return only;
 }
 
 absl::Status Coordinator::UseLiveWorkers(const WorkerSet& live) {
   if (live == serving_live_) return absl::OkStatus();
-  absl::Status s = Survivable(live);
-  if (!s.ok()) return Fail(s.message());
-  std::vector<ExpertPlacement> only;
-  for (const ExpertPlacement& p : placements_) only.push_back(*p.OnlyOn(live));
-  survivor_placements_ = std::move(only);
+  absl::StatusOr<std::vector<ExpertPlacement>> only = SurvivorPlacements(live);
+  if (!only.ok()) return Fail(only.status().message());
+  survivor_placements_ = *std::move(only);
   serving_live_ = live;
   common::LogInfo(
-      absl::StrCat("serving with workers ", WorkerList(live, regions_.plan.shape().num_workers)));
+      absl::StrCat("serving with workers ", live.List(regions_.plan.shape().num_workers)));
   return absl::OkStatus();
 }
 
@@ -342,7 +330,7 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
       // A worker died under the slice and every survivor has left it. Run it again over the
       // survivors, once per batch, if the deadline leaves at least the time spent so far.
       if (retried || deadline - absl::Now() < absl::Now() - start ||
-          !Survivable(live_workers()).ok()) {
+          !SurvivorPlacements(live_workers()).ok()) {
         return absl::UnavailableError(
             absl::StrCat("a worker died while this batch ran; it was abandoned (",
                          trace.status().message(), "); the service goes on with the live workers"));

@@ -154,9 +154,9 @@ class Coordinator {
   // The watch thread's body, and what it does when worker w's process has ended.
   void Watch(std::vector<int> pidfds, std::vector<int64_t> pids);
   void OnDeath(int w, int64_t pid);
-  // Whether the placements (and the exchange) can serve without the workers outside `live`;
-  // the reason where not.
-  absl::Status Survivable(const WorkerSet& live) const;
+  // The serving placements OnlyOn `live`, where they (and the exchange) can serve without the
+  // workers outside it; UNAVAILABLE with the reason where not.
+  absl::StatusOr<std::vector<ExpertPlacement>> SurvivorPlacements(const WorkerSet& live) const;
   // Posts a control op (no rows) and waits for every worker: the first error a worker
   // reports, or Fail when one does not answer.
   absl::Status Control(BatchOp op, absl::Time deadline);
@@ -192,11 +192,11 @@ class Coordinator {
   // The live set batches run over, and placements_ OnlyOn it (empty while all live).
   WorkerSet serving_live_;
   std::vector<ExpertPlacement> survivor_placements_;
-  // The watch: which workers died (guarded by live_mu_), how many, and the generation: the
-  // deaths noticed so far, stored (SignalStore) into cancel_word_ and every worker's
+  // The watch: the workers alive (guarded by live_mu_), how many died, and the generation:
+  // the deaths noticed so far, stored (SignalStore) into cancel_word_ and every worker's
   // `cancel` signal.
   mutable std::mutex live_mu_;
-  WorkerSet dead_;
+  WorkerSet live_;
   std::atomic<int> lost_{0};
   uint64_t cancel_word_ = 0;
   std::function<void(const std::string&)> on_fatal_death_;

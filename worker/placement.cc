@@ -22,6 +22,14 @@ absl::StatusOr<ExpertPlacement> ExpertPlacement::Contiguous(int num_experts, int
   return FromSlots(num_experts, std::move(experts_of));
 }
 
+std::string WorkerSet::List(int num_workers) const {
+  std::string out;
+  for (int w = 0; w < num_workers; ++w) {
+    if (Has(w)) absl::StrAppend(&out, out.empty() ? "" : ", ", w);
+  }
+  return out;
+}
+
 int64_t RowSplit(int64_t total_rows, int worker, int num_workers, const WorkerSet& live) {
   int before = 0;  // live workers before `worker`
   for (int w = 0; w < worker && w < num_workers; ++w) before += live.Has(w) ? 1 : 0;

@@ -35,6 +35,16 @@ struct WorkerSet {
   bool Has(int w) const { return (words[w / 64] >> (w % 64)) & 1; }
   void Add(int w) { words[w / 64] |= uint64_t{1} << (w % 64); }
   void Remove(int w) { words[w / 64] &= ~(uint64_t{1} << (w % 64)); }
+  // Workers [0, num_workers) not in the set.
+  WorkerSet Missing(int num_workers) const {
+    WorkerSet out;
+    for (int w = 0; w < num_workers; ++w) {
+      if (!Has(w)) out.Add(w);
+    }
+    return out;
+  }
+  // "0, 2": the members below num_workers, for logs.
+  std::string List(int num_workers) const;
   int Count() const {
     int n = 0;
     for (uint64_t x : words) n += __builtin_popcountll(x);

@@ -519,18 +519,15 @@ absl::StatusOr<const ExpertPlacement*> Worker::PlacementFor(const BatchDescripto
                                                             const Layer& layer) {
   const int num_workers = regions_.plan.shape().num_workers;
   if (!(desc.live == live_)) {
-    if (!(desc.live == WorkerSet::All(num_workers))) {
-      std::string lost;
-      for (int w = 0; w < num_workers; ++w) {
-        if (!desc.live.Has(w)) absl::StrAppend(&lost, lost.empty() ? "" : ", ", w);
-      }
-      common::LogWarning(absl::StrCat("worker ", me_, ": serving with ", desc.live.Count(),
-                                      " live workers of ", num_workers, " (lost: ", lost, ")"));
+    if (desc.live.Count() < num_workers) {
+      common::LogWarning(absl::StrCat(
+          "worker ", me_, ": serving with ", desc.live.Count(), " live workers of ", num_workers,
+          " (lost: ", desc.live.Missing(num_workers).List(num_workers), ")"));
     }
     live_ = desc.live;
     survivor_placements_.clear();
   }
-  if (live_ == WorkerSet::All(num_workers)) return layer.placement;
+  if (live_.Count() == num_workers) return layer.placement;
   if (survivor_placements_.empty()) {
     for (const ExpertPlacement& p : placements_) {
       EPSERVE_ASSIGN_OR_RETURN(ExpertPlacement only, p.OnlyOn(live_));

@@ -104,11 +104,5 @@ EOF
 echo "after the replacement: epserve_workers_ready $ready, epserve_workers_lost $lost, rank 0" \
   "pid $rank0 -> $new_rank0"
 
-kill -TERM $supervisor
-code=0
-wait $supervisor || code=$?
-pids=()
-cat "$dir/supervisor.log"
-[ "$code" = 0 ] || fail "the supervisor exited $code after SIGTERM"
-grep -q "stopped cleanly" "$dir/supervisor.log" || fail "no clean stop reported"
+stop_supervisor_cleanly $supervisor
 echo "ok"

@@ -92,11 +92,5 @@ print(f"time to leave SERVING {down[0] - t_kill:.2f} s (seen: {', '.join(states)
 EOF
 
 # ---- 3. a clean stop
-kill -TERM $supervisor
-code=0
-wait $supervisor || code=$?
-pids=()
-cat "$dir/supervisor.log"
-[ "$code" = 0 ] || fail "the supervisor exited $code after SIGTERM"
-grep -q "stopped cleanly" "$dir/supervisor.log" || fail "no clean stop reported"
+stop_supervisor_cleanly $supervisor
 echo "ok"

@@ -79,3 +79,15 @@ kill_rank_under_load() {
   kill -KILL "$victim"
   echo "killed rank $3 (pid $victim) under load"
 }
+
+# SIGTERM to supervisor $1 (its pid is taken off $pids); fails unless it exits 0 and reports
+# that every rank left cleanly. Prints its log.
+stop_supervisor_cleanly() {
+  kill -TERM "$1"
+  local code=0
+  wait "$1" || code=$?
+  pids=()
+  cat "$dir/supervisor.log"
+  [ "$code" = 0 ] || fail "the supervisor exited $code after SIGTERM"
+  grep -q "stopped cleanly" "$dir/supervisor.log" || fail "no clean stop reported"
+}
