@@ -313,6 +313,46 @@ absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_in
   return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
 }
 
+absl::Status SumPairRows(Runtime& rt, const Buffer& y, const Buffer& pair_index,
+                         const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
+                         const Buffer* base, SumStart start, bool round_bf16, Buffer& out) {
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(n, "n"));
+  if (k < 1) return absl::InvalidArgumentError(absl::StrCat("k must be >= 1, got ", k));
+  if (hidden < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden must be >= 1, got ", hidden));
+  }
+  if (start != SumStart::kZero && base == nullptr) {
+    return absl::InvalidArgumentError("SumPairRows: a start from base needs a base buffer");
+  }
+  if (n == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(pair_index, n * k * sizeof(int32_t), "pair_index"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(pair_weight, n * k * sizeof(float), "pair_weight"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(out, n * hidden * sizeof(float), "out"));
+  if (start != SumStart::kZero) {
+    EPSERVE_RETURN_IF_ERROR(NeedBytes(*base, n * hidden * sizeof(float), "base"));
+  }
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("sum_pair_rows"));
+  const Buffer none;
+  const cl_long y_rows = static_cast<cl_long>(y.bytes() / (hidden * sizeof(float)));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, y, y_rows, pair_index, pair_weight,
+                                  static_cast<cl_int>(n), cl_int{k}, cl_long{hidden},
+                                  base != nullptr ? *base : none, static_cast<cl_int>(start),
+                                  cl_int{round_bf16 ? 1 : 0}, out));
+  const size_t global[2] = {static_cast<size_t>(hidden), static_cast<size_t>(n)};
+  return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
+}
+
+absl::Status RoundToBf16(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst) {
+  if (count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", count));
+  if (count == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(src, count * sizeof(float), "src"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(dst, count * sizeof(float), "dst"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("round_to_bf16"));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, cl_long{count}, dst));
+  const size_t global[1] = {static_cast<size_t>(count)};
+  return LaunchBounded(rt, kernel, 1, global, detail::kCpuValuesPerGroup);
+}
+
 absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst) {
   if (count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", count));
   if (count == 0) return absl::OkStatus();

@@ -121,4 +121,23 @@ absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_in
 // dst[0, count) += src[0, count), FP32.
 absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst);
 
+// The owner's sum of its tokens' rows on the device, with the arithmetic of the exchange's sum
+// on the host (worker::WeightedSumRows: products rounded, then added in order, never fused),
+// so that a token has the same bits whichever of the two sums it. For token i < n:
+//   out[i, :] = start + sum over j < k, in order of j, of pair_weight[i*k + j] * r(y[pair_index[i*k
+//   + j], :])
+// with start = 0 (kZero), base[i, :] (kOnto: the row is added onto, e.g. the shared expert's
+// output), or 0 + 1 * r(base[i, :]) (kAsPart: a row part, e.g. a split shared expert's), and r
+// the identity, or rounding to BF16 when `round_bf16` (the rows' values after a BF16 combine
+// payload). A pair_index entry that is not a row of y makes its token's values NaN.
+// out may be base.
+enum class SumStart { kZero, kOnto, kAsPart };
+absl::Status SumPairRows(Runtime& rt, const Buffer& y, const Buffer& pair_index,
+                         const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
+                         const Buffer* base, SumStart start, bool round_bf16, Buffer& out);
+
+// dst[i] = src[i] rounded to BF16 (nearest even, as common::FloatToBf16), kept as FP32, for
+// i < count: rows as a BF16 exchange payload delivers them. dst may be src.
+absl::Status RoundToBf16(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst);
+
 }  // namespace epserve::kernels

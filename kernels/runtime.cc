@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "common/files.h"
 #include "common/log.h"
+#include "common/parallel.h"
 #include "common/status.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/device.h"
@@ -181,6 +182,25 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
          absl::StrCat("-cl-nv-maxrregcount=", detail::kMmaMaxRegisters, "|-cl-nv-maxrregcount ",
                       detail::kMmaMaxRegisters)});
   }
+  rt->transfer_threads_ =
+      options.transfer_threads > 0 ? options.transfer_threads : common::DefaultCopyThreads();
+  using StagingMode = RuntimeOptions::Staging;
+  if (options.staging == StagingMode::kAlways ||
+      (options.staging == StagingMode::kAuto && !rt->info_.is_cpu)) {
+    // Without pinned staging (a driver that refuses the buffers), the driver's own copies.
+    if (absl::Status s = rt->MakeStaging(); !s.ok()) {
+      common::LogWarning(absl::StrCat("pinned staging buffers unavailable (", s.message(),
+                                      "): host<->device copies stay the driver's"));
+      for (Staging& st : rt->staging_) {
+        if (st.host != nullptr) {
+          clEnqueueUnmapMemObject(rt->queue_, st.mem, st.host, 0, nullptr, nullptr);
+          clFinish(rt->queue_);
+        }
+        if (st.mem != nullptr) clReleaseMemObject(st.mem);
+        st = Staging{};
+      }
+    }
+  }
   return rt;
 }
 
@@ -188,6 +208,14 @@ Runtime::~Runtime() {
   programs_.reset();  // kernels and programs before the context
   if (queue_ != nullptr) {
     clFinish(queue_);
+    for (Staging& s : staging_) {
+      if (s.busy != nullptr) clReleaseEvent(s.busy);
+      if (s.host != nullptr) clEnqueueUnmapMemObject(queue_, s.mem, s.host, 0, nullptr, nullptr);
+    }
+    clFinish(queue_);
+    for (Staging& s : staging_) {
+      if (s.mem != nullptr) clReleaseMemObject(s.mem);
+    }
     clReleaseCommandQueue(queue_);
   }
   if (context_ != nullptr) clReleaseContext(context_);
@@ -229,6 +257,9 @@ absl::Status Runtime::Write(const Buffer& dst, size_t offset, const void* src, s
                                               " exceeds the buffer's ", dst.bytes(), " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
+  if (stages_transfers() && bytes >= kStagedTransferMin) {
+    return StagedWrite(dst, offset, src, bytes);
+  }
   CL_CHECK(
       clEnqueueWriteBuffer(queue_, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr, nullptr));
   return absl::OkStatus();
@@ -240,9 +271,97 @@ absl::Status Runtime::Read(const Buffer& src, size_t offset, void* dst, size_t b
                                               " exceeds the buffer's ", src.bytes(), " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
+  if (stages_transfers() && bytes >= kStagedTransferMin) {
+    return StagedRead(src, offset, dst, bytes);
+  }
   CL_CHECK(
       clEnqueueReadBuffer(queue_, src.mem(), CL_TRUE, offset, bytes, dst, 0, nullptr, nullptr));
   return absl::OkStatus();
+}
+
+absl::Status Runtime::MakeStaging() {
+  for (Staging& s : staging_) {
+    cl_int err = CL_SUCCESS;
+    CL_CHECK((s.mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR,
+                                     kStagingChunk, nullptr, &err),
+              err));
+    void* host = clEnqueueMapBuffer(queue_, s.mem, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0,
+                                    kStagingChunk, 0, nullptr, nullptr, &err);
+    CL_CHECK(err);
+    s.host = host;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::WaitStaging(Staging& s) {
+  if (s.busy == nullptr) return absl::OkStatus();
+  const cl_int err = clWaitForEvents(1, &s.busy);
+  clReleaseEvent(s.busy);
+  s.busy = nullptr;
+  CL_CHECK(err);
+  return absl::OkStatus();
+}
+
+// Chunk i: wait until staging buffer i % 2 has been sent (chunk i - 2), copy the chunk into
+// it, enqueue its DMA; the next chunk's copy then runs while this DMA does.
+absl::Status Runtime::StagedWrite(const Buffer& dst, size_t offset, const void* src, size_t bytes) {
+  const char* from = static_cast<const char*>(src);
+  absl::Status status;
+  for (size_t done = 0, i = 0; done < bytes && status.ok(); ++i) {
+    Staging& s = staging_[i % 2];
+    status = WaitStaging(s);
+    if (!status.ok()) break;
+    const size_t len = std::min(kStagingChunk, bytes - done);
+    const common::CopyJob job{s.host, from + done, len};
+    common::ParallelCopy(transfer_threads_, {&job, 1});
+    const cl_int err = clEnqueueWriteBuffer(queue_, dst.mem(), CL_FALSE, offset + done, len, s.host,
+                                            0, nullptr, &s.busy);
+    if (err != CL_SUCCESS) {
+      s.busy = nullptr;
+      status = detail::ClError(err, "clEnqueueWriteBuffer (staged)", __FILE__, __LINE__);
+    }
+    clFlush(queue_);
+    done += len;
+  }
+  for (Staging& s : staging_) {
+    const absl::Status w = WaitStaging(s);
+    if (status.ok()) status = w;
+  }
+  return status;
+}
+
+// Two chunks' DMA in flight; chunk i is copied out of its staging buffer once its DMA ended,
+// then that buffer takes chunk i + 2.
+absl::Status Runtime::StagedRead(const Buffer& src, size_t offset, void* dst, size_t bytes) {
+  char* to = static_cast<char*>(dst);
+  const size_t chunks = (bytes + kStagingChunk - 1) / kStagingChunk;
+  auto chunk_len = [&](size_t i) { return std::min(kStagingChunk, bytes - i * kStagingChunk); };
+  auto enqueue = [&](size_t i) -> absl::Status {
+    Staging& s = staging_[i % 2];
+    const cl_int err = clEnqueueReadBuffer(queue_, src.mem(), CL_FALSE, offset + i * kStagingChunk,
+                                           chunk_len(i), s.host, 0, nullptr, &s.busy);
+    if (err != CL_SUCCESS) {
+      s.busy = nullptr;
+      return detail::ClError(err, "clEnqueueReadBuffer (staged)", __FILE__, __LINE__);
+    }
+    clFlush(queue_);
+    return absl::OkStatus();
+  };
+  absl::Status status;
+  for (size_t i = 0; i < std::min<size_t>(chunks, 2) && status.ok(); ++i) status = enqueue(i);
+  for (size_t i = 0; i < chunks && status.ok(); ++i) {
+    Staging& s = staging_[i % 2];
+    status = WaitStaging(s);
+    if (!status.ok()) break;
+    const common::CopyJob job{to + i * kStagingChunk, s.host, chunk_len(i)};
+    common::ParallelCopy(transfer_threads_, {&job, 1});
+    if (i + 2 < chunks) status = enqueue(i + 2);
+  }
+  for (Staging& s : staging_) {
+    const absl::Status w = WaitStaging(s);
+    if (status.ok()) status = w;
+  }
+  return status;
 }
 
 absl::Status Runtime::Finish() {

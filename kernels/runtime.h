@@ -72,6 +72,16 @@ struct RuntimeOptions {
   // Time the candidates on the device when the tuning cache has no entry for a shape; false
   // takes the device default instead.
   bool tune_ffn = true;
+  // Where Write and Read of large blocks go through two pinned (page-locked) staging buffers
+  // of the driver's, a chunk at a time: the host-side copy of one chunk on transfer_threads
+  // threads while the DMA of the other runs (drivers copy pageable memory through a staging
+  // buffer of their own, on one thread, without that overlap). kAuto: on devices with memory
+  // of their own (not CPUs); kAlways: on every device (tests run the path on CPUs with it);
+  // kOff: the driver's blocking copies from the caller's memory.
+  enum class Staging { kAuto, kAlways, kOff };
+  Staging staging = Staging::kAuto;
+  // Threads of the staged copies' host side; 0: common::DefaultCopyThreads().
+  int transfer_threads = 0;
 };
 
 // The FFN blocking chosen for one expert shape on a runtime, and how.
@@ -135,9 +145,20 @@ class Runtime {
   absl::StatusOr<Buffer> Allocate(size_t bytes);
   // A read-only buffer holding a copy of src[0, bytes), made before this returns.
   absl::StatusOr<Buffer> AllocateCopy(const void* src, size_t bytes);
-  // Blocking copies between host memory and a buffer.
+  // Blocking copies between host memory and a buffer (staged through pinned memory where
+  // RuntimeOptions::pinned_staging says, for blocks of at least kStagedTransferMin bytes).
   absl::Status Write(const Buffer& dst, size_t offset, const void* src, size_t bytes);
   absl::Status Read(const Buffer& src, size_t offset, void* dst, size_t bytes);
+  // Staged transfers: the chunk (each of the two staging buffers' size) and the smallest block
+  // staged. A chunk of 8 MiB is large enough that a transfer's fixed cost (tens of
+  // microseconds) is a few percent of its DMA at any PCIe speed, and splits over up to 8 host
+  // threads of 1 MiB each (common::ParallelCopy's grain); below 2 chunks there is no overlap.
+  static constexpr size_t kStagingChunk = size_t{8} << 20;
+  static constexpr size_t kStagedTransferMin = 2 * kStagingChunk;
+  // Whether Write and Read stage large blocks (RuntimeOptions::staging, and the staging
+  // buffers could be made), and on how many host threads.
+  bool stages_transfers() const { return staging_[0].host != nullptr; }
+  int transfer_threads() const { return transfer_threads_; }
   absl::Status Finish();
 
   // The kernel `name` of the embedded programs, built (or loaded from the cache) on first use.
@@ -191,6 +212,20 @@ class Runtime {
   // The options every program is built with (detail::ProgramBuildOptions), fixed at Create.
   std::string program_options_;
   std::unique_ptr<Programs> programs_;
+  // Pinned staging (RuntimeOptions::staging): two driver buffers made with
+  // CL_MEM_ALLOC_HOST_PTR and mapped for the Runtime's life, and the event of each one's last
+  // transfer.
+  struct Staging {
+    cl_mem mem = nullptr;
+    void* host = nullptr;
+    cl_event busy = nullptr;
+  };
+  absl::Status MakeStaging();
+  absl::Status WaitStaging(Staging& s);
+  absl::Status StagedWrite(const Buffer& dst, size_t offset, const void* src, size_t bytes);
+  absl::Status StagedRead(const Buffer& src, size_t offset, void* dst, size_t bytes);
+  Staging staging_[2];
+  int transfer_threads_ = 1;
 };
 
 }  // namespace epserve::kernels

@@ -187,12 +187,18 @@ int Run(int argc, char** argv) {
   fs.Add("device", &rto.device, "OpenCL device: cpu, gpu or <platform>:<device>");
   fs.Add("tensor-cores", &rto.tensor_cores, "Tensor-core FFN for bf16 weights where available");
   fs.Add("bf16-dot", &rto.bf16_dot, "AVX512-BF16 dot-product FFN for bf16 weights where available");
+  bool pinned_transfers = true;
+  fs.Add("pinned-transfers", &pinned_transfers,
+         "Large host<->device copies through pinned staging (devices with their own memory)");
+  fs.Add("transfer-threads", &rto.transfer_threads,
+         "Host threads of the staged copies; 0: a quarter of the hardware threads, 1 to 8");
   fs.Add("read-bandwidth", &read_bandwidth,
          "Also measure the host's memory read bandwidth and the one-token floor it sets");
   const int code = ParseFlags(
       fs, argc, argv, [&] { return AllPositive(token_counts); },
       "every --tokens entry must be >= 1");
   if (code >= 0) return code;
+  if (!pinned_transfers) rto.staging = kernels::RuntimeOptions::Staging::kOff;
   absl::StatusOr<common::ElementType> dtype =
       common::ParseFlagName(weight_dtype, "--weight-dtype", kernels::kKernelTypes);
   auto source = model::OpenModel(model_spec, static_cast<uint64_t>(seed));

@@ -38,3 +38,58 @@ __kernel void add_into(__global const float* restrict src, long count,
   const size_t i = get_global_id(0);
   if (i < (size_t)count) dst[i] += src[i];
 }
+
+// FP32 -> BF16 -> FP32, rounded to nearest, ties to even, as common::FloatToBf16 rounds (NaN
+// stays NaN, made quiet; finite values past the largest BF16 become infinite).
+inline float round_to_bf16_value(float v) {
+  const uint b = as_uint(v);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return as_float(((b >> 16) | 0x40u) << 16);
+  return as_float(((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) << 16);
+}
+
+// dst[i] = src[i] rounded to BF16 (kept as FP32) for i < count: the values a row has after a
+// BF16 exchange payload. One work-item per value; dst may be src.
+__kernel void round_to_bf16(__global const float* src, long count, __global float* dst) {
+  const size_t i = get_global_id(0);
+  if (i < (size_t)count) dst[i] = round_to_bf16_value(src[i]);
+}
+
+// The owner's sum of a token's rows, with the host's arithmetic (worker::WeightedSumRows):
+// each product rounded, then added, never fused, so that a token summed here has the bits it
+// has when the exchange sums it on the host. For token i and column c:
+//   start 0: acc = 0;  1: acc = base[i, c];  2: acc = 0 + 1 * r(base[i, c]);
+//   then for j < k in order: acc = acc + pair_weight[i, j] * r(y[pair_index[i, j], c]),
+// r being the identity, or rounding to BF16 (round_bf16: a BF16 combine payload). A pair
+// index that is not a row of y (y_rows rows) makes the value NaN: a caller's bug, never
+// silent. out may be base (each work-item reads its element before it writes it).
+__kernel void sum_pair_rows(__global const float* restrict y, long y_rows,
+                            __global const int* restrict pair_index,
+                            __global const float* restrict pair_weight, int n, int k,
+                            long hidden, __global const float* base, int start,
+                            int round_bf16, __global float* out) {
+#pragma OPENCL FP_CONTRACT OFF
+  const size_t c = get_global_id(0);
+  const int i = get_global_id(1);
+  if (c >= (size_t)hidden || i >= n) return;
+  const size_t at = (size_t)i * hidden + c;
+  float acc = 0.0f;
+  if (start == 1) {
+    acc = base[at];
+  } else if (start == 2) {
+    const float v = round_bf16 ? round_to_bf16_value(base[at]) : base[at];
+    const float part = 1.0f * v;
+    acc = acc + part;
+  }
+  for (int j = 0; j < k; ++j) {
+    const int p = pair_index[(size_t)i * k + j];
+    if (p < 0 || p >= y_rows) {
+      acc = NAN;
+      continue;
+    }
+    const float v = y[(size_t)p * hidden + c];
+    const float r = round_bf16 ? round_to_bf16_value(v) : v;
+    const float product = pair_weight[(size_t)i * k + j] * r;
+    acc = acc + product;
+  }
+  out[at] = acc;
+}

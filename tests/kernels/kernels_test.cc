@@ -31,6 +31,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/half.h"
 #include "gtest/gtest.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/moe_kernels.h"
@@ -1110,6 +1111,137 @@ TEST_F(Seeded, WeightedCombineMatchesReference) {
       EXPECT_LE(RelError(Download<float>(out, n * hidden), ref), kMaxRelErrorFp32);
     }
   }
+}
+
+// Large Writes and Reads through the pinned staging buffers (forced on, so that CPU devices
+// run the path too) move every byte, whatever the size against the chunk, the buffer offset
+// and the host pointer's alignment; small ones and a Runtime without staging as well.
+TEST_F(Seeded, StagedTransfersMoveEveryByte) {
+  for (RuntimeOptions::Staging mode :
+       {RuntimeOptions::Staging::kAlways, RuntimeOptions::Staging::kOff}) {
+    RuntimeOptions options = TestRuntimeOptions();
+    options.staging = mode;
+    options.transfer_threads = 3;
+    absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    EXPECT_EQ((*rt)->stages_transfers(), mode == RuntimeOptions::Staging::kAlways);
+    const size_t chunk = Runtime::kStagingChunk;
+    const size_t max_bytes = 5 * chunk + 4096;
+    absl::StatusOr<Buffer> buffer = (*rt)->Allocate(max_bytes + 64);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    for (size_t bytes : {size_t{1000}, Runtime::kStagedTransferMin - 4, Runtime::kStagedTransferMin,
+                         2 * chunk + chunk / 2, 5 * chunk + 3}) {
+      for (size_t offset : {size_t{0}, size_t{12}}) {
+        for (size_t misalign : {size_t{0}, size_t{5}}) {
+          SCOPED_TRACE(absl::StrCat("bytes ", bytes, " offset ", offset, " host misaligned by ",
+                                    misalign, " staging ",
+                                    mode == RuntimeOptions::Staging::kAlways));
+          std::vector<unsigned char> src(bytes + misalign), dst(bytes + misalign, 0xA5);
+          for (size_t i = misalign; i < src.size(); i += 8) {
+            const uint64_t word = rng_();
+            std::memcpy(&src[i], &word, std::min<size_t>(8, src.size() - i));
+          }
+          ASSERT_TRUE((*rt)->Write(*buffer, offset, src.data() + misalign, bytes).ok());
+          ASSERT_TRUE((*rt)->Read(*buffer, offset, dst.data() + misalign, bytes).ok());
+          EXPECT_EQ(std::memcmp(dst.data() + misalign, src.data() + misalign, bytes), 0);
+        }
+      }
+    }
+    // A kernel between the two sees what was written and is seen by the read.
+    const std::vector<float> v = Uniform(3 * chunk / sizeof(float));
+    ASSERT_TRUE((*rt)->Write(*buffer, 0, v.data(), v.size() * sizeof(float)).ok());
+    ASSERT_TRUE(RoundToBf16(**rt, *buffer, static_cast<int64_t>(v.size()), *buffer).ok());
+    std::vector<float> got(v.size(), std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE((*rt)->Read(*buffer, 0, got.data(), got.size() * sizeof(float)).ok());
+    for (size_t i = 0; i < v.size(); i += 997) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]),
+                std::bit_cast<uint32_t>(common::Bf16ToFloat(common::FloatToBf16(v[i]))))
+          << i;
+    }
+  }
+}
+
+// The device's owner sum has the host sum's bits (worker::WeightedSumRows: each product
+// rounded, then added in order; this file is built with -ffp-contract=off, so the reference
+// below fuses nothing either), for every start and with and without BF16 rounding.
+TEST_F(Seeded, SumPairRowsHasTheHostSumsBits) {
+  auto round_bf16 = [](float v) { return common::Bf16ToFloat(common::FloatToBf16(v)); };
+  for (int64_t n : {1, 7, 33, 300}) {
+    for (int k : {1, 2, 4, 8}) {
+      for (SumStart start : {SumStart::kZero, SumStart::kOnto, SumStart::kAsPart}) {
+        for (bool round : {false, true}) {
+          const int64_t hidden = 72;
+          const int64_t rows = n * k + 5;
+          SCOPED_TRACE(absl::StrCat("n=", n, " k=", k, " start=", static_cast<int>(start),
+                                    " round=", round));
+          const std::vector<float> y = Uniform(rows * hidden, -3.0f, 3.0f);
+          const std::vector<float> pw = Uniform(n * k, 0.0f, 1.0f);
+          const std::vector<float> base = Uniform(n * hidden, -2.0f, 2.0f);
+          std::vector<int32_t> pi(n * k);
+          std::uniform_int_distribution<int32_t> row(0, static_cast<int32_t>(rows - 1));
+          for (int32_t& p : pi) p = row(rng_);
+          Buffer yb = Upload(y);
+          Buffer ib = Upload(pi);
+          Buffer wb = Upload(pw);
+          Buffer bb = Upload(base);
+          // Out of place, then in place onto base.
+          Buffer out = Poisoned(n * hidden);
+          ASSERT_TRUE(SumPairRows(Rt(), yb, ib, wb, n, k, hidden, &bb, start, round, out).ok());
+          std::vector<float> ref(n * hidden);
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t c = 0; c < hidden; ++c) {
+              const float b = base[i * hidden + c];
+              float acc = 0.0f;
+              if (start == SumStart::kOnto) acc = b;
+              if (start == SumStart::kAsPart) {
+                const float part = 1.0f * (round ? round_bf16(b) : b);
+                acc = acc + part;
+              }
+              for (int j = 0; j < k; ++j) {
+                const float v = y[pi[i * k + j] * hidden + c];
+                const float product = pw[i * k + j] * (round ? round_bf16(v) : v);
+                acc = acc + product;
+              }
+              ref[i * hidden + c] = acc;
+            }
+          }
+          const std::vector<float> got = Download<float>(out, n * hidden);
+          EXPECT_EQ(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)), 0);
+          ASSERT_TRUE(SumPairRows(Rt(), yb, ib, wb, n, k, hidden, &bb, start, round, bb).ok());
+          const std::vector<float> in_place = Download<float>(bb, n * hidden);
+          EXPECT_EQ(std::memcmp(in_place.data(), ref.data(), ref.size() * sizeof(float)), 0);
+        }
+      }
+    }
+  }
+  // A pair index outside y is loud (NaN), and a start from base needs one.
+  Buffer yb = Upload(Uniform(4 * 8));
+  Buffer ib = Upload(std::vector<int32_t>{0, 4});
+  Buffer wb = Upload(std::vector<float>{0.5f, 0.5f});
+  Buffer out = Poisoned(8);
+  ASSERT_TRUE(SumPairRows(Rt(), yb, ib, wb, 1, 2, 8, nullptr, SumStart::kZero, false, out).ok());
+  for (float v : Download<float>(out, 8)) EXPECT_TRUE(std::isnan(v));
+  EXPECT_FALSE(SumPairRows(Rt(), yb, ib, wb, 1, 2, 8, nullptr, SumStart::kOnto, false, out).ok());
+}
+
+TEST_F(Seeded, RoundToBf16RoundsAsTheHostDoes) {
+  std::vector<float> v = Uniform(4096, -1e3f, 1e3f);
+  for (uint32_t bits : {0x3F808000u, 0x3F818000u, 0x3F80FFFFu, 0x7F7FFFFFu, 0xFF7FFFFFu,
+                        0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u, 0xFFA00000u,
+                        0x00000001u, 0x80000000u, 0x00000000u, 0x007FFFFFu}) {
+    v.push_back(std::bit_cast<float>(bits));  // ties, the largest finite, infinities, NaNs,
+  }                                           // subnormals, zeros
+  Buffer src = Upload(v);
+  Buffer dst = Poisoned(v.size());
+  ASSERT_TRUE(RoundToBf16(Rt(), src, static_cast<int64_t>(v.size()), dst).ok());
+  const std::vector<float> got = Download<float>(dst, v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const uint32_t want = std::bit_cast<uint32_t>(common::Bf16ToFloat(common::FloatToBf16(v[i])));
+    EXPECT_EQ(std::bit_cast<uint32_t>(got[i]), want)
+        << "input bits " << std::hex << std::bit_cast<uint32_t>(v[i]);
+  }
+  ASSERT_TRUE(RoundToBf16(Rt(), src, static_cast<int64_t>(v.size()), src).ok());  // in place
+  EXPECT_EQ(std::memcmp(Download<float>(src, v.size()).data(), got.data(), got.size() * 4), 0);
 }
 
 // ---- the whole layer through the public launchers ----
