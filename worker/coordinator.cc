@@ -201,7 +201,7 @@ absl::Status Coordinator::UseLiveWorkers(const WorkerSet& live) {
 }
 
 absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
-                               const WorkerSet& live, uint64_t generation) {
+                               const WorkerSet& live, uint64_t generation, int slot) {
   const int num_workers = regions_.plan.shape().num_workers;
   ++seq_;
   // Workers give up a little before rank 0 does, so their reports arrive in time.
@@ -219,6 +219,7 @@ absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, ab
     desc.deadline_unix_us = absl::ToUnixMicros(worker_deadline);
     desc.live = live;
     desc.generation = generation;
+    desc.slot = slot;
     EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.descriptor, &desc, sizeof(desc)));
     EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), regions_.batch_seq, seq_));
   }
@@ -295,6 +296,12 @@ absl::Status Coordinator::Fail(absl::string_view why) {
 
 absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowChunk> chunks,
                                             absl::Time deadline) {
+  EPSERVE_ASSIGN_OR_RETURN(const uint64_t ticket, Start(layer_pos, chunks, deadline));
+  return Finish(ticket);
+}
+
+absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowChunk> chunks,
+                                            absl::Time deadline) {
   if (!healthy_) {
     return absl::UnavailableError(
         "the expert workers stopped answering; the service needs a restart");
@@ -306,31 +313,175 @@ absl::StatusOr<BatchTrace> Coordinator::Run(int layer_pos, std::span<const RowCh
     return absl::InternalError(
         absl::StrCat("batch of ", total, " rows outside [1, ", shape.max_batch_tokens, "]"));
   }
-  deadline = std::min(deadline, absl::Now() + regions_.plan.timeout());
-  const absl::Time start = absl::Now();
+  if (flight_.size() >= HeapRegions::kSlots) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Start with ", flight_.size(), " batches in flight already"));
+  }
+  InFlight b;
+  b.ticket = next_ticket_++;
+  b.layer_pos = layer_pos;
+  b.chunks.assign(chunks.begin(), chunks.end());
+  b.total = total;
+  b.start = absl::Now();
+  b.deadline = std::min(deadline, b.start + regions_.plan.timeout());
+  // The slot the batch before it does not use (slots alternate).
+  b.slot = next_slot_;
+  next_slot_ = (next_slot_ + 1) % HeapRegions::kSlots;
+  if (absl::Status s = PlaceRows(b); !s.ok()) return s;
+  if (!b.slices) {
+    absl::Status s = Scatter(b.chunks, b.total, b.live, b.slot);
+    if (!s.ok()) return Fail(s.ToString());
+    b.trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - b.start);
+  }
+  // The workers run one batch at a time: post now only when none is in flight.
+  const bool busy = std::any_of(flight_.begin(), flight_.end(), [](const InFlight& f) {
+    return f.state != InFlight::State::kDone;
+  });
+  flight_.push_back(std::move(b));
+  if (!busy && !flight_.back().slices) PostPending(flight_.back());
+  return flight_.back().ticket;
+}
+
+absl::Status Coordinator::PlaceRows(InFlight& b) {
+  // The generation before the live set: a death between the two only cancels this attempt.
+  b.generation = shmem::SignalLoad(&cancel_word_);
+  b.live = live_workers();
+  EPSERVE_RETURN_IF_ERROR(UseLiveWorkers(b.live));
+  // After a worker's death the survivors' input regions hold fewer rows than a batch may
+  // have: such a batch runs in slices (RunSlices).
+  b.slices = b.total > RowsThatFit(b.live);
+  return absl::OkStatus();
+}
+
+void Coordinator::PostPending(InFlight& b) {
+  auto done = [&](absl::Status s) {
+    b.result = std::move(s);
+    b.state = InFlight::State::kDone;
+  };
+  if (!healthy_) {
+    return done(abort_.load() ? absl::CancelledError("the server is shutting down")
+                              : absl::UnavailableError("the expert workers stopped answering; "
+                                                       "the service needs a restart"));
+  }
+  if (shmem::SignalLoad(&cancel_word_) != b.generation || !(live_workers() == b.live)) {
+    // A worker died since its rows were copied: split them over the survivors.
+    if (absl::Status s = PlaceRows(b); !s.ok()) return done(s);
+    if (b.slices) return;
+    const absl::Time t0 = absl::Now();
+    if (absl::Status s = Scatter(b.chunks, b.total, b.live, b.slot); !s.ok()) {
+      return done(Fail(s.ToString()));
+    }
+    b.trace.scatter_ns += absl::ToInt64Nanoseconds(absl::Now() - t0);
+  }
+  if (absl::Status s =
+          Post(BatchOp::kRun, b.layer_pos, b.total, b.deadline, b.live, b.generation, b.slot);
+      !s.ok()) {
+    return done(Fail(s.ToString()));
+  }
+  b.state = InFlight::State::kPosted;
+}
+
+void Coordinator::Complete(InFlight& b) {
+  if (b.state == InFlight::State::kDone) return;
+  InFlight* next = flight_.size() > 1 && &flight_.front() == &b ? &flight_[1] : nullptr;
+  auto post_next = [&] {
+    if (next != nullptr && next->state == InFlight::State::kScattered && !next->slices) {
+      PostPending(*next);
+    }
+  };
+  if (b.state == InFlight::State::kScattered && !b.slices) PostPending(b);
+  if (b.state == InFlight::State::kDone) return post_next();
+  if (b.slices) {
+    b.result = RunSlices(b.layer_pos, b.chunks, b.total, b.deadline, b.start, b.slot, false);
+    b.state = InFlight::State::kDone;
+    return post_next();
+  }
+  // Posted: wait for it.
+  absl::Status s = WaitDone(b.deadline, b.live, b.generation);
+  if (absl::IsCancelled(s) && !abort_.load()) {
+    // A worker died under it and every survivor has left it: again over the survivors
+    // (in slices where they must), once, if the deadline leaves at least the time spent.
+    s = WaitForSurvivors(b.deadline, b.live);
+    if (!s.ok()) {
+      b.result = s;
+    } else if (!MayRetry(b.deadline, b.start)) {
+      b.result = absl::UnavailableError(
+          "a worker died while this batch ran; it was abandoned (the batch was cancelled); the "
+          "service goes on with the live workers");
+    } else {
+      b.result = RunSlices(b.layer_pos, b.chunks, b.total, b.deadline, b.start, b.slot, true);
+    }
+    b.state = InFlight::State::kDone;
+    return post_next();
+  }
+  if (!s.ok()) {
+    b.result = FailBatch(s, b.live);
+    b.state = InFlight::State::kDone;
+    return post_next();
+  }
+  BatchTrace trace = std::move(b.trace);
+  s = CollectReports(trace, b.live);
+  // The workers are free: the next batch runs while this one's output is copied out.
+  post_next();
+  if (s.ok()) {
+    const absl::Time t0 = absl::Now();
+    Gather(b.chunks, b.slot);
+    trace.gather_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
+    b.result = std::move(trace);
+  } else {
+    b.result = s;
+  }
+  b.state = InFlight::State::kDone;
+}
+
+absl::StatusOr<BatchTrace> Coordinator::Finish(uint64_t ticket) {
+  if (flight_.empty() || flight_.front().ticket != ticket) {
+    return absl::InternalError(absl::StrCat("Finish(", ticket, ") out of the order of Start"));
+  }
+  Complete(flight_.front());
+  absl::StatusOr<BatchTrace> result = std::move(flight_.front().result);
+  flight_.pop_front();
+  return result;
+}
+
+void Coordinator::Drain() {
+  for (InFlight& b : flight_) Complete(b);
+}
+
+int64_t Coordinator::RowsThatFit(const WorkerSet& live) const {
+  // After a worker's death the survivors' input regions hold fewer rows than a batch may
+  // have: a batch runs in slices that fit them (and, where --max-recv-tokens-per-rank sized
+  // their receive buffers below a batch, that one survivor can take whole).
+  const int64_t fit = regions_.plan.max_rows_per_worker() * live.Count();
+  return live.Count() < regions_.plan.shape().num_workers
+             ? std::min(fit, regions_.plan.recv_capacity())
+             : fit;
+}
+
+bool Coordinator::MayRetry(absl::Time deadline, absl::Time started) {
+  return healthy_ && deadline - absl::Now() >= absl::Now() - started &&
+         SurvivorPlacements(live_workers()).ok();
+}
+
+absl::StatusOr<BatchTrace> Coordinator::RunSlices(int layer_pos, std::span<const RowChunk> chunks,
+                                                  int64_t total, absl::Time deadline,
+                                                  absl::Time started, int slot, bool retried) {
   BatchTrace all;
   std::vector<RowChunk> slice;
-  bool retried = false;
   for (int64_t done = 0; done < total;) {
     // The generation before the live set: a death between the two only cancels this attempt.
     const uint64_t generation = shmem::SignalLoad(&cancel_word_);
     const WorkerSet live = live_workers();
     EPSERVE_RETURN_IF_ERROR(UseLiveWorkers(live));
-    // After a worker's death the survivors' input regions hold fewer rows than a batch may
-    // have: it runs in slices that fit them (and, where --max-recv-tokens-per-rank sized
-    // their receive buffers below a batch, that one survivor can take whole).
-    int64_t fit = regions_.plan.max_rows_per_worker() * live.Count();
-    if (live.Count() < shape.num_workers) fit = std::min(fit, regions_.plan.recv_capacity());
-    const int64_t rows = std::min(fit, total - done);
+    const int64_t rows = std::min(RowsThatFit(live), total - done);
     Slice(chunks, done, rows, slice);
     bool died = false;
     absl::StatusOr<BatchTrace> trace =
-        RunOnce(layer_pos, slice, rows, deadline, live, generation, died);
+        RunOnce(layer_pos, slice, rows, deadline, live, generation, died, slot);
     if (died && healthy_) {
       // A worker died under the slice and every survivor has left it. Run it again over the
       // survivors, once per batch, if the deadline leaves at least the time spent so far.
-      if (retried || deadline - absl::Now() < absl::Now() - start ||
-          !SurvivorPlacements(live_workers()).ok()) {
+      if (retried || !MayRetry(deadline, started)) {
         return absl::UnavailableError(
             absl::StrCat("a worker died while this batch ran; it was abandoned (",
                          trace.status().message(), "); the service goes on with the live workers"));
@@ -389,14 +540,14 @@ void Coordinator::Accumulate(BatchTrace& all, const BatchTrace& part) {
 absl::StatusOr<BatchTrace> Coordinator::RunOnce(int layer_pos, std::span<const RowChunk> chunks,
                                                 int64_t total, absl::Time deadline,
                                                 const WorkerSet& live, uint64_t generation,
-                                                bool& died) {
+                                                bool& died, int slot) {
   BatchTrace trace;
   absl::Time t0 = absl::Now();
-  absl::Status s = Scatter(chunks, total, live);
+  absl::Status s = Scatter(chunks, total, live, slot);
   if (!s.ok()) return Fail(s.ToString());
   trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
 
-  s = Post(BatchOp::kRun, layer_pos, total, deadline, live, generation);
+  s = Post(BatchOp::kRun, layer_pos, total, deadline, live, generation, slot);
   if (!s.ok()) return Fail(s.ToString());
   s = WaitDone(deadline, live, generation);
   if (absl::IsCancelled(s) && !abort_.load()) {
@@ -408,13 +559,13 @@ absl::StatusOr<BatchTrace> Coordinator::RunOnce(int layer_pos, std::span<const R
   EPSERVE_RETURN_IF_ERROR(CollectReports(trace, live));
 
   t0 = absl::Now();
-  Gather(chunks);
+  Gather(chunks, slot);
   trace.gather_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
   return trace;
 }
 
 absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t total,
-                                  const WorkerSet& live) {
+                                  const WorkerSet& live, int slot) {
   const ExchangeShape& shape = regions_.plan.shape();
   const int num_workers = shape.num_workers;
   const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
@@ -430,7 +581,7 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
       const int64_t begin = RowSplit(total, w, num_workers, live);
       const int64_t end = RowSplit(total, w + 1, num_workers, live);
       const int64_t take = std::min(c.rows - done, end - row);
-      const size_t offset = regions_.input + (row - begin) * row_bytes;
+      const size_t offset = regions_.Input(slot) + (row - begin) * row_bytes;
       const float* src = c.input + done * shape.hidden;
       void* dst = direct ? heap_.Direct(RankOfWorker(w), offset) : nullptr;
       if (dst != nullptr) {
@@ -509,13 +660,13 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace, const WorkerSet& pos
   return absl::OkStatus();
 }
 
-void Coordinator::Gather(std::span<const RowChunk> chunks) {
+void Coordinator::Gather(std::span<const RowChunk> chunks, int slot) {
   const ExchangeShape& shape = regions_.plan.shape();
   const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
   const size_t k = static_cast<size_t>(shape.top_k);
-  const float* out = heap_.LocalAs<float>(regions_.output);
-  const int32_t* ids = heap_.LocalAs<int32_t>(regions_.topk_ids);
-  const float* weights = heap_.LocalAs<float>(regions_.topk_weights);
+  const float* out = heap_.LocalAs<float>(regions_.Output(slot));
+  const int32_t* ids = heap_.LocalAs<int32_t>(regions_.TopkIds(slot));
+  const float* weights = heap_.LocalAs<float>(regions_.TopkWeights(slot));
   copies_.clear();
   for (const RowChunk& c : chunks) {
     copies_.push_back({c.output, out, c.rows * row_bytes});
@@ -529,6 +680,7 @@ void Coordinator::Gather(std::span<const RowChunk> chunks) {
 }
 
 absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
+  Drain();
   const uint64_t generation = shmem::SignalLoad(&cancel_word_);
   WorkerSet posted = live_workers();
   absl::Status s = Post(op, 0, 0, deadline, posted, generation);
@@ -549,6 +701,7 @@ absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
 
 absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, absl::Time deadline,
                                      const std::vector<ExpertPlacement>* placements) {
+  Drain();  // the table below goes into input slot 0
   if (!healthy_) {
     return absl::UnavailableError(
         "the expert workers stopped answering; the service needs a restart");
@@ -581,7 +734,8 @@ absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, ab
     // The table goes where the worker's next batch rows would: the worker copies it out when
     // it takes the kStage, before any later batch.
     if (s.ok() && !table.empty()) {
-      s = heap_.Put(RankOfWorker(w), regions_.input, table.data(), table.size() * sizeof(int32_t));
+      s = heap_.Put(RankOfWorker(w), regions_.Input(0), table.data(),
+                    table.size() * sizeof(int32_t));
     }
     if (!s.ok()) return Fail(s.ToString());
   }
@@ -656,7 +810,13 @@ absl::Status Coordinator::SwapWeights(const std::string& model, uint64_t seed,
 }
 
 absl::Status Coordinator::Stop(absl::Time deadline) {
-  // Workers still finishing an aborted batch see the stop right after it.
+  // Batches in flight end here (their Finish says so); workers still finishing an aborted
+  // batch see the stop right after it.
+  for (InFlight& b : flight_) {
+    if (b.state == InFlight::State::kDone) continue;
+    b.result = absl::CancelledError("the server is shutting down");
+    b.state = InFlight::State::kDone;
+  }
   abort_.store(false);
   const uint64_t generation = shmem::SignalLoad(&cancel_word_);
   const WorkerSet live = live_workers();

@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <span>
@@ -97,6 +98,21 @@ class Coordinator {
   absl::StatusOr<BatchTrace> Run(int layer_pos, std::span<const RowChunk> chunks,
                                  absl::Time deadline);
 
+  // ---- Two batches in flight ----
+  // Run in two halves, so that rank 0's copies overlap the workers' compute: Start copies a
+  // batch's rows into the workers' free input slot (HeapRegions::kSlots) and posts it at once
+  // when no batch is in flight, else leaves it for the Finish of the one in flight, which
+  // waits for that batch, posts the next and only then copies the finished batch's output
+  // out (the workers compute the next batch meanwhile). Start may be called while one batch
+  // is in flight, not two; each Start gets one Finish, in the order of the Starts; the chunks
+  // must stay valid until their Finish returns. Run(...) is Start then Finish. A batch that
+  // needs slices (after a worker's death, more rows than the survivors hold) or whose first
+  // attempt lost a worker runs as Run does, from its Finish. A control step (BeginStage,
+  // EndStage, Stop) first finishes whatever is in flight; its Finish then returns that outcome.
+  absl::StatusOr<uint64_t> Start(int layer_pos, std::span<const RowChunk> chunks,
+                                 absl::Time deadline);
+  absl::StatusOr<BatchTrace> Finish(uint64_t ticket);
+
   // Replaces every worker's weights with those of `model` (as --model names it) and `seed`,
   // all at once, in three steps that each run between batches (from the thread that runs
   // them, or with it held off): BeginStage has every worker check the model and start
@@ -138,9 +154,40 @@ class Coordinator {
   void set_copy_threads(int threads) { copy_threads_ = std::max(threads, 1); }
 
  private:
-  // Posts `op` to the workers of `live` (rows split over them), as generation `generation`.
+  // Posts `op` to the workers of `live` (rows split over them), as generation `generation`,
+  // reading and writing data slot `slot`.
   absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
-                    const WorkerSet& live, uint64_t generation);
+                    const WorkerSet& live, uint64_t generation, int slot = 0);
+  // A batch between Start and Finish.
+  struct InFlight {
+    enum class State { kScattered, kPosted, kDone };
+    uint64_t ticket = 0;
+    int layer_pos = 0;
+    std::vector<RowChunk> chunks;
+    int64_t total = 0;
+    absl::Time deadline, start;
+    int slot = 0;
+    WorkerSet live;  // the workers its rows were split over
+    uint64_t generation = 0;
+    bool slices = false;  // runs as Run does (RunSlices), from Finish
+    State state = State::kScattered;
+    BatchTrace trace;                   // scatter_ns, until done
+    absl::StatusOr<BatchTrace> result;  // kDone
+  };
+  // Where a batch's rows go now: its live set and generation, and whether they fit one pass
+  // over them (else slices). An error where the live set cannot serve.
+  absl::Status PlaceRows(InFlight& b);
+  // Posts b (kScattered, its predecessor done), first copying its rows again where the live
+  // set changed since; b ends kPosted, or kDone with an error, or marked for slices.
+  void PostPending(InFlight& b);
+  // Makes b (the oldest in flight) kDone: waits for it (posting its successor as soon as the
+  // workers are free) and gathers its output, or runs it in slices.
+  void Complete(InFlight& b);
+  // Completes every batch in flight (before a control step).
+  void Drain();
+  std::deque<InFlight> flight_;
+  uint64_t next_ticket_ = 1;
+  int next_slot_ = 0;
   // Waits for the end of the posted batch on every worker of `workers`. CANCELLED when Abort
   // was called, or when a worker died after the batch's `generation` was taken.
   absl::Status WaitDone(absl::Time deadline, const WorkerSet& workers, uint64_t generation);
@@ -168,7 +215,8 @@ class Coordinator {
   // not finish and each finished worker's error. CollectReports reads the workers' reports
   // into `trace`: Fail when any timed out, else the first other error as it is. Gather copies
   // the output rows and their routing out of rank 0's segment into `chunks`.
-  absl::Status Scatter(std::span<const RowChunk> chunks, int64_t total, const WorkerSet& live);
+  absl::Status Scatter(std::span<const RowChunk> chunks, int64_t total, const WorkerSet& live,
+                       int slot);
   absl::Status FailBatch(const absl::Status& wait, const WorkerSet& posted);
   absl::Status CollectReports(BatchTrace& trace, const WorkerSet& posted);
   // Rows [begin, begin + rows) of the batch `chunks`, as chunks of their own, into `out`.
@@ -180,8 +228,18 @@ class Coordinator {
   // died under it (every survivor has then left it).
   absl::StatusOr<BatchTrace> RunOnce(int layer_pos, std::span<const RowChunk> chunks, int64_t total,
                                      absl::Time deadline, const WorkerSet& live,
-                                     uint64_t generation, bool& died);
-  void Gather(std::span<const RowChunk> chunks);
+                                     uint64_t generation, bool& died, int slot);
+  // Run's way: the batch in slices that fit the live workers, each run again once over the
+  // survivors where a worker died under it (`retried`: the batch's one retry is spent;
+  // `started`: when the batch began, for the retry's deadline check).
+  absl::StatusOr<BatchTrace> RunSlices(int layer_pos, std::span<const RowChunk> chunks,
+                                       int64_t total, absl::Time deadline, absl::Time started,
+                                       int slot, bool retried);
+  // Most rows of a batch one pass over `live` holds (its slices' size).
+  int64_t RowsThatFit(const WorkerSet& live) const;
+  // Whether a batch whose attempt a death cancelled may run again over the survivors.
+  bool MayRetry(absl::Time deadline, absl::Time started);
+  void Gather(std::span<const RowChunk> chunks, int slot);
 
   shmem::SymmetricHeap& heap_;
   const HeapRegions regions_;

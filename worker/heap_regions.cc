@@ -21,6 +21,7 @@ absl::Status Reserve(const ExchangePlan& plan, HeapRegions& l, Alloc alloc) {
   const size_t rows_per_worker = static_cast<size_t>(plan.max_rows_per_worker());
   const size_t row_bytes = static_cast<size_t>(s.hidden) * sizeof(float);
   const size_t sig = kSignalStride;
+  const size_t slots = HeapRegions::kSlots;
   struct Item {
     size_t* offset;
     size_t bytes;
@@ -40,10 +41,12 @@ absl::Status Reserve(const ExchangePlan& plan, HeapRegions& l, Alloc alloc) {
       {&l.cancel, sig, 64},
       {&l.staged, w * sig, 64},
       {&l.stage_reports, w * sizeof(WorkerReport), 64},
-      {&l.input, rows_per_worker * row_bytes, 4096},
-      {&l.output, static_cast<size_t>(s.max_batch_tokens) * row_bytes, 4096},
-      {&l.topk_ids, static_cast<size_t>(s.max_batch_tokens * s.top_k) * sizeof(int32_t), 64},
-      {&l.topk_weights, static_cast<size_t>(s.max_batch_tokens * s.top_k) * sizeof(float), 64},
+      {&l.input, slots * rows_per_worker * row_bytes, 4096},
+      {&l.output, slots * static_cast<size_t>(s.max_batch_tokens) * row_bytes, 4096},
+      {&l.topk_ids, slots * static_cast<size_t>(s.max_batch_tokens * s.top_k) * sizeof(int32_t),
+       64},
+      {&l.topk_weights, slots * static_cast<size_t>(s.max_batch_tokens * s.top_k) * sizeof(float),
+       64},
   };
   for (const Item& item : items) {
     absl::StatusOr<size_t> offset = alloc(item.bytes, item.align);

@@ -57,6 +57,10 @@ struct BatchDescriptor {
   // Passes rank 0 ended early so far: the batch's waits end (CANCELLED) once the worker's
   // `cancel` signal exceeds it (Exchange::CancelWhen).
   uint64_t generation;
+  // Which of the kSlots input, output and routing regions the batch reads and writes: rank 0
+  // fills one slot with the next batch's rows while the workers compute from the other.
+  int32_t slot;
+  int32_t pad;
 };
 
 // Written by worker w into rank 0's segment before it stores done_seq.
@@ -98,7 +102,8 @@ struct HeapRegions {
   // ended (the kStage's batch seq), with its outcome.
   size_t staged;
   size_t stage_reports;
-  // data
+  // data, kSlots of each (Input(slot) and so on): two batches in flight, one being computed
+  // while rank 0 copies the next one's rows in and the last one's output out
   size_t input;         // float[max_rows_per_worker][H] (worker segments), written by rank 0
   size_t output;        // float[max_batch_tokens][H] (rank 0's segment), written by owners
   size_t topk_ids;      // int32[max_batch_tokens][k] (rank 0's segment): the routing, by owners
@@ -113,10 +118,26 @@ struct HeapRegions {
   // Bytes per rank the regions need, for sizing the heap.
   static size_t BytesNeeded(const ExchangePlan& plan);
 
-  // Bytes of a worker's `input` region.
+  static constexpr int kSlots = 2;
+  // Bytes of one slot of a worker's `input` region.
   size_t InputBytes() const {
     return static_cast<size_t>(plan.max_rows_per_worker() * plan.shape().hidden) * sizeof(float);
   }
+  // The regions of slot `slot` (0 <= slot < kSlots).
+  size_t Input(int slot) const { return input + static_cast<size_t>(slot) * InputBytes(); }
+  size_t Output(int slot) const {
+    return output + static_cast<size_t>(slot) * BatchRows() * plan.shape().hidden * sizeof(float);
+  }
+  size_t TopkIds(int slot) const {
+    return topk_ids +
+           static_cast<size_t>(slot) * BatchRows() * plan.shape().top_k * sizeof(int32_t);
+  }
+  size_t TopkWeights(int slot) const {
+    return topk_weights +
+           static_cast<size_t>(slot) * BatchRows() * plan.shape().top_k * sizeof(float);
+  }
+
+  size_t BatchRows() const { return static_cast<size_t>(plan.shape().max_batch_tokens); }
 
   // Offset of signal `index` of the array at `base` (worker::SignalOffset).
   static size_t Signal(size_t base, int index) { return SignalOffset(base, index); }

@@ -53,7 +53,10 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
                        ? std::vector<ExpertPlacement>(num_layers, w->exchange_->placement())
                        : options.placements;
   EPSERVE_RETURN_IF_ERROR(w->CheckPlacements(w->placements_));
-  absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(options.device);
+  // The device's large host transfers (staged through pinned memory) on the same host threads.
+  kernels::RuntimeOptions device = options.device;
+  if (device.transfer_threads == 0) device.transfer_threads = w->host_threads_;
+  absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(device);
   if (!rt.ok()) return rt.status();
   w->rt_ = *std::move(rt);
   EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source, w->placements_));
@@ -461,8 +464,9 @@ absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, cons
   // The done signal completes these Puts.
   const size_t routing_bytes = static_cast<size_t>(n * k) * sizeof(int32_t);
   const size_t at = static_cast<size_t>(desc.row_start * k) * sizeof(int32_t);
-  EPSERVE_RETURN_IF_ERROR(heap_.Put(0, regions_.topk_ids + at, ids_host_.data(), routing_bytes));
-  return heap_.Put(0, regions_.topk_weights + at, weights_host_.data(), routing_bytes);
+  EPSERVE_RETURN_IF_ERROR(
+      heap_.Put(0, regions_.TopkIds(desc.slot) + at, ids_host_.data(), routing_bytes));
+  return heap_.Put(0, regions_.TopkWeights(desc.slot) + at, weights_host_.data(), routing_bytes);
 }
 
 // The expert step of a batch (Exchange::ExpertStep): the rows this worker received through
@@ -542,13 +546,14 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
   const int64_t n = desc.num_rows;
   if (desc.layer_pos < 0 || desc.layer_pos >= static_cast<int>(layers_.size()) || n < 0 ||
-      n > regions_.plan.max_rows_per_worker()) {
-    return absl::InternalError(
-        absl::StrCat("bad batch descriptor: layer_pos ", desc.layer_pos, ", rows ", n));
+      n > regions_.plan.max_rows_per_worker() || desc.slot < 0 ||
+      desc.slot >= HeapRegions::kSlots) {
+    return absl::InternalError(absl::StrCat("bad batch descriptor: layer_pos ", desc.layer_pos,
+                                            ", rows ", n, ", slot ", desc.slot));
   }
   const Layer& layer = layers_[desc.layer_pos];
   const absl::Time deadline = absl::FromUnixMicros(desc.deadline_unix_us);
-  const float* x_in = heap_.LocalAs<float>(regions_.input);
+  const float* x_in = heap_.LocalAs<float>(regions_.Input(desc.slot));
 
   absl::Time t0 = absl::Now();
   if (n > 0) EPSERVE_RETURN_IF_ERROR(Route(layer, desc, x_in));
@@ -556,7 +561,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
 
   // ---- exchange: count/notify (the `layout` stage), dispatch, expert FFN, combine ----
   // Output rows go straight into rank 0's segment when it is load/store.
-  float* y = heap_.DirectAs<float>(0, regions_.output);
+  float* y = heap_.DirectAs<float>(0, regions_.Output(desc.slot));
   y = y != nullptr ? y + desc.row_start * hidden : y_host_.data();
   const bool has_shared = layer.shared.num_experts > 0;
   const bool split_shared = has_shared && regions_.plan.shared_expert_split();
@@ -581,11 +586,16 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   exchange_->CancelWhen(heap_.LocalAs<uint64_t>(regions_.cancel), desc.generation);
   EPSERVE_RETURN_IF_ERROR(exchange_->UsePlacement(*placement));
   ExchangeStats stats;
-  EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
-                                         owner_shared, experts, deadline, &stats, shared));
+  if (RunsLocally(desc)) {
+    EPSERVE_RETURN_IF_ERROR(RunLocal(layer, *placement, desc, y, stats));
+  } else {
+    EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
+                                           owner_shared, experts, deadline, &stats, shared));
+  }
   if (y == y_host_.data() && n > 0) {
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(
-        0, regions_.output + static_cast<size_t>(desc.row_start) * row_bytes, y, n * row_bytes));
+    EPSERVE_RETURN_IF_ERROR(
+        heap_.Put(0, regions_.Output(desc.slot) + static_cast<size_t>(desc.row_start) * row_bytes,
+                  y, n * row_bytes));
   }
   EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(*placement, stats));
   report.stage_ns[kLayout] = stats.layout_ns;
@@ -594,6 +604,96 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   report.stage_ns[kCombine] = stats.combine_ns;
   report.rows_received = stats.rows_received;
   report.pairs = stats.pairs;
+  return absl::OkStatus();
+}
+
+bool Worker::RunsLocally(const BatchDescriptor& desc) const {
+  const ExchangePlan& plan = regions_.plan;
+  auto reproduced = [](common::ElementType t) {
+    return t == common::ElementType::kFp32 || t == common::ElementType::kBf16;
+  };
+  return options_.local_pass && desc.live.Count() == 1 && desc.live.Has(me_) &&
+         reproduced(plan.dispatch_dtype()) && reproduced(plan.combine_dtype()) &&
+         desc.num_rows <= plan.recv_capacity();
+}
+
+absl::Status Worker::RunLocal(const Layer& layer, const ExpertPlacement& placement,
+                              const BatchDescriptor& desc, float* y, ExchangeStats& stats) {
+  const int64_t n = desc.num_rows;
+  const int k = cfg_.top_k;
+  const int64_t hidden = cfg_.hidden_size;
+  const ExchangePlan& plan = regions_.plan;
+  const int num_local = layer.experts.num_experts;
+  stats.rounds = 1;
+  stats.expert_pairs.assign(num_local, 0);
+  if (n == 0) return absl::OkStatus();
+
+  // ---- the pair table (the `layout` stage): expert-major, tokens in order within an expert ----
+  absl::Time t0 = absl::Now();
+  local_of_expert_.assign(cfg_.num_experts, -1);
+  for (int e = 0; e < placement.count(me_); ++e) local_of_expert_[placement.expert(me_, e)] = e;
+  const int64_t pairs = n * k;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int32_t id = ids_host_[i];
+    const int local = id >= 0 && id < cfg_.num_experts ? local_of_expert_[id] : -1;
+    if (local < 0 || local >= num_local) {
+      return absl::InternalError(absl::StrCat("token ", i / k, " routed to expert ", id,
+                                              ", which this worker does not hold"));
+    }
+    ++stats.expert_pairs[local];
+  }
+  local_offsets_.assign(num_local + 1, 0);
+  for (int e = 0; e < num_local; ++e) {
+    local_offsets_[e + 1] = local_offsets_[e] + stats.expert_pairs[e];
+  }
+  std::vector<int64_t> next(local_offsets_.begin(), local_offsets_.end() - 1);
+  local_pair_row_.resize(pairs);
+  local_pair_of_choice_.resize(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t at = next[local_of_expert_[ids_host_[i]]]++;
+    local_pair_row_[at] = static_cast<int32_t>(i / k);
+    local_pair_of_choice_[i] = static_cast<int32_t>(at);
+  }
+  // ids_ (read to the host by Route) now holds each choice's pair.
+  EPSERVE_RETURN_IF_ERROR(
+      rt_->Write(row_index_, 0, local_pair_row_.data(), pairs * sizeof(int32_t)));
+  EPSERVE_RETURN_IF_ERROR(
+      rt_->Write(ids_, 0, local_pair_of_choice_.data(), pairs * sizeof(int32_t)));
+  stats.layout_ns = NanosSince(t0);
+
+  // ---- the rows as the dispatch payload would deliver them (the `dispatch` stage) ----
+  t0 = absl::Now();
+  const bool bf16_rows = plan.dispatch_dtype() == common::ElementType::kBf16;
+  const kernels::Buffer& x = bf16_rows ? x_recv_ : x_local_;
+  if (bf16_rows) EPSERVE_RETURN_IF_ERROR(kernels::RoundToBf16(*rt_, x_local_, n * hidden, x_recv_));
+  stats.rows_received = n;
+  stats.pairs = pairs;
+  stats.dispatch_ns = NanosSince(t0);
+
+  // ---- the experts and the shared expert ----
+  t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(
+      kernels::ExpertFfn(*rt_, layer.experts, x, row_index_, local_offsets_, h_, y_));
+  kernels::SumStart start = kernels::SumStart::kZero;
+  if (layer.shared.num_experts > 0) {
+    // The whole shared expert on the unrounded rows (the owner's own), or its one slice on the
+    // rows as received (split), as the exchange runs them.
+    const bool split = plan.shared_expert_split();
+    EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(*rt_, layer.shared, split ? x : x_local_, n,
+                                                     shared_h_, shared_y_));
+    start = split ? kernels::SumStart::kAsPart : kernels::SumStart::kOnto;
+  }
+  EPSERVE_RETURN_IF_ERROR(rt_->Finish());
+  stats.expert_ns = NanosSince(t0);
+
+  // ---- the owner's sum, on the device, and the output rows down once ----
+  t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(
+      kernels::SumPairRows(*rt_, y_, ids_, weights_, n, k, hidden, &shared_y_, start,
+                           plan.combine_dtype() == common::ElementType::kBf16, shared_y_));
+  EPSERVE_RETURN_IF_ERROR(
+      rt_->Read(shared_y_, 0, y, static_cast<size_t>(n * hidden) * sizeof(float)));
+  stats.combine_ns = NanosSince(t0);
   return absl::OkStatus();
 }
 

@@ -36,6 +36,12 @@ struct WorkerOptions {
   // Exchange::set_reduce_threads); 0: the host's hardware threads shared among its workers
   // and rank 0, 1 to 8 (--worker-host-threads).
   int host_threads = 0;
+  // A batch of which this worker is the only live worker (a one-worker job, or the last
+  // survivor) runs on its device alone: rows go up once and the layer's output comes down
+  // once, the FFN reads the rows where the router read them and the owner's sum runs on the
+  // device, with the bits the exchange gives (RunLocal). false: through the heap exchange,
+  // as with several workers (--worker-local-pass; for comparison).
+  bool local_pass = true;
   // Which worker holds which experts, one placement per served layer (the same on every rank;
   // worker/placement.h); empty: the contiguous placement for every layer. A kStage may bring
   // new ones (a rebalance), served from its kSwitch on.
@@ -75,6 +81,8 @@ class Worker {
   double warmup_seconds() const { return warmup_seconds_; }
   // Host threads of the combine's sum (WorkerOptions::host_threads, resolved).
   int host_threads() const { return host_threads_; }
+  // Whether the device's large host transfers go through pinned staging (on those threads).
+  bool stages_transfers() const { return rt_->stages_transfers(); }
   // Whether rank 0 died or has told this worker that a peer died (its batches name fewer live
   // workers than the job has): the MPI job is then short of a rank, and collective calls
   // (the heap's free, MPI_Finalize) would wait for it.
@@ -122,6 +130,15 @@ class Worker {
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
                           float* pair_out, float* row_out);
   absl::Status PublishExpertLoad(const ExpertPlacement& placement, const ExchangeStats& stats);
+  // Whether batch `desc` can run without the exchange: this worker is its only live worker,
+  // the payload dtypes are ones the device reproduces (fp32, bf16) and its rows fit one pass.
+  bool RunsLocally(const BatchDescriptor& desc) const;
+  // The batch on this worker's device alone (the route has run: x_local_, ids_, weights_
+  // and their host copies hold this worker's rows and routing): the pair table, the FFN on
+  // the rows as the dispatch payload would deliver them, the shared expert, the owner's sum
+  // (kernels::SumPairRows) and the output rows into y, with the exchange's stats.
+  absl::Status RunLocal(const Layer& layer, const ExpertPlacement& placement,
+                        const BatchDescriptor& desc, float* y, ExchangeStats& stats);
   // The placement batch `desc` runs `layer` with: the layer's own while every worker lives,
   // else the layer's placement OnlyOn the live workers (computed once per set of survivors
   // and serving placements).
@@ -177,6 +194,11 @@ class Worker {
   std::vector<float> x_recv_host_;      // decoded rows when the payload is not plain fp32
   std::vector<float> y_host_;           // output rows when rank 0's segment is not load/store
   std::vector<int64_t> expert_tokens_;  // [E]: pairs per expert this worker computed
+  // RunLocal's pair table: local expert of each global one, pairs per local expert (prefix
+  // sums), each pair's row (token) and each (token, choice)'s pair.
+  std::vector<int32_t> local_of_expert_;
+  std::vector<int64_t> local_offsets_;
+  std::vector<int32_t> local_pair_row_, local_pair_of_choice_;
   double warmup_seconds_ = 0;
 };
 

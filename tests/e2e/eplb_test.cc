@@ -1,6 +1,7 @@
 // Expert placement end to end: the service with --redundant-experts (uniform, and placed by a
 // saved --eplb-profile) answers bit-identically to the unreplicated service at 2, 3 and 4
-// workers, every answer right against the reference; the server's GET /eplb/profile is a
+// workers, every answer right against the reference; a one-worker job's local pass answers as
+// the exchange does; the server's GET /eplb/profile is a
 // profile --eplb-profile reads; the placement's metrics are exported.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -134,6 +135,58 @@ INSTANTIATE_TEST_SUITE_P(Workers, Placement, ::testing::Values(2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& p) {
                            return absl::StrCat(p.param, "_workers");
                          });
+
+// A one-worker job runs each batch on its device alone (the local pass: no exchange, the
+// owner's sum on the device); its answers have the bits of the same job through the heap
+// exchange (--no-worker-local-pass), for every payload dtype the local pass reproduces and
+// both places of the shared expert, and are right against the reference.
+TEST(LocalPass, OneWorkerOnItsDeviceAnswersAsTheExchangeDoes) {
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<float>> requests;
+  for (int64_t tokens : {1, 6, 32, 19}) requests.push_back(RandomRows(tokens, rng));
+  Reference ref;
+  struct Case {
+    const char* weights;
+    const char* dispatch;
+    const char* combine;
+    const char* shared;
+  };
+  for (const Case& c :
+       {Case{"fp32", "fp32", "fp32", "owner"}, Case{"fp32", "bf16", "bf16", "owner"},
+        Case{"bf16", "bf16", "fp32", "split"}, Case{"fp32", "fp32", "bf16", "split"}}) {
+    SCOPED_TRACE(absl::StrCat("weights ", c.weights, ", dispatch ", c.dispatch, ", combine ",
+                              c.combine, ", shared expert ", c.shared, ", seed ", seed));
+    std::vector<std::vector<float>> answers[2];
+    for (bool local : {true, false}) {
+      absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+          ServerProcess::Start(2, {"--max-batch-tokens=32", "--max-queue-delay-us=500",
+                                   absl::StrCat("--weight-dtype=", c.weights),
+                                   absl::StrCat("--dispatch-dtype=", c.dispatch),
+                                   absl::StrCat("--combine-dtype=", c.combine),
+                                   absl::StrCat("--shared-expert=", c.shared),
+                                   local ? "--worker-local-pass" : "--no-worker-local-pass"});
+      ASSERT_TRUE(server.ok()) << server.status();
+      answers[local ? 0 : 1] = Answers(**server, requests, 0);
+      if (HasFailure()) ADD_FAILURE() << (*server)->Log();
+      (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
+    }
+    ASSERT_EQ(answers[0].size(), requests.size());
+    ASSERT_EQ(answers[1].size(), requests.size());
+    const bool exact = std::string(c.weights) == "fp32" && std::string(c.dispatch) == "fp32" &&
+                       std::string(c.combine) == "fp32";
+    for (size_t i = 0; i < requests.size(); ++i) {
+      EXPECT_EQ(std::memcmp(answers[0][i].data(), answers[1][i].data(),
+                            answers[0][i].size() * sizeof(float)),
+                0)
+          << "request " << i;
+      EXPECT_LE(ref.RelError(requests[i], answers[0][i].data(),
+                             static_cast<int64_t>(requests[i].size()) / kHidden),
+                exact ? 1e-4 : 2e-2)
+          << "request " << i;
+    }
+  }
+}
 
 // Rebalancing while serving: 4 clients verify every answer against the reference while the
 // server rebalances every few batches (--eplb-min-gain=0: whenever the placement for the

@@ -137,6 +137,59 @@ TEST(WorkerPipeline, BatchesOfEverySizeMatchTheReference) {
   });
 }
 
+// Two batches in flight (Coordinator::Start / Finish, as the server runs them): the next
+// batch's rows go into the other input slot while the workers compute, each batch's output
+// comes from its own output slot, and every output row matches the reference. Finish out of
+// the order of Start, and a third Start, are refused.
+TEST(WorkerPipeline, TwoBatchesInFlightEachMatchTheReference) {
+  RunCluster({}, [](Cluster& c, Coordinator& coord) {
+    std::mt19937_64 rng(std::random_device{}());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::uniform_int_distribution<int64_t> size(1, 64);
+    const int64_t h = c.source->config().layer.hidden_size;
+    struct Batch {
+      int layer_pos = 0;
+      int64_t tokens = 0;
+      std::vector<float> x, out;
+      RowChunk chunk{};
+      uint64_t ticket = 0;
+    };
+    auto make = [&](int i) {
+      auto b = std::make_unique<Batch>();
+      b->layer_pos = i % 2;
+      b->tokens = size(rng);
+      b->x.resize(b->tokens * h);
+      b->out.assign(b->tokens * h, NAN);
+      for (float& v : b->x) v = u(rng);
+      b->chunk = {b->x.data(), b->out.data(), b->tokens};
+      absl::StatusOr<uint64_t> t =
+          coord.Start(b->layer_pos, {&b->chunk, 1}, absl::Now() + absl::Seconds(60));
+      EXPECT_TRUE(t.ok()) << t.status();
+      b->ticket = t.ok() ? *t : 0;
+      return b;
+    };
+    auto finish = [&](Batch& b) {
+      absl::StatusOr<BatchTrace> trace = coord.Finish(b.ticket);
+      ASSERT_TRUE(trace.ok()) << trace.status();
+      ExpectMatchesReference(*c.source, c.source->config().moe_layers[b.layer_pos], b.x, b.out,
+                             b.tokens);
+    };
+    std::unique_ptr<Batch> running = make(0);
+    for (int i = 1; i < 12; ++i) {
+      std::unique_ptr<Batch> next = make(i);
+      if (i == 5) {
+        EXPECT_EQ(coord.Finish(next->ticket).status().code(), absl::StatusCode::kInternal);
+        RowChunk third = next->chunk;
+        EXPECT_EQ(coord.Start(0, {&third, 1}, absl::Now() + absl::Seconds(60)).status().code(),
+                  absl::StatusCode::kFailedPrecondition);
+      }
+      finish(*running);
+      running = std::move(next);
+    }
+    finish(*running);
+  });
+}
+
 // Weight swaps: all workers switch together; when one worker cannot load (here: the last
 // one refuses seed 666), none switches and the served weights go on answering; a model of
 // another shape is refused by every worker; the exchange stays healthy throughout.

@@ -143,10 +143,11 @@ TEST(HeapRegions, HeapSizeFollowsCapacityAndDtypes) {
   EXPECT_EQ(plan->recv_capacity(), 100);  // a receiver gets each token at most once
   const size_t bytes = HeapRegions::BytesNeeded(*plan);
   const size_t row = 64 * sizeof(float);
-  // input + output + receive + combine (one per received pair, k = 2) rows, plus metadata
-  // and alignment.
-  EXPECT_GE(bytes, (34 + 100 + 100 + 200) * row);
-  EXPECT_LT(bytes, (34 + 100 + 100 + 200) * row + 12 * 4096 + 100 * 7 * 4);
+  // input and output (two slots of each: two batches in flight) + receive + combine (one per
+  // received pair, k = 2) rows, plus the routing's two slots, metadata and alignment.
+  const size_t slots = HeapRegions::kSlots;
+  EXPECT_GE(bytes, (slots * (34 + 100) + 100 + 200) * row);
+  EXPECT_LT(bytes, (slots * (34 + 100) + 100 + 200) * row + 12 * 4096 + slots * 100 * 7 * 4);
   EXPECT_EQ(plan->combine_capacity(), 200);
   // Redundant experts widen the per-expert counts only; more than one copy per worker of
   // every expert is refused, naming the flag.
