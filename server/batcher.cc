@@ -20,6 +20,18 @@ void Batcher::Channel::Push(Batch* b) {
   cv_.notify_all();
 }
 
+Batcher::Batch* Batcher::Channel::TryPop() {
+  Batch* b = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (items_.empty()) return nullptr;
+    b = items_.front();
+    items_.pop_front();
+  }
+  cv_.notify_all();
+  return b;
+}
+
 Batcher::Batch* Batcher::Channel::Pop() {
   Batch* b = nullptr;
   {
@@ -55,20 +67,61 @@ absl::Status BatchingOptions::Validate() const {
 
 Batcher::Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
                  Executor executor, BatchObserver observer, SkipObserver on_rows_skipped)
+    : Batcher(options, model, priority_levels, std::move(executor), PipelinedExecutor{},
+              std::move(observer), std::move(on_rows_skipped)) {}
+
+Batcher::Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
+                 PipelinedExecutor executor, BatchObserver observer, SkipObserver on_rows_skipped)
+    : Batcher(options, model, priority_levels, nullptr, std::move(executor), std::move(observer),
+              std::move(on_rows_skipped)) {}
+
+Batcher::Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
+                 Executor executor, PipelinedExecutor pipelined, BatchObserver observer,
+                 SkipObserver on_rows_skipped)
     : options_(options),
       model_(model),
       executor_(std::move(executor)),
+      pipelined_(std::move(pipelined)),
       observer_(std::move(observer)),
       on_rows_skipped_(std::move(on_rows_skipped)),
       queues_(std::max<int64_t>(priority_levels, 1)),
       queued_rows_(std::max<size_t>(model.layers.size(), 1), 0) {
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kBatches; ++i) {
     batches_.push_back(std::make_unique<Batch>());
     free_.Push(batches_.back().get());
   }
   form_thread_ = std::thread([this] { FormLoop(); });
-  execute_thread_ = std::thread([this] { ExecuteLoop(); });
+  execute_thread_ = std::thread([this] { pipelined_.start ? ExecutePipelined() : ExecuteLoop(); });
   complete_thread_ = std::thread([this] { CompleteLoop(); });
+  if (options_.respond_threads > 1) {
+    for (int i = 0; i < options_.respond_threads; ++i) {
+      responders_.emplace_back([this] { RespondLoop(); });
+    }
+  }
+}
+
+void Batcher::ReleaseToRespond(const std::shared_ptr<InferTask>& task) {
+  if (responders_.empty()) return Release(*task);
+  if (task->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  {
+    std::lock_guard<std::mutex> lock(respond_mu_);
+    to_respond_.push_back(task);
+  }
+  respond_cv_.notify_one();
+}
+
+void Batcher::RespondLoop() {
+  while (true) {
+    std::shared_ptr<InferTask> task;
+    {
+      std::unique_lock<std::mutex> lock(respond_mu_);
+      respond_cv_.wait(lock, [&] { return respond_closed_ || !to_respond_.empty(); });
+      if (to_respond_.empty()) return;
+      task = std::move(to_respond_.front());
+      to_respond_.pop_front();
+    }
+    Answer(*task);
+  }
 }
 
 Batcher::~Batcher() { Stop(); }
@@ -115,6 +168,12 @@ void Batcher::Stop() {
     form_thread_.join();
     execute_thread_.join();
     complete_thread_.join();
+    {
+      std::lock_guard<std::mutex> lock(respond_mu_);
+      respond_closed_ = true;
+    }
+    respond_cv_.notify_all();
+    for (std::thread& t : responders_) t.join();
   });
 }
 
@@ -165,6 +224,10 @@ void Batcher::Fail(InferTask& task, absl::Status status) {
 
 void Batcher::Release(InferTask& task) {
   if (task.refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  Answer(task);
+}
+
+void Batcher::Answer(InferTask& task) {
   absl::Status status;
   {
     std::lock_guard<std::mutex> lock(task.mu);
@@ -321,12 +384,14 @@ void Batcher::FormLoop() {
       const size_t staged = b->pieces.size();
       {
         std::unique_lock<std::mutex> lock(mu_);
+        // A pipelined executor starts a full batch while it runs the one before: it goes now.
+        const bool hand_over_full = pipelined_.start && b->rows >= options_.max_batch_tokens;
         cv_.wait(lock, [&] {
-          return stopping_ || executor_idle_ ||
+          return stopping_ || executor_idle_ || hand_over_full ||
                  (barrier_fn_ == nullptr && b->rows < options_.max_batch_tokens &&
                   queued_rows_[b->layer_pos] > 0);
         });
-        if (stopping_ || executor_idle_) {
+        if (stopping_ || executor_idle_ || hand_over_full) {
           executor_idle_ = false;  // this batch is the executor's next
           break;
         }
@@ -347,7 +412,6 @@ void Batcher::FormLoop() {
 }
 
 void Batcher::ExecuteLoop() {
-  const int64_t h = model_.hidden_size;
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -356,27 +420,7 @@ void Batcher::ExecuteLoop() {
     cv_.notify_all();
     Batch* b = ready_.Pop();
     if (b == nullptr) break;
-    const absl::Time now = absl::Now();
-    b->chunks.clear();
-    for (Piece& p : b->pieces) {
-      InferTask& t = *p.task;
-      // Rows whose request is already answered, cancelled or expired cost no compute.
-      if (absl::Status drop = Dropped(t, now); !drop.ok()) {
-        if (on_rows_skipped_) on_rows_skipped_(drop.code(), p.rows);
-        Fail(t, std::move(drop));
-        p.skipped = true;
-        continue;
-      }
-      const float* in = t.input_type == common::ElementType::kFp32
-                            ? reinterpret_cast<const float*>(t.input + p.row * h * sizeof(float))
-                            : b->input_staging.data() + p.at * h;
-      float* out = t.output_type == common::ElementType::kFp32
-                       ? reinterpret_cast<float*>(t.output + p.row * h * sizeof(float))
-                       : b->output_staging.data() + p.at * h;
-      const int64_t k = model_.top_k;
-      b->chunks.push_back({in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
-                           t.topk_weights ? t.topk_weights + p.row * k : nullptr});
-    }
+    PrepareChunks(b);
     b->status = absl::OkStatus();
     b->infer_time = absl::ZeroDuration();
     if (!b->chunks.empty()) {
@@ -387,6 +431,79 @@ void Batcher::ExecuteLoop() {
     finished_.Push(b);
   }
   finished_.Close();
+}
+
+void Batcher::ExecutePipelined() {
+  Batch* running = nullptr;  // started, not finished
+  auto finish = [&](Batch* b) {
+    b->status = pipelined_.finish(b->ticket, b->layer_pos, b->chunks);
+    b->infer_time = absl::Now() - b->started;
+    finished_.Push(b);
+  };
+  while (true) {
+    Batch* b = nullptr;
+    if (running == nullptr) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        executor_idle_ = true;
+      }
+      cv_.notify_all();
+      b = ready_.Pop();
+      if (b == nullptr) break;
+    } else {
+      b = ready_.TryPop();
+      if (b == nullptr) {
+        finish(running);
+        running = nullptr;
+        continue;
+      }
+    }
+    PrepareChunks(b);
+    b->status = absl::OkStatus();
+    b->infer_time = absl::ZeroDuration();
+    b->started = absl::Now();
+    absl::StatusOr<uint64_t> ticket = uint64_t{0};
+    if (!b->chunks.empty()) ticket = pipelined_.start(b->layer_pos, b->chunks);
+    // The running batch ends before this one is answered (answers in order).
+    if (running != nullptr) finish(running);
+    running = nullptr;
+    if (b->chunks.empty()) {
+      finished_.Push(b);
+    } else if (!ticket.ok()) {
+      b->status = ticket.status();
+      b->infer_time = absl::Now() - b->started;
+      finished_.Push(b);
+    } else {
+      b->ticket = *ticket;
+      running = b;
+    }
+  }
+  finished_.Close();
+}
+
+void Batcher::PrepareChunks(Batch* b) {
+  const int64_t h = model_.hidden_size;
+  const int64_t k = model_.top_k;
+  const absl::Time now = absl::Now();
+  b->chunks.clear();
+  for (Piece& p : b->pieces) {
+    InferTask& t = *p.task;
+    // Rows whose request is already answered, cancelled or expired cost no compute.
+    if (absl::Status drop = Dropped(t, now); !drop.ok()) {
+      if (on_rows_skipped_) on_rows_skipped_(drop.code(), p.rows);
+      Fail(t, std::move(drop));
+      p.skipped = true;
+      continue;
+    }
+    const float* in = t.input_type == common::ElementType::kFp32
+                          ? reinterpret_cast<const float*>(t.input + p.row * h * sizeof(float))
+                          : b->input_staging.data() + p.at * h;
+    float* out = t.output_type == common::ElementType::kFp32
+                     ? reinterpret_cast<float*>(t.output + p.row * h * sizeof(float))
+                     : b->output_staging.data() + p.at * h;
+    b->chunks.push_back({in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
+                         t.topk_weights ? t.topk_weights + p.row * k : nullptr});
+  }
 }
 
 void Batcher::CompleteLoop() {
@@ -416,7 +533,7 @@ void Batcher::CompleteLoop() {
         t.times.compute_infer += b->infer_time;
         t.times.compute_output += b->output_time;
       }
-      Release(t);
+      ReleaseToRespond(p.task);
     }
     if (observer_ && b->status.ok() && !b->chunks.empty()) {
       int64_t rows = 0;

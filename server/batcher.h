@@ -81,6 +81,10 @@ struct BatchingOptions {
   int64_t max_queue_delay_us = 0;    // --max-queue-delay-us: longest wait for more rows
   int64_t max_queue_tokens = 65536;  // --max-queue-tokens: most rows queued
   int copy_threads = 1;              // threads of a batch's dtype conversions (--host-copy-threads)
+  // Threads that hand finished requests' answers to gRPC (which serialises each one there: a
+  // 4096-token answer takes milliseconds), so that the completion thread goes on with the
+  // next batch meanwhile; 0 or 1: the completion thread answers itself.
+  int respond_threads = 0;
 
   absl::Duration max_queue_delay() const { return absl::Microseconds(max_queue_delay_us); }
   // INVALID_ARGUMENT naming the flag and its bound.
@@ -93,6 +97,18 @@ class Batcher {
   // Runs one batch; called only from the executor thread, one batch at a time.
   using Executor =
       std::function<absl::Status(int layer_pos, std::span<const worker::RowChunk> chunks)>;
+
+  // Runs batches two at a time (worker::Coordinator::Start / Finish): `start` begins a batch
+  // and returns a ticket, possibly while the batch started before it has not finished (its
+  // rows are copied in while the workers compute that one); `finish` ends the batch of a
+  // ticket, in the order of the starts. Both are called only from the executor thread.
+  struct PipelinedExecutor {
+    std::function<absl::StatusOr<uint64_t>(int layer_pos, std::span<const worker::RowChunk> chunks)>
+        start;
+    std::function<absl::Status(uint64_t ticket, int layer_pos,
+                               std::span<const worker::RowChunk> chunks)>
+        finish;
+  };
 
   // Told of every batch the executor ran successfully, after its requests were answered:
   // its rows and where its time went (input conversion, the executor, output conversion,
@@ -111,6 +127,10 @@ class Batcher {
   // `observer` and `on_rows_skipped` may be empty.
   Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
           Executor executor, BatchObserver observer = nullptr,
+          SkipObserver on_rows_skipped = nullptr);
+  // The same with two batches in flight: a batch starts while the one before it finishes.
+  Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
+          PipelinedExecutor executor, BatchObserver observer = nullptr,
           SkipObserver on_rows_skipped = nullptr);
   ~Batcher();  // Stop(), then joins.
 
@@ -150,6 +170,8 @@ class Batcher {
     std::vector<float> output_staging;  // max_batch_tokens * H, for non-FP32 outputs
     absl::Duration input_time, infer_time, output_time;
     absl::Status status;
+    uint64_t ticket = 0;  // PipelinedExecutor's
+    absl::Time started;   // when the executor took it
   };
   // A bounded FIFO between two threads of the pipeline.
   class Channel {
@@ -157,6 +179,8 @@ class Batcher {
     explicit Channel(size_t capacity) : capacity_(capacity) {}
     void Push(Batch* b);
     Batch* Pop();  // nullptr once closed and empty
+    // The next batch if one is there, without waiting; nullptr otherwise.
+    Batch* TryPop();
     void WaitNotFull();
     void Close();
 
@@ -175,7 +199,20 @@ class Batcher {
   // A queued request some of whose rows are taken but not all; nullptr if none. Holds mu_.
   const InferTask* PartlyTaken() const;
   void ExecuteLoop();
+  // ExecuteLoop with a PipelinedExecutor: while a batch runs, the next one formed is started
+  // (its rows go in) before the running one is finished.
+  void ExecutePipelined();
+  // Sets b->chunks from its pieces, leaving out (and failing) rows no longer wanted.
+  void PrepareChunks(Batch* b);
   void CompleteLoop();
+  // The completion thread's release of a task: its answer on a responder thread where there
+  // are any (respond_threads), else here.
+  void ReleaseToRespond(const std::shared_ptr<InferTask>& task);
+  void RespondLoop();
+  // The constructors' (one of the executors set): starts the threads.
+  Batcher(const BatchingOptions& options, const ServedModel& model, int64_t priority_levels,
+          Executor executor, PipelinedExecutor pipelined, BatchObserver observer,
+          SkipObserver on_rows_skipped);
   // Waits until the queue's head may start a batch (a full batch of its layer is queued or
   // the head has waited max_queue_delay), then takes the batch's first pieces; false when
   // stopping. Holds `lock`. Tasks whose queue reference must be dropped (after unlocking) go
@@ -189,11 +226,13 @@ class Batcher {
   void StageInputs(Batch& batch, size_t first);
   void Fail(InferTask& task, absl::Status status);
   void Release(InferTask& task);  // drops one reference; the last one answers
+  void Answer(InferTask& task);   // calls task.done, once its last reference is gone
   static absl::Status Dropped(InferTask& task, absl::Time now);
 
   const BatchingOptions options_;
   const ServedModel model_;
   const Executor executor_;
+  const PipelinedExecutor pipelined_;
   const BatchObserver observer_;
   const SkipObserver on_rows_skipped_;
   mutable std::mutex mu_;
@@ -215,11 +254,22 @@ class Batcher {
   std::condition_variable barrier_cv_;
   std::mutex barrier_call_mu_;  // one RunBetweenRequests at a time
   std::vector<std::unique_ptr<Batch>> batches_;
-  Channel free_{4};
-  Channel ready_{1};
+  // One batch forming, two handed over, two in the executor, and the completion's.
+  static constexpr int kBatches = 6;
+  Channel free_{kBatches};
+  // Formed batches for the executor: a batch waits in formation, taking in rows, until the
+  // executor is idle, except a full one for a pipelined executor, which goes at once; two of
+  // those may wait, so that the next one is there when the executor starts a batch.
+  Channel ready_{2};
   Channel finished_{4};
   std::once_flag stop_once_;
   std::thread form_thread_, execute_thread_, complete_thread_;
+  // The responders (respond_threads) and the tasks whose answers they give, in order.
+  std::vector<std::thread> responders_;
+  std::mutex respond_mu_;
+  std::condition_variable respond_cv_;
+  std::deque<std::shared_ptr<InferTask>> to_respond_;  // guarded by respond_mu_
+  bool respond_closed_ = false;                        // guarded by respond_mu_
 };
 
 }  // namespace epserve::server

@@ -190,6 +190,12 @@ absl::Status FrontEndOptions::Validate() const {
   }
   if (eplb.interval_batches < 0) return bad("--eplb-interval must be >= 0 (0: off)");
   if (!(eplb.min_gain >= 0 && eplb.min_gain <= 1)) return bad("--eplb-min-gain must be in [0, 1]");
+  if (respond_threads < 0 || respond_threads > 64) {
+    return bad("--respond-threads must be in [0, 64], got ", respond_threads);
+  }
+  if (batches_in_flight < 1 || batches_in_flight > 2) {
+    return bad("--batches-in-flight must be 1 or 2, got ", batches_in_flight);
+  }
   if (host_copy_threads < 0 || host_copy_threads > 256) {
     return bad("--host-copy-threads must be in [0, 256], got ", host_copy_threads);
   }
@@ -232,9 +238,20 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(
   fe->default_seed_ = default_seed;
   fe->serving_seed_ = default_seed;
   FrontEnd* self = fe.get();
-  absl::Status s = fe->Init([self](int layer_pos, std::span<const worker::RowChunk> c) {
-    return self->RunBatch(layer_pos, c);
-  });
+  Batcher::PipelinedExecutor pipelined;
+  pipelined.start = [self](int layer_pos, std::span<const worker::RowChunk> c) {
+    return self->StartBatch(layer_pos, c);
+  };
+  pipelined.finish = [self](uint64_t ticket, int layer_pos, std::span<const worker::RowChunk> c) {
+    return self->FinishBatch(ticket, layer_pos, c);
+  };
+  absl::Status s =
+      options.batches_in_flight > 1
+          ? fe->Init(nullptr, std::move(pipelined))
+          : fe->Init([self](int layer_pos, std::span<const worker::RowChunk> c) -> absl::Status {
+              EPSERVE_ASSIGN_OR_RETURN(const uint64_t ticket, self->StartBatch(layer_pos, c));
+              return self->FinishBatch(ticket, layer_pos, c);
+            });
   if (!s.ok()) return s;
   fe->metrics_->SetHeapBytes(heap_bytes);
   return fe;
@@ -266,7 +283,7 @@ void FrontEnd::StartStreamGuard() {
   stream_guard_ = std::make_unique<StreamGuard>(options_.streams, std::move(guard_callbacks));
 }
 
-absl::Status FrontEnd::Init(Batcher::Executor executor) {
+absl::Status FrontEnd::Init(Batcher::Executor executor, Batcher::PipelinedExecutor pipelined) {
   const FrontEndOptions& o = options_;
   absl::StatusOr<std::shared_ptr<const Authenticator>> auth =
       Authenticator::FromFile(o.auth_token_file);
@@ -282,22 +299,31 @@ absl::Status FrontEnd::Init(Batcher::Executor executor) {
       o.host_copy_threads > 0 ? o.host_copy_threads : common::DefaultCopyThreads();
   BatchingOptions batching = o.batching;
   batching.copy_threads = copy_threads;
+  // As many threads hand answers to gRPC (its serialisation of large answers), so that the
+  // completion thread goes on with the next batch.
+  batching.respond_threads = o.respond_threads > 0 ? o.respond_threads : copy_threads;
   if (coordinator_ != nullptr) coordinator_->set_copy_threads(copy_threads);
   common::LogInfo(absl::StrCat(
       "rank 0: ", copy_threads, " thread(s) for row copies and conversions (",
       o.host_copy_threads > 0 ? "--host-copy-threads" : "a quarter of the host's hardware threads",
-      ")"));
-  batcher_ = std::make_unique<Batcher>(
-      batching, served_, o.requests.priority_levels, std::move(executor),
-      [this](int64_t rows, absl::Duration in, absl::Duration infer, absl::Duration out,
-             absl::Duration respond) {
-        statistics_.ObserveBatch(rows, in, infer, out);
-        metrics_->ObserveRespond(respond);
-        metrics_->SetQueueTokens(batcher_->queued_tokens());
-      },
-      [m = metrics_.get()](absl::StatusCode code, int64_t rows) {
-        m->ObserveSkippedRows(code, rows);
-      });
+      "), ", batching.respond_threads > 1 ? batching.respond_threads : 0,
+      " answering (0: the completion thread answers); ", o.batches_in_flight,
+      " batch(es) in flight"));
+  Batcher::BatchObserver observer = [this](int64_t rows, absl::Duration in, absl::Duration infer,
+                                           absl::Duration out, absl::Duration respond) {
+    statistics_.ObserveBatch(rows, in, infer, out);
+    metrics_->ObserveRespond(respond);
+    metrics_->SetQueueTokens(batcher_->queued_tokens());
+  };
+  Batcher::SkipObserver skipped = [m = metrics_.get()](absl::StatusCode code, int64_t rows) {
+    m->ObserveSkippedRows(code, rows);
+  };
+  batcher_ =
+      pipelined.start
+          ? std::make_unique<Batcher>(batching, served_, o.requests.priority_levels,
+                                      std::move(pipelined), std::move(observer), std::move(skipped))
+          : std::make_unique<Batcher>(batching, served_, o.requests.priority_levels,
+                                      std::move(executor), std::move(observer), std::move(skipped));
   service_ = std::make_unique<InferenceService>(o.service, served_, o.requests,
                                                 EffectiveInflightBytes(o, served_.hidden_size),
                                                 *batcher_, metrics_.get(), statistics_, *auth);
@@ -352,13 +378,27 @@ void FrontEnd::SetReady(bool ready) {
   health_->SetServing(ready);
 }
 
-absl::Status FrontEnd::RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks) {
+absl::StatusOr<uint64_t> FrontEnd::StartBatch(int layer_pos,
+                                              std::span<const worker::RowChunk> chunks) {
+  metrics_->SetQueueTokens(batcher_->queued_tokens());
+  absl::StatusOr<uint64_t> ticket;
+  {
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    ticket = coordinator_->Start(layer_pos, chunks, absl::Now() + options_.batch_timeout);
+  }
+  if (!ticket.ok() && !coordinator_->healthy()) {
+    SetReady(false);
+    metrics_->SetWorkersReady(0);
+  }
+  return ticket;
+}
+
+absl::Status FrontEnd::FinishBatch(uint64_t ticket, int layer_pos,
+                                   std::span<const worker::RowChunk> chunks) {
   int64_t rows = 0;
   for (const worker::RowChunk& c : chunks) rows += c.rows;
-  metrics_->SetQueueTokens(batcher_->queued_tokens());
   std::unique_lock<std::mutex> exec(exec_mu_);
-  absl::StatusOr<worker::BatchTrace> trace =
-      coordinator_->Run(layer_pos, chunks, absl::Now() + options_.batch_timeout);
+  absl::StatusOr<worker::BatchTrace> trace = coordinator_->Finish(ticket);
   if (const int lost = coordinator_->lost_workers();
       lost != lost_seen_ && coordinator_->healthy()) {
     // A worker died and the service goes on with the survivors: their placements now (the

@@ -79,6 +79,12 @@ struct FrontEndOptions {
   // --host-copy-threads: rank 0's threads for a batch's row copies into and out of the heap
   // and its dtype conversions; 0: common::DefaultCopyThreads() (a quarter of the host's).
   int host_copy_threads = 0;
+  // --respond-threads: threads that hand answers to gRPC (its serialisation of each answer);
+  // 0: as many as host_copy_threads; 1: the completion thread answers itself.
+  int respond_threads = 0;
+  // Batches between rank 0 and the workers at once: 2 (the next batch's rows copied in while
+  // the workers compute, the last one's output copied out while they compute the next) or 1.
+  int batches_in_flight = 2;
   // Keepalive (gRPC channel arguments of the server).
   absl::Duration keepalive_time = absl::Hours(2);
   absl::Duration keepalive_timeout = absl::Seconds(20);
@@ -136,10 +142,15 @@ class FrontEnd {
  private:
   FrontEnd(const FrontEndOptions& options, ServedModel served, worker::Coordinator* coordinator)
       : options_(options), served_(std::move(served)), coordinator_(coordinator) {}
-  absl::Status Init(Batcher::Executor executor);
+  // With `pipelined` (the coordinator's halves) the batcher keeps two batches in flight.
+  absl::Status Init(Batcher::Executor executor, Batcher::PipelinedExecutor pipelined = {});
   // Closes connections beyond the stream and connection bounds (server/stream_guard.h).
   void StartStreamGuard();
-  absl::Status RunBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
+  // A batch through the coordinator: StartBatch copies its rows in (the batch before it may
+  // still run), FinishBatch waits for it and reports it (metrics, the rebalancer's loads).
+  absl::StatusOr<uint64_t> StartBatch(int layer_pos, std::span<const worker::RowChunk> chunks);
+  absl::Status FinishBatch(uint64_t ticket, int layer_pos,
+                           std::span<const worker::RowChunk> chunks);
   void SetReady(bool ready);
   // RepositoryModelLoad with new weights: checks them here (they open, same shape), has the
   // workers load them beside the serving ones while batches go on, then switches every
@@ -169,7 +180,8 @@ class FrontEnd {
   uint64_t default_seed_ = 0;
   uint64_t serving_seed_ = 0;  // of the serving weights (under swap_mu_)
   std::mutex swap_mu_;         // one SwapWeights or Rebalance at a time
-  std::mutex exec_mu_;         // held while the coordinator runs a batch or a weight swap's step
+  std::mutex exec_mu_;         // held while the coordinator starts or finishes a batch, or a weight
+                               // swap's step runs (which first finishes the batches in flight)
   int lost_seen_ = 0;          // workers lost as the metrics last showed (under exec_mu_)
   std::atomic<bool> stopping_{false};  // Shutdown began: weight swaps take no further step
   std::unique_ptr<Metrics> metrics_;

@@ -270,6 +270,8 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   options.device.local_rank = host_workers.index;
   options.workers_on_host = host_workers.count;
   options.host_threads = flags.worker_host_threads;
+  options.local_pass = flags.worker_local_pass;
+  if (!flags.pinned_transfers) options.device.staging = kernels::RuntimeOptions::Staging::kOff;
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
   options.placements = std::move(placements);
@@ -283,11 +285,15 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   Log(rank, absl::StrCat("worker ", me, " on ", (*w)->device().Describe(), ": ",
                          (*w)->weight_bytes(), " weight bytes (expert FFN on ", (*w)->ffn_kernels(),
                          "), resident ", ResidentBytes(), " bytes"));
-  Log(rank, absl::StrCat("worker ", me, " FFN blocking: ", (*w)->ffn_blocking(), "; combine on ",
-                         (*w)->host_threads(), " host thread(s)",
-                         flags.worker_host_threads > 0 ? " (--worker-host-threads)" : "",
-                         "; kernels warmed up in ",
-                         absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
+  Log(rank,
+      absl::StrCat(
+          "worker ", me, " FFN blocking: ", (*w)->ffn_blocking(), "; combine on ",
+          (*w)->host_threads(), " host thread(s)",
+          flags.worker_host_threads > 0 ? " (--worker-host-threads)" : "",
+          (*w)->stages_transfers() ? "; large host<->device copies through pinned staging on them"
+                                   : "",
+          flags.worker_local_pass ? "; a batch with one live worker runs on its device alone" : "",
+          "; kernels warmed up in ", absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
   absl::Status s = (*w)->Serve(g_stop);
   if ((*w)->peers_lost()) g_peer_died.store(true);
   if (!s.ok()) {

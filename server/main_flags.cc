@@ -62,9 +62,22 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
   fs.Add("worker-host-threads", &flags.worker_host_threads,
          "Each worker's host threads for its combine (summing its tokens' returned rows); 0: "
          "the host's hardware threads over its workers and rank 0, 1 to 8");
+  fs.Add("worker-local-pass", &flags.worker_local_pass,
+         "A batch with one live worker (a one-worker job, or the last survivor) runs on that "
+         "worker's device alone: its rows go up once, the output comes down once, the owner's "
+         "sum runs on the device, with the bits the exchange gives; --no-worker-local-pass "
+         "runs it through the heap exchange (for comparison)");
+  fs.Add("batches-in-flight", &fe.batches_in_flight,
+         "Batches between rank 0 and the workers at once: 2 copies the next batch's rows into "
+         "the workers' second input slot while they compute, and the last batch's output out "
+         "while they compute the next; 1 runs them one after the other");
   fs.Add("host-copy-threads", &fe.host_copy_threads,
          "Rank 0's threads for a batch's row copies into and out of the shared heap and its "
          "dtype conversions; 0: a quarter of the host's hardware threads, 1 to 8");
+  fs.Add("respond-threads", &fe.respond_threads,
+         "Rank 0's threads that hand finished requests' answers to gRPC, which serialises each "
+         "there (milliseconds for a large answer), while the completion thread goes on with "
+         "the next batch; 0: as many as --host-copy-threads; 1: the completion thread answers");
   fs.Add("worker-stall-timeout", &fe.worker_stall_timeout,
          "A worker whose heartbeat stops this long (stopped, wedged) makes the server not ready "
          "(health NOT_SERVING) until it beats again; shm heap only");
@@ -138,6 +151,10 @@ void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
          "and bf16 weights, or 'dot': bf16 weights on the bf16 dot products; default: chosen "
          "per device and expert shape, from the tuning cache beside the kernel cache or timed "
          "on the device at first start (also $EPSERVE_FFN_BLOCKING)");
+  fs.Add("pinned-transfers", &flags.pinned_transfers,
+         "On GPUs, move large blocks between host and device through pinned staging buffers, "
+         "a chunk's host copy (on the worker's host threads) overlapping the previous chunk's "
+         "DMA; --no-pinned-transfers leaves them to the driver's copies from pageable memory");
   fs.Add("ffn-tune", &flags.runtime.tune_ffn,
          "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
          "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "
