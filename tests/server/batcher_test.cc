@@ -4,6 +4,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <map>
 #include <mutex>
 #include <random>
 #include <set>
@@ -105,6 +107,78 @@ TEST(Batcher, SplitsLargeRequestsAndReassemblesEveryAnswerInOrder) {
     for (size_t i = 0; i < r->in.size(); ++i) ASSERT_EQ(r->out[i], 2 * r->in[i]);
   }
   for (int64_t rows : rec.batch_rows) EXPECT_LE(rows, 8);
+}
+
+// With a pipelined executor the next batch starts before the running one finishes (never a
+// third), batches finish in the order they started, every answer is right and arrives once
+// (given by responder threads), and a failed start or finish fails exactly its own batch's
+// requests.
+TEST(Batcher, PipelinedExecutorKeepsTwoBatchesInFlightAndAnswersEveryRequestOnce) {
+  struct Pipeline {
+    std::mutex mu;
+    std::deque<uint64_t> started;  // tickets not finished, in order
+    uint64_t next = 1;
+    int most_in_flight = 0;
+    int overlapped = 0;  // starts made while another batch was in flight
+    bool out_of_order = false;
+    std::map<uint64_t, std::vector<worker::RowChunk>> chunks;
+    std::set<uint64_t> fail_start, fail_finish;
+  } p;
+  Batcher::PipelinedExecutor exec;
+  exec.start = [&p](int, std::span<const worker::RowChunk> c) -> absl::StatusOr<uint64_t> {
+    std::lock_guard<std::mutex> lock(p.mu);
+    const uint64_t t = p.next++;
+    if (p.fail_start.count(t) > 0) return absl::InternalError("start failed");
+    if (!p.started.empty()) ++p.overlapped;
+    p.started.push_back(t);
+    p.most_in_flight = std::max<int>(p.most_in_flight, static_cast<int>(p.started.size()));
+    p.chunks[t].assign(c.begin(), c.end());
+    return t;
+  };
+  exec.finish = [&p](uint64_t t, int, std::span<const worker::RowChunk> c) -> absl::Status {
+    // A batch takes a while, as on the workers: the next one is formed meanwhile.
+    absl::SleepFor(absl::Milliseconds(2));
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (p.started.empty() || p.started.front() != t) p.out_of_order = true;
+    if (!p.started.empty()) p.started.pop_front();
+    EXPECT_EQ(c.size(), p.chunks[t].size());
+    for (const auto& chunk : c) {
+      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.output[i] = 2 * chunk.input[i];
+    }
+    if (p.fail_finish.count(t) > 0) return absl::UnavailableError("finish failed");
+    return absl::OkStatus();
+  };
+  // Batch 3's start and batch 6's finish fail; with requests of one batch each (8 rows),
+  // exactly those requests fail.
+  p.fail_start = {3};
+  p.fail_finish = {6};
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    BatchingOptions options = Options(8);
+    options.respond_threads = 3;  // answers handed to gRPC off the completion thread
+    Batcher b(options, kModel, kLevels, exec);
+    for (int i = 0; i < 40; ++i) {
+      reqs.push_back(MakeRequest(8, 100.0f * i));
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    }
+    WaitDone(reqs);
+  }
+  int failed = 0;
+  for (const auto& r : reqs) {
+    EXPECT_EQ(r->calls, 1);
+    if (!r->status.ok()) {
+      ++failed;
+      continue;
+    }
+    for (size_t i = 0; i < r->in.size(); ++i) ASSERT_EQ(r->out[i], 2 * r->in[i]);
+  }
+  EXPECT_EQ(failed, 2);
+  EXPECT_FALSE(p.out_of_order);
+  EXPECT_LE(p.most_in_flight, 2);
+  // 40 full batches queued: the next one is usually there to start (a formed batch that
+  // waited for the executor to be idle, as batches once did, never overlaps).
+  EXPECT_GT(p.overlapped, 0);
+  EXPECT_TRUE(p.started.empty());
 }
 
 TEST(Batcher, FillsBatchesWhenRowsAreWaiting) {
