@@ -191,14 +191,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
     if (absl::Status s = rt->MakeStaging(); !s.ok()) {
       common::LogWarning(absl::StrCat("pinned staging buffers unavailable (", s.message(),
                                       "): host<->device copies stay the driver's"));
-      for (Staging& st : rt->staging_) {
-        if (st.host != nullptr) {
-          clEnqueueUnmapMemObject(rt->queue_, st.mem, st.host, 0, nullptr, nullptr);
-          clFinish(rt->queue_);
-        }
-        if (st.mem != nullptr) clReleaseMemObject(st.mem);
-        st = Staging{};
-      }
+      rt->ReleaseStaging();
     }
   }
   return rt;
@@ -208,14 +201,7 @@ Runtime::~Runtime() {
   programs_.reset();  // kernels and programs before the context
   if (queue_ != nullptr) {
     clFinish(queue_);
-    for (Staging& s : staging_) {
-      if (s.busy != nullptr) clReleaseEvent(s.busy);
-      if (s.host != nullptr) clEnqueueUnmapMemObject(queue_, s.mem, s.host, 0, nullptr, nullptr);
-    }
-    clFinish(queue_);
-    for (Staging& s : staging_) {
-      if (s.mem != nullptr) clReleaseMemObject(s.mem);
-    }
+    ReleaseStaging();
     clReleaseCommandQueue(queue_);
   }
   if (context_ != nullptr) clReleaseContext(context_);
@@ -291,6 +277,18 @@ absl::Status Runtime::MakeStaging() {
     s.host = host;
   }
   return absl::OkStatus();
+}
+
+void Runtime::ReleaseStaging() {
+  for (Staging& s : staging_) {
+    if (s.busy != nullptr) clReleaseEvent(s.busy);
+    if (s.host != nullptr) clEnqueueUnmapMemObject(queue_, s.mem, s.host, 0, nullptr, nullptr);
+  }
+  clFinish(queue_);
+  for (Staging& s : staging_) {
+    if (s.mem != nullptr) clReleaseMemObject(s.mem);
+    s = Staging{};
+  }
 }
 
 absl::Status Runtime::WaitStaging(Staging& s) {

@@ -146,7 +146,7 @@ class Runtime {
   // A read-only buffer holding a copy of src[0, bytes), made before this returns.
   absl::StatusOr<Buffer> AllocateCopy(const void* src, size_t bytes);
   // Blocking copies between host memory and a buffer (staged through pinned memory where
-  // RuntimeOptions::pinned_staging says, for blocks of at least kStagedTransferMin bytes).
+  // RuntimeOptions::staging says, for blocks of at least kStagedTransferMin bytes).
   absl::Status Write(const Buffer& dst, size_t offset, const void* src, size_t bytes);
   absl::Status Read(const Buffer& src, size_t offset, void* dst, size_t bytes);
   // Staged transfers: the chunk (each of the two staging buffers' size) and the smallest block
@@ -156,9 +156,8 @@ class Runtime {
   static constexpr size_t kStagingChunk = size_t{8} << 20;
   static constexpr size_t kStagedTransferMin = 2 * kStagingChunk;
   // Whether Write and Read stage large blocks (RuntimeOptions::staging, and the staging
-  // buffers could be made), and on how many host threads.
+  // buffers could be made).
   bool stages_transfers() const { return staging_[0].host != nullptr; }
-  int transfer_threads() const { return transfer_threads_; }
   absl::Status Finish();
 
   // The kernel `name` of the embedded programs, built (or loaded from the cache) on first use.
@@ -221,6 +220,8 @@ class Runtime {
     cl_event busy = nullptr;
   };
   absl::Status MakeStaging();
+  // Unmaps and frees whatever MakeStaging made (staging off afterwards).
+  void ReleaseStaging();
   absl::Status WaitStaging(Staging& s);
   absl::Status StagedWrite(const Buffer& dst, size_t offset, const void* src, size_t bytes);
   absl::Status StagedRead(const Buffer& src, size_t offset, void* dst, size_t bytes);

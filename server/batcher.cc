@@ -421,8 +421,6 @@ void Batcher::ExecuteLoop() {
     Batch* b = ready_.Pop();
     if (b == nullptr) break;
     PrepareChunks(b);
-    b->status = absl::OkStatus();
-    b->infer_time = absl::ZeroDuration();
     if (!b->chunks.empty()) {
       const absl::Time t0 = absl::Now();
       b->status = executor_(b->layer_pos, b->chunks);
@@ -459,9 +457,6 @@ void Batcher::ExecutePipelined() {
       }
     }
     PrepareChunks(b);
-    b->status = absl::OkStatus();
-    b->infer_time = absl::ZeroDuration();
-    b->started = absl::Now();
     absl::StatusOr<uint64_t> ticket = uint64_t{0};
     if (!b->chunks.empty()) ticket = pipelined_.start(b->layer_pos, b->chunks);
     // The running batch ends before this one is answered (answers in order).
@@ -485,6 +480,9 @@ void Batcher::PrepareChunks(Batch* b) {
   const int64_t h = model_.hidden_size;
   const int64_t k = model_.top_k;
   const absl::Time now = absl::Now();
+  b->status = absl::OkStatus();
+  b->infer_time = absl::ZeroDuration();
+  b->started = now;
   b->chunks.clear();
   for (Piece& p : b->pieces) {
     InferTask& t = *p.task;

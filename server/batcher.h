@@ -202,7 +202,8 @@ class Batcher {
   // ExecuteLoop with a PipelinedExecutor: while a batch runs, the next one formed is started
   // (its rows go in) before the running one is finished.
   void ExecutePipelined();
-  // Sets b->chunks from its pieces, leaving out (and failing) rows no longer wanted.
+  // Sets b->chunks from its pieces, leaving out (and failing) rows no longer wanted, and
+  // resets what the executor fills in (status, infer_time; started = now).
   void PrepareChunks(Batch* b);
   void CompleteLoop();
   // The completion thread's release of a task: its answer on a responder thread where there

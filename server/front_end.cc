@@ -378,6 +378,12 @@ void FrontEnd::SetReady(bool ready) {
   health_->SetServing(ready);
 }
 
+void FrontEnd::NotReadyIfExchangeFailed() {
+  if (coordinator_->healthy()) return;
+  SetReady(false);
+  metrics_->SetWorkersReady(0);
+}
+
 absl::StatusOr<uint64_t> FrontEnd::StartBatch(int layer_pos,
                                               std::span<const worker::RowChunk> chunks) {
   metrics_->SetQueueTokens(batcher_->queued_tokens());
@@ -386,10 +392,7 @@ absl::StatusOr<uint64_t> FrontEnd::StartBatch(int layer_pos,
     std::lock_guard<std::mutex> exec(exec_mu_);
     ticket = coordinator_->Start(layer_pos, chunks, absl::Now() + options_.batch_timeout);
   }
-  if (!ticket.ok() && !coordinator_->healthy()) {
-    SetReady(false);
-    metrics_->SetWorkersReady(0);
-  }
+  if (!ticket.ok()) NotReadyIfExchangeFailed();
   return ticket;
 }
 
@@ -408,10 +411,7 @@ absl::Status FrontEnd::FinishBatch(uint64_t ticket, int layer_pos,
   }
   exec.unlock();
   if (!trace.ok()) {
-    if (!coordinator_->healthy()) {
-      SetReady(false);
-      metrics_->SetWorkersReady(0);
-    }
+    NotReadyIfExchangeFailed();
     if (absl::IsCancelled(trace.status())) {
       return absl::UnavailableError("the server is shutting down; the batch was abandoned");
     }

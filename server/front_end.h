@@ -152,6 +152,9 @@ class FrontEnd {
   absl::Status FinishBatch(uint64_t ticket, int layer_pos,
                            std::span<const worker::RowChunk> chunks);
   void SetReady(bool ready);
+  // After a failed batch: not ready (health, ServerReady, epserve_workers_ready 0) when the
+  // exchange itself failed (the coordinator is unhealthy), not when one batch did.
+  void NotReadyIfExchangeFailed();
   // RepositoryModelLoad with new weights: checks them here (they open, same shape), has the
   // workers load them beside the serving ones while batches go on, then switches every
   // worker between requests (Batcher::RunBetweenRequests). One at a time.
