@@ -51,6 +51,15 @@ int NvComputeCapability(cl_device_id device) {
   return static_cast<int>(major * 10 + minor);
 }
 
+// The device's 16-byte UUID (cl_khr_device_uuid), or "" where it has none.
+std::string DeviceUuid(cl_device_id device, const std::string& extensions) {
+  if (extensions.find("cl_khr_device_uuid") == std::string::npos) return "";
+  constexpr cl_device_info kUuid = 0x106A;  // CL_DEVICE_UUID_KHR
+  std::string uuid(16, '\0');
+  if (clGetDeviceInfo(device, kUuid, uuid.size(), uuid.data(), nullptr) != CL_SUCCESS) return "";
+  return uuid;
+}
+
 // What DeviceInfo says of device `d` of platform `p` (target_isa aside).
 absl::StatusOr<DeviceInfo> ReadDeviceInfo(cl_device_id device, int p, int d,
                                           const std::string& platform_name) {
@@ -66,6 +75,10 @@ absl::StatusOr<DeviceInfo> ReadDeviceInfo(cl_device_id device, int p, int d,
   info.is_gpu = (type & CL_DEVICE_TYPE_GPU) != 0;
   info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
   info.nv_compute_capability = NvComputeCapability(device);
+  EPSERVE_ASSIGN_OR_RETURN(const std::string extensions,
+                           DeviceString(device, CL_DEVICE_EXTENSIONS));
+  info.uuid = DeviceUuid(device, extensions);
+  info.imports_opaque_fd = extensions.find("cl_khr_external_memory_opaque_fd") != std::string::npos;
   cl_uint width = 1;
   cl_uint units = 1;
   CL_CHECK(

@@ -315,7 +315,8 @@ absl::Status WeightedCombine(Runtime& rt, const Buffer& y, const Buffer& pair_in
 
 absl::Status SumPairRows(Runtime& rt, const Buffer& y, const Buffer& pair_index,
                          const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
-                         const Buffer* base, SumStart start, bool round_bf16, Buffer& out) {
+                         const Buffer* base, SumStart start, bool round_bf16, Buffer& out,
+                         int num_parts) {
   EPSERVE_RETURN_IF_ERROR(NeedIntRange(n, "n"));
   if (k < 1) return absl::InvalidArgumentError(absl::StrCat("k must be >= 1, got ", k));
   if (hidden < 1) {
@@ -324,12 +325,16 @@ absl::Status SumPairRows(Runtime& rt, const Buffer& y, const Buffer& pair_index,
   if (start != SumStart::kZero && base == nullptr) {
     return absl::InvalidArgumentError("SumPairRows: a start from base needs a base buffer");
   }
+  if (num_parts < 1 || (num_parts > 1 && start != SumStart::kAsPart)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_parts must be 1, or more with SumStart::kAsPart; got ", num_parts));
+  }
   if (n == 0) return absl::OkStatus();
   EPSERVE_RETURN_IF_ERROR(NeedBytes(pair_index, n * k * sizeof(int32_t), "pair_index"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(pair_weight, n * k * sizeof(float), "pair_weight"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(out, n * hidden * sizeof(float), "out"));
   if (start != SumStart::kZero) {
-    EPSERVE_RETURN_IF_ERROR(NeedBytes(*base, n * hidden * sizeof(float), "base"));
+    EPSERVE_RETURN_IF_ERROR(NeedBytes(*base, num_parts * n * hidden * sizeof(float), "base"));
   }
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("sum_pair_rows"));
   const Buffer none;
@@ -337,7 +342,7 @@ absl::Status SumPairRows(Runtime& rt, const Buffer& y, const Buffer& pair_index,
   EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, y, y_rows, pair_index, pair_weight,
                                   static_cast<cl_int>(n), cl_int{k}, cl_long{hidden},
                                   base != nullptr ? *base : none, static_cast<cl_int>(start),
-                                  cl_int{round_bf16 ? 1 : 0}, out));
+                                  cl_int{num_parts}, cl_int{round_bf16 ? 1 : 0}, out));
   const size_t global[2] = {static_cast<size_t>(hidden), static_cast<size_t>(n)};
   return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
 }
@@ -351,6 +356,29 @@ absl::Status RoundToBf16(Runtime& rt, const Buffer& src, int64_t count, Buffer& 
   EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, cl_long{count}, dst));
   const size_t global[1] = {static_cast<size_t>(count)};
   return LaunchBounded(rt, kernel, 1, global, detail::kCpuValuesPerGroup);
+}
+
+absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
+                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst) {
+  if (first < 0 || count < 0 || hidden < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyRows: first ", first, ", count ", count,
+                                                   ", hidden ", hidden,
+                                                   " (need >= 0, >= 0, >= 1)"));
+  }
+  if (count == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(count, "count"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(moves, (first + count) * 2 * sizeof(int32_t), "moves"));
+  // Four values per work-item where rows allow it.
+  const bool by4 = hidden % 4 == 0;
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(by4 ? "copy_rows4" : "copy_rows"));
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  const int64_t width = by4 ? hidden / 4 : hidden;
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, static_cast<cl_long>(src.bytes() / row_bytes), moves,
+                                  cl_long{first}, static_cast<cl_int>(count), cl_long{width},
+                                  cl_int{round_bf16 ? 1 : 0}, dst,
+                                  static_cast<cl_long>(dst.bytes() / row_bytes)));
+  const size_t global[2] = {static_cast<size_t>(width), static_cast<size_t>(count)};
+  return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
 }
 
 absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst) {

@@ -129,12 +129,23 @@ absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst)
 // with start = 0 (kZero), base[i, :] (kOnto: the row is added onto, e.g. the shared expert's
 // output), or 0 + 1 * r(base[i, :]) (kAsPart: a row part, e.g. a split shared expert's), and r
 // the identity, or rounding to BF16 when `round_bf16` (the rows' values after a BF16 combine
-// payload). A pair_index entry that is not a row of y makes its token's values NaN.
+// payload). With kAsPart, base may hold num_parts blocks of n rows, added as parts in order
+// (0 + 1 * r(part 0) + 1 * r(part 1) ...: each worker's slice of a split shared expert, in
+// worker order). A pair_index entry that is not a row of y makes its token's values NaN.
 // out may be base.
 enum class SumStart { kZero, kOnto, kAsPart };
 absl::Status SumPairRows(Runtime& rt, const Buffer& y, const Buffer& pair_index,
                          const Buffer& pair_weight, int64_t n, int k, int64_t hidden,
-                         const Buffer* base, SumStart start, bool round_bf16, Buffer& out);
+                         const Buffer* base, SumStart start, bool round_bf16, Buffer& out,
+                         int num_parts = 1);
+
+// The exchange's row moves between devices' memory: for i < count, the (source row,
+// destination row) pair at moves[2 (first + i)] (int32 pairs) copies src's row into dst's, rows
+// of `hidden` FP32 values, rounded to BF16 (kept as FP32, as RoundToBf16) when round_bf16. A
+// move naming a row outside either buffer writes nothing (dst may be a peer's memory; callers
+// check their moves). src and dst must be distinct.
+absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
+                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst);
 
 // dst[i] = src[i] rounded to BF16 (nearest even, as common::FloatToBf16), kept as FP32, for
 // i < count: rows as a BF16 exchange payload delivers them. dst may be src.

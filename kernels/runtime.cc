@@ -2,6 +2,8 @@
 // and choosing its device is kernels/device.cc's (kernels/detail/device.h).
 #include "kernels/runtime.h"
 
+#include <dlfcn.h>
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -204,6 +206,11 @@ Runtime::~Runtime() {
     ReleaseStaging();
     clReleaseCommandQueue(queue_);
   }
+  if (side_queue_ != nullptr) {
+    clFinish(side_queue_);
+    ReleaseStaging(side_queue_, side_staging_);
+    clReleaseCommandQueue(side_queue_);
+  }
   if (context_ != nullptr) clReleaseContext(context_);
 }
 
@@ -227,6 +234,50 @@ absl::StatusOr<Buffer> Runtime::Allocate(size_t bytes) {
   return Buffer(mem, bytes);
 }
 
+absl::StatusOr<Buffer> Runtime::WrapHostMemory(void* host, size_t bytes) {
+  if (!info_.is_cpu) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        info_.device_name, " has memory of its own: it cannot use host memory in place"));
+  }
+  if (reinterpret_cast<uintptr_t>(host) % 4096 != 0) {
+    return absl::FailedPreconditionError("host memory to use in place must be 4096-byte aligned");
+  }
+  if (bytes == 0) return Buffer();
+  cl_int err = CL_SUCCESS;
+  cl_mem mem = nullptr;
+  CL_CHECK(
+      (mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, host, &err),
+       err));
+  return Buffer(mem, bytes);
+}
+
+absl::StatusOr<Buffer> Runtime::ImportOpaqueFd(int fd, size_t bytes) {
+  if (!info_.imports_opaque_fd) {
+    return absl::UnimplementedError(absl::StrCat(info_.device_name,
+                                                 " does not import memory by file descriptor "
+                                                 "(no cl_khr_external_memory_opaque_fd)"));
+  }
+  // OpenCL 3.0's entry point, from the loader (this library builds against OpenCL 1.2's API).
+  using CreateWithProperties =
+      cl_mem(CL_API_CALL*)(cl_context, const cl_ulong*, cl_mem_flags, size_t, void*, cl_int*);
+  static const auto create =
+      reinterpret_cast<CreateWithProperties>(dlsym(RTLD_DEFAULT, "clCreateBufferWithProperties"));
+  if (create == nullptr) {
+    return absl::UnimplementedError(
+        "the OpenCL loader has no clCreateBufferWithProperties (OpenCL 3.0)");
+  }
+  constexpr cl_ulong kOpaqueFd = 0x2060;    // CL_EXTERNAL_MEMORY_HANDLE_OPAQUE_FD_KHR
+  constexpr cl_ulong kDeviceList = 0x2051;  // CL_DEVICE_HANDLE_LIST_KHR
+  constexpr cl_ulong kListEnd = 0;          // CL_DEVICE_HANDLE_LIST_END_KHR
+  const cl_ulong properties[] = {kOpaqueFd,   static_cast<cl_ulong>(fd),
+                                 kDeviceList, reinterpret_cast<cl_ulong>(device_),
+                                 kListEnd,    0};
+  cl_int err = CL_SUCCESS;
+  cl_mem mem = nullptr;
+  CL_CHECK((mem = create(context_, properties, CL_MEM_READ_WRITE, bytes, nullptr, &err), err));
+  return Buffer(mem, bytes);
+}
+
 absl::StatusOr<Buffer> Runtime::AllocateCopy(const void* src, size_t bytes) {
   if (bytes == 0) return Buffer();
   cl_int err = CL_SUCCESS;
@@ -238,16 +289,35 @@ absl::StatusOr<Buffer> Runtime::AllocateCopy(const void* src, size_t bytes) {
 }
 
 absl::Status Runtime::Write(const Buffer& dst, size_t offset, const void* src, size_t bytes) {
+  return WriteOn(queue_, staging_, dst, offset, src, bytes);
+}
+
+absl::Status Runtime::WriteBeside(const Buffer& dst, size_t offset, const void* src, size_t bytes) {
+  if (side_queue_ == nullptr) {
+    cl_int err = CL_SUCCESS;
+    CL_CHECK((side_queue_ = clCreateCommandQueue(context_, device_, 0, &err), err));
+    // Staging buffers of its own: the main queue's may be in use by the thread driving it.
+    if (stages_transfers()) {
+      if (absl::Status s = MakeStaging(side_queue_, side_staging_); !s.ok()) {
+        ReleaseStaging(side_queue_, side_staging_);
+      }
+    }
+  }
+  return WriteOn(side_queue_, side_staging_, dst, offset, src, bytes);
+}
+
+absl::Status Runtime::WriteOn(cl_command_queue queue, Staging (&pair)[2], const Buffer& dst,
+                              size_t offset, const void* src, size_t bytes) {
   if (offset > dst.bytes() || bytes > dst.bytes() - offset) {
     return absl::OutOfRangeError(absl::StrCat("write of ", bytes, " bytes at offset ", offset,
                                               " exceeds the buffer's ", dst.bytes(), " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
-  if (stages_transfers() && bytes >= kStagedTransferMin) {
-    return StagedWrite(dst, offset, src, bytes);
+  if (pair[0].host != nullptr && bytes >= kStagedTransferMin) {
+    return StagedWrite(queue, pair, dst, offset, src, bytes);
   }
   CL_CHECK(
-      clEnqueueWriteBuffer(queue_, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr, nullptr));
+      clEnqueueWriteBuffer(queue, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr, nullptr));
   return absl::OkStatus();
 }
 
@@ -265,13 +335,15 @@ absl::Status Runtime::Read(const Buffer& src, size_t offset, void* dst, size_t b
   return absl::OkStatus();
 }
 
-absl::Status Runtime::MakeStaging() {
-  for (Staging& s : staging_) {
+absl::Status Runtime::MakeStaging() { return MakeStaging(queue_, staging_); }
+
+absl::Status Runtime::MakeStaging(cl_command_queue queue, Staging (&pair)[2]) {
+  for (Staging& s : pair) {
     cl_int err = CL_SUCCESS;
     CL_CHECK((s.mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR,
                                      kStagingChunk, nullptr, &err),
               err));
-    void* host = clEnqueueMapBuffer(queue_, s.mem, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0,
+    void* host = clEnqueueMapBuffer(queue, s.mem, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0,
                                     kStagingChunk, 0, nullptr, nullptr, &err);
     CL_CHECK(err);
     s.host = host;
@@ -279,13 +351,15 @@ absl::Status Runtime::MakeStaging() {
   return absl::OkStatus();
 }
 
-void Runtime::ReleaseStaging() {
-  for (Staging& s : staging_) {
+void Runtime::ReleaseStaging() { ReleaseStaging(queue_, staging_); }
+
+void Runtime::ReleaseStaging(cl_command_queue queue, Staging (&pair)[2]) {
+  for (Staging& s : pair) {
     if (s.busy != nullptr) clReleaseEvent(s.busy);
-    if (s.host != nullptr) clEnqueueUnmapMemObject(queue_, s.mem, s.host, 0, nullptr, nullptr);
+    if (s.host != nullptr) clEnqueueUnmapMemObject(queue, s.mem, s.host, 0, nullptr, nullptr);
   }
-  clFinish(queue_);
-  for (Staging& s : staging_) {
+  clFinish(queue);
+  for (Staging& s : pair) {
     if (s.mem != nullptr) clReleaseMemObject(s.mem);
     s = Staging{};
   }
@@ -302,26 +376,27 @@ absl::Status Runtime::WaitStaging(Staging& s) {
 
 // Chunk i: wait until staging buffer i % 2 has been sent (chunk i - 2), copy the chunk into
 // it, enqueue its DMA; the next chunk's copy then runs while this DMA does.
-absl::Status Runtime::StagedWrite(const Buffer& dst, size_t offset, const void* src, size_t bytes) {
+absl::Status Runtime::StagedWrite(cl_command_queue queue, Staging (&pair)[2], const Buffer& dst,
+                                  size_t offset, const void* src, size_t bytes) {
   const char* from = static_cast<const char*>(src);
   absl::Status status;
   for (size_t done = 0, i = 0; done < bytes && status.ok(); ++i) {
-    Staging& s = staging_[i % 2];
+    Staging& s = pair[i % 2];
     status = WaitStaging(s);
     if (!status.ok()) break;
     const size_t len = std::min(kStagingChunk, bytes - done);
     const common::CopyJob job{s.host, from + done, len};
     common::ParallelCopy(transfer_threads_, {&job, 1});
-    const cl_int err = clEnqueueWriteBuffer(queue_, dst.mem(), CL_FALSE, offset + done, len, s.host,
+    const cl_int err = clEnqueueWriteBuffer(queue, dst.mem(), CL_FALSE, offset + done, len, s.host,
                                             0, nullptr, &s.busy);
     if (err != CL_SUCCESS) {
       s.busy = nullptr;
       status = detail::ClError(err, "clEnqueueWriteBuffer (staged)", __FILE__, __LINE__);
     }
-    clFlush(queue_);
+    clFlush(queue);
     done += len;
   }
-  for (Staging& s : staging_) {
+  for (Staging& s : pair) {
     const absl::Status w = WaitStaging(s);
     if (status.ok()) status = w;
   }

@@ -40,6 +40,12 @@ struct DeviceInfo {
   // an AVX-512 host) still reports the host's vector width; native_float_width is capped to
   // what the build target has (8 without AVX-512), and the BF16 dot products need avx512f.
   std::string target_isa;
+  // The device's UUID, 16 raw bytes (cl_khr_device_uuid; "" without it): how another API's
+  // device (CUDA's) is matched to this one.
+  std::string uuid;
+  // Whether the device imports memory of other APIs by opaque file descriptor
+  // (cl_khr_external_memory_opaque_fd; Runtime::ImportOpaqueFd).
+  bool imports_opaque_fd = false;
   std::string Describe() const;  // "0:0 Portable Computing Language / pthread-... (driver 3.1)"
 };
 
@@ -143,12 +149,29 @@ class Runtime {
   // On CPU devices, buffers of 2 MiB or more live in host memory asked for in transparent
   // huge pages.
   absl::StatusOr<Buffer> Allocate(size_t bytes);
+  // A buffer over host memory [host, host + bytes) that a CPU device reads and writes in place
+  // (CL_MEM_USE_HOST_PTR): memory shared with other processes (a peer's mapping of the same
+  // pages sees what kernels write once Finish returned). The memory must stay mapped while the
+  // buffer lives; FAILED_PRECONDITION on devices with memory of their own, or where the driver
+  // would copy instead (`host` not aligned to 4096 bytes).
+  absl::StatusOr<Buffer> WrapHostMemory(void* host, size_t bytes);
+  // A buffer over memory another API made (CUDA's cuMemCreate, possibly another process's, on
+  // this GPU or a peer), imported by the opaque file descriptor `fd` it exported
+  // (cl_khr_external_memory_opaque_fd, OpenCL 3.0's clCreateBufferWithProperties); `fd` stays
+  // the caller's. UNIMPLEMENTED where the device or the OpenCL loader lacks the import.
+  absl::StatusOr<Buffer> ImportOpaqueFd(int fd, size_t bytes);
   // A read-only buffer holding a copy of src[0, bytes), made before this returns.
   absl::StatusOr<Buffer> AllocateCopy(const void* src, size_t bytes);
   // Blocking copies between host memory and a buffer (staged through pinned memory where
   // RuntimeOptions::staging says, for blocks of at least kStagedTransferMin bytes).
   absl::Status Write(const Buffer& dst, size_t offset, const void* src, size_t bytes);
   absl::Status Read(const Buffer& src, size_t offset, void* dst, size_t bytes);
+  // Write through a second in-order queue of the device (with staging buffers of its own),
+  // beside whatever the main queue runs: an upload that overlaps the main queue's kernels and
+  // transfers (devices run the two queues at once where they can). Blocking like Write. It may
+  // be called from another thread than the one driving the Runtime (one call at a time), as
+  // long as `dst` is not in use by the main queue meanwhile.
+  absl::Status WriteBeside(const Buffer& dst, size_t offset, const void* src, size_t bytes);
   // Staged transfers: the chunk (each of the two staging buffers' size) and the smallest block
   // staged. A chunk of 8 MiB is large enough that a transfer's fixed cost (tens of
   // microseconds) is a few percent of its DMA at any PCIe speed, and splits over up to 8 host
@@ -205,6 +228,7 @@ class Runtime {
   cl_device_id device_ = nullptr;
   cl_context context_ = nullptr;
   cl_command_queue queue_ = nullptr;
+  cl_command_queue side_queue_ = nullptr;  // WriteBeside's, made on first use
   std::string cache_dir_;
   bool tensor_cores_ = false;
   bool bf16_dot_ = false;
@@ -220,12 +244,18 @@ class Runtime {
     cl_event busy = nullptr;
   };
   absl::Status MakeStaging();
+  absl::Status MakeStaging(cl_command_queue queue, Staging (&pair)[2]);
   // Unmaps and frees whatever MakeStaging made (staging off afterwards).
   void ReleaseStaging();
+  void ReleaseStaging(cl_command_queue queue, Staging (&pair)[2]);
   absl::Status WaitStaging(Staging& s);
-  absl::Status StagedWrite(const Buffer& dst, size_t offset, const void* src, size_t bytes);
+  absl::Status WriteOn(cl_command_queue queue, Staging (&pair)[2], const Buffer& dst, size_t offset,
+                       const void* src, size_t bytes);
+  absl::Status StagedWrite(cl_command_queue queue, Staging (&pair)[2], const Buffer& dst,
+                           size_t offset, const void* src, size_t bytes);
   absl::Status StagedRead(const Buffer& src, size_t offset, void* dst, size_t bytes);
   Staging staging_[2];
+  Staging side_staging_[2];  // WriteBeside's
   int transfer_threads_ = 1;
 };
 

@@ -57,7 +57,9 @@ __kernel void round_to_bf16(__global const float* src, long count, __global floa
 // The owner's sum of a token's rows, with the host's arithmetic (worker::WeightedSumRows):
 // each product rounded, then added, never fused, so that a token summed here has the bits it
 // has when the exchange sums it on the host. For token i and column c:
-//   start 0: acc = 0;  1: acc = base[i, c];  2: acc = 0 + 1 * r(base[i, c]);
+//   start 0: acc = 0;  1: acc = base[i, c];
+//   start 2: acc = 0, then for p < num_parts in order: acc = acc + 1 * r(base[p*n + i, c])
+//            (row parts, e.g. each worker's slice of a split shared expert);
 //   then for j < k in order: acc = acc + pair_weight[i, j] * r(y[pair_index[i, j], c]),
 // r being the identity, or rounding to BF16 (round_bf16: a BF16 combine payload). A pair
 // index that is not a row of y (y_rows rows) makes the value NaN: a caller's bug, never
@@ -66,7 +68,7 @@ __kernel void sum_pair_rows(__global const float* restrict y, long y_rows,
                             __global const int* restrict pair_index,
                             __global const float* restrict pair_weight, int n, int k,
                             long hidden, __global const float* base, int start,
-                            int round_bf16, __global float* out) {
+                            int num_parts, int round_bf16, __global float* out) {
 #pragma OPENCL FP_CONTRACT OFF
   const size_t c = get_global_id(0);
   const int i = get_global_id(1);
@@ -76,9 +78,12 @@ __kernel void sum_pair_rows(__global const float* restrict y, long y_rows,
   if (start == 1) {
     acc = base[at];
   } else if (start == 2) {
-    const float v = round_bf16 ? round_to_bf16_value(base[at]) : base[at];
-    const float part = 1.0f * v;
-    acc = acc + part;
+    for (int p = 0; p < num_parts; ++p) {
+      const float b = base[(size_t)p * n * hidden + at];
+      const float v = round_bf16 ? round_to_bf16_value(b) : b;
+      const float part = 1.0f * v;
+      acc = acc + part;
+    }
   }
   for (int j = 0; j < k; ++j) {
     const int p = pair_index[(size_t)i * k + j];
@@ -92,4 +97,42 @@ __kernel void sum_pair_rows(__global const float* restrict y, long y_rows,
     acc = acc + product;
   }
   out[at] = acc;
+}
+
+// The exchange's row moves between devices: for i < count, with (s, d) = moves[2 (first + i)]
+// and moves[2 (first + i) + 1], dst row d = r(src row s), r rounding to BF16 (kept as FP32)
+// when round_bf16. A move naming a row outside src (src_rows) or dst (dst_rows) writes nothing:
+// dst may be another process's memory. src and dst are distinct buffers.
+__kernel void copy_rows(__global const float* restrict src, long src_rows,
+                        __global const int* restrict moves, long first, int count, long hidden,
+                        int round_bf16, __global float* restrict dst, long dst_rows) {
+  const size_t c = get_global_id(0);
+  const int i = get_global_id(1);
+  if (c >= (size_t)hidden || i >= count) return;
+  const size_t m = (size_t)(first + i) * 2;
+  const int s = moves[m];
+  const int d = moves[m + 1];
+  if (s < 0 || s >= src_rows || d < 0 || d >= dst_rows) return;
+  const float v = src[(size_t)s * hidden + c];
+  dst[(size_t)d * hidden + c] = round_bf16 ? round_to_bf16_value(v) : v;
+}
+
+// copy_rows for rows of a multiple of 4 values, 4 per work-item (quarter = hidden / 4): wider
+// loads, which peer memory read over a link needs to reach the link's speed.
+__kernel void copy_rows4(__global const float4* restrict src, long src_rows,
+                         __global const int* restrict moves, long first, int count, long quarter,
+                         int round_bf16, __global float4* restrict dst, long dst_rows) {
+  const size_t c = get_global_id(0);
+  const int i = get_global_id(1);
+  if (c >= (size_t)quarter || i >= count) return;
+  const size_t m = (size_t)(first + i) * 2;
+  const int s = moves[m];
+  const int d = moves[m + 1];
+  if (s < 0 || s >= src_rows || d < 0 || d >= dst_rows) return;
+  float4 v = src[(size_t)s * quarter + c];
+  if (round_bf16) {
+    v = (float4)(round_to_bf16_value(v.x), round_to_bf16_value(v.y), round_to_bf16_value(v.z),
+                 round_to_bf16_value(v.w));
+  }
+  dst[(size_t)d * quarter + c] = v;
 }

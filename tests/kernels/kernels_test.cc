@@ -1168,15 +1168,18 @@ TEST_F(Seeded, SumPairRowsHasTheHostSumsBits) {
   auto round_bf16 = [](float v) { return common::Bf16ToFloat(common::FloatToBf16(v)); };
   for (int64_t n : {1, 7, 33, 300}) {
     for (int k : {1, 2, 4, 8}) {
-      for (SumStart start : {SumStart::kZero, SumStart::kOnto, SumStart::kAsPart}) {
+      for (SumStart start :
+           {SumStart::kZero, SumStart::kOnto, SumStart::kAsPart, SumStart::kAsPart}) {
+        // kAsPart twice: one part, then three (a split shared expert's slices of 3 workers).
+        const int parts = start == SumStart::kAsPart && (n + k) % 2 == 0 ? 3 : 1;
         for (bool round : {false, true}) {
           const int64_t hidden = 72;
           const int64_t rows = n * k + 5;
           SCOPED_TRACE(absl::StrCat("n=", n, " k=", k, " start=", static_cast<int>(start),
-                                    " round=", round));
+                                    " parts=", parts, " round=", round));
           const std::vector<float> y = Uniform(rows * hidden, -3.0f, 3.0f);
           const std::vector<float> pw = Uniform(n * k, 0.0f, 1.0f);
-          const std::vector<float> base = Uniform(n * hidden, -2.0f, 2.0f);
+          const std::vector<float> base = Uniform(parts * n * hidden, -2.0f, 2.0f);
           std::vector<int32_t> pi(n * k);
           std::uniform_int_distribution<int32_t> row(0, static_cast<int32_t>(rows - 1));
           for (int32_t& p : pi) p = row(rng_);
@@ -1186,15 +1189,17 @@ TEST_F(Seeded, SumPairRowsHasTheHostSumsBits) {
           Buffer bb = Upload(base);
           // Out of place, then in place onto base.
           Buffer out = Poisoned(n * hidden);
-          ASSERT_TRUE(SumPairRows(Rt(), yb, ib, wb, n, k, hidden, &bb, start, round, out).ok());
+          ASSERT_TRUE(
+              SumPairRows(Rt(), yb, ib, wb, n, k, hidden, &bb, start, round, out, parts).ok());
           std::vector<float> ref(n * hidden);
           for (int64_t i = 0; i < n; ++i) {
             for (int64_t c = 0; c < hidden; ++c) {
               const float b = base[i * hidden + c];
               float acc = 0.0f;
               if (start == SumStart::kOnto) acc = b;
-              if (start == SumStart::kAsPart) {
-                const float part = 1.0f * (round ? round_bf16(b) : b);
+              for (int p = 0; start == SumStart::kAsPart && p < parts; ++p) {
+                const float v = base[(p * n + i) * hidden + c];
+                const float part = 1.0f * (round ? round_bf16(v) : v);
                 acc = acc + part;
               }
               for (int j = 0; j < k; ++j) {
@@ -1207,7 +1212,8 @@ TEST_F(Seeded, SumPairRowsHasTheHostSumsBits) {
           }
           const std::vector<float> got = Download<float>(out, n * hidden);
           EXPECT_EQ(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)), 0);
-          ASSERT_TRUE(SumPairRows(Rt(), yb, ib, wb, n, k, hidden, &bb, start, round, bb).ok());
+          ASSERT_TRUE(
+              SumPairRows(Rt(), yb, ib, wb, n, k, hidden, &bb, start, round, bb, parts).ok());
           const std::vector<float> in_place = Download<float>(bb, n * hidden);
           EXPECT_EQ(std::memcmp(in_place.data(), ref.data(), ref.size() * sizeof(float)), 0);
         }
@@ -1222,6 +1228,56 @@ TEST_F(Seeded, SumPairRowsHasTheHostSumsBits) {
   ASSERT_TRUE(SumPairRows(Rt(), yb, ib, wb, 1, 2, 8, nullptr, SumStart::kZero, false, out).ok());
   for (float v : Download<float>(out, 8)) EXPECT_TRUE(std::isnan(v));
   EXPECT_FALSE(SumPairRows(Rt(), yb, ib, wb, 1, 2, 8, nullptr, SumStart::kOnto, false, out).ok());
+  // Several parts only as parts.
+  EXPECT_FALSE(SumPairRows(Rt(), yb, ib, wb, 1, 2, 8, &yb, SumStart::kOnto, false, out, 2).ok());
+}
+
+// CopyRows moves each (source row, destination row) pair of a run of moves, rounding to BF16
+// values where asked, and writes nothing for a move outside either buffer (the destination may
+// be another process's memory).
+TEST_F(Seeded, CopyRowsMovesEachRowOfItsRunAndNothingElse) {
+  auto round_bf16 = [](float v) { return common::Bf16ToFloat(common::FloatToBf16(v)); };
+  for (int64_t hidden : {1, 72, 2048}) {
+    for (bool round : {false, true}) {
+      SCOPED_TRACE(absl::StrCat("hidden=", hidden, " round=", round));
+      const int64_t src_rows = 37, dst_rows = 50;
+      const std::vector<float> src = Uniform(src_rows * hidden, -5.0f, 5.0f);
+      // A run of moves in the middle of the list (first = 3), a permutation of distinct rows,
+      // then two moves out of bounds.
+      std::vector<int32_t> moves = {9, 9, 9, 9, 9, 9};  // moves before the run: not taken
+      std::vector<int32_t> dst_of(src_rows);
+      std::iota(dst_of.begin(), dst_of.end(), 0);
+      std::shuffle(dst_of.begin(), dst_of.end(), rng_);
+      for (int32_t r = 0; r < src_rows; ++r) {
+        moves.push_back(r);
+        moves.push_back(dst_of[r] + 13);
+      }
+      moves.insert(moves.end(), {0, static_cast<int32_t>(dst_rows), -1, 0});
+      const int64_t count = src_rows + 2;
+      Buffer sb = Upload(src);
+      Buffer mb = Upload(moves);
+      const std::vector<float> poison(dst_rows * hidden, -777.0f);
+      Buffer db = Upload(poison);
+      ASSERT_TRUE(CopyRows(Rt(), sb, mb, 3, count, hidden, round, db).ok());
+      const std::vector<float> got = Download<float>(db, dst_rows * hidden);
+      for (int64_t d = 0; d < dst_rows; ++d) {
+        const int64_t s =
+            d >= 13 ? std::find(dst_of.begin(), dst_of.end(), d - 13) - dst_of.begin() : src_rows;
+        for (int64_t c = 0; c < hidden; ++c) {
+          const float want = s < src_rows
+                                 ? (round ? round_bf16(src[s * hidden + c]) : src[s * hidden + c])
+                                 : -777.0f;
+          ASSERT_EQ(std::bit_cast<uint32_t>(got[d * hidden + c]), std::bit_cast<uint32_t>(want))
+              << "row " << d << " column " << c;
+        }
+      }
+    }
+  }
+  Buffer sb = Upload(Uniform(8));
+  Buffer mb = Upload(std::vector<int32_t>{0, 0});
+  Buffer db = Poisoned(8);
+  EXPECT_FALSE(CopyRows(Rt(), sb, mb, 0, 2, 8, false, db).ok());  // moves past the buffer
+  EXPECT_FALSE(CopyRows(Rt(), sb, mb, -1, 1, 8, false, db).ok());
 }
 
 TEST_F(Seeded, RoundToBf16RoundsAsTheHostDoes) {
