@@ -271,6 +271,10 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
   options.workers_on_host = host_workers.count;
   options.host_threads = flags.worker_host_threads;
   options.local_pass = flags.worker_local_pass;
+  options.device_exchange = *worker::ParseDeviceExchangeMode(flags.device_exchange);
+  options.upload_ahead = flags.upload_ahead == "on"    ? worker::WorkerOptions::UploadAhead::kOn
+                         : flags.upload_ahead == "off" ? worker::WorkerOptions::UploadAhead::kOff
+                                                       : worker::WorkerOptions::UploadAhead::kAuto;
   if (!flags.pinned_transfers) options.device.staging = kernels::RuntimeOptions::Staging::kOff;
   options.weight_dtype = weight_dtype;
   options.open_model = std::move(open_model);
@@ -293,8 +297,15 @@ int ServeWorker(int rank, const Flags& flags, epserve::shmem::SymmetricHeap& hea
           (*w)->stages_transfers() ? "; large host<->device copies through pinned staging on them"
                                    : "",
           flags.worker_local_pass ? "; a batch with one live worker runs on its device alone" : "",
+          "; rows between workers go ", (*w)->exchange_path(),
+          (*w)->uploads_ahead() ? "; the next batch's rows uploaded while a batch computes" : "",
           "; kernels warmed up in ", absl::FormatDuration(absl::Seconds((*w)->warmup_seconds()))));
   absl::Status s = (*w)->Serve(g_stop);
+  if ((*w)->uploads_ahead()) {
+    Log(rank, absl::StrCat("worker ", me, ": the rows of ", (*w)->batches_uploaded_ahead(), " of ",
+                           (*w)->batches_served(),
+                           " batches were on the device before their batch began"));
+  }
   if ((*w)->peers_lost()) g_peer_died.store(true);
   if (!s.ok()) {
     Log(rank, s.ToString());
@@ -322,6 +333,14 @@ int Run(int rank, int num_ranks, const Flags& flags) {
     return Fail(rank,
                 absl::InvalidArgumentError(absl::StrCat(
                     "--worker-host-threads must be in [0, 256], got ", flags.worker_host_threads)));
+  }
+  if (absl::Status s = worker::ParseDeviceExchangeMode(flags.device_exchange).status(); !s.ok()) {
+    return Fail(rank, s);
+  }
+  if (flags.upload_ahead != "auto" && flags.upload_ahead != "on" && flags.upload_ahead != "off") {
+    return Fail(rank,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "--upload-ahead must be auto, on or off; got '", flags.upload_ahead, "'")));
   }
   absl::StatusOr<int64_t> memory_limit = ParseMemoryLimit(flags.memory_limit);
   if (!memory_limit.ok()) return Fail(rank, memory_limit.status());

@@ -67,6 +67,15 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
          "worker's device alone: its rows go up once, the output comes down once, the owner's "
          "sum runs on the device, with the bits the exchange gives; --no-worker-local-pass "
          "runs it through the heap exchange (for comparison)");
+  fs.Add("device-exchange", &flags.device_exchange,
+         "How the exchange moves rows between workers: auto (device to device where every "
+         "worker is a GPU that imports CUDA memory into OpenCL and the heap is shm, else "
+         "through the heap), off (through the heap), cuda (device to device, required), host "
+         "(CPU workers: kernels move rows through shared host memory, required)");
+  fs.Add("upload-ahead", &flags.upload_ahead,
+         "Whether a worker uploads the next batch's rows (copied in by rank 0 while the "
+         "workers compute, --batches-in-flight=2) to its device while it computes the current "
+         "batch's experts: auto (on devices with memory of their own), on, off");
   fs.Add("batches-in-flight", &fe.batches_in_flight,
          "Batches between rank 0 and the workers at once: 2 copies the next batch's rows into "
          "the workers' second input slot while they compute, and the last batch's output out "

@@ -31,9 +31,11 @@ struct Flags {
   // Expert placement (server/eplb_profile.h): redundant copies per layer, and the saved load
   // profile they follow (empty: uniform loads).
   int redundant_experts = 0;
-  int worker_host_threads = 0;    // --worker-host-threads (WorkerOptions::host_threads)
-  bool worker_local_pass = true;  // --worker-local-pass (WorkerOptions::local_pass)
-  bool pinned_transfers = true;   // --pinned-transfers (RuntimeOptions::staging kAuto / kOff)
+  int worker_host_threads = 0;           // --worker-host-threads (WorkerOptions::host_threads)
+  bool worker_local_pass = true;         // --worker-local-pass (WorkerOptions::local_pass)
+  std::string device_exchange = "auto";  // --device-exchange (WorkerOptions::device_exchange)
+  std::string upload_ahead = "auto";     // --upload-ahead (WorkerOptions::upload_ahead)
+  bool pinned_transfers = true;  // --pinned-transfers (RuntimeOptions::staging kAuto / kOff)
   std::string eplb_profile;
 };
 

@@ -200,8 +200,27 @@ absl::Status Coordinator::UseLiveWorkers(const WorkerSet& live) {
   return absl::OkStatus();
 }
 
+absl::Status Coordinator::AnnounceRows(int64_t total, const WorkerSet& live, int slot,
+                                       uint64_t copy_id) {
+  const int num_workers = regions_.plan.shape().num_workers;
+  for (int w = 0; w < num_workers; ++w) {
+    if (!live.Has(w)) continue;
+    RowsAhead ahead{};
+    ahead.copy_id = copy_id;
+    ahead.slot = slot;
+    ahead.num_rows =
+        RowSplit(total, w + 1, num_workers, live) - RowSplit(total, w, num_workers, live);
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w),
+                                      regions_.rows_ahead + (copy_id % 2) * sizeof(RowsAhead),
+                                      &ahead, sizeof(ahead)));
+    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), regions_.rows_ahead_seq, copy_id));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
-                               const WorkerSet& live, uint64_t generation, int slot) {
+                               const WorkerSet& live, uint64_t generation, int slot,
+                               uint64_t copy_id) {
   const int num_workers = regions_.plan.shape().num_workers;
   ++seq_;
   // Workers give up a little before rank 0 does, so their reports arrive in time.
@@ -220,6 +239,7 @@ absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, ab
     desc.live = live;
     desc.generation = generation;
     desc.slot = slot;
+    desc.copy_id = copy_id;
     EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.descriptor, &desc, sizeof(desc)));
     EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), regions_.batch_seq, seq_));
   }
@@ -337,6 +357,13 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   const bool busy = std::any_of(flight_.begin(), flight_.end(), [](const InFlight& f) {
     return f.state != InFlight::State::kDone;
   });
+  if (busy && !b.slices) {
+    // The workers may upload these rows while they compute the batch before.
+    b.copy_id = ++copies_announced_;
+    if (absl::Status s = AnnounceRows(b.total, b.live, b.slot, b.copy_id); !s.ok()) {
+      return Fail(s.ToString());
+    }
+  }
   flight_.push_back(std::move(b));
   if (!busy && !flight_.back().slices) PostPending(flight_.back());
   return flight_.back().ticket;
@@ -366,6 +393,7 @@ void Coordinator::PostPending(InFlight& b) {
   if (shmem::SignalLoad(&cancel_word_) != b.generation || !(live_workers() == b.live)) {
     // A worker died since its rows were copied: split them over the survivors.
     if (absl::Status s = PlaceRows(b); !s.ok()) return done(s);
+    b.copy_id = 0;  // a new copy, not announced
     if (b.slices) return;
     const absl::Time t0 = absl::Now();
     if (absl::Status s = Scatter(b.chunks, b.total, b.live, b.slot); !s.ok()) {
@@ -373,8 +401,8 @@ void Coordinator::PostPending(InFlight& b) {
     }
     b.trace.scatter_ns += absl::ToInt64Nanoseconds(absl::Now() - t0);
   }
-  if (absl::Status s =
-          Post(BatchOp::kRun, b.layer_pos, b.total, b.deadline, b.live, b.generation, b.slot);
+  if (absl::Status s = Post(BatchOp::kRun, b.layer_pos, b.total, b.deadline, b.live, b.generation,
+                            b.slot, b.copy_id);
       !s.ok()) {
     return done(Fail(s.ToString()));
   }

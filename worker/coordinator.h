@@ -157,7 +157,10 @@ class Coordinator {
   // Posts `op` to the workers of `live` (rows split over them), as generation `generation`,
   // reading and writing data slot `slot`.
   absl::Status Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
-                    const WorkerSet& live, uint64_t generation, int slot = 0);
+                    const WorkerSet& live, uint64_t generation, int slot = 0, uint64_t copy_id = 0);
+  // Tells each worker of `live` that its rows of a batch of `total` rows are in input slot
+  // `slot` as copy `copy_id` (RowsAhead), so that it may upload them while it computes.
+  absl::Status AnnounceRows(int64_t total, const WorkerSet& live, int slot, uint64_t copy_id);
   // A batch between Start and Finish.
   struct InFlight {
     enum class State { kScattered, kPosted, kDone };
@@ -169,7 +172,8 @@ class Coordinator {
     int slot = 0;
     WorkerSet live;  // the workers its rows were split over
     uint64_t generation = 0;
-    bool slices = false;  // runs as Run does (RunSlices), from Finish
+    uint64_t copy_id = 0;  // its rows' copy as announced (RowsAhead); 0: not announced
+    bool slices = false;   // runs as Run does (RunSlices), from Finish
     State state = State::kScattered;
     BatchTrace trace;                   // scatter_ns, until done
     absl::StatusOr<BatchTrace> result;  // kDone
@@ -261,7 +265,8 @@ class Coordinator {
   std::thread watch_;
   int watch_stop_fd_ = -1;  // an eventfd: written to end the watch
   uint64_t seq_ = 0;
-  uint64_t stage_seq_ = 0;  // the kStage's seq of a weight swap under way; 0: none
+  uint64_t copies_announced_ = 0;  // the last RowsAhead::copy_id
+  uint64_t stage_seq_ = 0;         // the kStage's seq of a weight swap under way; 0: none
   std::atomic<bool> healthy_{true};
   // StalledWorkers' view: each worker's last heartbeat and when it last changed.
   std::mutex beat_mu_;

@@ -260,11 +260,14 @@ int64_t Exchange::ComputeOffsets() {
   return max_recv;
 }
 
-absl::Status Exchange::Dispatch(const float* x, absl::Time deadline) {
-  return RunPass(x, nullptr, nullptr, false, nullptr, deadline, nullptr, nullptr);
+absl::Status Exchange::Dispatch(const float* x, absl::Time deadline, DeviceMover* mover) {
+  mover_ = mover;
+  absl::Status s = RunPass(x, nullptr, nullptr, false, nullptr, deadline, nullptr, nullptr);
+  mover_ = nullptr;
+  return s;
 }
 
-void Exchange::DispatchDirect(const float* x) {
+void Exchange::DispatchDirect(const float* x, bool payload) {
   const int num_workers = plan_.shape().num_workers;
   const int k = plan_.shape().top_k;
   const int64_t hidden = plan_.shape().hidden;
@@ -279,7 +282,9 @@ void Exchange::DispatchDirect(const float* x) {
       const int rank = rank_of(d);
       const int64_t row = row_base_[d] + slot[d];
       void* dst = heap_.Direct(rank, regions_.recv_rows + row * row_bytes);
-      if (dtype == common::ElementType::kFp32) {
+      if (!payload) {
+        // the rows go device to device (DeviceMover::Send)
+      } else if (dtype == common::ElementType::kFp32) {
         std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
       } else if (first == nullptr) {
         EncodeRow(dtype, src, hidden, dst);
@@ -290,8 +295,11 @@ void Exchange::DispatchDirect(const float* x) {
       heap_.DirectAs<int32_t>(rank, regions_.recv_token)[row] =
           static_cast<int32_t>(token_base_ + t);
       int32_t* pair_row = heap_.DirectAs<int32_t>(rank, regions_.pair_row);
+      int32_t* pair_home = heap_.DirectAs<int32_t>(rank, regions_.pair_home);
       for (int j = 0; j < k; ++j) {
-        if (dest_[t * k + j] == d) pair_row[pair_at_[t * k + j]] = static_cast<int32_t>(row);
+        if (dest_[t * k + j] != d) continue;
+        pair_row[pair_at_[t * k + j]] = static_cast<int32_t>(row);
+        if (!payload) pair_home[pair_at_[t * k + j]] = static_cast<int32_t>(t * k + j);
       }
     }
   }
@@ -361,9 +369,11 @@ void Exchange::PublishReceived(ExchangeStats* stats) {
   received_.row_bytes = plan_.dispatch_row_bytes();
   received_.hidden = plan_.shape().hidden;
   received_.top_k = plan_.shape().top_k;
-  received_.payload = heap_.Local(regions_.recv_rows);
+  received_.on_device = mover_ != nullptr;
+  received_.payload = mover_ != nullptr ? nullptr : heap_.Local(regions_.recv_rows);
   received_.token = heap_.LocalAs<int32_t>(regions_.recv_token);
   received_.pair_row = heap_.LocalAs<int32_t>(regions_.pair_row);
+  received_.pair_home = heap_.LocalAs<int32_t>(regions_.pair_home);
   received_.expert_offsets = expert_offsets_;
   received_.source_begin = source_begin_;
   if (stats == nullptr) return;
@@ -384,7 +394,15 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
   // ---- dispatch: each row once per destination, with its metadata ----
   bool direct = true;
   for (int d = 0; d < num_workers && direct; ++d) direct = heap_.Direct(rank_of(d), 0) != nullptr;
-  if (direct) {
+  if (mover_ != nullptr) {
+    if (!direct) {
+      return absl::FailedPreconditionError(
+          "rows moved device to device need a heap with load/store access to every worker");
+    }
+    EPSERVE_RETURN_IF_ERROR(mover_->Send(*this));
+    DispatchDirect(x, /*payload=*/false);  // while the rows move
+    EPSERVE_RETURN_IF_ERROR(mover_->Sync());
+  } else if (direct) {
     DispatchDirect(x);
   } else {
     EPSERVE_RETURN_IF_ERROR(DispatchStaged(x));
@@ -410,15 +428,25 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
 
   // ---- the caller's expert step ----
   t0 = absl::Now();
-  float* pair_out = PairOutput();
-  float* row_out = RowOutput();
+  float* pair_out = mover_ != nullptr ? nullptr : PairOutput();
+  float* row_out = mover_ != nullptr ? nullptr : RowOutput();
   EPSERVE_RETURN_IF_ERROR(expert(received_, pair_out, row_out));
   if (stats != nullptr) stats->expert_ns += NanosSince(t0);
 
   // ---- combine and reduce ----
   t0 = absl::Now();
+  if (mover_ != nullptr) EPSERVE_RETURN_IF_ERROR(mover_->Return(*this));
   EPSERVE_RETURN_IF_ERROR(Combine(pair_out, row_out));
-  EPSERVE_RETURN_IF_ERROR(Reduce(weights, y, accumulate, deadline));
+  if (mover_ != nullptr) {
+    for (int d = 0; d < num_workers; ++d) {
+      if (live_.Has(d))
+        EPSERVE_RETURN_IF_ERROR(
+            WaitFor(regions_.combine_flag, d, deadline, "combined rows from worker"));
+    }
+    EPSERVE_RETURN_IF_ERROR(mover_->Sum(*this, y, accumulate));
+  } else {
+    EPSERVE_RETURN_IF_ERROR(Reduce(weights, y, accumulate, deadline));
+  }
   if (stats != nullptr) stats->combine_ns += NanosSince(t0);
   return absl::OkStatus();
 }
@@ -573,10 +601,12 @@ absl::Status Exchange::TakeBadIdError() {
 
 absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const float* weights,
                            float* y, bool accumulate, const ExpertStep& expert, absl::Time deadline,
-                           ExchangeStats* stats, const std::function<absl::Status()>& overlap) {
+                           ExchangeStats* stats, const std::function<absl::Status()>& overlap,
+                           DeviceMover* mover) {
   const int k = plan_.shape().top_k;
   const int64_t hidden = plan_.shape().hidden;
   const int64_t capacity = plan_.recv_capacity();
+  mover_ = nullptr;
   absl::Time t0 = absl::Now();
   absl::StatusOr<int64_t> max_recv = CountAndNotify(n, ids, deadline);
   if (!max_recv.ok()) return max_recv.status();
@@ -584,7 +614,10 @@ absl::Status Exchange::Run(const float* x, int64_t n, const int32_t* ids, const 
   token_base_ = 0;
   if (*max_recv <= capacity) {
     if (stats != nullptr) stats->rounds += 1;
-    EPSERVE_RETURN_IF_ERROR(RunPass(x, weights, y, accumulate, expert, deadline, stats, &overlap));
+    mover_ = mover;
+    absl::Status s = RunPass(x, weights, y, accumulate, expert, deadline, stats, &overlap);
+    mover_ = nullptr;
+    EPSERVE_RETURN_IF_ERROR(s);
     return TakeBadIdError();
   }
   if (plan_.overflow() == OverflowPolicy::kFail) {

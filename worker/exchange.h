@@ -62,9 +62,13 @@ struct ReceivedRows {
   size_t row_bytes = 0;
   int64_t hidden = 0;
   int top_k = 0;
+  // The rows are in the receiver's device memory, FP32 (rounded to the dispatch dtype's
+  // values), not in the heap: a DeviceMover moved them; payload is then null.
+  bool on_device = false;
   const void* payload = nullptr;            // [rows][row_bytes]
   const int32_t* token = nullptr;           // [rows]: the token's index in its owner's batch
   const int32_t* pair_row = nullptr;        // [pairs], expert-major: the pair's received row
+  const int32_t* pair_home = nullptr;       // [pairs] when on_device: t * k + j at its owner
   std::span<const int64_t> expert_offsets;  // [local experts + 1]: pairs of local expert e
                                             // are [offsets[e], offsets[e + 1])
   std::span<const int64_t> source_begin;    // [W + 1]: rows of worker s are [b[s], b[s+1])
@@ -87,6 +91,32 @@ struct ExchangeStats {
   int64_t pairs = 0;
   int rounds = 0;
   std::vector<int64_t> expert_pairs;  // per local expert, summed over rounds
+};
+
+class Exchange;
+
+// Moves a pass's rows between the workers' devices instead of through the heap (GPU workers,
+// worker/device_exchange.h): the exchange still counts, lays out and signals, and the heap
+// still carries the metadata (tokens, pair table); the rows go device to device. A pass takes
+// it when Exchange::Run is given one and the batch fits one pass (every worker decides alike:
+// the fit follows from the shared count matrix).
+class DeviceMover {
+ public:
+  virtual ~DeviceMover() = default;
+  // Starts this worker's rows of the pass (ex.n() tokens) into their destinations' device
+  // receive rows (receiver row ex.row_base(d) + ex.slot(t, d)); Sync waits until they are
+  // there (the exchange writes the pass's metadata between the two).
+  virtual absl::Status Send(const Exchange& ex) = 0;
+  virtual absl::Status Sync() = 0;
+  // After the expert step, before this worker's combine signals: its output rows for the
+  // rows it received (ex.received()) into their owners' devices (pair p to its owner's
+  // position pair_home[p], and with a split shared expert each received row's part), there
+  // when it returns.
+  virtual absl::Status Return(const Exchange& ex) = 0;
+  // Once every worker's combine signal came: the owner's sum of its ex.n() tokens from the rows
+  // returned to its device, into y [n][hidden], with the bits Exchange::Reduce gives (onto the
+  // shared expert's output when `accumulate`).
+  virtual absl::Status Sum(const Exchange& ex, float* y, bool accumulate) = 0;
 };
 
 // Not thread-safe: one thread drives an Exchange. The heap must outlive it.
@@ -120,10 +150,15 @@ class Exchange {
   // dispatch. Errors: RESOURCE_EXHAUSTED (capacity, policy fail; every worker returns it
   // and nothing was sent), DEADLINE_EXCEEDED (a peer did not take part in time: the
   // exchange is then unusable).
+  // With `mover`, a batch that fits one pass moves its rows device to device (the expert step
+  // then gets received().on_device rows and null output pointers: it leaves its outputs on
+  // the device); one that needs rounds goes through the heap.
   absl::Status Run(const float* x, int64_t n, const int32_t* ids, const float* weights, float* y,
                    bool accumulate, const ExpertStep& expert, absl::Time deadline,
                    ExchangeStats* stats = nullptr,
-                   const std::function<absl::Status()>& overlap = {});
+                   const std::function<absl::Status()>& overlap = {}, DeviceMover* mover = nullptr);
+  // Whether the pass under way moves its rows on the devices (a DeviceMover).
+  bool device_pass() const { return mover_ != nullptr; }
 
   // ---- the stages of one pass, for tests and benchmarks (Run calls them) ----
   // The counting step of a pass (the `layout` stage of metrics): counts the rows and pairs
@@ -132,7 +167,9 @@ class Exchange {
   // row and pair lands. Returns the most rows any worker would receive in this pass.
   absl::StatusOr<int64_t> CountAndNotify(int64_t n, const int32_t* ids, absl::Time deadline);
   // Sends rows x [n][hidden] and waits for every peer's rows.
-  absl::Status Dispatch(const float* x, absl::Time deadline);
+  // With `mover`, the rows move device to device (DeviceMover::Send) and received() is
+  // on_device.
+  absl::Status Dispatch(const float* x, absl::Time deadline, DeviceMover* mover = nullptr);
   const ReceivedRows& received() const { return received_; }
   // Where the expert step writes its rows, [pair capacity][hidden] and [recv capacity][hidden]
   // (null unless every token goes to every worker): with an fp32 combine the combine region
@@ -176,6 +213,16 @@ class Exchange {
   const ExpertPlacement& placement() const { return *placement_; }
   // The worker that computes choice j of token t of the current pass (ChooseCopies).
   int destination(int64_t t, int j) const { return dest_[t * plan_.shape().top_k + j]; }
+  // The current pass's layout, for a DeviceMover: its tokens; token t's position in the rows
+  // this worker sends worker d (-1: none); where those rows start in d's receive rows; pair
+  // i = t * k + j's index in its destination's pair table.
+  int me() const { return me_; }
+  int64_t n() const { return n_; }
+  int64_t slot(int64_t t, int d) const { return slot_[t * plan_.shape().num_workers + d]; }
+  int64_t row_base(int d) const { return row_base_[d]; }
+  int64_t pair_at(int64_t i) const { return pair_at_[i]; }
+  // Tokens worker s has in the current pass.
+  int64_t tokens_of(int s) const { return count_row(s, me_)[1]; }
   // Rows this worker sends in the current pass (all destinations).
   int64_t rows_sent() const;
 
@@ -202,7 +249,7 @@ class Exchange {
   int64_t ComputeOffsets();
   // Dispatch's two ways of sending: stores straight into peers' segments (backends with
   // load/store access), or rows encoded once into staging and put (the others).
-  void DispatchDirect(const float* x);
+  void DispatchDirect(const float* x, bool payload = true);
   absl::Status DispatchStaged(const float* x);
   // run_base_: where my pairs of each (destination, local expert) start among all of mine.
   void ComputeRuns();
@@ -259,6 +306,7 @@ class Exchange {
   std::vector<const char*> pair_base_at_, row_base_at_;  // [W]: where my rows at d start
   int reduce_threads_ = 1;
   int64_t reduce_grain_ = kTokensPerThread;
+  DeviceMover* mover_ = nullptr;  // the pass under way moves its rows on the devices
 };
 
 }  // namespace epserve::worker

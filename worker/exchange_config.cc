@@ -126,6 +126,7 @@ absl::StatusOr<ExchangeRegions> ExchangeRegions::Make(const ExchangePlan& plan,
       {&r.recv_rows, cap * plan.dispatch_row_bytes(), 4096},
       {&r.recv_token, cap * sizeof(int32_t), 64},
       {&r.pair_row, cap * k * sizeof(int32_t), 64},
+      {&r.pair_home, cap * k * sizeof(int32_t), 64},
       {&r.combine_rows, static_cast<size_t>(plan.combine_capacity()) * plan.combine_row_bytes(),
        4096},
   };

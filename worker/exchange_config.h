@@ -144,6 +144,8 @@ struct ExchangeRegions {
   size_t recv_rows;      // [capacity][dispatch_row_bytes]
   size_t recv_token;     // int32[capacity]: token index at its owner
   size_t pair_row;       // int32[capacity * k]: received row of each pair, expert-major
+  size_t pair_home;      // int32[capacity * k]: each pair's t * k + j at its owner (written
+                         // when rows move device to device: the receiver returns it there)
   size_t combine_rows;   // [combine capacity][combine_row_bytes]: this worker's output rows,
                          // one per pair (pair order), then one per received row (receive
                          // order; a split shared expert); owners read theirs from here

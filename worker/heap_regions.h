@@ -61,6 +61,24 @@ struct BatchDescriptor {
   // fills one slot with the next batch's rows while the workers compute from the other.
   int32_t slot;
   int32_t pad;
+  // The copy of rows the batch reads (RowsAhead): a worker that uploaded that copy to its
+  // device while the previous batch computed skips the upload; 0 matches no copy.
+  uint64_t copy_id;
+};
+
+// Rows rank 0 has copied into a worker's input slot for a batch not posted yet (the workers
+// compute the one before it): the worker may upload them to its device meanwhile. Rank 0
+// writes record copy_id % 2 of the worker's rows_ahead after the rows, then stores copy_id into
+// its rows_ahead_seq signal. A worker uploads a copy only while no batch of that copy or a
+// later one has begun on it (so rank 0, which rewrites a record or a slot only once the batch
+// two before has ended, cannot be writing what it reads), and uses the upload only for a batch
+// whose BatchDescriptor::copy_id is the same (rank 0 numbers every copy anew: rows copied again,
+// as after a worker's death, never match an older upload).
+struct RowsAhead {
+  uint64_t copy_id;
+  int32_t slot;
+  int32_t pad;
+  int64_t num_rows;
 };
 
 // Written by worker w into rank 0's segment before it stores done_seq.
@@ -102,6 +120,12 @@ struct HeapRegions {
   // ended (the kStage's batch seq), with its outcome.
   size_t staged;
   size_t stage_reports;
+  // uint64[W] signals (worker segments): the rendezvous of the workers' device memory
+  // (shmem::PeerMemory, worker/device_exchange.h), once at start.
+  size_t peer_memory;
+  // RowsAhead[2] and their uint64 signal (worker segments), written by rank 0.
+  size_t rows_ahead;
+  size_t rows_ahead_seq;
   // data, kSlots of each (Input(slot) and so on): two batches in flight, one being computed
   // while rank 0 copies the next one's rows in and the last one's output out
   size_t input;         // float[max_rows_per_worker][H] (worker segments), written by rank 0

@@ -61,6 +61,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   w->rt_ = *std::move(rt);
   EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source, w->placements_));
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
+  EPSERVE_RETURN_IF_ERROR(w->StartDeviceExchange());
   const absl::Time warm_start = absl::Now();
   EPSERVE_RETURN_IF_ERROR(w->WarmUp());
   w->warmup_seconds_ = absl::ToDoubleSeconds(absl::Now() - warm_start);
@@ -135,6 +136,7 @@ absl::Status Worker::CheckRoomForSecondCopy() const {
 
 Worker::~Worker() {
   if (loader_.joinable()) loader_.join();
+  device_exchange_.reset();  // its buffers before the runtime they were made on
 }
 
 absl::Status Worker::Stage(uint64_t seq) {
@@ -271,8 +273,61 @@ absl::Status Worker::WarmUp() {
           kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, 1, shared_h_, shared_y_));
     }
   }
+  if (device_exchange_ != nullptr) EPSERVE_RETURN_IF_ERROR(device_exchange_->WarmUp());
   return rt_->Finish();
 }
+
+absl::Status Worker::StartDeviceExchange() {
+  const ExchangePlan& plan = regions_.plan;
+  const kernels::DeviceInfo& info = rt_->device_info();
+  DeviceExchangeMode mode = options_.device_exchange;
+  if (plan.shape().num_workers < 2 && mode != DeviceExchangeMode::kOff) {
+    exchange_path_ = "one worker: nothing to exchange between devices";
+    return absl::OkStatus();
+  }
+  if (mode == DeviceExchangeMode::kAuto) {
+    // Every worker decides alike where the workers' devices are alike; one that differs
+    // declines the rendezvous, and the others fall back with it.
+    const bool can = info.is_gpu && info.imports_opaque_fd && !info.uuid.empty() &&
+                     shmem::PeerMemoryKindBuilt(shmem::PeerMemoryKind::kCuda) &&
+                     heap_.backend() == shmem::HeapBackend::kShm;
+    if (!can) {
+      exchange_path_ = info.is_gpu ? "through the heap (the GPU path needs CUDA memory imported "
+                                     "into OpenCL and the shm heap)"
+                                   : "through the heap";
+      return absl::OkStatus();
+    }
+    mode = DeviceExchangeMode::kCuda;
+  }
+  if (mode == DeviceExchangeMode::kOff) {
+    exchange_path_ = "through the heap (--device-exchange=off)";
+    return absl::OkStatus();
+  }
+  const shmem::PeerMemoryKind kind = mode == DeviceExchangeMode::kCuda
+                                         ? shmem::PeerMemoryKind::kCuda
+                                         : shmem::PeerMemoryKind::kHost;
+  const int64_t row_parts =
+      plan.shared_expert_split() ? plan.recv_capacity() : plan.max_rows_per_worker();
+  absl::StatusOr<std::unique_ptr<DeviceExchange>> dx = DeviceExchange::Create(
+      *rt_, heap_, regions_, me_, kind, row_parts, {&x_recv_, &y_, &shared_y_},
+      {&x_local_, &weights_, &shared_y_}, absl::Now() + options_.rendezvous_timeout);
+  if (!dx.ok()) {
+    if (options_.device_exchange != DeviceExchangeMode::kAuto) {
+      return absl::Status(dx.status().code(),
+                          absl::StrCat("--device-exchange=", DeviceExchangeModeName(mode), ": ",
+                                       dx.status().message()));
+    }
+    exchange_path_ = absl::StrCat(
+        "through the heap (device to device not available: ", dx.status().message(), ")");
+    common::LogWarning(absl::StrCat("worker ", me_, ": rows go ", exchange_path_));
+    return absl::OkStatus();
+  }
+  device_exchange_ = *std::move(dx);
+  exchange_path_ = absl::StrCat("device to device (", shmem::PeerMemoryKindName(kind), ")");
+  return absl::OkStatus();
+}
+
+std::string Worker::exchange_path() const { return exchange_path_; }
 
 std::string Worker::ffn_blocking() const {
   std::vector<std::string> parts;
@@ -328,6 +383,14 @@ absl::Status Worker::AllocateBuffers() {
     absl::StatusOr<kernels::Buffer> b = rt_->Allocate(std::max<size_t>(item.bytes, 64));
     if (!b.ok()) return b.status();
     *item.buffer = *std::move(b);
+  }
+  // The uploader reads its signal and the input slots with loads (the shm heap).
+  upload_ahead_ =
+      heap_.backend() == shmem::HeapBackend::kShm &&
+      (options_.upload_ahead == WorkerOptions::UploadAhead::kOn ||
+       (options_.upload_ahead == WorkerOptions::UploadAhead::kAuto && !rt_->device_info().is_cpu));
+  if (upload_ahead_) {
+    EPSERVE_ASSIGN_OR_RETURN(x_next_, rt_->Allocate(std::max<size_t>(n * h * f, 64)));
   }
   ids_host_.resize(n * k);
   weights_host_.resize(n * k);
@@ -392,6 +455,20 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   EPSERVE_RETURN_IF_ERROR(
       heap_.SignalSet(0, HeapRegions::Signal(regions_.pids, me_), static_cast<uint64_t>(getpid())));
   EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, HeapRegions::Signal(regions_.ready, me_), 1));
+  // The uploader, from now until Serve returns.
+  std::atomic<bool> uploader_stop{false};
+  std::thread uploader;
+  if (upload_ahead_) uploader = std::thread([&] { UploadLoop(uploader_stop); });
+  struct StopUploader {
+    std::atomic<bool>& stop;
+    std::thread& thread;
+    std::condition_variable& cv;
+    ~StopUploader() {
+      stop.store(true);
+      cv.notify_all();
+      if (thread.joinable()) thread.join();
+    }
+  } stop_uploader{uploader_stop, uploader, ahead_cv_};
   uint64_t seq = 0;
   absl::Time stop_seen = absl::InfiniteFuture();
   shmem::WaitOptions idle;
@@ -457,7 +534,11 @@ absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, cons
   const int k = cfg_.top_k;
   const int64_t n = desc.num_rows;
   const size_t row_bytes = static_cast<size_t>(cfg_.hidden_size) * sizeof(float);
-  EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, x_in, n * row_bytes));
+  if (upload_ahead_) {
+    EPSERVE_RETURN_IF_ERROR(RowsOnDevice(desc, x_in));
+  } else {
+    EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, x_in, n * row_bytes));
+  }
   EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, n, ids_, weights_));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
@@ -477,6 +558,20 @@ absl::Status Worker::ExpertStep(const Layer& layer, bool split_shared, const Rec
   const int64_t hidden = cfg_.hidden_size;
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
   if (in.rows == 0) return absl::OkStatus();
+  if (in.on_device) {
+    // The rows are in x_recv_ already (FP32); the outputs stay in y_ and shared_y_, from
+    // where DeviceExchange::Return writes them into their owners' devices.
+    if (in.pairs > 0) {
+      EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, in.pair_row, in.pairs * sizeof(int32_t)));
+      EPSERVE_RETURN_IF_ERROR(
+          kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, in.expert_offsets, h_, y_));
+    }
+    if (split_shared) {
+      EPSERVE_RETURN_IF_ERROR(
+          kernels::SharedExpertFfn(*rt_, layer.shared, x_recv_, in.rows, shared_h_, shared_y_));
+    }
+    return absl::OkStatus();  // DeviceMover::Return queues its moves behind these, then waits
+  }
   // BF16 rows go to the device as they came (the FFN widens them exactly); others as fp32,
   // and so do BF16 rows when the shared expert's slice (FP32 input) runs on them too.
   kernels::RowFormat x_format;
@@ -503,6 +598,76 @@ absl::Status Worker::ExpertStep(const Layer& layer, bool split_shared, const Rec
   if (in.pairs > 0) EPSERVE_RETURN_IF_ERROR(rt_->Read(y_, 0, pair_out, in.pairs * row_bytes));
   if (split_shared) return rt_->Read(shared_y_, 0, row_out, in.rows * row_bytes);
   return absl::OkStatus();
+}
+
+absl::Status Worker::RowsOnDevice(const BatchDescriptor& desc, const float* x_in) {
+  bool have = false;
+  {
+    std::unique_lock<std::mutex> lock(ahead_mu_);
+    if (desc.copy_id != 0) {
+      last_started_copy_ = std::max(last_started_copy_, desc.copy_id);
+      if (ahead_copy_ == desc.copy_id) {
+        // An upload of these rows under way ends within a transfer's time.
+        ahead_cv_.wait_until(lock, absl::ToChronoTime(absl::FromUnixMicros(desc.deadline_unix_us)),
+                             [&] { return ahead_state_ != AheadState::kUploading; });
+        have = ahead_state_ == AheadState::kReady && ahead_rows_ == desc.num_rows;
+      }
+    }
+    if (have) {
+      std::swap(x_local_, x_next_);
+      ++batches_uploaded_ahead_;
+    }
+    // Used, or of a copy no batch will read: x_next_ is free for the next one.
+    if (ahead_state_ == AheadState::kReady) ahead_state_ = AheadState::kIdle;
+  }
+  ahead_cv_.notify_all();
+  if (have) return absl::OkStatus();
+  const size_t row_bytes = static_cast<size_t>(cfg_.hidden_size) * sizeof(float);
+  return rt_->Write(x_local_, 0, x_in, static_cast<size_t>(desc.num_rows) * row_bytes);
+}
+
+void Worker::UploadLoop(const std::atomic<bool>& stop) {
+  uint64_t* signal = heap_.LocalAs<uint64_t>(regions_.rows_ahead_seq);
+  const size_t row_bytes = static_cast<size_t>(cfg_.hidden_size) * sizeof(float);
+  uint64_t seen = 0;
+  shmem::WaitOptions wait;
+  wait.max_sleep = absl::Microseconds(50);
+  wait.cancel = &stop;
+  while (!stop.load()) {
+    if (!shmem::WaitAtLeast(signal, seen + 1, absl::Now() + absl::Milliseconds(200),
+                            "rows announced", wait)
+             .ok()) {
+      continue;  // none within 200 ms, or stopping
+    }
+    seen = shmem::SignalLoad(signal);
+    const RowsAhead ahead = heap_.LocalAs<RowsAhead>(regions_.rows_ahead)[seen % 2];
+    {
+      std::unique_lock<std::mutex> lock(ahead_mu_);
+      // x_next_ free first (the last upload used or dropped by the batch thread).
+      while (ahead_state_ != AheadState::kIdle && !stop.load()) {
+        ahead_cv_.wait_for(lock, std::chrono::milliseconds(50));
+      }
+      // Not a copy some batch began with already (then rank 0 may be rewriting the record or
+      // the slot, and the batch has its rows anyway), and a whole, sane record.
+      if (stop.load() || seen <= last_started_copy_ || ahead.copy_id != seen || ahead.slot < 0 ||
+          ahead.slot >= HeapRegions::kSlots || ahead.num_rows <= 0 ||
+          ahead.num_rows > regions_.plan.max_rows_per_worker()) {
+        continue;
+      }
+      ahead_state_ = AheadState::kUploading;
+      ahead_copy_ = seen;
+      ahead_rows_ = ahead.num_rows;
+    }
+    const absl::Status s =
+        rt_->WriteBeside(x_next_, 0, heap_.LocalAs<float>(regions_.Input(ahead.slot)),
+                         static_cast<size_t>(ahead.num_rows) * row_bytes);
+    if (!s.ok()) common::LogWarning(absl::StrCat("worker ", me_, ": upload ahead: ", s.message()));
+    {
+      std::lock_guard<std::mutex> lock(ahead_mu_);
+      ahead_state_ = s.ok() ? AheadState::kReady : AheadState::kIdle;
+    }
+    ahead_cv_.notify_all();
+  }
 }
 
 // Pairs per expert this worker computed in the last batch: its row of rank 0's
@@ -554,6 +719,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   const Layer& layer = layers_[desc.layer_pos];
   const absl::Time deadline = absl::FromUnixMicros(desc.deadline_unix_us);
   const float* x_in = heap_.LocalAs<float>(regions_.Input(desc.slot));
+  ++batches_served_;
 
   absl::Time t0 = absl::Now();
   if (n > 0) EPSERVE_RETURN_IF_ERROR(Route(layer, desc, x_in));
@@ -574,6 +740,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
       if (n == 0) return absl::OkStatus();
       EPSERVE_RETURN_IF_ERROR(
           kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, n, shared_h_, shared_y_));
+      // Device to device, the owner's sum adds onto shared_y_ where it is.
+      if (exchange_->device_pass()) return absl::OkStatus();
       return rt_->Read(shared_y_, 0, y, n * row_bytes);
     };
   }
@@ -589,8 +757,11 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   if (RunsLocally(desc)) {
     EPSERVE_RETURN_IF_ERROR(RunLocal(layer, *placement, desc, y, stats));
   } else {
+    DeviceExchange* mover = device_exchange_ != nullptr && device_exchange_->Serves(desc)
+                                ? device_exchange_.get()
+                                : nullptr;
     EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
-                                           owner_shared, experts, deadline, &stats, shared));
+                                           owner_shared, experts, deadline, &stats, shared, mover));
   }
   if (y == y_host_.data() && n > 0) {
     EPSERVE_RETURN_IF_ERROR(

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "kernels/runtime.h"
 #include "model/weights.h"
 #include "shmem/heap.h"
+#include "worker/device_exchange.h"
 #include "worker/exchange.h"
 #include "worker/heap_regions.h"
 #include "worker/placement.h"
@@ -42,6 +45,19 @@ struct WorkerOptions {
   // device, with the bits the exchange gives (RunLocal). false: through the heap exchange,
   // as with several workers (--worker-local-pass; for comparison).
   bool local_pass = true;
+  // Whether the exchange moves rows between the workers' devices (worker/device_exchange.h):
+  // kAuto does where every worker is a GPU that imports CUDA memory (and the heap is shm);
+  // kHost shares host memory among CPU devices; kCuda requires the GPU path. A worker whose
+  // device cannot is an error with kHost/kCuda, the heap exchange with kAuto.
+  DeviceExchangeMode device_exchange = DeviceExchangeMode::kAuto;
+  // Every wait of the start-up rendezvous of the device exchange ends by then.
+  absl::Duration rendezvous_timeout = absl::Seconds(60);
+  // Upload the next batch's rows (announced by rank 0, RowsAhead) through a second queue while
+  // the device computes the current batch's experts, so that the next batch starts with its
+  // rows on the device. kAuto: on devices with memory of their own (on a CPU device the upload
+  // is a copy that competes with the kernels for the same cores).
+  enum class UploadAhead { kAuto, kOn, kOff };
+  UploadAhead upload_ahead = UploadAhead::kAuto;
   // Which worker holds which experts, one placement per served layer (the same on every rank;
   // worker/placement.h); empty: the contiguous placement for every layer. A kStage may bring
   // new ones (a rebalance), served from its kSwitch on.
@@ -83,6 +99,14 @@ class Worker {
   int host_threads() const { return host_threads_; }
   // Whether the device's large host transfers go through pinned staging (on those threads).
   bool stages_transfers() const { return rt_->stages_transfers(); }
+  // How the exchange moves rows: "device to device (cuda)", "device to device (host)", or
+  // "through the heap" and why.
+  std::string exchange_path() const;
+  // Whether the next batch's rows are uploaded while the current one computes, and of how many
+  // batches served the rows were on the device already.
+  bool uploads_ahead() const { return upload_ahead_; }
+  int64_t batches_uploaded_ahead() const { return batches_uploaded_ahead_; }
+  int64_t batches_served() const { return batches_served_; }
   // Whether rank 0 died or has told this worker that a peer died (its batches name fewer live
   // workers than the job has): the MPI job is then short of a rank, and collective calls
   // (the heap's free, MPI_Finalize) would wait for it.
@@ -130,6 +154,13 @@ class Worker {
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
                           float* pair_out, float* row_out);
   absl::Status PublishExpertLoad(const ExpertPlacement& placement, const ExchangeStats& stats);
+  // The uploader thread (upload_ahead_): each copy of rows rank 0 announces (RowsAhead) into
+  // x_next_ through the runtime's second queue (WriteBeside), while this worker's batch thread
+  // computes the batch before; until `stop`.
+  void UploadLoop(const std::atomic<bool>& stop);
+  // Route's side: batch `desc`'s rows into x_local_, swapped in from x_next_ where the uploader
+  // has them (waiting for an upload of them under way), else written from `x_in`.
+  absl::Status RowsOnDevice(const BatchDescriptor& desc, const float* x_in);
   // Whether batch `desc` can run without the exchange: this worker is its only live worker,
   // the payload dtypes are ones the device reproduces (fp32, bf16) and its rows fit one pass.
   bool RunsLocally(const BatchDescriptor& desc) const;
@@ -145,6 +176,9 @@ class Worker {
   absl::StatusOr<const ExpertPlacement*> PlacementFor(const BatchDescriptor& desc,
                                                       const Layer& layer);
   absl::Status AllocateBuffers();
+  // The device exchange, as options_.device_exchange says (device_exchange_, or why not in
+  // exchange_path_).
+  absl::Status StartDeviceExchange();
   // Runs, on one row of zeros, every device kernel RunBatch can reach for every served layer
   // (router, expert FFN from FP32 and, where rows arrive as BF16, BF16 rows, combine, the
   // shared expert and its sum), on this worker's own device alone (no exchange): drivers
@@ -159,6 +193,8 @@ class Worker {
   const model::MoeLayerConfig cfg_;
   const WorkerOptions options_;
   std::unique_ptr<Exchange> exchange_;
+  std::unique_ptr<DeviceExchange> device_exchange_;  // null: rows through the heap
+  std::string exchange_path_;
   // The serving layers' placements, and a kStage's (loader_ reads them while it runs).
   std::vector<ExpertPlacement> placements_, staged_placements_;
   // The workers of the last batch, and placements_ OnlyOn them (empty until a worker died,
@@ -187,6 +223,21 @@ class Worker {
   // Device buffers, sized for the largest batch.
   absl::Duration orphan_grace_ = absl::Seconds(3);  // WorkerOptions::orphan_grace
   kernels::Buffer x_local_, ids_, weights_, shared_h_, shared_y_;
+  // The next batch's rows, uploaded ahead by the uploader thread: copy ahead_copy_ of
+  // ahead_rows_ rows, being uploaded or there (ahead_state_); RowsOnDevice swaps them into
+  // x_local_ when its batch reads that copy. The uploader takes a copy only while
+  // last_started_copy_ (the newest copy a batch began with) is older.
+  kernels::Buffer x_next_;
+  bool upload_ahead_ = false;
+  enum class AheadState { kIdle, kUploading, kReady };
+  std::mutex ahead_mu_;
+  std::condition_variable ahead_cv_;
+  AheadState ahead_state_ = AheadState::kIdle;  // guarded by ahead_mu_, as the three below
+  uint64_t ahead_copy_ = 0;
+  int64_t ahead_rows_ = 0;
+  uint64_t last_started_copy_ = 0;
+  int64_t batches_uploaded_ahead_ = 0;
+  int64_t batches_served_ = 0;
   kernels::Buffer x_recv_, row_index_, h_, y_;
   // Host scratch, sized for the largest batch.
   std::vector<int32_t> ids_host_;

@@ -1,7 +1,8 @@
 // Expert placement end to end: the service with --redundant-experts (uniform, and placed by a
 // saved --eplb-profile) answers bit-identically to the unreplicated service at 2, 3 and 4
-// workers, every answer right against the reference; a one-worker job's local pass answers as
-// the exchange does; the server's GET /eplb/profile is a
+// workers, every answer right against the reference; a one-worker job's local pass and rows
+// moved device to device (--device-exchange) answer as the heap exchange does; the server's
+// GET /eplb/profile is a
 // profile --eplb-profile reads; the placement's metrics are exported.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "model/load_profile.h"
 #include "tests/common/http_get.h"
@@ -49,6 +51,25 @@ std::vector<std::vector<float>> Answers(ServerProcess& server,
                 std::min(resp.raw_output_contents(0).size(), y.size() * sizeof(float)));
   }
   return out;
+}
+
+// Two services' answers to `requests` on layer `layer_pos`: the same bits, and the first's
+// within 1e-4 (`exact`: FP32 throughout) or 2e-2 of the reference.
+void ExpectSameBitsAndRight(Reference& ref, const std::vector<std::vector<float>>& requests,
+                            const std::vector<std::vector<float>> (&answers)[2], int layer_pos,
+                            bool exact) {
+  ASSERT_EQ(answers[0].size(), requests.size());
+  ASSERT_EQ(answers[1].size(), requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(std::memcmp(answers[0][i].data(), answers[1][i].data(),
+                          answers[0][i].size() * sizeof(float)),
+              0)
+        << "request " << i;
+    EXPECT_LE(ref.RelError(requests[i], answers[0][i].data(),
+                           static_cast<int64_t>(requests[i].size()) / kHidden, layer_pos),
+              exact ? 1e-4 : 2e-2)
+        << "request " << i;
+  }
 }
 
 class Placement : public ::testing::TestWithParam<int> {};
@@ -171,21 +192,117 @@ TEST(LocalPass, OneWorkerOnItsDeviceAnswersAsTheExchangeDoes) {
       if (HasFailure()) ADD_FAILURE() << (*server)->Log();
       (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
     }
-    ASSERT_EQ(answers[0].size(), requests.size());
-    ASSERT_EQ(answers[1].size(), requests.size());
     const bool exact = std::string(c.weights) == "fp32" && std::string(c.dispatch) == "fp32" &&
                        std::string(c.combine) == "fp32";
-    for (size_t i = 0; i < requests.size(); ++i) {
-      EXPECT_EQ(std::memcmp(answers[0][i].data(), answers[1][i].data(),
-                            answers[0][i].size() * sizeof(float)),
-                0)
-          << "request " << i;
-      EXPECT_LE(ref.RelError(requests[i], answers[0][i].data(),
-                             static_cast<int64_t>(requests[i].size()) / kHidden),
-                exact ? 1e-4 : 2e-2)
-          << "request " << i;
-    }
+    ExpectSameBitsAndRight(ref, requests, answers, 0, exact);
   }
+}
+
+// Rows moved between the workers' devices (--device-exchange=host: kernels write each row into
+// its destination's receive rows and each owner gathers its tokens' output rows, through host
+// memory the CPU devices share, by the protocol the GPU workers run over CUDA memory) give the
+// bits of the heap exchange (--device-exchange=off), for 2 and 3 workers, every payload dtype
+// the devices reproduce, both places of the shared expert and replicated experts; a batch too
+// large for one pass takes the heap exchange in rounds and is right too.
+TEST(DeviceExchange, RowsMovedDeviceToDeviceAnswerAsTheHeapExchangeDoes) {
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<float>> requests;
+  for (int64_t tokens : {1, 7, 32, 23}) requests.push_back(RandomRows(tokens, rng));
+  Reference ref;
+  struct Case {
+    int workers;
+    const char* weights;
+    const char* dispatch;
+    const char* combine;
+    const char* shared;
+    const char* extra;
+  };
+  for (const Case& c :
+       {Case{2, "fp32", "fp32", "fp32", "owner", ""}, Case{3, "fp32", "fp32", "fp32", "split", ""},
+        Case{2, "bf16", "bf16", "bf16", "split", ""},
+        Case{3, "fp32", "bf16", "fp32", "owner", "--redundant-experts=4"},
+        Case{2, "fp32", "fp32", "bf16", "split", "--redundant-experts=2"},
+        Case{2, "fp32", "fp32", "fp32", "split",
+             "--max-recv-tokens-per-rank=24 --recv-overflow=split"}}) {
+    SCOPED_TRACE(absl::StrCat(c.workers, " workers, weights ", c.weights, ", dispatch ", c.dispatch,
+                              ", combine ", c.combine, ", shared expert ", c.shared, " ", c.extra,
+                              ", seed ", seed));
+    std::vector<std::vector<float>> answers[2];
+    for (bool device : {true, false}) {
+      std::vector<std::string> args = {"--max-batch-tokens=32",
+                                       "--max-queue-delay-us=500",
+                                       absl::StrCat("--weight-dtype=", c.weights),
+                                       absl::StrCat("--dispatch-dtype=", c.dispatch),
+                                       absl::StrCat("--combine-dtype=", c.combine),
+                                       absl::StrCat("--shared-expert=", c.shared),
+                                       device ? "--device-exchange=host" : "--device-exchange=off"};
+      for (absl::string_view a : absl::StrSplit(c.extra, ' ', absl::SkipEmpty())) {
+        args.emplace_back(a);
+      }
+      absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+          ServerProcess::Start(1 + c.workers, args);
+      ASSERT_TRUE(server.ok()) << server.status();
+      answers[device ? 0 : 1] = Answers(**server, requests, 1);
+      const std::string log = (*server)->Log();
+      EXPECT_NE(log.find(device ? "rows between workers go device to device (host)"
+                                : "rows between workers go through the heap"),
+                std::string::npos)
+          << log;
+      if (HasFailure()) ADD_FAILURE() << log;
+      (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
+    }
+    const bool exact = std::string(c.weights) == "fp32" && std::string(c.dispatch) == "fp32" &&
+                       std::string(c.combine) == "fp32";
+    ExpectSameBitsAndRight(ref, requests, answers, 1, exact);
+  }
+}
+
+// Under 4 verifying clients (batches of several requests, two in flight), rows moved device to
+// device, and batches whose rows were uploaded while the batch before computed
+// (--upload-ahead=on), are every one right, through the exchange and a one-worker job's local
+// pass; a device that cannot take part fails the job at start with the reason, on every worker
+// (no worker waits for the others' rendezvous to time out).
+TEST(DeviceExchange, UnderLoadEveryAnswerIsRightAndAnUnusableDeviceIsAClearError) {
+  for (int ranks : {3, 2}) {
+    SCOPED_TRACE(absl::StrCat(ranks - 1, " workers"));
+    absl::StatusOr<std::unique_ptr<ServerProcess>> server =
+        ServerProcess::Start(ranks, {"--max-batch-tokens=32", "--max-queue-delay-us=500",
+                                     "--device-exchange=host", "--upload-ahead=on"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    {
+      VerifyingClients clients(**server);
+      absl::SleepFor(absl::Seconds(4));
+      clients.Stop();
+      EXPECT_EQ(clients.failures().size(), 0u);
+      for (const std::string& f : clients.failures()) ADD_FAILURE() << f;
+      EXPECT_EQ(clients.wrong(), 0);
+      EXPECT_GT(clients.answered(), 20u);
+      if (HasFailure()) ADD_FAILURE() << "seed " << clients.seed() << "\n" << (*server)->Log();
+    }
+    (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
+    // Some batches found their rows on the device already.
+    const std::string log = (*server)->Log();
+    const std::string said = "worker 0: the rows of ";
+    const size_t at = log.find(said);
+    ASSERT_NE(at, std::string::npos) << log;
+    EXPECT_GT(std::atoi(log.c_str() + at + said.size()), 0) << log.substr(at, 120);
+    std::cerr << log.substr(at, log.find('\n', at) - at) << "\n";
+  }
+
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::pair<int, std::string>> r =
+      ServerProcess::RunToExit(3, {"--device-exchange=cuda"}, absl::Seconds(120));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->first, 0);
+  EXPECT_NE(r->second.find("--device-exchange=cuda: "), std::string::npos) << r->second;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(50)) << "a worker waited out the rendezvous";
+  r = ServerProcess::RunToExit(3, {"--device-exchange=sideways"}, absl::Seconds(120));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->first, 0);
+  EXPECT_NE(r->second.find("--device-exchange must be auto, off, host or cuda; got 'sideways'"),
+            std::string::npos)
+      << r->second;
 }
 
 // Rebalancing while serving: 4 clients verify every answer against the reference while the

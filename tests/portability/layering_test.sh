@@ -23,7 +23,7 @@ declare -A allowed=(
   [tools]="common model worker"   # worker/placement.h only (header-only), checked below
 )
 # The worker's own files, which the front-end library must not include (they need OpenCL).
-worker_only='worker/worker\.h'
+worker_only='worker/(worker|device_exchange)\.h'
 # What tools may read of worker/: the rank mapping, constexpr in its header (no MPI linked).
 tools_worker='worker/placement\.h'
 
@@ -36,7 +36,8 @@ for file in $(ls common/*.{h,cc} common/detail/*.{h,cc} model/*.{h,cc} model/det
   folder="${file%%/*}"
   key="$folder"
   case "$file" in
-    worker/worker.h | worker/worker.cc) key=worker/worker ;;
+    worker/worker.h | worker/worker.cc | worker/device_exchange.h | worker/device_exchange.cc)
+      key=worker/worker ;;
     server/main.cc | server/main_flags.h | server/main_flags.cc) key=server/main ;;
   esac
   while IFS= read -r line; do

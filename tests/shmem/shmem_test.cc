@@ -1,12 +1,15 @@
 // The symmetric heap, both backends, across real ranks.
 #include <mpi.h>
 
+#include <cstring>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "shmem/heap.h"
+#include "shmem/peer_memory.h"
 
 namespace epserve::shmem {
 namespace {
@@ -185,6 +188,116 @@ TEST(Signals, ProportionalSleepSeesTheSignalAndKeepsTheDeadline) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
   EXPECT_LT(absl::Now() - start, absl::Milliseconds(550));
+}
+
+// ---- PeerMemory: pieces every member makes and every member addresses ----
+
+// A group of every rank of a fresh shm heap, with its rendezvous words.
+struct PeerHeap {
+  std::unique_ptr<SymmetricHeap> heap;
+  PeerGroup group;
+  PeerHeap() {
+    absl::StatusOr<std::unique_ptr<SymmetricHeap>> h =
+        SymmetricHeap::Create(MPI_COMM_WORLD, 1 << 16, HeapBackend::kShm);
+    EXPECT_TRUE(h.ok()) << h.status();
+    heap = *std::move(h);
+    group.heap = heap.get();
+    group.first_rank = 0;
+    group.size = heap->num_ranks();
+    group.me = heap->rank();
+    group.rendezvous = *heap->Allocate(64 * group.size);
+  }
+};
+
+// Every member writes its own pieces, then every member reads every member's and writes into
+// its right neighbour's second piece, which the neighbour reads: host memory shared across the
+// processes through the descriptors passed over the sockets.
+TEST(PeerMemory, EveryMemberAddressesEveryMembersPieces) {
+  PeerHeap ph;
+  const int n = ph.group.size, me = ph.group.me;
+  unsigned seed = std::random_device{}();  // the same sizes on every member
+  MPI_Bcast(&seed, 1, MPI_UNSIGNED, 0, MPI_COMM_WORLD);
+  std::mt19937 rng(seed);
+  const std::vector<size_t> sizes = {1 + rng() % 10000, 4096 * (1 + rng() % 40)};
+  absl::StatusOr<std::unique_ptr<PeerMemory>> m = PeerMemory::Create(
+      ph.group, PeerMemoryKind::kHost, sizes, "", absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(m.ok()) << m.status();
+  PeerMemory& mem = **m;
+  ASSERT_EQ(mem.members(), n);
+  ASSERT_EQ(mem.pieces(), 2);
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_GE(mem.bytes(p), sizes[p]);
+    EXPECT_EQ(mem.bytes(p) % 4096, 0u);
+  }
+  auto word = [](int member, int piece, size_t i) {
+    return static_cast<uint32_t>(member * 1000003 + piece * 7919 + i * 2654435761u);
+  };
+  for (int p = 0; p < 2; ++p) {
+    auto* w = static_cast<uint32_t*>(mem.host(me, p));
+    ASSERT_NE(w, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(w) % 4096, 0u);
+    for (size_t i = 0; i < mem.bytes(p) / 4; ++i) w[i] = word(me, p, i);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (int d = 0; d < n; ++d) {
+    for (int p = 0; p < 2; ++p) {
+      EXPECT_GE(mem.fd(d, p), 0);
+      const auto* w = static_cast<const uint32_t*>(mem.host(d, p));
+      size_t wrong = 0;
+      for (size_t i = 0; i < mem.bytes(p) / 4; ++i) wrong += w[i] != word(d, p, i);
+      EXPECT_EQ(wrong, 0u) << "member " << d << " piece " << p;
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  const int right = (me + 1) % n;
+  auto* theirs = static_cast<uint32_t*>(mem.host(right, 1));
+  for (size_t i = 0; i < mem.bytes(1) / 4; ++i) theirs[i] = word(100 + me, 1, i);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const int left = (me + n - 1) % n;
+  const auto* mine = static_cast<const uint32_t*>(mem.host(me, 1));
+  size_t wrong = 0;
+  for (size_t i = 0; i < mem.bytes(1) / 4; ++i) wrong += mine[i] != word(100 + left, 1, i);
+  EXPECT_EQ(wrong, 0u);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// One member that cannot take part declines; every other member's Create fails at once,
+// naming it (nobody waits out the deadline). A kind no member can make (CUDA memory where
+// there is no CUDA device, or a build without it) fails every member alike.
+TEST(PeerMemory, ADecliningMemberFailsEveryMemberAtOnce) {
+  {
+    PeerHeap ph;
+    const int decliner = ph.group.size - 1;
+    const absl::Time start = absl::Now();
+    if (ph.group.me == decliner) {
+      ASSERT_TRUE(PeerMemory::Decline(ph.group).ok());
+    } else {
+      absl::StatusOr<std::unique_ptr<PeerMemory>> m = PeerMemory::Create(
+          ph.group, PeerMemoryKind::kHost, {4096}, "", absl::Now() + absl::Seconds(60));
+      ASSERT_FALSE(m.ok());
+      EXPECT_NE(m.status().message().find(absl::StrCat("member ", decliner, " could not")),
+                absl::string_view::npos)
+          << m.status();
+      EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  {
+    PeerHeap ph;
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<PeerMemory>> m =
+        PeerMemory::Create(ph.group, PeerMemoryKind::kCuda, {1 << 20}, std::string(16, '\0'),
+                           absl::Now() + absl::Seconds(60));
+    EXPECT_FALSE(m.ok());  // no CUDA device has an all-zero UUID
+    EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  {
+    PeerHeap ph;
+    EXPECT_EQ(
+        PeerMemory::Create(ph.group, PeerMemoryKind::kHost, {}, "", absl::Now()).status().code(),
+        absl::StatusCode::kInvalidArgument);
+  }
 }
 
 }  // namespace

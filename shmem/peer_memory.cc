@@ -1,0 +1,403 @@
+#include "shmem/peer_memory.h"
+
+#include <dlfcn.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+// Set by shmem/CMakeLists.txt where the CUDA toolkit's cuda.h is found.
+#ifndef EPSERVE_HAVE_CUDA_DRIVER_API
+#define EPSERVE_HAVE_CUDA_DRIVER_API 0
+#endif
+#if EPSERVE_HAVE_CUDA_DRIVER_API
+#include <cuda.h>
+#endif
+
+namespace epserve::shmem {
+namespace {
+
+constexpr int kMaxPieces = 8;
+
+std::string Errno(const char* call) { return absl::StrCat(call, ": ", std::strerror(errno)); }
+
+int MillisLeft(absl::Time deadline) {
+  return static_cast<int>(
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(deadline - absl::Now()), 0, 1 << 30));
+}
+
+// The abstract Unix socket address of the member whose pid is `pid`.
+sockaddr_un AddressOf(uint64_t pid, socklen_t* len) {
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  const std::string name = absl::StrCat("epserve-peer-memory-", pid);
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());  // sun_path[0] = 0: abstract
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+// Sends `fds` and their sizes in one message.
+bool SendPieces(int sock, const std::vector<int>& fds, const std::vector<uint64_t>& sizes) {
+  msghdr msg = {};
+  iovec iov = {const_cast<uint64_t*>(sizes.data()), sizes.size() * sizeof(uint64_t)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPieces)] = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  cmsg->cmsg_level = SOL_SOCKET;
+  cmsg->cmsg_type = SCM_RIGHTS;
+  cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
+  return sendmsg(sock, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(iov.iov_len);
+}
+
+// Receives what SendPieces sent: `count` descriptors and sizes.
+absl::Status ReceivePieces(int sock, int count, std::vector<int>* fds,
+                           std::vector<uint64_t>* sizes) {
+  sizes->assign(count, 0);
+  msghdr msg = {};
+  iovec iov = {sizes->data(), sizes->size() * sizeof(uint64_t)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPieces)] = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t got = recvmsg(sock, &msg, MSG_WAITALL | MSG_CMSG_CLOEXEC);
+  if (got != static_cast<ssize_t>(iov.iov_len)) {
+    return absl::UnavailableError(got < 0 ? Errno("recvmsg") : "short message from a peer");
+  }
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  if (cmsg == nullptr || cmsg->cmsg_type != SCM_RIGHTS ||
+      cmsg->cmsg_len != CMSG_LEN(sizeof(int) * count)) {
+    return absl::UnavailableError("a peer's message carried no descriptors");
+  }
+  fds->assign(count, -1);
+  std::memcpy(fds->data(), CMSG_DATA(cmsg), sizeof(int) * count);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* PeerMemoryKindName(PeerMemoryKind kind) {
+  return kind == PeerMemoryKind::kCuda ? "cuda" : "host";
+}
+
+bool PeerMemoryKindBuilt(PeerMemoryKind kind) {
+  return kind == PeerMemoryKind::kHost || EPSERVE_HAVE_CUDA_DRIVER_API;
+}
+
+// ---- the CUDA driver, loaded at run time ----
+
+#if EPSERVE_HAVE_CUDA_DRIVER_API
+struct PeerMemory::Cuda {
+#define EPSERVE_CUDA_STR2(x) #x
+#define EPSERVE_CUDA_STR(x) EPSERVE_CUDA_STR2(x)
+#define EPSERVE_CUDA_FN(fn) decltype(&::fn) fn = nullptr;
+  EPSERVE_CUDA_FN(cuInit)
+  EPSERVE_CUDA_FN(cuGetErrorName)
+  EPSERVE_CUDA_FN(cuDeviceGetCount)
+  EPSERVE_CUDA_FN(cuDeviceGet)
+  EPSERVE_CUDA_FN(cuDeviceGetUuid)
+  EPSERVE_CUDA_FN(cuDevicePrimaryCtxRetain)
+  EPSERVE_CUDA_FN(cuDevicePrimaryCtxRelease)
+  EPSERVE_CUDA_FN(cuCtxSetCurrent)
+  EPSERVE_CUDA_FN(cuMemGetAllocationGranularity)
+  EPSERVE_CUDA_FN(cuMemCreate)
+  EPSERVE_CUDA_FN(cuMemExportToShareableHandle)
+  EPSERVE_CUDA_FN(cuMemRelease)
+#undef EPSERVE_CUDA_FN
+  void* lib = nullptr;
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+  std::vector<CUmemGenericAllocationHandle> handles;
+
+  ~Cuda() {
+    if (cuMemRelease != nullptr) {
+      for (CUmemGenericAllocationHandle h : handles) cuMemRelease(h);
+    }
+    if (context != nullptr) cuDevicePrimaryCtxRelease(device);
+    // libcuda stays loaded: drivers do not expect to be unloaded while the process runs.
+  }
+
+  absl::Status Check(CUresult r, const char* call) const {
+    if (r == CUDA_SUCCESS) return absl::OkStatus();
+    const char* name = nullptr;
+    if (cuGetErrorName != nullptr) cuGetErrorName(r, &name);
+    return absl::FailedPreconditionError(
+        absl::StrCat(call, " failed: ", name != nullptr ? name : "CUDA error ", int{r}));
+  }
+
+  absl::Status Load() {
+    lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the CUDA driver (libcuda.so.1) could not be loaded: ", dlerror()));
+    }
+#define EPSERVE_CUDA_LOAD(fn)                                                                 \
+  fn = reinterpret_cast<decltype(fn)>(dlsym(lib, EPSERVE_CUDA_STR(fn)));                      \
+  if (fn == nullptr) {                                                                        \
+    return absl::FailedPreconditionError(                                                     \
+        absl::StrCat("the CUDA driver has no ", EPSERVE_CUDA_STR(fn), " (too old for VMM)")); \
+  }
+    EPSERVE_CUDA_LOAD(cuInit)
+    EPSERVE_CUDA_LOAD(cuGetErrorName)
+    EPSERVE_CUDA_LOAD(cuDeviceGetCount)
+    EPSERVE_CUDA_LOAD(cuDeviceGet)
+    EPSERVE_CUDA_LOAD(cuDeviceGetUuid)
+    EPSERVE_CUDA_LOAD(cuDevicePrimaryCtxRetain)
+    EPSERVE_CUDA_LOAD(cuDevicePrimaryCtxRelease)
+    EPSERVE_CUDA_LOAD(cuCtxSetCurrent)
+    EPSERVE_CUDA_LOAD(cuMemGetAllocationGranularity)
+    EPSERVE_CUDA_LOAD(cuMemCreate)
+    EPSERVE_CUDA_LOAD(cuMemExportToShareableHandle)
+    EPSERVE_CUDA_LOAD(cuMemRelease)
+#undef EPSERVE_CUDA_LOAD
+    return absl::OkStatus();
+  }
+
+  // The CUDA device with this UUID, its primary context current.
+  absl::Status OpenDevice(absl::string_view uuid) {
+    EPSERVE_RETURN_IF_ERROR(Check(cuInit(0), "cuInit"));
+    int count = 0;
+    EPSERVE_RETURN_IF_ERROR(Check(cuDeviceGetCount(&count), "cuDeviceGetCount"));
+    for (int i = 0; i < count; ++i) {
+      CUdevice d = 0;
+      CUuuid id = {};
+      EPSERVE_RETURN_IF_ERROR(Check(cuDeviceGet(&d, i), "cuDeviceGet"));
+      EPSERVE_RETURN_IF_ERROR(Check(cuDeviceGetUuid(&id, d), "cuDeviceGetUuid"));
+      if (uuid.size() != sizeof(id.bytes) || std::memcmp(id.bytes, uuid.data(), uuid.size()) != 0) {
+        continue;
+      }
+      device = d;
+      EPSERVE_RETURN_IF_ERROR(
+          Check(cuDevicePrimaryCtxRetain(&context, d), "cuDevicePrimaryCtxRetain"));
+      return Check(cuCtxSetCurrent(context), "cuCtxSetCurrent");
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("none of the ", count, " CUDA devices has the OpenCL device's UUID"));
+  }
+
+  // One allocation of at least `bytes` on the device, exported as a descriptor.
+  absl::StatusOr<int> Make(size_t* bytes) {
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t granularity = 0;
+    EPSERVE_RETURN_IF_ERROR(Check(
+        cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+        "cuMemGetAllocationGranularity"));
+    granularity = std::max<size_t>(granularity, 1);
+    *bytes = (*bytes + granularity - 1) / granularity * granularity;
+    CUmemGenericAllocationHandle handle = 0;
+    EPSERVE_RETURN_IF_ERROR(Check(cuMemCreate(&handle, *bytes, &prop, 0), "cuMemCreate"));
+    handles.push_back(handle);
+    int fd = -1;
+    EPSERVE_RETURN_IF_ERROR(Check(
+        cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+        "cuMemExportToShareableHandle"));
+    return fd;
+  }
+};
+#else
+struct PeerMemory::Cuda {};
+#endif
+
+// ---- PeerMemory ----
+
+PeerMemory::~PeerMemory() {
+  for (size_t i = 0; i < maps_.size(); ++i) {
+    if (maps_[i] != nullptr) munmap(maps_[i], bytes_[i % bytes_.size()]);
+  }
+  for (int fd : fds_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+absl::Status PeerMemory::MakeOwnPieces(int me, absl::string_view cuda_uuid) {
+  if (kind_ == PeerMemoryKind::kHost) {
+    for (size_t p = 0; p < bytes_.size(); ++p) {
+      bytes_[p] = std::max<size_t>((bytes_[p] + 4095) / 4096 * 4096, 4096);
+      const int fd = memfd_create("epserve-peer-memory", MFD_CLOEXEC);
+      if (fd < 0) return absl::FailedPreconditionError(Errno("memfd_create"));
+      fds_[Index(me, static_cast<int>(p))] = fd;
+      if (ftruncate(fd, static_cast<off_t>(bytes_[p])) != 0) {
+        return absl::ResourceExhaustedError(Errno("ftruncate of a peer memory piece"));
+      }
+    }
+    return absl::OkStatus();
+  }
+#if EPSERVE_HAVE_CUDA_DRIVER_API
+  cuda_ = std::make_unique<Cuda>();
+  EPSERVE_RETURN_IF_ERROR(cuda_->Load());
+  EPSERVE_RETURN_IF_ERROR(cuda_->OpenDevice(cuda_uuid));
+  for (size_t p = 0; p < bytes_.size(); ++p) {
+    EPSERVE_ASSIGN_OR_RETURN(fds_[Index(me, static_cast<int>(p))], cuda_->Make(&bytes_[p]));
+  }
+  return absl::OkStatus();
+#else
+  (void)cuda_uuid;
+  return absl::UnimplementedError(
+      "this build has no CUDA device memory (built without the CUDA toolkit's cuda.h)");
+#endif
+}
+
+absl::Status PeerMemory::Decline(const PeerGroup& group) {
+  for (int d = 0; d < group.size; ++d) {
+    if (d == group.me) continue;
+    EPSERVE_RETURN_IF_ERROR(group.heap->SignalSet(
+        group.first_rank + d, group.rendezvous + group.me * group.signal_stride, 1));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Create(const PeerGroup& group,
+                                                               PeerMemoryKind kind,
+                                                               const std::vector<size_t>& bytes,
+                                                               absl::string_view cuda_uuid,
+                                                               absl::Time deadline) {
+  if (group.heap == nullptr || group.size < 1 || group.me < 0 || group.me >= group.size ||
+      bytes.empty() || bytes.size() > kMaxPieces) {
+    return absl::InvalidArgumentError(absl::StrCat("peer memory: member ", group.me, " of ",
+                                                   group.size, ", ", bytes.size(), " pieces (1 to ",
+                                                   kMaxPieces, ")"));
+  }
+  std::unique_ptr<PeerMemory> m(new PeerMemory());
+  m->kind_ = kind;
+  m->members_ = group.size;
+  m->bytes_ = bytes;
+  m->fds_.assign(static_cast<size_t>(group.size) * bytes.size(), -1);
+
+  // This member's pieces, and the socket its peers take their descriptors from.
+  absl::Status mine = m->MakeOwnPieces(group.me, cuda_uuid);
+  const uint64_t pid = static_cast<uint64_t>(getpid());
+  int listener = -1;
+  if (mine.ok() && group.size > 1) {
+    listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t len = 0;
+    const sockaddr_un addr = AddressOf(pid, &len);
+    if (listener < 0 || bind(listener, reinterpret_cast<const sockaddr*>(&addr), len) != 0 ||
+        listen(listener, group.size) != 0) {
+      mine = absl::FailedPreconditionError(Errno("the peer memory socket"));
+    }
+  }
+  // Rendezvous word: pid + 2 once the socket listens, 1 when this member has nothing to share.
+  const uint64_t word = mine.ok() ? pid + 2 : 1;
+  SymmetricHeap& heap = *group.heap;
+  auto rendezvous = [&](int member) { return group.rendezvous + member * group.signal_stride; };
+  for (int d = 0; d < group.size; ++d) {
+    if (d == group.me) continue;
+    absl::Status s = heap.SignalSet(group.first_rank + d, rendezvous(group.me), word);
+    if (!s.ok()) {
+      if (listener >= 0) close(listener);
+      return s;
+    }
+  }
+
+  // Serve peers' connections until every peer that made its pieces has taken ours.
+  std::atomic<int> expected{-1};  // set once every peer's word was read
+  std::string serve_error;
+  std::thread server;
+  if (listener >= 0) {
+    std::vector<uint64_t> sizes(m->bytes_.begin(), m->bytes_.end());
+    std::vector<int> own(m->bytes_.size());
+    for (int p = 0; p < m->pieces(); ++p) own[p] = m->fd(group.me, p);
+    server = std::thread([&, sizes, own] {
+      int served = 0;
+      while (absl::Now() < deadline) {
+        const int want = expected.load();
+        if (want >= 0 && served >= want) return;
+        pollfd pfd = {listener, POLLIN, 0};
+        if (poll(&pfd, 1, std::min(MillisLeft(deadline), 50)) <= 0) continue;
+        const int conn = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+        if (conn < 0) continue;
+        if (SendPieces(conn, own, sizes)) {
+          ++served;
+        } else {
+          serve_error = Errno("sendmsg to a peer");
+        }
+        close(conn);
+      }
+      serve_error = "a peer did not take this member's descriptors in time";
+    });
+  }
+
+  // Every peer's word first: where one declined, every member says so (and none connects to a
+  // peer that may already be closing its socket), then every peer's descriptors.
+  absl::Status status = mine;
+  std::vector<uint64_t> words(group.size, 0);
+  for (int d = 0; d < group.size && status.ok(); ++d) {
+    if (d == group.me) continue;
+    status = heap.WaitSignal(rendezvous(d), 1, deadline, "peer memory of member", d);
+    if (status.ok()) words[d] = heap.SignalLoad(rendezvous(d));
+  }
+  for (int d = 0; d < group.size && status.ok(); ++d) {
+    if (d != group.me && words[d] < 2) {
+      status = absl::FailedPreconditionError(
+          absl::StrCat("member ", d, " could not make its peer memory (its log says why)"));
+    }
+  }
+  const int peers_ok = status.ok() ? group.size - 1 : 0;
+  for (int d = 0; d < group.size && status.ok(); ++d) {
+    if (d == group.me) continue;
+    const uint64_t theirs = words[d];
+    const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t len = 0;
+    const sockaddr_un addr = AddressOf(theirs - 2, &len);
+    timeval tv = {MillisLeft(deadline) / 1000, (MillisLeft(deadline) % 1000) * 1000};
+    if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
+        connect(sock, reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+      status = absl::UnavailableError(
+          absl::StrCat("member ", d, "'s peer memory socket: ", Errno("connect")));
+    } else {
+      std::vector<int> fds;
+      std::vector<uint64_t> sizes;
+      status = ReceivePieces(sock, m->pieces(), &fds, &sizes);
+      for (int p = 0; status.ok() && p < m->pieces(); ++p) {
+        m->fds_[m->Index(d, p)] = fds[p];
+        if (sizes[p] != m->bytes_[p]) {
+          status = absl::FailedPreconditionError(absl::StrCat("member ", d, "'s piece ", p, " has ",
+                                                              sizes[p], " bytes, this one's ",
+                                                              m->bytes_[p]));
+        }
+      }
+    }
+    if (sock >= 0) close(sock);
+  }
+  // Peers that failed never connect; on an error here, serve those that still come until the
+  // deadline would be too long: stop at once.
+  expected.store(status.ok() ? peers_ok : 0);
+  if (server.joinable()) server.join();
+  if (listener >= 0) close(listener);
+  if (!mine.ok()) return mine;
+  if (!status.ok()) return status;
+  if (!serve_error.empty() && expected.load() > 0) {
+    return absl::UnavailableError(serve_error);
+  }
+
+  if (kind == PeerMemoryKind::kHost) {
+    m->maps_.assign(m->fds_.size(), nullptr);
+    for (size_t i = 0; i < m->fds_.size(); ++i) {
+      const size_t size = m->bytes_[i % m->bytes_.size()];
+      void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, m->fds_[i], 0);
+      if (p == MAP_FAILED) return absl::ResourceExhaustedError(Errno("mmap of peer memory"));
+      m->maps_[i] = p;
+    }
+  }
+  return m;
+}
+
+}  // namespace epserve::shmem

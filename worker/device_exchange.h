@@ -1,0 +1,120 @@
+// The exchange's rows device to device (a DeviceMover, worker/exchange.h): every worker's
+// receive rows, its experts' output rows and its row parts live in memory on its device that
+// every worker of the host can address (shmem::PeerMemory: CUDA allocations imported into
+// each worker's OpenCL context, or, on CPU devices, shared host memory used in place). A pass:
+//   Send  the sender's rows, still on its device where the router read them, go into each
+//         destination's receive rows by one CopyRows kernel per destination (rounded to BF16
+//         values when the dispatch dtype is BF16); the heap carries the tokens, the pair table
+//         and the signals as before.
+//   (expert step)  the receiver's FFN reads its receive rows in place and writes its pair rows
+//         (and a split shared expert's row parts) where they are, on its device.
+//   Return  the receiver writes each output row into its owner's device, at the position the
+//         owner gave the pair (and a split shared expert's part of each received row at the
+//         token's), one CopyRows per owner: writes into a peer's memory, which the links carry
+//         faster than the peer's reads.
+//   Sum   the owner sums its tokens' returned rows on its own device (SumPairRows: the host
+//         sum's bits) and reads the layer's output once.
+// So a row crosses the host twice, as the protocol needs: up from rank 0's heap to the router,
+// and the output down. Only with every worker of the batch live, the shm heap, FP32 or BF16
+// payloads, and a batch that fits one pass; others take the heap exchange.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "kernels/runtime.h"
+#include "shmem/heap.h"
+#include "shmem/peer_memory.h"
+#include "worker/exchange.h"
+#include "worker/heap_regions.h"
+
+namespace epserve::worker {
+
+// --device-exchange: auto (cuda where every worker is a GPU that imports CUDA memory and the
+// heap is shm, else off), off, host (shared host memory: CPU devices), cuda.
+enum class DeviceExchangeMode { kAuto, kOff, kHost, kCuda };
+absl::StatusOr<DeviceExchangeMode> ParseDeviceExchangeMode(absl::string_view name);
+const char* DeviceExchangeModeName(DeviceExchangeMode mode);
+
+// The largest piece NVIDIA's OpenCL driver imports (BENCHMARKS.md, the device-heap probe: one
+// allocation of 512 MiB or more crashed the import, 384 MiB worked).
+inline constexpr size_t kMaxImportBytes = size_t{384} << 20;
+
+class DeviceExchange final : public DeviceMover {
+ public:
+  // This worker's own device buffers, which it computes into and peers address; Create makes
+  // them (replacing what they held).
+  struct Own {
+    kernels::Buffer* recv_rows;  // [recv capacity][H] FP32: the FFN's input rows
+    kernels::Buffer* pair_rows;  // [recv capacity x k][H] FP32: the FFN's output rows
+    kernels::Buffer* row_parts;  // [recv capacity or rows per worker][H] FP32: the shared expert's
+  };
+  // What the pass's sender and owner read on this worker's device: its rows (the router's
+  // input), their routing weights [n][k], and, with the shared expert on the owner, its output.
+  struct Inputs {
+    const kernels::Buffer* x = nullptr;
+    const kernels::Buffer* weights = nullptr;
+    kernels::Buffer* shared_out = nullptr;
+  };
+
+  // Collective over the workers of `regions` (each calls it once, at start, with the same
+  // kind): makes this worker's memory, imports every peer's. FAILED_PRECONDITION (every worker
+  // alike) where a worker cannot; kind kHost needs a CPU device, kCuda a device that imports
+  // CUDA memory; both the shm heap.
+  static absl::StatusOr<std::unique_ptr<DeviceExchange>> Create(
+      kernels::Runtime& rt, shmem::SymmetricHeap& heap, const HeapRegions& regions, int me,
+      shmem::PeerMemoryKind kind, int64_t row_parts_rows, const Own& own, const Inputs& inputs,
+      absl::Time deadline);
+
+  shmem::PeerMemoryKind kind() const { return memory_->kind(); }
+  // Whether batch `desc` moves device to device: every worker live, payload dtypes the devices
+  // reproduce (FP32, BF16). The same answer on every worker.
+  bool Serves(const BatchDescriptor& desc) const;
+
+  absl::Status Send(const Exchange& ex) override;
+  absl::Status Sync() override;
+  absl::Status Return(const Exchange& ex) override;
+  absl::Status Sum(const Exchange& ex, float* y, bool accumulate) override;
+  // The bytes the last Send wrote into other workers' devices, and the last Return.
+  size_t bytes_sent_to_peers() const { return bytes_sent_to_peers_; }
+  size_t bytes_returned_to_peers() const { return bytes_returned_to_peers_; }
+
+  // Runs CopyRows once (one row into this worker's own receive rows), so that its build is
+  // not paid by the first batch.
+  absl::Status WarmUp();
+
+ private:
+  DeviceExchange(kernels::Runtime& rt, const HeapRegions& regions, int me, const Own& own,
+                 const Inputs& inputs)
+      : rt_(rt), regions_(regions), me_(me), own_(own), inputs_(inputs) {}
+  // Worker d's piece: its own buffer for this worker, the imported one for a peer.
+  const kernels::Buffer& RecvRows(int d) const { return d == me_ ? *own_.recv_rows : recv_[d]; }
+  // One kernels::Buffer over member d's piece p of memory_.
+  absl::StatusOr<kernels::Buffer> Import(int d, int p);
+  // Uploads moves_host_ (pairs of rows) and runs each destination's run of them.
+  absl::Status RunMoves(const std::vector<int64_t>& first,
+                        const std::vector<const kernels::Buffer*>& src,
+                        const std::vector<const kernels::Buffer*>& dst, bool round_bf16);
+
+  kernels::Runtime& rt_;
+  const HeapRegions& regions_;
+  const int me_;
+  const Own own_;
+  const Inputs inputs_;
+  std::unique_ptr<shmem::PeerMemory> memory_;
+  std::vector<kernels::Buffer> recv_;  // peers' receive rows ([me_] empty: own_.recv_rows)
+  // Every worker's (this one's included) pair rows [rows per worker x k][H] and row parts
+  // [W][rows per worker][H] as returned to it: where Return writes and Sum reads.
+  std::vector<kernels::Buffer> returned_pairs_, returned_parts_;
+  kernels::Buffer identity_;  // int32 [rows per worker x k]: 0, 1, 2, ...
+  kernels::Buffer moves_;     // int32 pairs, a pass's moves
+  std::vector<int32_t> moves_host_;
+  std::vector<std::vector<int32_t>> pairs_of_;  // Return: received pairs per owner
+  size_t bytes_sent_to_peers_ = 0;
+  size_t bytes_returned_to_peers_ = 0;
+};
+
+}  // namespace epserve::worker
