@@ -131,6 +131,10 @@ def main():
     p.add_argument("--duration", default="5s")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--load-flags", default="",
+                   help="more epserve-load flags, space-separated (e.g. --threads=16: the load "
+                        "generator's threads build each request's fresh rows, and a few of them "
+                        "can bound what a many-core server is measured at)")
     args = p.parse_args()
     build = os.path.abspath(args.build)
     env = dict(os.environ)
@@ -157,6 +161,7 @@ def main():
                            "--timeout=60s"]
                     if mode == "shared memory":
                         cmd.append("--shared-memory")
+                    cmd += args.load_flags.split()
                     r = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                        timeout=600)
                     after = stages(cluster.metrics)

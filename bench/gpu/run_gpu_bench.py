@@ -2,8 +2,11 @@
 """epserve on NVIDIA GPUs in one call: the kernel tests on the GPU, the expert-FFN, router and
 combine timings beside torch.matmul in BF16, the whole MoE layer beside a PyTorch
 Hugging-Face-style block, and (with two or more GPUs) an end-to-end run of 1 front-end and 2
-GPU workers with every answer checked against the reference. Writes the table into
-BENCHMARKS.md (between the gpu-bench markers) and prints it.
+GPU workers with every answer checked against the reference, the exchange alone between two
+GPUs against a device-to-device copy (bench_device_exchange), and the service sweep over
+request sizes, clients and wire dtypes with the stage breakdown, beside the in-process layer
+with host copies. Writes the table into BENCHMARKS.md (between the gpu-bench markers) and
+prints it. --parts picks some of tests,ffn,layer,e2e,exchange,sweep.
 
     python3 bench/gpu/run_gpu_bench.py --build build [--markdown BENCHMARKS.md]
         [--json results.json] [--quick]
@@ -285,6 +288,50 @@ def e2e_part(build, env, gpus):
     return result
 
 
+def exchange_part(build, env, gpus):
+    """The exchange alone between two GPUs (bench_device_exchange), against a device-to-device
+    copy of the same bytes, qwen1.5-moe-a2.7b's shape, 4096 tokens."""
+    if gpus < 2:
+        return {"skipped": f"{gpus} GPU(s); the exchange needs 2"}
+    out = []
+    for shared in ("split", "owner"):
+        cmd = ["mpirun", "-np", "2", "--bind-to", "none", "-x", "LD_LIBRARY_PATH",
+               os.path.join(build, "bench", "gpu", "bench_device_exchange"),
+               f"--shared-expert={shared}", "--tokens=4096", "--hidden=2048", "--experts=60",
+               "--top-k=4", "--reps=50"]
+        log("  $ " + " ".join(cmd))
+        r = run(cmd, env, timeout=300, check=False)
+        figures = {x["figure"]: x for x in json_lines(r.stdout) if "figure" in x}
+        out.append({"shared_expert": shared, "exit": r.returncode, "figures": figures,
+                    "stderr": r.stderr[-1500:]})
+    return out
+
+
+def sweep_part(build, env, gpus):
+    """The service on every GPU (1 front-end + one worker per GPU, rows device to device) over
+    request sizes and clients, BF16 and FP32 on the wire, shared-memory and inline requests,
+    with rank 0's and the workers' stage times (bench/e2e/shm_vs_inline.py), and the in-process
+    layer with host copies per GPU as the bound."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "e2e",
+                          "shm_vs_inline.py")
+    inproc = run([os.path.join(build, "bench", "e2e", "bench_e2e_inprocess"), "--device=gpu",
+                  "--weight-dtype=bf16", "--tokens=4096", "--check-tokens=0",
+                  "--pinned-transfers"], env, timeout=300, check=False)
+    res = {"inprocess": json_lines(inproc.stdout), "runs": []}
+    for dtype in ("BF16", "FP32"):
+        for tokens in (256, 1024, 4096):
+            cmd = [sys.executable, script, "--build", build,
+                   "--model", "synthetic:qwen1.5-moe-a2.7b", "--workers", str(gpus),
+                   "--epserve-flags=--device=gpu --weight-dtype=bf16 --max-batch-tokens=4096",
+                   "--tokens", str(tokens), "--dtype", dtype, "--concurrency", "1,8,32",
+                   "--duration", "5s", "--rounds", "1"]
+            log("  $ " + " ".join(cmd))
+            r = run(cmd, env, timeout=900, check=False)
+            res["runs"].append({"dtype": dtype, "tokens": tokens, "exit": r.returncode,
+                                "table": [l for l in r.stdout.splitlines() if l.startswith("|")]})
+    return res
+
+
 # ---- table ----
 
 def markdown(res):
@@ -347,6 +394,41 @@ def markdown(res):
             lines.append(f"- 256 tokens per request, concurrency {t.get('concurrency')}: "
                          f"{t.get('tokens_per_s', 0):.0f} tokens/s, p50 "
                          f"{lat.get('p50') or 0:.1f} ms, p99 {lat.get('p99') or 0:.1f} ms")
+    ex = res.get("exchange", {"skipped": "not asked for"})
+    lines.append("")
+    if isinstance(ex, dict):
+        lines.append(f"The exchange alone between two GPUs: not run ({ex['skipped']}).")
+    else:
+        lines += ["The exchange alone between two GPUs (`mpirun -np 2 bench_device_exchange`, "
+                  "4096 tokens of H 2048, top-4 of 60 experts, rows device to device), GB/s per "
+                  "direction against a device-to-device copy of the same bytes "
+                  "(clEnqueueCopyBuffer into the peer's imported memory), same run "
+                  "(target: ≥ 0.5×):", "",
+                  "| shared expert | step | MB per GPU | ms | GB/s | copy GB/s | ratio |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for e in ex:
+            f = e["figures"]
+            for step, copy in (("dispatch", "copy_of_dispatch_bytes"),
+                               ("combine_return", "copy_of_combine_bytes")):
+                if step not in f or copy not in f:
+                    lines.append(f"| {e['shared_expert']} | {step} | failed (exit {e['exit']}) "
+                                 "| | | | |")
+                    continue
+                a, b = f[step], f[copy]
+                lines.append(f"| {e['shared_expert']} | {step} | {a['bytes_per_rank'] / 1e6:.1f} | "
+                             f"{a['ms']:.3f} | {a['gb_per_s']:.1f} | {b['gb_per_s']:.1f} | "
+                             f"{b['ms'] / a['ms']:.2f}× |")
+    sw = res.get("sweep")
+    if sw:
+        lines.append("")
+        ip = sw["inprocess"][0] if sw["inprocess"] else {}
+        lines.append(f"Service sweep on {res['gpus']} GPU(s) (bench/e2e/shm_vs_inline.py, "
+                     "qwen1.5-moe-a2.7b, BF16 weights); the in-process layer with host copies "
+                     f"on one GPU: {ip.get('median_ms', 0):.2f} ms for 4096 tokens "
+                     f"({ip.get('tokens_per_s', 0):,.0f} tokens/s).")
+        for r in sw["runs"]:
+            lines += ["", f"{r['tokens']} tokens per request, {r['dtype']} on the wire "
+                      f"(exit {r['exit']}):", ""] + r["table"]
     return "\n".join(lines) + "\n"
 
 
@@ -372,7 +454,7 @@ def main():
     ap.add_argument("--rows", default="128,512,2048,4096,8192")
     ap.add_argument("--layer-tokens", default="128,1024,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--parts", default="tests,ffn,layer,e2e")
+    ap.add_argument("--parts", default="tests,ffn,layer,e2e,exchange,sweep")
     a = ap.parse_args()
     try:
         import torch
@@ -407,6 +489,12 @@ def main():
         save()
     if "e2e" in parts:
         res["e2e"] = e2e_part(build, env, res["gpus"])
+        save()
+    if "exchange" in parts:
+        res["exchange"] = exchange_part(build, env, res["gpus"])
+        save()
+    if "sweep" in parts:
+        res["sweep"] = sweep_part(build, env, res["gpus"])
         save()
     table = markdown(res)
     print(table)
