@@ -7,7 +7,7 @@
 //             (DeviceExchange::Send, one CopyRows kernel per destination), all ranks at once;
 //   combine   DeviceExchange::Return: each receiver's output rows into their owners' devices
 //             (and, with the shared expert split, its part of every token it received);
-//   copy      the baseline: each rank copies the same number of bytes it sends (gathers) from
+//   copy      the baseline: each rank copies the same number of bytes it sends (returns) from
 //             a buffer of its own into a peer's memory (clEnqueueCopyBuffer into the peer's
 //             imported allocation), all ranks at once: what any exchange moving those bytes
 //             between these GPUs at least costs.
@@ -91,7 +91,7 @@ int Main(int argc, char** argv) {
   fs.Add("top-k", &a.top_k, "Experts per token");
   fs.Add("reps", &a.reps, "Timed repetitions of each figure");
   fs.Add("shared-expert", &a.shared_expert,
-         "split (every token to every worker, row parts gathered back), owner or none");
+         "split (every token to every worker, row parts returned back), owner or none");
   fs.Add("kind", &a.kind, "cuda (GPUs) or host (CPU devices: shared host memory)");
   if (absl::Status s = fs.Parse(argc, argv); !s.ok()) return Fail(rank, s);
   if (fs.help_requested()) {
@@ -181,12 +181,12 @@ int Main(int argc, char** argv) {
   const double return_s = Time(a.reps, [&] {
     if (status.ok()) status = (*dx)->Return(**ex);
   });
-  const size_t gathered = (*dx)->bytes_returned_to_peers();
+  const size_t returned = (*dx)->bytes_returned_to_peers();
   if (!status.ok()) return Fail(rank, status);
 
   // The baseline: plain copies of the same bytes into a peer's memory (rank + 1), through the
   // same kind of memory, imported the same way.
-  unsigned long most = std::max<size_t>(std::max(static_cast<size_t>(sent), gathered), row);
+  unsigned long most = std::max<size_t>(std::max(static_cast<size_t>(sent), returned), row);
   MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_UNSIGNED_LONG, MPI_MAX, MPI_COMM_WORLD);
   const size_t copy_bytes = most;  // the same size on every rank
   shmem::PeerGroup group;
@@ -216,7 +216,7 @@ int Main(int argc, char** argv) {
     });
   };
   const double copy_sent_s = copy_time(static_cast<size_t>(sent));
-  const double copy_gathered_s = copy_time(gathered);
+  const double copy_returned_s = copy_time(returned);
   if (!status.ok()) return Fail(rank, status);
 
   const std::string extra =
@@ -225,11 +225,11 @@ int Main(int argc, char** argv) {
                    "\",\"kind\":\"", a.kind, "\",\"device\":\"", r.device_info().device_name, "\"");
   Emit(rank, "dispatch", sent, send_s, extra);
   Emit(rank, "copy_of_dispatch_bytes", sent, copy_sent_s, extra);
-  Emit(rank, "combine_return", static_cast<double>(gathered), return_s, extra);
-  Emit(rank, "copy_of_combine_bytes", static_cast<double>(gathered), copy_gathered_s, extra);
+  Emit(rank, "combine_return", static_cast<double>(returned), return_s, extra);
+  Emit(rank, "copy_of_combine_bytes", static_cast<double>(returned), copy_returned_s, extra);
   if (rank == 0) {
     std::printf("{\"figure\":\"ratios\",\"dispatch_over_copy\":%.3f,\"combine_over_copy\":%.3f}\n",
-                copy_sent_s / send_s, copy_gathered_s / return_s);
+                copy_sent_s / send_s, copy_returned_s / return_s);
   }
   MPI_Barrier(MPI_COMM_WORLD);
   return 0;
