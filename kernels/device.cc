@@ -35,11 +35,8 @@ absl::StatusOr<std::string> DeviceString(cl_device_id device, cl_device_info wha
 }
 
 // major * 10 + minor through cl_nv_device_attribute_query, or 0 where the device lacks it.
-int NvComputeCapability(cl_device_id device) {
-  absl::StatusOr<std::string> extensions = DeviceString(device, CL_DEVICE_EXTENSIONS);
-  if (!extensions.ok() || extensions->find("cl_nv_device_attribute_query") == std::string::npos) {
-    return 0;
-  }
+int NvComputeCapability(cl_device_id device, const std::string& extensions) {
+  if (extensions.find("cl_nv_device_attribute_query") == std::string::npos) return 0;
   constexpr cl_device_info kMajor = 0x4000;  // CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV
   constexpr cl_device_info kMinor = 0x4001;  // CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV
   cl_uint major = 0;
@@ -74,9 +71,9 @@ absl::StatusOr<DeviceInfo> ReadDeviceInfo(cl_device_id device, int p, int d,
   CL_CHECK(clGetDeviceInfo(device, CL_DEVICE_TYPE, sizeof(type), &type, nullptr));
   info.is_gpu = (type & CL_DEVICE_TYPE_GPU) != 0;
   info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
-  info.nv_compute_capability = NvComputeCapability(device);
   EPSERVE_ASSIGN_OR_RETURN(const std::string extensions,
                            DeviceString(device, CL_DEVICE_EXTENSIONS));
+  info.nv_compute_capability = NvComputeCapability(device, extensions);
   info.uuid = DeviceUuid(device, extensions);
   info.imports_opaque_fd = extensions.find("cl_khr_external_memory_opaque_fd") != std::string::npos;
   cl_uint width = 1;

@@ -132,17 +132,32 @@ bool DeviceExchange::Serves(const BatchDescriptor& desc) const {
          reproduced(plan.combine_dtype());
 }
 
-absl::Status DeviceExchange::RunMoves(const std::vector<int64_t>& first,
-                                      const std::vector<const kernels::Buffer*>& src,
-                                      const std::vector<const kernels::Buffer*>& dst,
-                                      bool round_bf16) {
+void DeviceExchange::StartRuns() {
+  moves_host_.clear();
+  run_first_.assign(1, 0);
+  run_src_.clear();
+  run_dst_.clear();
+}
+
+void DeviceExchange::CloseRun(int to_worker, const kernels::Buffer* from, const kernels::Buffer* to,
+                              size_t* rows_to_peers) {
+  const int64_t end = static_cast<int64_t>(moves_host_.size() / 2);
+  if (end == run_first_.back()) return;
+  if (to_worker != me_) *rows_to_peers += static_cast<size_t>(end - run_first_.back());
+  run_first_.push_back(end);
+  run_src_.push_back(from);
+  run_dst_.push_back(to);
+}
+
+absl::Status DeviceExchange::RunMoves(bool round_bf16) {
   if (moves_host_.empty()) return absl::OkStatus();
   EPSERVE_RETURN_IF_ERROR(
       rt_.Write(moves_, 0, moves_host_.data(), moves_host_.size() * sizeof(int32_t)));
   const int64_t hidden = regions_.plan.shape().hidden;
-  for (size_t r = 0; r + 1 < first.size(); ++r) {
-    EPSERVE_RETURN_IF_ERROR(kernels::CopyRows(
-        rt_, *src[r], moves_, first[r], first[r + 1] - first[r], hidden, round_bf16, *dst[r]));
+  for (size_t r = 0; r < run_src_.size(); ++r) {
+    EPSERVE_RETURN_IF_ERROR(kernels::CopyRows(rt_, *run_src_[r], moves_, run_first_[r],
+                                              run_first_[r + 1] - run_first_[r], hidden, round_bf16,
+                                              *run_dst_[r]));
   }
   return absl::OkStatus();
 }
@@ -151,10 +166,8 @@ absl::Status DeviceExchange::Send(const Exchange& ex) {
   const int num_workers = regions_.plan.shape().num_workers;
   const int64_t n = ex.n();
   const int64_t capacity = regions_.plan.recv_capacity();
-  moves_host_.clear();
-  bytes_sent_to_peers_ = 0;
-  std::vector<int64_t> first = {0};
-  std::vector<const kernels::Buffer*> src, dst;
+  StartRuns();
+  size_t rows_to_peers = 0;
   for (int d = 0; d < num_workers; ++d) {
     for (int64_t t = 0; t < n; ++t) {
       const int64_t s = ex.slot(t, d);
@@ -167,15 +180,11 @@ absl::Status DeviceExchange::Send(const Exchange& ex) {
       moves_host_.push_back(static_cast<int32_t>(t));
       moves_host_.push_back(static_cast<int32_t>(row));
     }
-    const int64_t end = static_cast<int64_t>(moves_host_.size() / 2);
-    if (end == first.back()) continue;
-    if (d != me_) bytes_sent_to_peers_ += static_cast<size_t>(end - first.back());
-    first.push_back(end);
-    src.push_back(inputs_.x);
-    dst.push_back(&RecvRows(d));
+    CloseRun(d, inputs_.x, &RecvRows(d), &rows_to_peers);
   }
-  bytes_sent_to_peers_ *= static_cast<size_t>(regions_.plan.shape().hidden) * sizeof(float);
-  return RunMoves(first, src, dst, regions_.plan.dispatch_dtype() == common::ElementType::kBf16);
+  bytes_sent_to_peers_ =
+      rows_to_peers * static_cast<size_t>(regions_.plan.shape().hidden) * sizeof(float);
+  return RunMoves(regions_.plan.dispatch_dtype() == common::ElementType::kBf16);
 }
 
 // The rows must be in the receivers' memory before the dispatch signals say so.
@@ -187,18 +196,8 @@ absl::Status DeviceExchange::Return(const Exchange& ex) {
   const int k = plan.shape().top_k;
   const bool split = plan.shared_expert_split();
   const ReceivedRows& in = ex.received();
-  moves_host_.clear();
-  bytes_returned_to_peers_ = 0;
-  std::vector<int64_t> first = {0};
-  std::vector<const kernels::Buffer*> src, dst;
-  auto close_run = [&](int s, const kernels::Buffer* from, const kernels::Buffer* to) {
-    const int64_t end = static_cast<int64_t>(moves_host_.size() / 2);
-    if (end == first.back()) return;
-    if (s != me_) bytes_returned_to_peers_ += static_cast<size_t>(end - first.back());
-    first.push_back(end);
-    src.push_back(from);
-    dst.push_back(to);
-  };
+  StartRuns();
+  size_t rows_to_peers = 0;
   // Pair p goes back to the sender of its row, at the position the sender gave it.
   pairs_of_.assign(num_workers, {});
   for (int64_t p = 0; p < in.pairs; ++p) {
@@ -215,7 +214,7 @@ absl::Status DeviceExchange::Return(const Exchange& ex) {
       moves_host_.push_back(p);
       moves_host_.push_back(home);
     }
-    close_run(s, own_.pair_rows, &returned_pairs_[s]);
+    CloseRun(s, own_.pair_rows, &returned_pairs_[s], &rows_to_peers);
   }
   if (split) {
     // Each received row's part into block me_ of its owner's parts, at the token's index.
@@ -230,11 +229,12 @@ absl::Status DeviceExchange::Return(const Exchange& ex) {
         moves_host_.push_back(static_cast<int32_t>(r));
         moves_host_.push_back(static_cast<int32_t>(me_ * tokens + t));
       }
-      close_run(s, own_.row_parts, &returned_parts_[s]);
+      CloseRun(s, own_.row_parts, &returned_parts_[s], &rows_to_peers);
     }
   }
-  bytes_returned_to_peers_ *= static_cast<size_t>(plan.shape().hidden) * sizeof(float);
-  EPSERVE_RETURN_IF_ERROR(RunMoves(first, src, dst, /*round_bf16=*/false));
+  bytes_returned_to_peers_ =
+      rows_to_peers * static_cast<size_t>(plan.shape().hidden) * sizeof(float);
+  EPSERVE_RETURN_IF_ERROR(RunMoves(/*round_bf16=*/false));
   // The rows must be in the owners' memory before the combine signals say so.
   return rt_.Finish();
 }
@@ -261,7 +261,7 @@ absl::Status DeviceExchange::Sum(const Exchange& ex, float* y, bool accumulate) 
                                                  hidden, &parts, kernels::SumStart::kAsPart, bf16,
                                                  parts, num_workers));
   } else if (accumulate) {
-    out = inputs_.shared_out;
+    out = own_.row_parts;  // the shared expert's output on this worker's rows
     EPSERVE_RETURN_IF_ERROR(kernels::SumPairRows(rt_, pairs, identity_, *inputs_.weights, n, k,
                                                  hidden, out, kernels::SumStart::kOnto, bf16,
                                                  *out));
@@ -274,8 +274,11 @@ absl::Status DeviceExchange::Sum(const Exchange& ex, float* y, bool accumulate) 
 }
 
 absl::Status DeviceExchange::WarmUp() {
+  StartRuns();
   moves_host_ = {0, 0};
-  EPSERVE_RETURN_IF_ERROR(RunMoves({0, 1}, {inputs_.x}, {own_.recv_rows}, /*round_bf16=*/false));
+  size_t rows_to_peers = 0;
+  CloseRun(me_, inputs_.x, own_.recv_rows, &rows_to_peers);
+  EPSERVE_RETURN_IF_ERROR(RunMoves(/*round_bf16=*/false));
   return rt_.Finish();
 }
 

@@ -53,11 +53,11 @@ class DeviceExchange final : public DeviceMover {
     kernels::Buffer* row_parts;  // [recv capacity or rows per worker][H] FP32: the shared expert's
   };
   // What the pass's sender and owner read on this worker's device: its rows (the router's
-  // input), their routing weights [n][k], and, with the shared expert on the owner, its output.
+  // input) and their routing weights [n][k]. With the shared expert on the owner, its output is
+  // in Own::row_parts, and the owner's sum adds onto it there.
   struct Inputs {
     const kernels::Buffer* x = nullptr;
     const kernels::Buffer* weights = nullptr;
-    kernels::Buffer* shared_out = nullptr;
   };
 
   // Collective over the workers of `regions` (each calls it once, at start, with the same
@@ -94,10 +94,15 @@ class DeviceExchange final : public DeviceMover {
   const kernels::Buffer& RecvRows(int d) const { return d == me_ ? *own_.recv_rows : recv_[d]; }
   // One kernels::Buffer over member d's piece p of memory_.
   absl::StatusOr<kernels::Buffer> Import(int d, int p);
-  // Uploads moves_host_ (pairs of rows) and runs each destination's run of them.
-  absl::Status RunMoves(const std::vector<int64_t>& first,
-                        const std::vector<const kernels::Buffer*>& src,
-                        const std::vector<const kernels::Buffer*>& dst, bool round_bf16);
+  // A pass's row moves: (source row, destination row) pairs in runs, each run from one buffer
+  // into one buffer (one CopyRows each). StartRuns clears them; CloseRun ends the run of the
+  // pairs added since the last one (none: no run), from `from` into worker `to_worker`'s `to`,
+  // counting its rows in *rows_to_peers when that worker is another; RunMoves uploads the pairs
+  // and runs every run.
+  void StartRuns();
+  void CloseRun(int to_worker, const kernels::Buffer* from, const kernels::Buffer* to,
+                size_t* rows_to_peers);
+  absl::Status RunMoves(bool round_bf16);
 
   kernels::Runtime& rt_;
   const HeapRegions& regions_;
@@ -109,10 +114,12 @@ class DeviceExchange final : public DeviceMover {
   // Every worker's (this one's included) pair rows [rows per worker x k][H] and row parts
   // [W][rows per worker][H] as returned to it: where Return writes and Sum reads.
   std::vector<kernels::Buffer> returned_pairs_, returned_parts_;
-  kernels::Buffer identity_;  // int32 [rows per worker x k]: 0, 1, 2, ...
-  kernels::Buffer moves_;     // int32 pairs, a pass's moves
-  std::vector<int32_t> moves_host_;
-  std::vector<std::vector<int32_t>> pairs_of_;  // Return: received pairs per owner
+  kernels::Buffer identity_;         // int32 [rows per worker x k]: 0, 1, 2, ...
+  kernels::Buffer moves_;            // int32 pairs, a pass's moves
+  std::vector<int32_t> moves_host_;  // the pass's (source, destination) pairs
+  std::vector<int64_t> run_first_;   // [runs + 1]: where each run's pairs start
+  std::vector<const kernels::Buffer*> run_src_, run_dst_;  // [runs]
+  std::vector<std::vector<int32_t>> pairs_of_;             // Return: received pairs per owner
   size_t bytes_sent_to_peers_ = 0;
   size_t bytes_returned_to_peers_ = 0;
 };

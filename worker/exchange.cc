@@ -118,6 +118,15 @@ absl::Status Exchange::WaitFor(size_t base, int index, absl::Time deadline, cons
   return heap_.WaitSignal(signal(base, index), epoch_, deadline, what, index, wait);
 }
 
+absl::Status Exchange::WaitForCombined(absl::Time deadline) {
+  for (int d = 0; d < plan_.shape().num_workers; ++d) {
+    if (live_.Has(d))
+      EPSERVE_RETURN_IF_ERROR(
+          WaitFor(regions_.combine_flag, d, deadline, "combined rows from worker"));
+  }
+  return absl::OkStatus();
+}
+
 int64_t Exchange::rows_sent() const {
   int64_t rows = 0;
   for (int d = 0; d < plan_.shape().num_workers; ++d) rows += my_counts_[d * count_stride_];
@@ -438,11 +447,7 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
   if (mover_ != nullptr) EPSERVE_RETURN_IF_ERROR(mover_->Return(*this));
   EPSERVE_RETURN_IF_ERROR(Combine(pair_out, row_out));
   if (mover_ != nullptr) {
-    for (int d = 0; d < num_workers; ++d) {
-      if (live_.Has(d))
-        EPSERVE_RETURN_IF_ERROR(
-            WaitFor(regions_.combine_flag, d, deadline, "combined rows from worker"));
-    }
+    EPSERVE_RETURN_IF_ERROR(WaitForCombined(deadline));
     EPSERVE_RETURN_IF_ERROR(mover_->Sum(*this, y, accumulate));
   } else {
     EPSERVE_RETURN_IF_ERROR(Reduce(weights, y, accumulate, deadline));
@@ -514,11 +519,7 @@ absl::Status Exchange::Reduce(const float* weights, float* y, bool accumulate,
   const common::ElementType dtype = plan_.combine_dtype();
   const size_t row_bytes = plan_.combine_row_bytes();
   const bool split = plan_.shared_expert_split();
-  for (int d = 0; d < num_workers; ++d) {
-    if (live_.Has(d))
-      EPSERVE_RETURN_IF_ERROR(
-          WaitFor(regions_.combine_flag, d, deadline, "combined rows from worker"));
-  }
+  EPSERVE_RETURN_IF_ERROR(WaitForCombined(deadline));
   // Where my rows at worker d are: its pair table's rows (pair_at_ indexes them) and, split,
   // its row parts [row_base_[d], + rows I sent d). Read in place when d's segment is
   // load/store; else fetched into pulled_, my pairs in runs per (d, local expert) (run_base_),

@@ -261,6 +261,8 @@ class Exchange {
   size_t signal(size_t base, int index) const { return SignalOffset(base, index); }
   // Waits for peer `index`'s signal at `base` to reach this pass's epoch.
   absl::Status WaitFor(size_t base, int index, absl::Time deadline, const char* what);
+  // Waits for every live worker's combine signal of this pass.
+  absl::Status WaitForCombined(absl::Time deadline);
   const int64_t* count_row(int src, int dst) const {
     return &counts_[(static_cast<size_t>(src) * plan_.shape().num_workers + dst) * count_stride_];
   }

@@ -310,7 +310,7 @@ absl::Status Worker::StartDeviceExchange() {
       plan.shared_expert_split() ? plan.recv_capacity() : plan.max_rows_per_worker();
   absl::StatusOr<std::unique_ptr<DeviceExchange>> dx = DeviceExchange::Create(
       *rt_, heap_, regions_, me_, kind, row_parts, {&x_recv_, &y_, &shared_y_},
-      {&x_local_, &weights_, &shared_y_}, absl::Now() + options_.rendezvous_timeout);
+      {&x_local_, &weights_}, absl::Now() + options_.rendezvous_timeout);
   if (!dx.ok()) {
     if (options_.device_exchange != DeviceExchangeMode::kAuto) {
       return absl::Status(dx.status().code(),
@@ -533,12 +533,7 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
 absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, const float* x_in) {
   const int k = cfg_.top_k;
   const int64_t n = desc.num_rows;
-  const size_t row_bytes = static_cast<size_t>(cfg_.hidden_size) * sizeof(float);
-  if (upload_ahead_) {
-    EPSERVE_RETURN_IF_ERROR(RowsOnDevice(desc, x_in));
-  } else {
-    EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, x_in, n * row_bytes));
-  }
+  EPSERVE_RETURN_IF_ERROR(RowsOnDevice(desc, x_in));
   EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, n, ids_, weights_));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));

@@ -159,7 +159,8 @@ class Worker {
   // computes the batch before; until `stop`.
   void UploadLoop(const std::atomic<bool>& stop);
   // Route's side: batch `desc`'s rows into x_local_, swapped in from x_next_ where the uploader
-  // has them (waiting for an upload of them under way), else written from `x_in`.
+  // has them (waiting for an upload of them under way), else (always, without the uploader)
+  // written from `x_in`.
   absl::Status RowsOnDevice(const BatchDescriptor& desc, const float* x_in);
   // Whether batch `desc` can run without the exchange: this worker is its only live worker,
   // the payload dtypes are ones the device reproduces (fp32, bf16) and its rows fit one pass.

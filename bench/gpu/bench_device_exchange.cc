@@ -161,8 +161,7 @@ int Main(int argc, char** argv) {
       plan->shared_expert_split() ? plan->recv_capacity() : plan->max_rows_per_worker();
   absl::StatusOr<std::unique_ptr<worker::DeviceExchange>> dx = worker::DeviceExchange::Create(
       r, **heap, *regions, rank, cuda ? shmem::PeerMemoryKind::kCuda : shmem::PeerMemoryKind::kHost,
-      row_parts, {&recv, &pairs, &parts}, {&x_dev, &weights_dev, &parts},
-      absl::Now() + absl::Seconds(60));
+      row_parts, {&recv, &pairs, &parts}, {&x_dev, &weights_dev}, absl::Now() + absl::Seconds(60));
   if (!dx.ok()) return Fail(rank, dx.status());
   absl::StatusOr<std::unique_ptr<worker::Exchange>> ex =
       worker::Exchange::Create(**heap, *plan, regions->exchange, rank);
