@@ -12,7 +12,8 @@ out=${2:?usage: make_bundle.sh BUILD OUT}
 # the exchange, and a CPU with AVX512-BF16 and a newer PoCL for the kernels.)
 binaries=(tests/kernels/kernels_test bench/kernels/bench_expert_ffn bench/gpu/bench_ffn_gpu
           bench/e2e/bench_e2e_inprocess bench/gpu/bench_device_exchange
-          server/epserve client/epserve-load bench/exchange/bench_exchange)
+          server/epserve client/epserve-load bench/exchange/bench_exchange
+          bench/frontend/bench_frontend)
 # Built only where the CUDA toolkit was found.
 if [ -x "$build/bench/gpu/probe_device_heap" ]; then binaries+=(bench/gpu/probe_device_heap); fi
 rm -rf "$out"

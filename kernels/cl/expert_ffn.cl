@@ -146,7 +146,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
   floatV acc##r##_1 = (floatV)(0.0f);
 #define ACC_FMA(r)                                                                        \
   {                                                                                       \
-    const floatV av = (floatV)(a##r[k]);                                                  \
+    const floatV av = (floatV)(a##r[ku]);                                                 \
     acc##r##_0 = fma(av, b0, acc##r##_0);                                                 \
     acc##r##_1 = fma(av, b1, acc##r##_1);                                                 \
   }
@@ -162,13 +162,50 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     StorePartial(acc##r##_0, out, hidden - c0);                                           \
     StorePartial(acc##r##_1, out + FFN_VEC, hidden - c0 - FFN_VEC);                       \
   }
-// One k-step: the panel row (2 * FFN_VEC values) as two vectors, prefetching ahead.
-#define PANEL_STEP(R)                                                                     \
-  PREFETCH(b + 2 * (k + FFN_PREFETCH_STEPS));                                             \
-  PREFETCH(b + 2 * (k + FFN_PREFETCH_STEPS) + 1);                                         \
-  const floatV b0 = LoadW0(b, k);                                                         \
-  const floatV b1 = LoadW1(b, k);                                                         \
-  REP##R(ACC_FMA)
+// Panel row ku = k + U (2 * FFN_VEC values) as two vectors, bk pointing at panel row k.
+#define PANEL_STEP(R, U)                                                                  \
+  {                                                                                       \
+    const int ku = k + (U);                                                               \
+    const floatV b0 = LoadW0(bk, (U));                                                    \
+    const floatV b1 = LoadW1(bk, (U));                                                    \
+    REP##R(ACC_FMA)                                                                       \
+  }
+// The n-th 64-byte line from `ahead` when the panel rows of four k-steps span more than n
+// lines (FP32: 2 or 4 lines a k-step for FFN_VEC 8 or 16; BF16: half that). Constant
+// conditions: one prefetch instruction per line, no loop.
+#define PANEL_LINES_PER_4 ((int)(8 * sizeof(*b)) / 64)
+#define PREFETCH_LINE(ahead, n) \
+  if (PANEL_LINES_PER_4 > (n)) PREFETCH((ahead) + 64 * (n));
+// The K loop of a register block. Multi-row blocks take four k-steps an iteration through a
+// pointer that walks the panel (constant offsets from it and from k), and prefetch each line
+// of the panel once, FFN_PREFETCH_STEPS ahead: the loop of one k-step with its index
+// arithmetic and two prefetches per step issued about as many instructions as the 6-row
+// block's 12 FMAs, which left AVX2 hosts' FMA pipes a fifth idle (bench/kernels/RESULTS.md
+// run 11). The 1-row block, which streams the panel from memory, keeps the loop of one step
+// (unrolled, it lost about a tenth of its streaming rate on the same host). The summation
+// order is k ascending in every block: results do not depend on the blocking.
+#define K_LOOP(R, KEND)                                                                   \
+  __typeof__(b) bk = b;                                                                   \
+  int k = 0;                                                                              \
+  if ((R) == 1) {                                                                         \
+    for (; k < (KEND); ++k, bk += 2) {                                                    \
+      if (FFN_PREFETCH_STEPS > 0) {                                                       \
+        PREFETCH(bk + 2 * FFN_PREFETCH_STEPS);                                            \
+        PREFETCH(bk + 2 * FFN_PREFETCH_STEPS + 1);                                        \
+      }                                                                                   \
+      PANEL_STEP(R, 0)                                                                    \
+    }                                                                                     \
+  }                                                                                       \
+  for (; k + 4 <= (KEND); k += 4, bk += 8) {                                              \
+    if (FFN_PREFETCH_STEPS > 0) {                                                         \
+      const __global char* ahead = (const __global char*)(bk + 2 * FFN_PREFETCH_STEPS);   \
+      PREFETCH_LINE(ahead, 0) PREFETCH_LINE(ahead, 1) PREFETCH_LINE(ahead, 2)             \
+      PREFETCH_LINE(ahead, 3) PREFETCH_LINE(ahead, 4) PREFETCH_LINE(ahead, 5)             \
+      PREFETCH_LINE(ahead, 6) PREFETCH_LINE(ahead, 7)                                     \
+    }                                                                                     \
+    PANEL_STEP(R, 0) PANEL_STEP(R, 1) PANEL_STEP(R, 2) PANEL_STEP(R, 3)                   \
+  }                                                                                       \
+  for (; k < (KEND); ++k, bk += 2) PANEL_STEP(R, 0)
 
 // Rows [p, p + R) of the expert (clamped to end - 1; only rows < end are stored):
 // h[p', f0 .. f0 + FFN_VEC) = silu(x . gate) * (x . up). x rows are x_stride elements apart.
@@ -178,9 +215,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
       __global const int* restrict row_index, int gather, int p, int end,                  \
       const __global WT* restrict b, int hidden, int ffn, int f0, __global float* restrict h) { \
     REP##R(ACC_DECL_GATHER)                                                                \
-    for (int k = 0; k < hidden; ++k) {                                                     \
-      PANEL_STEP(R)                                                                        \
-    }                                                                                      \
+    K_LOOP(R, hidden)                                                                      \
     const int valid = min((R), end - p);                                                   \
     REP##R(GATE_UP_STORE)                                                                  \
   }
@@ -192,9 +227,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
                                      const __global WT* restrict b, int hidden, int ffn,   \
                                      int c0, __global float* restrict y) {                 \
     REP##R(ACC_DECL_DIRECT)                                                                \
-    for (int k = 0; k < ffn; ++k) {                                                        \
-      PANEL_STEP(R)                                                                        \
-    }                                                                                      \
+    K_LOOP(R, ffn)                                                                         \
     const int valid = min((R), end - p);                                                   \
     REP##R(DOWN_STORE)                                                                     \
   }
