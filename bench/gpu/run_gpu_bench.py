@@ -340,40 +340,50 @@ def markdown(res):
              "`python3 bench/gpu/run_gpu_bench.py --build <build or bundle>`; PyTorch "
              f"{res['torch']} in the same run.", ""]
     kt = res["kernel_tests"]
-    lines.append(f"Kernel tests on the GPU (`EPSERVE_TEST_DEVICE=gpu kernels_test`, device "
-                 f"{kt['device']}): {'passed' if kt['ok'] else 'FAILED'}, {kt['passed']} passed"
-                 + (f", failed: {', '.join(kt['failed'])}" if kt["failed"] else "") + ".")
-    lines += ["", "Expert FFN, BF16 weights (gate/up, SwiGLU, down; 6·H·F FLOPs per row), "
-              "experts × rows per expert, against torch.matmul on the same two GEMMs per "
-              "expert (target: ≥ 0.5× from 2048 rows up):", "",
-              "| shape | experts × rows | path | ms | TFLOP/s | torch.matmul TFLOP/s | ratio |"
-              " router ms | combine ms |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    aux = {(r["shape"], r["tokens"]): r for r in res["ffn"] if "route_ms" in r}
-    for r in res["ffn"]:
-        if "tflops" not in r:
-            continue
-        tokens = max(1, r["experts"] * r["rows_per_expert"] // SHAPES[r["shape"]][3])
-        a = aux.get((r["shape"], tokens)) if r["path"] == "tensor_cores" else None
-        lines.append(
-            f"| {r['shape']} | {r['experts']} × {r['rows_per_expert']} | {r['path']} | "
-            f"{r['ms']:.3f} | {r['tflops']:.1f} | "
-            + (f"{r['torch_tflops']:.1f} | {r['ratio']:.2f}× | " if "ratio" in r else "– | – | ")
-            + (f"{a['route_ms']:.3f} ({a['tokens']} tok) | {a['combine_ms']:.3f} |" if a
-               else "– | – |"))
-    lines += ["", "Whole MoE layer on one GPU (bench_e2e_inprocess: route, the token grouping "
-              "on the host, expert FFN, combine, shared expert) against the PyTorch "
-              "Hugging-Face-style block in BF16 (random weights of the same shapes). Like the "
-              "PyTorch block, the first epserve column starts with x on the GPU and leaves the "
-              "output there (target: ≥ 2× faster); the second adds copying x in and the "
-              "output out, as a worker does with the host-memory heap:", "",
-              "| shape | tokens | epserve ms | with host copies ms | PyTorch block ms | "
-              "speedup | speedup with copies | max rel. error (4 tokens vs reference) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in res["layer"]:
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['resident_ms']:.3f} | "
-                     f"{r['epserve_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}× | "
-                     f"{r['speedup_with_copies']:.2f}× | {r['max_rel_error']:.2e} |")
+    if kt.get("run", True):
+        lines.append(f"Kernel tests on the GPU (`EPSERVE_TEST_DEVICE=gpu kernels_test`, device "
+                     f"{kt['device']}): {'passed' if kt['ok'] else 'FAILED'}, {kt['passed']} "
+                     "passed" + (f", failed: {', '.join(kt['failed'])}" if kt["failed"] else "")
+                     + ".")
+    else:
+        lines.append("Kernel tests on the GPU: not run (not asked for).")
+    if res["ffn"]:
+        lines += ["", "Expert FFN, BF16 weights (gate/up, SwiGLU, down; 6·H·F FLOPs per row), "
+                  "experts × rows per expert, against torch.matmul on the same two GEMMs per "
+                  "expert (target: ≥ 0.5× from 2048 rows up):", "",
+                  "| shape | experts × rows | path | ms | TFLOP/s | torch.matmul TFLOP/s | ratio |"
+                  " router ms | combine ms |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        aux = {(r["shape"], r["tokens"]): r for r in res["ffn"] if "route_ms" in r}
+        for r in res["ffn"]:
+            if "tflops" not in r:
+                continue
+            tokens = max(1, r["experts"] * r["rows_per_expert"] // SHAPES[r["shape"]][3])
+            a = aux.get((r["shape"], tokens)) if r["path"] == "tensor_cores" else None
+            lines.append(
+                f"| {r['shape']} | {r['experts']} × {r['rows_per_expert']} | {r['path']} | "
+                f"{r['ms']:.3f} | {r['tflops']:.1f} | "
+                + (f"{r['torch_tflops']:.1f} | {r['ratio']:.2f}× | " if "ratio" in r else "– | – | ")
+                + (f"{a['route_ms']:.3f} ({a['tokens']} tok) | {a['combine_ms']:.3f} |" if a
+                   else "– | – |"))
+    else:
+        lines += ["", "Expert FFN against torch.matmul: not run (not asked for)."]
+    if res["layer"]:
+        lines += ["", "Whole MoE layer on one GPU (bench_e2e_inprocess: route, the token grouping "
+                  "on the host, expert FFN, combine, shared expert) against the PyTorch "
+                  "Hugging-Face-style block in BF16 (random weights of the same shapes). Like the "
+                  "PyTorch block, the first epserve column starts with x on the GPU and leaves the "
+                  "output there (target: ≥ 2× faster); the second adds copying x in and the "
+                  "output out, as a worker does with the host-memory heap:", "",
+                  "| shape | tokens | epserve ms | with host copies ms | PyTorch block ms | "
+                  "speedup | speedup with copies | max rel. error (4 tokens vs reference) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in res["layer"]:
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['resident_ms']:.3f} | "
+                         f"{r['epserve_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}× | "
+                         f"{r['speedup_with_copies']:.2f}× | {r['max_rel_error']:.2e} |")
+    else:
+        lines += ["", "Whole MoE layer against PyTorch: not run (not asked for)."]
     e2e = res["e2e"]
     lines.append("")
     if "skipped" in e2e:
@@ -471,7 +481,7 @@ def main():
     parts = a.parts.split(",")
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
            "torch": torch.__version__, "kernel_tests": {"ok": False, "passed": 0, "failed": [],
-                                                        "device": "not run"},
+                                                        "device": "not run", "run": False},
            "ffn": [], "layer": [], "e2e": {"skipped": "not asked for"}}
 
     def save():
