@@ -183,7 +183,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 // block's 12 FMAs, which left AVX2 hosts' FMA pipes a fifth idle (bench/kernels/RESULTS.md
 // run 11). The 1-row block, which streams the panel from memory, keeps the loop of one step
 // (unrolled, it lost about a tenth of its streaming rate on the same host). The summation
-// order is k ascending in every block: results do not depend on the blocking.
+// order is k ascending in every block, whatever the blocking.
 #define K_LOOP(R, KEND)                                                                   \
   __typeof__(b) bk = b;                                                                   \
   int k = 0;                                                                              \
