@@ -176,7 +176,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 #define PANEL_LINES_PER_4 ((int)(8 * sizeof(*b)) / 64)
 #define PREFETCH_LINE(ahead, n) \
   if (PANEL_LINES_PER_4 > (n)) PREFETCH((ahead) + 64 * (n));
-// The K loop of a register block. Multi-row blocks take four k-steps an iteration through a
+// The K loop of a register block (ahead_next: also prefetch the panel after this one, which
+// the next work-item of the kernel's order reads). Multi-row blocks take four k-steps an iteration through a
 // pointer that walks the panel (constant offsets from it and from k), and prefetch each line
 // of the panel once, FFN_PREFETCH_STEPS ahead: the loop of one k-step with its index
 // arithmetic and two prefetches per step issued about as many instructions as the 6-row
@@ -184,6 +185,24 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 // run 11). The 1-row block, which streams the panel from memory, keeps the loop of one step
 // (unrolled, it lost about a tenth of its streaming rate on the same host). The summation
 // order is k ascending in every block, whatever the blocking.
+// Four k-steps an iteration while four remain; NEXT (0 or 1, a constant: each form is its own
+// loop, so the one without the next panel's prefetches is the plain loop) adds them.
+#define K_LOOP4(R, KEND, NEXT)                                                            \
+  for (; k + 4 <= (KEND); k += 4, bk += 8) {                                              \
+    if (FFN_PREFETCH_STEPS > 0) {                                                         \
+      const __global char* ahead = (const __global char*)(bk + 2 * FFN_PREFETCH_STEPS);   \
+      PREFETCH_LINE(ahead, 0) PREFETCH_LINE(ahead, 1) PREFETCH_LINE(ahead, 2)             \
+      PREFETCH_LINE(ahead, 3) PREFETCH_LINE(ahead, 4) PREFETCH_LINE(ahead, 5)             \
+      PREFETCH_LINE(ahead, 6) PREFETCH_LINE(ahead, 7)                                     \
+      if (NEXT) {                                                                         \
+        const __global char* next = ahead + 2 * (KEND) * sizeof(*b);                      \
+        PREFETCH_LINE(next, 0) PREFETCH_LINE(next, 1) PREFETCH_LINE(next, 2)              \
+        PREFETCH_LINE(next, 3) PREFETCH_LINE(next, 4) PREFETCH_LINE(next, 5)              \
+        PREFETCH_LINE(next, 6) PREFETCH_LINE(next, 7)                                     \
+      }                                                                                   \
+    }                                                                                     \
+    PANEL_STEP(R, 0) PANEL_STEP(R, 1) PANEL_STEP(R, 2) PANEL_STEP(R, 3)                   \
+  }
 #define K_LOOP(R, KEND)                                                                   \
   __typeof__(b) bk = b;                                                                   \
   int k = 0;                                                                              \
@@ -196,14 +215,10 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
       PANEL_STEP(R, 0)                                                                    \
     }                                                                                     \
   }                                                                                       \
-  for (; k + 4 <= (KEND); k += 4, bk += 8) {                                              \
-    if (FFN_PREFETCH_STEPS > 0) {                                                         \
-      const __global char* ahead = (const __global char*)(bk + 2 * FFN_PREFETCH_STEPS);   \
-      PREFETCH_LINE(ahead, 0) PREFETCH_LINE(ahead, 1) PREFETCH_LINE(ahead, 2)             \
-      PREFETCH_LINE(ahead, 3) PREFETCH_LINE(ahead, 4) PREFETCH_LINE(ahead, 5)             \
-      PREFETCH_LINE(ahead, 6) PREFETCH_LINE(ahead, 7)                                     \
-    }                                                                                     \
-    PANEL_STEP(R, 0) PANEL_STEP(R, 1) PANEL_STEP(R, 2) PANEL_STEP(R, 3)                   \
+  if (ahead_next) {                                                                       \
+    K_LOOP4(R, KEND, 1)                                                                   \
+  } else {                                                                                \
+    K_LOOP4(R, KEND, 0)                                                                   \
   }                                                                                       \
   for (; k < (KEND); ++k, bk += 2) PANEL_STEP(R, 0)
 
@@ -213,8 +228,10 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
   inline void GLUE3(GateUpBlock, R, S)(                                                    \
       const __global XT* restrict x, long x_rows, long x_stride,                           \
       __global const int* restrict row_index, int gather, int p, int end,                  \
-      const __global WT* restrict b, int hidden, int ffn, int f0, __global float* restrict h) { \
+      const __global WT* restrict b, int hidden, int ffn, int f0, __global float* restrict h, \
+      int few) {                                                                           \
     REP##R(ACC_DECL_GATHER)                                                                \
+    const bool ahead_next = few && p + (R) >= end;                                         \
     K_LOOP(R, hidden)                                                                      \
     const int valid = min((R), end - p);                                                   \
     REP##R(GATE_UP_STORE)                                                                  \
@@ -225,8 +242,9 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 #define DEFINE_DOWN_BLOCK(R, S, WT)                                                        \
   inline void GLUE3(DownBlock, R, S)(const __global float* restrict h, int p, int end,     \
                                      const __global WT* restrict b, int hidden, int ffn,   \
-                                     int c0, __global float* restrict y) {                 \
+                                     int c0, __global float* restrict y, int few) {        \
     REP##R(ACC_DECL_DIRECT)                                                                \
+    const bool ahead_next = few && p + (R) >= end;                                         \
     K_LOOP(R, ffn)                                                                         \
     const int valid = min((R), end - p);                                                   \
     REP##R(DOWN_STORE)                                                                     \
@@ -236,6 +254,14 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 // defined once even where two of them coincide.
 #define NEED_ROWS(n) \
   ((n) == 1 || (n) == FFN_ROWS || (n) == FFN_ROWS_HALF || (n) == FFN_ROWS_QUARTER)
+
+// A tile of two register blocks at most (few rows per expert): its first block streams the
+// panel from memory and its second reads it from cache, so the second also prefetches the next
+// panel (the next work-item's in the kernels' order), keeping memory busy across both blocks
+// (bench/kernels/RESULTS.md run 11: at 8 rows per expert 2-15% faster with FP32 weights and
+// 5-15% with BF16, means of three sets of alternated runs). Tiles of one block, where the only
+// block streams, and of many, where the prefetch would be a small share, do not.
+#define FEW_ROW_TILE(g) ((g).z - (g).y > FFN_ROWS && (g).z - (g).y <= 2 * FFN_ROWS)
 
 // groups[g] = (local expert, first row, end row, unused) of the g-th tile.
 // x [x_rows, x_stride] of XT; rows p of the expert read x[row_index[p]] (gather != 0) or
@@ -251,8 +277,9 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)hidden * 2;    \
     const int f0 = panel * FFN_VEC;                                                        \
     const int end = g.z;                                                                   \
+    const int few = FEW_ROW_TILE(g);                                                       \
     ROW_BLOCKS(GateUpBlock, S,                                                             \
-               (x, x_rows, x_stride, row_index, gather, p, end, b, hidden, ffn, f0, h))    \
+               (x, x_rows, x_stride, row_index, gather, p, end, b, hidden, ffn, f0, h, few))  \
   }
 
 // h [*, ffn] rows of each group -> y [*, hidden]; w: the down panels of WT.
@@ -266,7 +293,8 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     const __global WT* b = w + ((size_t)g.x * num_panels + panel) * (size_t)ffn * 2;       \
     const int c0 = panel * 2 * FFN_VEC;                                                    \
     const int end = g.z;                                                                   \
-    ROW_BLOCKS(DownBlock, S, (h, p, end, b, hidden, ffn, c0, y))                           \
+    const int few = FEW_ROW_TILE(g);                                                       \
+    ROW_BLOCKS(DownBlock, S, (h, p, end, b, hidden, ffn, c0, y, few))                      \
   }
 
 // Every block size of one weight type (FP32 panel rows are two floatV, BF16 ones two ushortV).
