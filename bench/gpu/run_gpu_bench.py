@@ -339,15 +339,16 @@ def markdown(res):
              f"({res['gpus']} GPU(s) on the host), with "
              "`python3 bench/gpu/run_gpu_bench.py --build <build or bundle>`; PyTorch "
              f"{res['torch']} in the same run.", ""]
+    asked = res["parts"]
     kt = res["kernel_tests"]
-    if kt.get("run", True):
+    if "tests" in asked:
         lines.append(f"Kernel tests on the GPU (`EPSERVE_TEST_DEVICE=gpu kernels_test`, device "
                      f"{kt['device']}): {'passed' if kt['ok'] else 'FAILED'}, {kt['passed']} "
                      "passed" + (f", failed: {', '.join(kt['failed'])}" if kt["failed"] else "")
                      + ".")
     else:
         lines.append("Kernel tests on the GPU: not run (not asked for).")
-    if res["ffn"]:
+    if "ffn" in asked:
         lines += ["", "Expert FFN, BF16 weights (gate/up, SwiGLU, down; 6·H·F FLOPs per row), "
                   "experts × rows per expert, against torch.matmul on the same two GEMMs per "
                   "expert (target: ≥ 0.5× from 2048 rows up):", "",
@@ -368,7 +369,7 @@ def markdown(res):
                    else "– | – |"))
     else:
         lines += ["", "Expert FFN against torch.matmul: not run (not asked for)."]
-    if res["layer"]:
+    if "layer" in asked:
         lines += ["", "Whole MoE layer on one GPU (bench_e2e_inprocess: route, the token grouping "
                   "on the host, expert FFN, combine, shared expert) against the PyTorch "
                   "Hugging-Face-style block in BF16 (random weights of the same shapes). Like the "
@@ -481,8 +482,8 @@ def main():
     parts = a.parts.split(",")
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
            "torch": torch.__version__, "kernel_tests": {"ok": False, "passed": 0, "failed": [],
-                                                        "device": "not run", "run": False},
-           "ffn": [], "layer": [], "e2e": {"skipped": "not asked for"}}
+                                                        "device": "not run"},
+           "parts": parts, "ffn": [], "layer": [], "e2e": {"skipped": "not asked for"}}
 
     def save():
         if a.json:

@@ -53,6 +53,27 @@ std::vector<std::vector<float>> Answers(ServerProcess& server,
   return out;
 }
 
+// The payload dtypes and the shared expert's place of one case: the flags that set them, and
+// whether every payload is FP32 (then answers are held to 1e-4, else 2e-2).
+struct Payloads {
+  const char* weights;
+  const char* dispatch;
+  const char* combine;
+  const char* shared;
+  std::vector<std::string> Flags() const {
+    return {absl::StrCat("--weight-dtype=", weights), absl::StrCat("--dispatch-dtype=", dispatch),
+            absl::StrCat("--combine-dtype=", combine), absl::StrCat("--shared-expert=", shared)};
+  }
+  std::string Name() const {
+    return absl::StrCat("weights ", weights, ", dispatch ", dispatch, ", combine ", combine,
+                        ", shared expert ", shared);
+  }
+  bool AllFp32() const {
+    return std::string(weights) == "fp32" && std::string(dispatch) == "fp32" &&
+           std::string(combine) == "fp32";
+  }
+};
+
 // Two services' answers to `requests` on layer `layer_pos`: the same bits, and the first's
 // within 1e-4 (`exact`: FP32 throughout) or 2e-2 of the reference.
 void ExpectSameBitsAndRight(Reference& ref, const std::vector<std::vector<float>>& requests,
@@ -167,34 +188,22 @@ TEST(LocalPass, OneWorkerOnItsDeviceAnswersAsTheExchangeDoes) {
   std::vector<std::vector<float>> requests;
   for (int64_t tokens : {1, 6, 32, 19}) requests.push_back(RandomRows(tokens, rng));
   Reference ref;
-  struct Case {
-    const char* weights;
-    const char* dispatch;
-    const char* combine;
-    const char* shared;
-  };
-  for (const Case& c :
-       {Case{"fp32", "fp32", "fp32", "owner"}, Case{"fp32", "bf16", "bf16", "owner"},
-        Case{"bf16", "bf16", "fp32", "split"}, Case{"fp32", "fp32", "bf16", "split"}}) {
-    SCOPED_TRACE(absl::StrCat("weights ", c.weights, ", dispatch ", c.dispatch, ", combine ",
-                              c.combine, ", shared expert ", c.shared, ", seed ", seed));
+  for (const Payloads& c :
+       {Payloads{"fp32", "fp32", "fp32", "owner"}, Payloads{"fp32", "bf16", "bf16", "owner"},
+        Payloads{"bf16", "bf16", "fp32", "split"}, Payloads{"fp32", "fp32", "bf16", "split"}}) {
+    SCOPED_TRACE(absl::StrCat(c.Name(), ", seed ", seed));
     std::vector<std::vector<float>> answers[2];
     for (bool local : {true, false}) {
-      absl::StatusOr<std::unique_ptr<ServerProcess>> server =
-          ServerProcess::Start(2, {"--max-batch-tokens=32", "--max-queue-delay-us=500",
-                                   absl::StrCat("--weight-dtype=", c.weights),
-                                   absl::StrCat("--dispatch-dtype=", c.dispatch),
-                                   absl::StrCat("--combine-dtype=", c.combine),
-                                   absl::StrCat("--shared-expert=", c.shared),
-                                   local ? "--worker-local-pass" : "--no-worker-local-pass"});
+      std::vector<std::string> args = {"--max-batch-tokens=32", "--max-queue-delay-us=500",
+                                       local ? "--worker-local-pass" : "--no-worker-local-pass"};
+      for (std::string& f : c.Flags()) args.push_back(std::move(f));
+      absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(2, args);
       ASSERT_TRUE(server.ok()) << server.status();
       answers[local ? 0 : 1] = Answers(**server, requests, 0);
       if (HasFailure()) ADD_FAILURE() << (*server)->Log();
       (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
     }
-    const bool exact = std::string(c.weights) == "fp32" && std::string(c.dispatch) == "fp32" &&
-                       std::string(c.combine) == "fp32";
-    ExpectSameBitsAndRight(ref, requests, answers, 0, exact);
+    ExpectSameBitsAndRight(ref, requests, answers, 0, c.AllFp32());
   }
 }
 
@@ -212,31 +221,24 @@ TEST(DeviceExchange, RowsMovedDeviceToDeviceAnswerAsTheHeapExchangeDoes) {
   Reference ref;
   struct Case {
     int workers;
-    const char* weights;
-    const char* dispatch;
-    const char* combine;
-    const char* shared;
+    Payloads payloads;
     const char* extra;
   };
-  for (const Case& c :
-       {Case{2, "fp32", "fp32", "fp32", "owner", ""}, Case{3, "fp32", "fp32", "fp32", "split", ""},
-        Case{2, "bf16", "bf16", "bf16", "split", ""},
-        Case{3, "fp32", "bf16", "fp32", "owner", "--redundant-experts=4"},
-        Case{2, "fp32", "fp32", "bf16", "split", "--redundant-experts=2"},
-        Case{2, "fp32", "fp32", "fp32", "split",
-             "--max-recv-tokens-per-rank=24 --recv-overflow=split"}}) {
-    SCOPED_TRACE(absl::StrCat(c.workers, " workers, weights ", c.weights, ", dispatch ", c.dispatch,
-                              ", combine ", c.combine, ", shared expert ", c.shared, " ", c.extra,
-                              ", seed ", seed));
+  for (const Case& c : {Case{2, {"fp32", "fp32", "fp32", "owner"}, ""},
+                        Case{3, {"fp32", "fp32", "fp32", "split"}, ""},
+                        Case{2, {"bf16", "bf16", "bf16", "split"}, ""},
+                        Case{3, {"fp32", "bf16", "fp32", "owner"}, "--redundant-experts=4"},
+                        Case{2, {"fp32", "fp32", "bf16", "split"}, "--redundant-experts=2"},
+                        Case{2,
+                             {"fp32", "fp32", "fp32", "split"},
+                             "--max-recv-tokens-per-rank=24 --recv-overflow=split"}}) {
+    SCOPED_TRACE(
+        absl::StrCat(c.workers, " workers, ", c.payloads.Name(), " ", c.extra, ", seed ", seed));
     std::vector<std::vector<float>> answers[2];
     for (bool device : {true, false}) {
-      std::vector<std::string> args = {"--max-batch-tokens=32",
-                                       "--max-queue-delay-us=500",
-                                       absl::StrCat("--weight-dtype=", c.weights),
-                                       absl::StrCat("--dispatch-dtype=", c.dispatch),
-                                       absl::StrCat("--combine-dtype=", c.combine),
-                                       absl::StrCat("--shared-expert=", c.shared),
+      std::vector<std::string> args = {"--max-batch-tokens=32", "--max-queue-delay-us=500",
                                        device ? "--device-exchange=host" : "--device-exchange=off"};
+      for (std::string& f : c.payloads.Flags()) args.push_back(std::move(f));
       for (absl::string_view a : absl::StrSplit(c.extra, ' ', absl::SkipEmpty())) {
         args.emplace_back(a);
       }
@@ -252,9 +254,7 @@ TEST(DeviceExchange, RowsMovedDeviceToDeviceAnswerAsTheHeapExchangeDoes) {
       if (HasFailure()) ADD_FAILURE() << log;
       (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
     }
-    const bool exact = std::string(c.weights) == "fp32" && std::string(c.dispatch) == "fp32" &&
-                       std::string(c.combine) == "fp32";
-    ExpectSameBitsAndRight(ref, requests, answers, 1, exact);
+    ExpectSameBitsAndRight(ref, requests, answers, 1, c.payloads.AllFp32());
   }
 }
 
