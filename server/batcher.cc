@@ -20,10 +20,12 @@ void Batcher::Channel::Push(Batch* b) {
   cv_.notify_all();
 }
 
-Batcher::Batch* Batcher::Channel::TryPop() {
+Batcher::Batch* Batcher::Channel::PopFor(absl::Duration timeout) {
   Batch* b = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                 [&] { return closed_ || !items_.empty(); });
     if (items_.empty()) return nullptr;
     b = items_.front();
     items_.pop_front();
@@ -48,6 +50,11 @@ Batcher::Batch* Batcher::Channel::Pop() {
 void Batcher::Channel::WaitNotFull() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return items_.size() < capacity_; });
+}
+
+bool Batcher::Channel::closed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
 }
 
 void Batcher::Channel::Close() {
@@ -441,15 +448,22 @@ void Batcher::ExecutePipelined() {
   while (true) {
     Batch* b = nullptr;
     if (running == nullptr) {
-      {
+      // Idle only while no batch is there: the forming batch goes to an idle executor as it
+      // is, and one handed over full while the last one ran must not leave it marked idle.
+      b = ready_.PopFor(absl::ZeroDuration());
+      if (b == nullptr) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          executor_idle_ = true;
+        }
+        cv_.notify_all();
+        b = ready_.Pop();
+        if (b == nullptr) break;
         std::lock_guard<std::mutex> lock(mu_);
-        executor_idle_ = true;
+        executor_idle_ = false;
       }
-      cv_.notify_all();
-      b = ready_.Pop();
-      if (b == nullptr) break;
     } else {
-      b = ready_.TryPop();
+      b = NextOrFinished(*running);
       if (b == nullptr) {
         finish(running);
         running = nullptr;
@@ -474,6 +488,18 @@ void Batcher::ExecutePipelined() {
     }
   }
   finished_.Close();
+}
+
+Batcher::Batch* Batcher::NextOrFinished(const Batch& running) {
+  if (!pipelined_.finished) return ready_.PopFor(absl::ZeroDuration());
+  const absl::Time start = absl::Now();
+  absl::Duration wait = absl::Microseconds(50);
+  while (true) {
+    if (Batch* b = ready_.PopFor(wait)) return b;
+    if (ready_.closed() || pipelined_.finished(running.ticket)) return nullptr;
+    // Notices the end at most about 1/64 of the batch's time late (as Coordinator::WaitDone).
+    wait = std::max(absl::Microseconds(50), (absl::Now() - start) / 64);
+  }
 }
 
 void Batcher::PrepareChunks(Batch* b) {

@@ -101,13 +101,17 @@ class Batcher {
   // Runs batches two at a time (worker::Coordinator::Start / Finish): `start` begins a batch
   // and returns a ticket, possibly while the batch started before it has not finished (its
   // rows are copied in while the workers compute that one); `finish` ends the batch of a
-  // ticket, in the order of the starts. Both are called only from the executor thread.
+  // ticket, in the order of the starts. `finished` (optional) says without waiting whether
+  // `finish` of the oldest running batch would return at once; with it the executor starts
+  // the next batch whenever it is formed while one runs, else only if it is formed right
+  // when the running one starts. All are called only from the executor thread.
   struct PipelinedExecutor {
     std::function<absl::StatusOr<uint64_t>(int layer_pos, std::span<const worker::RowChunk> chunks)>
         start;
     std::function<absl::Status(uint64_t ticket, int layer_pos,
                                std::span<const worker::RowChunk> chunks)>
         finish;
+    std::function<bool(uint64_t ticket)> finished;
   };
 
   // Told of every batch the executor ran successfully, after its requests were answered:
@@ -179,10 +183,11 @@ class Batcher {
     explicit Channel(size_t capacity) : capacity_(capacity) {}
     void Push(Batch* b);
     Batch* Pop();  // nullptr once closed and empty
-    // The next batch if one is there, without waiting; nullptr otherwise.
-    Batch* TryPop();
+    // The next batch if one comes within `timeout` (zero: is there); nullptr otherwise.
+    Batch* PopFor(absl::Duration timeout);
     void WaitNotFull();
     void Close();
+    bool closed();
 
    private:
     const size_t capacity_;
@@ -202,6 +207,10 @@ class Batcher {
   // ExecuteLoop with a PipelinedExecutor: while a batch runs, the next one formed is started
   // (its rows go in) before the running one is finished.
   void ExecutePipelined();
+  // While `running` runs: the next formed batch as soon as there is one, or nullptr once
+  // `running` has finished (at once where the executor has no `finished`), polling it with
+  // a backoff like the coordinator's own wait for the workers.
+  Batch* NextOrFinished(const Batch& running);
   // Sets b->chunks from its pieces, leaving out (and failing) rows no longer wanted, and
   // resets what the executor fills in (status, infer_time; started = now).
   void PrepareChunks(Batch* b);

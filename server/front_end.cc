@@ -245,6 +245,11 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(
   pipelined.finish = [self](uint64_t ticket, int layer_pos, std::span<const worker::RowChunk> c) {
     return self->FinishBatch(ticket, layer_pos, c);
   };
+  pipelined.finished = [self](uint64_t ticket) {
+    // Another thread's control step holds the coordinator: not finished as far as we know.
+    std::unique_lock<std::mutex> exec(self->exec_mu_, std::try_to_lock);
+    return exec.owns_lock() && self->coordinator_->Finished(ticket);
+  };
   absl::Status s =
       options.batches_in_flight > 1
           ? fe->Init(nullptr, std::move(pipelined))

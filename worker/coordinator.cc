@@ -472,6 +472,22 @@ absl::StatusOr<BatchTrace> Coordinator::Finish(uint64_t ticket) {
   return result;
 }
 
+bool Coordinator::Finished(uint64_t ticket) {
+  if (flight_.empty() || flight_.front().ticket != ticket) return false;
+  const InFlight& b = flight_.front();
+  if (b.state != InFlight::State::kPosted) return true;
+  if (!healthy_ || abort_.load() || shmem::SignalLoad(&cancel_word_) > b.generation ||
+      absl::Now() >= b.deadline) {
+    return true;
+  }
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+    if (b.live.Has(w) && heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) < seq_) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void Coordinator::Drain() {
   for (InFlight& b : flight_) Complete(b);
 }

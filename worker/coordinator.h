@@ -112,6 +112,12 @@ class Coordinator {
   absl::StatusOr<uint64_t> Start(int layer_pos, std::span<const RowChunk> chunks,
                                  absl::Time deadline);
   absl::StatusOr<BatchTrace> Finish(uint64_t ticket);
+  // Whether Finish(ticket) of the oldest batch in flight would return without waiting for
+  // the workers: they all ended it, or it cannot end well any more (a death cancelled it,
+  // Abort, its deadline passed), or it runs in slices from Finish (which waits in any case).
+  // Does not wait; false for any ticket but the oldest's. How the caller of Start and Finish
+  // starts the next batch as soon as it is formed while this one still runs.
+  bool Finished(uint64_t ticket);
 
   // Replaces every worker's weights with those of `model` (as --model names it) and `seed`,
   // all at once, in three steps that each run between batches (from the thread that runs

@@ -136,7 +136,7 @@ def rel_error(a, b):
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def service_part(build, env, shape, x, duration, weight_dtype):
+def service_part(build, env, shape, x, duration, saturation_duration, weight_dtype):
     """Starts the cluster, checks one answer, runs the load steps; returns the results."""
     import epserve_client
     extra = [f"--weight-dtype={weight_dtype}"] if weight_dtype != "fp32" else []
@@ -162,7 +162,8 @@ def service_part(build, env, shape, x, duration, weight_dtype):
     try:
         tokens = 32
         out = run([load, f"--target={cluster.address}", f"--tokens={tokens}",
-                   f"--concurrency={2 * THROUGHPUT_BATCH // tokens}", f"--duration={duration}",
+                   f"--concurrency={2 * THROUGHPUT_BATCH // tokens}",
+                   f"--duration={saturation_duration}",
                    "--warmup=2s", "--json", "--progress=off"], env)
         for step in json_lines(out):
             step["tokens_per_request"] = tokens
@@ -246,7 +247,7 @@ def bench_shape(a, env, shape, dtypes):
                                              ",".join(map(str, BASELINE_TOKENS)))
             if a.baselines_python:
                 r["baselines"] = baselines_part(env, a.baselines_python, weights, dtype, x_path)
-            svc = service_part(a.build, env, shape, x, a.duration, dtype)
+            svc = service_part(a.build, env, shape, x, a.duration, a.saturation_duration, dtype)
             r["service_steps"] = svc["steps"]
             r["service_vs_torch_rel_error"] = rel_error(svc["output"], y_torch)
             result[dtype] = r
@@ -385,6 +386,10 @@ def main():
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--shapes", default="qwen1.5-moe-a2.7b,olmoe-1b-7b")
     p.add_argument("--duration", default="8s")
+    # The closed loop at saturation completes its requests a batch (16 requests) at a time,
+    # a batch every 0.5-1 s on a small CPU host: a short window counts +-1 batch of ~10.
+    p.add_argument("--saturation-duration", default="24s",
+                   help="the throughput step's window (the saturation point)")
     p.add_argument("--max-load", type=float, default=0.6)
     p.add_argument("--load-wait", type=float, default=600)
     p.add_argument("--json-out", help="also write every figure here")

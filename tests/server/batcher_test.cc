@@ -181,6 +181,93 @@ TEST(Batcher, PipelinedExecutorKeepsTwoBatchesInFlightAndAnswersEveryRequestOnce
   EXPECT_TRUE(p.started.empty());
 }
 
+// With `finished`, a batch formed while another runs starts at once beside it (its rows go in
+// while the workers compute), however late in the running batch it is formed; and the batch
+// formed after it keeps taking rows until it is full or the executor has nothing to run (the
+// executor that took a batch handed over full is not idle).
+TEST(Batcher, PipelinedExecutorStartsABatchFormedWhileOneRunsAndFillsTheNext) {
+  struct Gated {
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t next = 1;
+    std::deque<uint64_t> started;      // tickets not finished, in order
+    std::set<uint64_t> open;           // tickets whose batch may end
+    std::vector<bool> started_beside;  // per start: was another batch in flight
+    std::vector<int64_t> rows;         // per start
+  } g;
+  Batcher::PipelinedExecutor exec;
+  exec.start = [&g](int, std::span<const worker::RowChunk> c) -> absl::StatusOr<uint64_t> {
+    std::lock_guard<std::mutex> lock(g.mu);
+    int64_t rows = 0;
+    for (const auto& chunk : c) {
+      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.output[i] = 2 * chunk.input[i];
+      rows += chunk.rows;
+    }
+    g.started_beside.push_back(!g.started.empty());
+    g.rows.push_back(rows);
+    g.started.push_back(g.next);
+    g.cv.notify_all();
+    return g.next++;
+  };
+  exec.finished = [&g](uint64_t t) {
+    std::lock_guard<std::mutex> lock(g.mu);
+    return g.open.count(t) > 0;
+  };
+  exec.finish = [&g](uint64_t t, int, std::span<const worker::RowChunk>) -> absl::Status {
+    std::unique_lock<std::mutex> lock(g.mu);
+    if (!g.cv.wait_for(lock, std::chrono::seconds(20), [&] { return g.open.count(t) > 0; })) {
+      return absl::DeadlineExceededError("the test never let the batch end");
+    }
+    EXPECT_EQ(g.started.front(), t);
+    g.started.pop_front();
+    g.cv.notify_all();
+    return absl::OkStatus();
+  };
+  auto wait_started = [&g](size_t n) {
+    std::unique_lock<std::mutex> lock(g.mu);
+    return g.cv.wait_for(lock, std::chrono::seconds(20), [&] { return g.rows.size() >= n; });
+  };
+  auto let_end = [&g](uint64_t t) {
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.open.insert(t);
+    g.cv.notify_all();
+  };
+  std::vector<std::unique_ptr<FakeRequest>> reqs;
+  {
+    // No queue delay: a batch goes as soon as the executor has nothing to run.
+    Batcher b(Options(8, absl::ZeroDuration()), kModel, kLevels, exec);
+    auto enqueue = [&](int64_t tokens) {
+      reqs.push_back(MakeRequest(tokens, 100.0f * reqs.size()));
+      ASSERT_TRUE(b.Enqueue(reqs.back()->task).ok());
+    };
+    enqueue(8);
+    ASSERT_TRUE(wait_started(1));
+    absl::SleepFor(absl::Milliseconds(50));  // well into the first batch
+    enqueue(8);
+    ASSERT_TRUE(wait_started(2));  // beside the first, which has not ended
+    let_end(1);
+    {
+      std::unique_lock<std::mutex> lock(g.mu);
+      ASSERT_TRUE(g.cv.wait_for(lock, std::chrono::seconds(20), [&] { return g.started.size() == 1; }));
+    }
+    // The second runs alone; rows that arrive now wait for a full batch.
+    enqueue(4);
+    absl::SleepFor(absl::Milliseconds(50));
+    enqueue(4);
+    ASSERT_TRUE(wait_started(3));
+    let_end(2);
+    let_end(3);
+    WaitDone(reqs);
+  }
+  for (const auto& r : reqs) {
+    EXPECT_EQ(r->calls, 1);
+    EXPECT_TRUE(r->status.ok()) << r->status;
+    for (size_t i = 0; i < r->in.size(); ++i) ASSERT_EQ(r->out[i], 2 * r->in[i]);
+  }
+  EXPECT_EQ(g.rows, (std::vector<int64_t>{8, 8, 8}));
+  EXPECT_EQ(g.started_beside, (std::vector<bool>{false, true, true}));
+}
+
 TEST(Batcher, FillsBatchesWhenRowsAreWaiting) {
   Recorder rec;
   std::vector<std::unique_ptr<FakeRequest>> reqs;
