@@ -328,6 +328,7 @@ void Batcher::AppendPieces(Batch& batch, std::vector<std::shared_ptr<InferTask>>
 }
 
 void Batcher::StageInputs(Batch& b, size_t first) {
+  if (options_.executor_converts) return;
   const int64_t h = model_.hidden_size;
   const absl::Time t0 = absl::Now();
   for (size_t i = first; i < b.pieces.size(); ++i) {
@@ -519,14 +520,20 @@ void Batcher::PrepareChunks(Batch* b) {
       p.skipped = true;
       continue;
     }
-    const float* in = t.input_type == common::ElementType::kFp32
-                          ? reinterpret_cast<const float*>(t.input + p.row * h * sizeof(float))
-                          : b->input_staging.data() + p.at * h;
-    float* out = t.output_type == common::ElementType::kFp32
-                     ? reinterpret_cast<float*>(t.output + p.row * h * sizeof(float))
-                     : b->output_staging.data() + p.at * h;
+    // The request's own rows where the executor converts them or they are FP32, else the
+    // batch's FP32 staging.
+    const bool own_in = options_.executor_converts || t.input_type == common::ElementType::kFp32;
+    const bool own_out = options_.executor_converts || t.output_type == common::ElementType::kFp32;
+    const void* in = own_in ? static_cast<const void*>(
+                                  t.input + p.row * h * common::ElementBytes(t.input_type))
+                            : b->input_staging.data() + p.at * h;
+    void* out = own_out ? static_cast<void*>(
+                              t.output + p.row * h * common::ElementBytes(t.output_type))
+                        : b->output_staging.data() + p.at * h;
     b->chunks.push_back({in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
-                         t.topk_weights ? t.topk_weights + p.row * k : nullptr});
+                         t.topk_weights ? t.topk_weights + p.row * k : nullptr,
+                         own_in ? t.input_type : common::ElementType::kFp32,
+                         own_out ? t.output_type : common::ElementType::kFp32});
   }
 }
 
@@ -539,7 +546,8 @@ void Batcher::CompleteLoop() {
       if (p.skipped) continue;
       if (!b->status.ok()) {
         Fail(t, b->status);
-      } else if (t.output_type != common::ElementType::kFp32 && !t.failed.load()) {
+      } else if (!options_.executor_converts && t.output_type != common::ElementType::kFp32 &&
+                 !t.failed.load()) {
         const float* src = b->output_staging.data() + p.at * h;
         char* dst = t.output + p.row * h * common::ElementBytes(t.output_type);
         common::ParallelFor(

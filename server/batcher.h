@@ -85,6 +85,11 @@ struct BatchingOptions {
   // 4096-token answer takes milliseconds), so that the completion thread goes on with the
   // next batch meanwhile; 0 or 1: the completion thread answers itself.
   int respond_threads = 0;
+  // The executor takes each request's rows in the request's own element types
+  // (RowChunk::input_type / output_type) and converts them as it copies them (the
+  // coordinator: into and out of the heap); false: the batcher hands it FP32 rows, converting
+  // BF16 and FP16 ones on its formation and completion threads.
+  bool executor_converts = false;
 
   absl::Duration max_queue_delay() const { return absl::Microseconds(max_queue_delay_us); }
   // INVALID_ARGUMENT naming the flag and its bound.

@@ -308,6 +308,8 @@ absl::Status FrontEnd::Init(Batcher::Executor executor, Batcher::PipelinedExecut
   // completion thread goes on with the next batch.
   batching.respond_threads = o.respond_threads > 0 ? o.respond_threads : copy_threads;
   if (coordinator_ != nullptr) coordinator_->set_copy_threads(copy_threads);
+  // The coordinator converts BF16 and FP16 rows as it copies them into and out of the heap.
+  batching.executor_converts = coordinator_ != nullptr;
   common::LogInfo(absl::StrCat(
       "rank 0: ", copy_threads, " thread(s) for row copies and conversions (",
       o.host_copy_threads > 0 ? "--host-copy-threads" : "a quarter of the host's hardware threads",

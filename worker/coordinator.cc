@@ -13,7 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "common/parallel.h"
 #include "common/status.h"
 
 namespace epserve::worker {
@@ -553,8 +552,9 @@ void Coordinator::Slice(std::span<const RowChunk> chunks, int64_t begin, int64_t
       const int64_t skip = from - at;
       RowChunk part = c;
       part.rows = to - from;
-      part.input += skip * hidden;
-      part.output += skip * hidden;
+      part.input = static_cast<const char*>(c.input) +
+                   skip * hidden * common::ElementBytes(c.input_type);
+      part.output = static_cast<char*>(c.output) + skip * hidden * common::ElementBytes(c.output_type);
       if (part.topk_ids != nullptr) part.topk_ids += skip * k;
       if (part.topk_weights != nullptr) part.topk_weights += skip * k;
       out.push_back(part);
@@ -614,31 +614,43 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
   const int num_workers = shape.num_workers;
   const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
   // Batch row r goes to worker w with begin(w) <= r < end(w). Where every worker's segment
-  // is load/store (shm), the copies run on copy_threads_ threads; else as Puts.
+  // is load/store (shm), the copies (converting to FP32 on the way) run on copy_threads_
+  // threads; else as Puts, of rows converted here first where they are not FP32.
   copies_.clear();
   bool direct = true;
   int64_t row = 0;
   int w = 0;
   for (const RowChunk& c : chunks) {
+    const size_t src_row_bytes = shape.hidden * common::ElementBytes(c.input_type);
     for (int64_t done = 0; done < c.rows;) {
       while (row >= RowSplit(total, w + 1, num_workers, live)) ++w;
       const int64_t begin = RowSplit(total, w, num_workers, live);
       const int64_t end = RowSplit(total, w + 1, num_workers, live);
       const int64_t take = std::min(c.rows - done, end - row);
       const size_t offset = regions_.Input(slot) + (row - begin) * row_bytes;
-      const float* src = c.input + done * shape.hidden;
+      const char* src = static_cast<const char*>(c.input) + done * src_row_bytes;
+      const size_t count = static_cast<size_t>(take * shape.hidden);
       void* dst = direct ? heap_.Direct(RankOfWorker(w), offset) : nullptr;
       if (dst != nullptr) {
-        copies_.push_back({dst, src, static_cast<size_t>(take) * row_bytes});
+        copies_.push_back({dst, common::ElementType::kFp32, src, c.input_type, count});
       } else {
         direct = false;
-        EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), offset, src, take * row_bytes));
+        if (c.input_type == common::ElementType::kFp32) {
+          EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), offset, src, take * row_bytes));
+        } else {
+          put_rows_.resize(count);
+          common::ToFp32(c.input_type, src, put_rows_.data(), count);
+          EPSERVE_RETURN_IF_ERROR(
+              heap_.Put(RankOfWorker(w), offset, put_rows_.data(), take * row_bytes));
+          // A Put may complete later: put_rows_ is reused once this one is done.
+          EPSERVE_RETURN_IF_ERROR(heap_.Flush(RankOfWorker(w)));
+        }
       }
       row += take;
       done += take;
     }
   }
-  common::ParallelCopy(copy_threads_, copies_);
+  common::ParallelConvert(copy_threads_, copies_);
   return absl::OkStatus();
 }
 
@@ -706,21 +718,21 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace, const WorkerSet& pos
 
 void Coordinator::Gather(std::span<const RowChunk> chunks, int slot) {
   const ExchangeShape& shape = regions_.plan.shape();
-  const size_t row_bytes = static_cast<size_t>(shape.hidden) * sizeof(float);
   const size_t k = static_cast<size_t>(shape.top_k);
   const float* out = heap_.LocalAs<float>(regions_.Output(slot));
   const int32_t* ids = heap_.LocalAs<int32_t>(regions_.TopkIds(slot));
   const float* weights = heap_.LocalAs<float>(regions_.TopkWeights(slot));
   copies_.clear();
   for (const RowChunk& c : chunks) {
-    copies_.push_back({c.output, out, c.rows * row_bytes});
+    copies_.push_back({c.output, c.output_type, out, common::ElementType::kFp32,
+                       static_cast<size_t>(c.rows * shape.hidden)});
     out += c.rows * shape.hidden;
     if (c.topk_ids != nullptr) std::memcpy(c.topk_ids, ids, c.rows * k * sizeof(int32_t));
     if (c.topk_weights != nullptr) std::memcpy(c.topk_weights, weights, c.rows * k * sizeof(float));
     ids += c.rows * k;
     weights += c.rows * k;
   }
-  common::ParallelCopy(copy_threads_, copies_);
+  common::ParallelConvert(copy_threads_, copies_);
 }
 
 absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {

@@ -18,7 +18,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "common/parallel.h"
+#include "common/convert.h"
+#include "common/element_type.h"
 #include "shmem/heap.h"
 #include "worker/heap_regions.h"
 #include "worker/placement.h"
@@ -39,14 +40,22 @@ struct BatchTrace {
 };
 
 // A contiguous run of a batch's rows: `rows` rows read from `input` and answered into
-// `output` (both [rows, H] floats, owned by the caller).
+// `output` ([rows, H] elements of input_type and output_type, owned by the caller). The heap
+// holds FP32 rows: rank 0 converts BF16 and FP16 rows as it copies them in and out, so that a
+// request's bytes are read once on the way in and its answer written once on the way out.
 struct RowChunk {
-  const float* input;
-  float* output;
+  const void* input;
+  void* output;
   int64_t rows;
   // Optional: where the routing of these rows goes, [rows, k] each (owned by the caller).
   int32_t* topk_ids = nullptr;
   float* topk_weights = nullptr;
+  common::ElementType input_type = common::ElementType::kFp32;   // FP32, BF16 or FP16
+  common::ElementType output_type = common::ElementType::kFp32;  // FP32, BF16 or FP16
+
+  // The rows as FP32, for those whose types are FP32 (an executor that takes no other).
+  const float* fp32_input() const { return static_cast<const float*>(input); }
+  float* fp32_output() const { return static_cast<float*>(output); }
 };
 
 // Not thread-safe: one thread runs batches, one at a time.
@@ -156,7 +165,7 @@ class Coordinator {
   const ExchangeShape& shape() const { return regions_.plan.shape(); }
 
   // Threads that copy a batch's rows into the workers' input regions and its output rows out
-  // of rank 0's segment (where the heap gives load/store access; common::ParallelCopy).
+  // of rank 0's segment (where the heap gives load/store access; common::ParallelConvert).
   void set_copy_threads(int threads) { copy_threads_ = std::max(threads, 1); }
 
  private:
@@ -255,7 +264,8 @@ class Coordinator {
   const HeapRegions regions_;
   std::vector<ExpertPlacement> placements_;
   int copy_threads_ = 1;
-  std::vector<common::CopyJob> copies_;             // Scatter's and Gather's, reused
+  std::vector<common::ConvertJob> copies_;          // Scatter's and Gather's, reused
+  std::vector<float> put_rows_;                     // Scatter's converted rows for a Put
   std::vector<ExpertPlacement> staged_placements_;  // of the stage under way, if it brings any
   // The live set batches run over, and placements_ OnlyOn it (empty while all live).
   WorkerSet serving_live_;

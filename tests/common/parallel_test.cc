@@ -1,6 +1,8 @@
 // common/parallel: every item and byte is covered exactly once, whatever the split.
 #include "common/parallel.h"
 
+#include "common/convert.h"
+
 #include <atomic>
 #include <cstring>
 #include <random>
@@ -57,6 +59,51 @@ TEST(ParallelCopy, CopiesEveryJobWhole) {
   }
   EXPECT_GE(DefaultCopyThreads(), 1);
   EXPECT_LE(DefaultCopyThreads(), 8);
+}
+
+// Jobs of each pair of types a request's rows take into and out of the heap, split at odd
+// places: every element converted exactly as one Convert of the whole job does (the
+// element conversions themselves: validation_test's and client_test's Dtype tests), nothing
+// written beyond a job's end.
+TEST(ParallelConvert, ConvertsEveryJobWholeAsOneCallDoes) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<float> u(-100.0f, 100.0f);
+  struct Pair {
+    ElementType from, to;
+  };
+  const Pair pairs[] = {{ElementType::kBf16, ElementType::kFp32},
+                        {ElementType::kFp16, ElementType::kFp32},
+                        {ElementType::kFp32, ElementType::kFp32},
+                        {ElementType::kFp32, ElementType::kBf16},
+                        {ElementType::kFp32, ElementType::kFp16}};
+  const std::vector<size_t> counts = {0, 1, (1u << 18) - 3, 5, (3u << 18) + 11};
+  for (const Pair& p : pairs) {
+    std::vector<std::vector<char>> src, dst, want;
+    std::vector<ConvertJob> jobs;
+    for (size_t n : counts) {
+      std::vector<float> values(n);
+      for (float& v : values) v = u(rng);
+      std::vector<char>& s = src.emplace_back(n * ElementBytes(p.from));
+      FromFp32(p.from, values.data(), s.data(), n);
+      dst.emplace_back(n * ElementBytes(p.to) + 16, '\x5a');
+      want.emplace_back(n * ElementBytes(p.to));
+      Convert({want.back().data(), p.to, s.data(), p.from, n});
+    }
+    for (size_t i = 0; i < counts.size(); ++i)
+      jobs.push_back({dst[i].data(), p.to, src[i].data(), p.from, counts[i]});
+    for (int threads : {1, 2, 5}) {
+      for (auto& d : dst) std::fill(d.begin(), d.end(), '\x5a');
+      ParallelConvert(threads, jobs);
+      for (size_t i = 0; i < counts.size(); ++i) {
+        if (counts[i] > 0) {
+          ASSERT_EQ(std::memcmp(dst[i].data(), want[i].data(), want[i].size()), 0)
+              << FlagName(p.from) << " to " << FlagName(p.to) << ", job " << i << ", " << threads
+              << " threads";
+        }
+        for (size_t g = want[i].size(); g < dst[i].size(); ++g) ASSERT_EQ(dst[i][g], '\x5a') << i;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -58,7 +58,7 @@ struct Recorder {
     return [this](int layer_pos, std::span<const worker::RowChunk> chunks) {
       int64_t rows = 0;
       for (const auto& c : chunks) {
-        for (int64_t i = 0; i < c.rows * kHidden; ++i) c.output[i] = 2 * c.input[i];
+        for (int64_t i = 0; i < c.rows * kHidden; ++i) c.fp32_output()[i] = 2 * c.fp32_input()[i];
         rows += c.rows;
       }
       std::lock_guard<std::mutex> lock(mu);
@@ -143,7 +143,7 @@ TEST(Batcher, PipelinedExecutorKeepsTwoBatchesInFlightAndAnswersEveryRequestOnce
     if (!p.started.empty()) p.started.pop_front();
     EXPECT_EQ(c.size(), p.chunks[t].size());
     for (const auto& chunk : c) {
-      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.output[i] = 2 * chunk.input[i];
+      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.fp32_output()[i] = 2 * chunk.fp32_input()[i];
     }
     if (p.fail_finish.count(t) > 0) return absl::UnavailableError("finish failed");
     return absl::OkStatus();
@@ -200,7 +200,7 @@ TEST(Batcher, PipelinedExecutorStartsABatchFormedWhileOneRunsAndFillsTheNext) {
     std::lock_guard<std::mutex> lock(g.mu);
     int64_t rows = 0;
     for (const auto& chunk : c) {
-      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.output[i] = 2 * chunk.input[i];
+      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.fp32_output()[i] = 2 * chunk.fp32_input()[i];
       rows += chunk.rows;
     }
     g.started_beside.push_back(!g.started.empty());
@@ -382,13 +382,13 @@ struct Gate {
   Batcher::Executor Executor() {
     return [this](int, std::span<const worker::RowChunk> chunks) {
       std::unique_lock<std::mutex> lock(mu);
-      first_values.push_back(chunks[0].input[0]);
+      first_values.push_back(chunks[0].fp32_input()[0]);
       int64_t n = 0;
       for (const auto& c : chunks) n += c.rows;
       rows.push_back(n);
       cv.wait(lock, [&] { return open; });
       for (const auto& c : chunks) {
-        for (int64_t i = 0; i < c.rows * kHidden; ++i) c.output[i] = 2 * c.input[i];
+        for (int64_t i = 0; i < c.rows * kHidden; ++i) c.fp32_output()[i] = 2 * c.fp32_input()[i];
       }
       return absl::OkStatus();
     };
@@ -505,6 +505,67 @@ TEST(Batcher, ConvertsBf16AndFp16BothWays) {
   for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(out[i], 2 * values[i]) << i;
 }
 
+// With executor_converts the executor gets each request's own rows and types (here a BF16
+// request answered in FP16, split over two batches), and the batcher converts nothing.
+TEST(Batcher, AnExecutorThatConvertsGetsTheRequestsOwnRowsAndTypes) {
+  const int64_t tokens = 11;
+  std::vector<float> values(tokens * kHidden);
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  for (float& v : values) v = dist(rng);
+  std::vector<char> bf16(values.size() * 2), fp16_out(values.size() * 2, '\x7f');
+  FromFp32(ElementType::kBf16, values.data(), bf16.data(), values.size());
+  auto task = std::make_shared<InferTask>();
+  task->num_tokens = tokens;
+  task->input = bf16.data();
+  task->input_type = ElementType::kBf16;
+  task->output = fp16_out.data();
+  task->output_type = ElementType::kFp16;
+  task->enqueued = absl::Now();
+  std::atomic<int> calls{0};
+  absl::Status status;
+  task->done = [&](absl::Status s, const TaskTimes&) {
+    status = s;
+    calls++;
+  };
+  std::vector<int64_t> offsets;  // each chunk's first row, from its input pointer
+  bool types_kept = true;
+  Batcher::Executor exec = [&](int, std::span<const worker::RowChunk> chunks) {
+    for (const auto& c : chunks) {
+      types_kept = types_kept && c.input_type == ElementType::kBf16 &&
+                   c.output_type == ElementType::kFp16;
+      offsets.push_back((static_cast<const char*>(c.input) - bf16.data()) / (2 * kHidden));
+      std::vector<float> row(c.rows * kHidden);
+      ToFp32(ElementType::kBf16, static_cast<const char*>(c.input), row.data(), row.size());
+      for (float& v : row) v *= 2;
+      FromFp32(ElementType::kFp16, row.data(), static_cast<char*>(c.output), row.size());
+    }
+    return absl::OkStatus();
+  };
+  {
+    BatchingOptions options = Options(8);
+    options.executor_converts = true;
+    Batcher b(options, kModel, kLevels, exec);
+    ASSERT_TRUE(b.Enqueue(task).ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(calls, 1);
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_TRUE(types_kept);
+  EXPECT_EQ(offsets, (std::vector<int64_t>{0, 8}));
+  std::vector<float> out(values.size()), expect(values.size());
+  ToFp32(ElementType::kFp16, fp16_out.data(), out.data(), out.size());
+  // The FP16 of twice the BF16 of each value: what the executor wrote, nothing else.
+  std::vector<float> widened(values.size());
+  ToFp32(ElementType::kBf16, bf16.data(), widened.data(), widened.size());
+  for (float& v : widened) v *= 2;
+  std::vector<char> narrowed(values.size() * 2);
+  FromFp32(ElementType::kFp16, widened.data(), narrowed.data(), widened.size());
+  ToFp32(ElementType::kFp16, narrowed.data(), expect.data(), expect.size());
+  for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(out[i], expect[i]) << i;
+}
+
 TEST(Batcher, ARequestCancelledMidwayIsAnsweredOnceAndItsRestIsNotComputed) {
   Gate gate;
   std::atomic<bool> cancel{false};
@@ -581,7 +642,7 @@ TEST(Batcher, RunBetweenRequestsNeverSplitsAnAnswer) {
     in_batch.store(true);
     const float f = static_cast<float>(factor.load());
     for (const auto& c : chunks) {
-      for (int64_t i = 0; i < c.rows * kHidden; ++i) c.output[i] = f * c.input[i];
+      for (int64_t i = 0; i < c.rows * kHidden; ++i) c.fp32_output()[i] = f * c.fp32_input()[i];
     }
     absl::SleepFor(absl::Microseconds(200));
     in_batch.store(false);

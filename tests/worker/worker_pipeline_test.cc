@@ -7,6 +7,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/convert.h"
 #include "gtest/gtest.h"
 #include "model/reference.h"
 #include "model/synthetic.h"
@@ -136,6 +137,65 @@ TEST(WorkerPipeline, BatchesOfEverySizeMatchTheReference) {
     }
   });
 }
+
+// Chunks of BF16 and FP16 rows, answered in FP16, BF16 and FP32 (as requests of those types
+// reach the coordinator): rank 0 widens them into the heap and narrows the answer out of it,
+// each chunk by its own types, and every row matches the reference of the widened inputs to
+// within the rounding of its output type. On the shm heap rank 0 converts straight into the
+// workers' input regions; on the rma heap into rows of its own that it Puts.
+class TypedRows : public ::testing::TestWithParam<shmem::HeapBackend> {};
+
+TEST_P(TypedRows, AreConvertedOnTheirWayInAndOut) {
+  ClusterOptions o;
+  o.exchange.heap = shmem::HeapBackendName(GetParam());
+  RunCluster(o, [](Cluster& c, Coordinator& coord) {
+    using common::ElementType;
+    std::mt19937_64 rng(std::random_device{}());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int64_t h = c.source->config().layer.hidden_size;
+    struct Part {
+      ElementType in, out;
+      int64_t tokens;
+    };
+    const Part parts[] = {{ElementType::kBf16, ElementType::kFp16, 5},
+                          {ElementType::kFp32, ElementType::kBf16, 9},
+                          {ElementType::kFp16, ElementType::kFp32, 4}};
+    int64_t tokens = 0;
+    for (const Part& p : parts) tokens += p.tokens;
+    std::vector<float> x(tokens * h), out(tokens * h, NAN);
+    std::vector<std::vector<char>> in_bytes, out_bytes;
+    std::vector<RowChunk> chunks;
+    int64_t at = 0;
+    for (const Part& p : parts) {
+      const size_t n = p.tokens * h;
+      std::vector<float> values(n);
+      for (float& v : values) v = u(rng);
+      in_bytes.emplace_back(n * common::ElementBytes(p.in));
+      common::FromFp32(p.in, values.data(), in_bytes.back().data(), n);
+      // What the workers compute on: the inputs as they widen.
+      common::ToFp32(p.in, in_bytes.back().data(), x.data() + at * h, n);
+      out_bytes.emplace_back(n * common::ElementBytes(p.out), '\xff');  // NaN in every type
+      chunks.push_back({in_bytes.back().data(), out_bytes.back().data(), p.tokens, nullptr,
+                        nullptr, p.in, p.out});
+      at += p.tokens;
+    }
+    absl::StatusOr<BatchTrace> trace = coord.Run(0, chunks, absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(trace.ok()) << trace.status();
+    at = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      common::ToFp32(parts[i].out, out_bytes[i].data(), out.data() + at * h, parts[i].tokens * h);
+      at += parts[i].tokens;
+    }
+    // BF16 answers carry 8 significant bits: within 2^-8 of the largest value.
+    ExpectMatchesReference(*c.source, c.source->config().moe_layers[0], x, out, tokens, 1.0 / 256);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorkerPipeline, TypedRows,
+                         ::testing::Values(shmem::HeapBackend::kShm, shmem::HeapBackend::kRma),
+                         [](const ::testing::TestParamInfo<shmem::HeapBackend>& p) {
+                           return std::string(shmem::HeapBackendName(p.param));
+                         });
 
 // Two batches in flight (Coordinator::Start / Finish, as the server runs them): the next
 // batch's rows go into the other input slot while the workers compute, each batch's output

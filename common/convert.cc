@@ -1,0 +1,72 @@
+#include "common/convert.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "common/half.h"
+#include "common/parallel.h"
+
+namespace epserve::common {
+
+void ToFp32(ElementType type, const char* src, float* dst, size_t count) {
+  if (type == ElementType::kFp32) {
+    std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, src + 2 * i, 2);
+    dst[i] = type == ElementType::kBf16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+  }
+}
+
+void FromFp32(ElementType type, const float* src, char* dst, size_t count) {
+  if (type == ElementType::kFp32) {
+    std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const uint16_t bits = type == ElementType::kBf16 ? FloatToBf16(src[i]) : FloatToFp16(src[i]);
+    std::memcpy(dst + 2 * i, &bits, 2);
+  }
+}
+
+void Convert(const ConvertJob& job) {
+  if (job.src_type == job.dst_type) {
+    std::memcpy(job.dst, job.src, job.count * ElementBytes(job.src_type));
+  } else if (job.dst_type == ElementType::kFp32) {
+    ToFp32(job.src_type, static_cast<const char*>(job.src), static_cast<float*>(job.dst),
+           job.count);
+  } else {
+    FromFp32(job.dst_type, static_cast<const float*>(job.src), static_cast<char*>(job.dst),
+             job.count);
+  }
+}
+
+void ParallelConvert(int threads, std::span<const ConvertJob> jobs) {
+  size_t total = 0;
+  for (const ConvertJob& j : jobs) total += j.count;
+  // Thread r converts elements [total * r / ranges, total * (r + 1) / ranges) of the
+  // concatenation.
+  ParallelFor(threads, static_cast<int64_t>(total), int64_t{1} << 18,
+              [&](int64_t begin, int64_t end) {
+                size_t at = 0;  // where job j starts in the concatenation
+                for (const ConvertJob& j : jobs) {
+                  const size_t from = std::max<size_t>(begin, at);
+                  const size_t to = std::min<size_t>(end, at + j.count);
+                  if (from < to) {
+                    ConvertJob part = j;
+                    part.dst = static_cast<char*>(j.dst) + (from - at) * ElementBytes(j.dst_type);
+                    part.src =
+                        static_cast<const char*>(j.src) + (from - at) * ElementBytes(j.src_type);
+                    part.count = to - from;
+                    Convert(part);
+                  }
+                  at += j.count;
+                  if (at >= static_cast<size_t>(end)) break;
+                }
+              });
+}
+
+}  // namespace epserve::common
