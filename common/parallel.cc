@@ -1,5 +1,7 @@
 #include "common/parallel.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstring>
 #include <thread>
@@ -10,6 +12,13 @@ namespace epserve::common {
 int DefaultCopyThreads() {
   const int hw = static_cast<int>(std::thread::hardware_concurrency());
   return std::clamp(hw / 4, 1, 8);
+}
+
+void NameThisThread(const char* name) {
+  char shortened[16];
+  std::strncpy(shortened, name, sizeof(shortened) - 1);
+  shortened[sizeof(shortened) - 1] = '\0';
+  pthread_setname_np(pthread_self(), shortened);
 }
 
 void ParallelFor(int threads, int64_t n, int64_t min_grain,
@@ -24,7 +33,10 @@ void ParallelFor(int threads, int64_t n, int64_t min_grain,
   std::vector<std::thread> helpers;
   helpers.reserve(ranges - 1);
   for (int64_t r = 1; r < ranges; ++r) {
-    helpers.emplace_back([&fn, r, ranges, n] { fn(n * r / ranges, n * (r + 1) / ranges); });
+    helpers.emplace_back([&fn, r, ranges, n] {
+      NameThisThread("ep-copy");
+      fn(n * r / ranges, n * (r + 1) / ranges);
+    });
   }
   fn(0, n / ranges);
   for (std::thread& t : helpers) t.join();

@@ -22,6 +22,11 @@ int DefaultCopyThreads();
 void ParallelFor(int threads, int64_t n, int64_t min_grain,
                  const std::function<void(int64_t begin, int64_t end)>& fn);
 
+// Names the calling thread (at most 15 characters are kept): what `top -H`, `ps -L` and
+// /proc/PID/task/TID/comm show, so that a rank's CPU time can be told apart by thread.
+// Every long-lived thread of epserve's own is named "ep-<role>"; ParallelFor's are "ep-copy".
+void NameThisThread(const char* name);
+
 // One copy of a list of copies.
 struct CopyJob {
   void* dst;

@@ -97,12 +97,24 @@ Batcher::Batcher(const BatchingOptions& options, const ServedModel& model, int64
     batches_.push_back(std::make_unique<Batch>());
     free_.Push(batches_.back().get());
   }
-  form_thread_ = std::thread([this] { FormLoop(); });
-  execute_thread_ = std::thread([this] { pipelined_.start ? ExecutePipelined() : ExecuteLoop(); });
-  complete_thread_ = std::thread([this] { CompleteLoop(); });
+  form_thread_ = std::thread([this] {
+    common::NameThisThread("ep-form");
+    FormLoop();
+  });
+  execute_thread_ = std::thread([this] {
+    common::NameThisThread("ep-execute");
+    pipelined_.start ? ExecutePipelined() : ExecuteLoop();
+  });
+  complete_thread_ = std::thread([this] {
+    common::NameThisThread("ep-complete");
+    CompleteLoop();
+  });
   if (options_.respond_threads > 1) {
     for (int i = 0; i < options_.respond_threads; ++i) {
-      responders_.emplace_back([this] { RespondLoop(); });
+      responders_.emplace_back([this] {
+        common::NameThisThread("ep-respond");
+        RespondLoop();
+      });
     }
   }
 }

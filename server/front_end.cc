@@ -363,10 +363,16 @@ absl::Status FrontEnd::Init(Batcher::Executor executor, Batcher::PipelinedExecut
   metrics_->SetWorkersReady(served_.num_workers);
   SetReady(true);
   if (coordinator_ != nullptr) {
-    watcher_ = std::thread([this, w = served_.num_workers] { WatchHeartbeats(w); });
+    watcher_ = std::thread([this, w = served_.num_workers] {
+      common::NameThisThread("ep-heartbeats");
+      WatchHeartbeats(w);
+    });
     if (o.eplb.interval_batches > 0 && open_model_) {
       eplb_load_.assign(served_.layers.size(), std::vector<double>(served_.num_experts, 0.0));
-      rebalancer_ = std::thread([this] { RebalanceLoop(); });
+      rebalancer_ = std::thread([this] {
+        common::NameThisThread("ep-rebalance");
+        RebalanceLoop();
+      });
     }
   }
   if (!o.ready_file.empty()) {

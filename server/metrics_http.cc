@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/parallel.h"
 #include "common/status.h"
 
 namespace epserve::server {
@@ -445,7 +446,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
       return Errno("metrics server: epoll_ctl");
     }
   }
-  s->thread_ = std::thread([server = s.get()] { server->Run(); });
+  s->thread_ = std::thread([server = s.get()] {
+    common::NameThisThread("ep-metrics-http");
+    server->Run();
+  });
   return s;
 }
 

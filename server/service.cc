@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/parallel.h"
 #include "server/clip.h"
 #include "server/grpc_status.h"
 
@@ -84,7 +85,10 @@ InferenceService::InferenceService(const ServiceOptions& options, const ServedMo
       budget_(budget_bytes) {
   BuildModelConfig();
   if (metrics_ != nullptr) metrics_->SetHeldBytesLimit(budget_.limit());
-  reaper_ = std::thread([this] { Reap(); });
+  reaper_ = std::thread([this] {
+    common::NameThisThread("ep-reaper");
+    Reap();
+  });
 }
 
 InferenceService::~InferenceService() {

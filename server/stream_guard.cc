@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/parallel.h"
 
 namespace epserve::server {
 namespace {
@@ -197,7 +198,10 @@ absl::Status StreamGuardOptions::Validate() const {
 
 StreamGuard::StreamGuard(const StreamGuardOptions& options, Callbacks callbacks)
     : options_(options), callbacks_(std::move(callbacks)) {
-  thread_ = std::thread([this] { Run(); });
+  thread_ = std::thread([this] {
+    common::NameThisThread("ep-stream-guard");
+    Run();
+  });
 }
 
 StreamGuard::~StreamGuard() {

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/parallel.h"
 #include "common/status.h"
 
 namespace epserve::worker {
@@ -81,7 +82,10 @@ absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
     }
     return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
-  watch_ = std::thread([this, pidfds, pids] { Watch(pidfds, pids); });
+  watch_ = std::thread([this, pidfds, pids] {
+    common::NameThisThread("ep-death-watch");
+    Watch(pidfds, pids);
+  });
   return absl::OkStatus();
 }
 

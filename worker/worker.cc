@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/parallel.h"
 #include "common/status.h"
 #include "model/layers.h"
 
@@ -172,6 +173,7 @@ absl::Status Worker::Stage(uint64_t seq) {
   stage_published_ = false;
   load_done_.store(false);
   loader_ = std::thread([this, spec, seed, rebalance, src = *std::move(source)] {
+    common::NameThisThread("ep-stage-weights");
     const absl::Time start = absl::Now();
     // A rebalance keeps the weights: the experts this worker holds are copied on its device,
     // only its new copies come from the source (the serving layers change only at kSwitch,
@@ -412,6 +414,7 @@ class Worker::Heart {
   explicit Heart(uint64_t* beat) {
     if (beat == nullptr) return;
     thread_ = std::thread([this, beat] {
+      common::NameThisThread("ep-heartbeat");
       uint64_t n = 0;
       std::unique_lock<std::mutex> lock(mu_);
       while (!stop_) {
@@ -458,7 +461,12 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   // The uploader, from now until Serve returns.
   std::atomic<bool> uploader_stop{false};
   std::thread uploader;
-  if (upload_ahead_) uploader = std::thread([&] { UploadLoop(uploader_stop); });
+  if (upload_ahead_) {
+    uploader = std::thread([&] {
+      common::NameThisThread("ep-upload-ahead");
+      UploadLoop(uploader_stop);
+    });
+  }
   struct StopUploader {
     std::atomic<bool>& stop;
     std::thread& thread;
