@@ -438,9 +438,10 @@ absl::Status StartMpi(int& argc, char**& argv, int& provided, int& rank, int& nu
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Buffers of 1 MiB and more (large requests and answers) come from mmap and go back to the
-  // system when freed. A fixed threshold also turns off glibc's adaptive one, which after the
-  // first such free serves them from the heap, where a burst of them stays resident.
+  // Buffers of 1 MiB and more (large requests and answers, weights being loaded) come from
+  // mmap and go back to the system when freed. A fixed threshold also turns off glibc's
+  // adaptive one, which after the first such free serves them from the heap, where a burst
+  // of them stays resident. --keep-request-buffers changes this on rank 0 (below).
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   Flags flags;
   epserve::common::FlagSet fs(
@@ -467,6 +468,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   epserve::common::SetLogRank(rank);
+  if (rank == 0 && flags.fe.service.keep_request_buffers) {
+    // Requests and answers up to 32 MiB (glibc's largest threshold; a 4096-token FP32 batch
+    // of hidden 2048) come from the arenas, and free() gives no pages back on its own: the
+    // next request reuses them, where an mmapped buffer faults every page in again
+    // (thousands of faults per 16 MiB, several buffers per inline request). The service's
+    // reaper gives them back once the load ends (InferenceService::Reap).
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  }
   if (provided < MPI_THREAD_SERIALIZED) {
     if (rank == 0) std::fprintf(stderr, "epserve: this MPI library lacks MPI_THREAD_SERIALIZED\n");
     EPSERVE_MPI_CHECK_LOG(MPI_Finalize());

@@ -113,6 +113,13 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
   fs.Add("answer-timeout", &fe.service.answer_timeout,
          "An answer its client has not taken within this closes the call (CANCELLED); while "
          "--max-inflight-bytes is short, calls whose answer waited 1 s are closed first");
+  fs.Add("keep-request-buffers", &fe.service.keep_request_buffers,
+         "Rank 0 keeps freed request and answer buffers (up to 32 MiB each) for the next "
+         "requests instead of giving them back to the system at once: large inline requests no "
+         "longer fault their pages in afresh (4096-token BF16 requests on an H100 host: "
+         "1.2-1.6x the tokens/s), at the cost of free memory held beside the calls' own, up to "
+         "twice what they hold (at least 128 MiB), given back once the load ends. For trusted "
+         "clients; off, rank 0's memory returns within a second of a burst");
   fs.Add("grpc-memory-quota", &fe.grpc_memory_quota,
          "Bytes gRPC itself may use for buffers, calls and connections (a resource quota; under "
          "pressure it closes idle connections, then cancels calls). 0: --max-inflight-bytes "

@@ -131,6 +131,7 @@ void InferenceService::Reap() {
   const absl::Duration grace = std::min(absl::Seconds(1), options_.answer_timeout);
   const int64_t limit = budget_.limit();
   absl::Time last_look = absl::Now();
+  uint64_t admitted_at_look = admitted_.load();
   std::unique_lock<std::mutex> lock(reap_mu_);
   while (!reap_stop_) {
     reap_cv_.wait_for(lock, std::chrono::milliseconds(100));
@@ -168,13 +169,23 @@ void InferenceService::Reap() {
       }
     }
     // Memory given back: glibc keeps freed buffers in its arenas (request and answer buffers
-    // under 1 MiB, and gRPC's own: a message refused at its size bound, the streams of a
-    // burst, which the budget never sees); once a second, while its arenas hold 32 MiB or
-    // more of free chunks, their pages go back to the system (a trim of pages already given
-    // back costs a walk of the free lists, well under a millisecond).
+    // under its mmap threshold, and gRPC's own: a message refused at its size bound, the
+    // streams of a burst, which the budget never sees). Once a second, while its arenas hold
+    // 32 MiB or more of free chunks, their pages go back to the system; with
+    // keep_request_buffers only once no request arrived since the last look (the load
+    // ended) or when they hold over twice what the calls hold (at least 64 MiB), so that
+    // under load the next requests reuse them without faulting their pages in again. A trim
+    // of pages already given back costs a walk of the free lists, well under a millisecond.
     if (absl::Now() - last_look >= absl::Seconds(1)) {
       last_look = absl::Now();
-      if (mallinfo2().fordblks >= (size_t{32} << 20)) malloc_trim(0);
+      const uint64_t admitted = admitted_.load(std::memory_order_relaxed);
+      const bool quiet = admitted == admitted_at_look;
+      admitted_at_look = admitted;
+      const size_t free_bytes = mallinfo2().fordblks;
+      const size_t held = static_cast<size_t>(std::max<int64_t>(budget_.used(), 64 << 20));
+      const bool give_back =
+          !options_.keep_request_buffers || quiet || free_bytes > 2 * held;
+      if (free_bytes >= (size_t{32} << 20) && give_back) malloc_trim(0);
     }
     lock.lock();
   }
@@ -182,6 +193,7 @@ void InferenceService::Reap() {
 
 absl::StatusOr<ParsedInfer> InferenceService::Admit(const inference::ModelInferRequest& req,
                                                     int64_t* cost) {
+  admitted_.fetch_add(1, std::memory_order_relaxed);  // a request arrived (the reaper's trims)
   absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, signature_, &shm_);
   if (!parsed.ok()) return parsed.status();
   if (!ready()) {

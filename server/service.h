@@ -41,6 +41,14 @@ struct ServiceOptions {
   // (CANCELLED), freeing what the call holds. While the budget is short, calls whose answer
   // has waited min(1 s, answer_timeout) are closed first, the longest-waiting first.
   absl::Duration answer_timeout = absl::Seconds(30);
+  // --keep-request-buffers: rank 0's allocator keeps freed request and answer buffers (up to
+  // 32 MiB each; epserve's main sets glibc's thresholds) for the next requests, and the
+  // reaper gives free memory back only once no request arrived for a second or it exceeds
+  // twice what the calls hold (at least 128 MiB). Off: buffers of 1 MiB and more are
+  // mmapped and go back when freed, and the reaper gives back whatever is free once a
+  // second (32 MiB or more), which bounds rank 0's memory after a burst tightly but makes
+  // every large request fault its pages in afresh.
+  bool keep_request_buffers = false;
 
   // INVALID_ARGUMENT naming the flag and its bound.
   absl::Status Validate() const;
@@ -202,6 +210,7 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   std::recursive_mutex calls_mu_;
   std::unordered_set<HeldCall*> calls_;                     // guarded by calls_mu_
   std::unordered_map<std::string, int64_t> calls_by_peer_;  // guarded by calls_mu_
+  std::atomic<uint64_t> admitted_{0};  // requests that reached Admit (the reaper's trim rule)
   std::mutex reap_mu_;
   std::condition_variable reap_cv_;
   bool reap_stop_ = false;      // guarded by reap_mu_
