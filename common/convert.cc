@@ -45,28 +45,15 @@ void Convert(const ConvertJob& job) {
 }
 
 void ParallelConvert(int threads, std::span<const ConvertJob> jobs) {
-  size_t total = 0;
-  for (const ConvertJob& j : jobs) total += j.count;
-  // Thread r converts elements [total * r / ranges, total * (r + 1) / ranges) of the
-  // concatenation.
-  ParallelFor(threads, static_cast<int64_t>(total), int64_t{1} << 18,
-              [&](int64_t begin, int64_t end) {
-                size_t at = 0;  // where job j starts in the concatenation
-                for (const ConvertJob& j : jobs) {
-                  const size_t from = std::max<size_t>(begin, at);
-                  const size_t to = std::min<size_t>(end, at + j.count);
-                  if (from < to) {
-                    ConvertJob part = j;
-                    part.dst = static_cast<char*>(j.dst) + (from - at) * ElementBytes(j.dst_type);
-                    part.src =
-                        static_cast<const char*>(j.src) + (from - at) * ElementBytes(j.src_type);
-                    part.count = to - from;
-                    Convert(part);
-                  }
-                  at += j.count;
-                  if (at >= static_cast<size_t>(end)) break;
-                }
-              });
+  ParallelOverJobs(
+      threads, jobs, int64_t{1} << 18, [](const ConvertJob& j) { return j.count; },
+      [](const ConvertJob& j, size_t from, size_t to) {
+        ConvertJob part = j;
+        part.dst = static_cast<char*>(j.dst) + from * ElementBytes(j.dst_type);
+        part.src = static_cast<const char*>(j.src) + from * ElementBytes(j.src_type);
+        part.count = to - from;
+        Convert(part);
+      });
 }
 
 }  // namespace epserve::common

@@ -43,23 +43,12 @@ void ParallelFor(int threads, int64_t n, int64_t min_grain,
 }
 
 void ParallelCopy(int threads, std::span<const CopyJob> jobs) {
-  size_t total = 0;
-  for (const CopyJob& j : jobs) total += j.bytes;
-  // Thread r copies bytes [total * r / ranges, total * (r + 1) / ranges) of the concatenation.
-  ParallelFor(threads, static_cast<int64_t>(total), int64_t{1} << 20,
-              [&](int64_t begin, int64_t end) {
-                size_t at = 0;  // where job j starts in the concatenation
-                for (const CopyJob& j : jobs) {
-                  const size_t from = std::max<size_t>(begin, at);
-                  const size_t to = std::min<size_t>(end, at + j.bytes);
-                  if (from < to) {
-                    std::memcpy(static_cast<char*>(j.dst) + (from - at),
-                                static_cast<const char*>(j.src) + (from - at), to - from);
-                  }
-                  at += j.bytes;
-                  if (at >= static_cast<size_t>(end)) break;
-                }
-              });
+  ParallelOverJobs(
+      threads, jobs, int64_t{1} << 20, [](const CopyJob& j) { return j.bytes; },
+      [](const CopyJob& j, size_t from, size_t to) {
+        std::memcpy(static_cast<char*>(j.dst) + from, static_cast<const char*>(j.src) + from,
+                    to - from);
+      });
 }
 
 }  // namespace epserve::common

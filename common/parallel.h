@@ -27,6 +27,28 @@ void ParallelFor(int threads, int64_t n, int64_t min_grain,
 // Every long-lived thread of epserve's own is named "ep-<role>"; ParallelFor's are "ep-copy".
 void NameThisThread(const char* name);
 
+// Runs part(job, from, to) over the items [from, to) of each job of `jobs` (job j holds
+// size(j) items) such that the concatenation of the jobs' items is split into at most
+// `threads` contiguous ranges of at least `min_grain` items (ParallelFor): how a list of
+// copies or conversions is spread evenly over threads whatever the jobs' sizes.
+template <typename Job, typename Size, typename Part>
+void ParallelOverJobs(int threads, std::span<const Job> jobs, int64_t min_grain, Size size,
+                      Part part) {
+  int64_t total = 0;
+  for (const Job& j : jobs) total += static_cast<int64_t>(size(j));
+  ParallelFor(threads, total, min_grain, [&](int64_t begin, int64_t end) {
+    int64_t at = 0;  // where job j starts in the concatenation
+    for (const Job& j : jobs) {
+      const int64_t n = static_cast<int64_t>(size(j));
+      const int64_t from = begin > at ? begin : at;
+      const int64_t to = end < at + n ? end : at + n;
+      if (from < to) part(j, static_cast<size_t>(from - at), static_cast<size_t>(to - at));
+      at += n;
+      if (at >= end) break;
+    }
+  });
+}
+
 // One copy of a list of copies.
 struct CopyJob {
   void* dst;

@@ -472,36 +472,52 @@ TEST(Batcher, TheWaitingBatchTakesInRowsThatArriveWhileTheExecutorRuns) {
   }
 }
 
+// A request of `values` ([tokens, kHidden]) sent as BF16 and answered in FP16 (its answer
+// poisoned: 0x7f7f is an FP16 NaN), and what its callback saw.
+struct Bf16InFp16Out {
+  Bf16InFp16Out(const std::vector<float>& values, int64_t tokens)
+      : bf16(values.size() * 2), fp16_out(values.size() * 2, '\x7f') {
+    FromFp32(ElementType::kBf16, values.data(), bf16.data(), values.size());
+    task = std::make_shared<InferTask>();
+    task->num_tokens = tokens;
+    task->input = bf16.data();
+    task->input_type = ElementType::kBf16;
+    task->output = fp16_out.data();
+    task->output_type = ElementType::kFp16;
+    task->enqueued = absl::Now();
+    task->done = [this](absl::Status s, const TaskTimes&) {
+      status = s;
+      calls++;
+    };
+  }
+  // Through a batcher of `options` and `exec`; its answer, within 10 s.
+  void Run(const BatchingOptions& options, Batcher::Executor exec) {
+    Batcher b(options, kModel, kLevels, std::move(exec));
+    ASSERT_TRUE(b.Enqueue(task).ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  }
+  std::vector<float> Answer() const {
+    std::vector<float> out(fp16_out.size() / 2);
+    ToFp32(ElementType::kFp16, fp16_out.data(), out.data(), out.size());
+    return out;
+  }
+  std::vector<char> bf16, fp16_out;
+  std::shared_ptr<InferTask> task;
+  std::atomic<int> calls{0};
+  absl::Status status;
+};
+
 TEST(Batcher, ConvertsBf16AndFp16BothWays) {
   Recorder rec;
   const int64_t tokens = 11;  // two batches of 8 rows: split and reassembled
   std::vector<float> values(tokens * kHidden);
   for (size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i) - 3.0f;
-  std::vector<char> bf16(values.size() * 2), fp16_out(values.size() * 2);
-  FromFp32(ElementType::kBf16, values.data(), bf16.data(), values.size());
-  auto task = std::make_shared<InferTask>();
-  task->num_tokens = tokens;
-  task->input = bf16.data();
-  task->input_type = ElementType::kBf16;
-  task->output = fp16_out.data();
-  task->output_type = ElementType::kFp16;
-  task->enqueued = absl::Now();
-  std::atomic<int> calls{0};
-  absl::Status status;
-  task->done = [&](absl::Status s, const TaskTimes&) {
-    status = s;
-    calls++;
-  };
-  {
-    Batcher b(Options(8), kModel, kLevels, rec.Executor());
-    ASSERT_TRUE(b.Enqueue(task).ok());
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_EQ(calls, 1);
-  ASSERT_TRUE(status.ok()) << status;
-  std::vector<float> out(values.size());
-  ToFp32(ElementType::kFp16, fp16_out.data(), out.data(), out.size());
+  Bf16InFp16Out req(values, tokens);
+  req.Run(Options(8), rec.Executor());
+  ASSERT_EQ(req.calls, 1);
+  ASSERT_TRUE(req.status.ok()) << req.status;
+  const std::vector<float> out = req.Answer();
   for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(out[i], 2 * values[i]) << i;
 }
 
@@ -513,28 +529,14 @@ TEST(Batcher, AnExecutorThatConvertsGetsTheRequestsOwnRowsAndTypes) {
   std::mt19937 rng(std::random_device{}());
   std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
   for (float& v : values) v = dist(rng);
-  std::vector<char> bf16(values.size() * 2), fp16_out(values.size() * 2, '\x7f');
-  FromFp32(ElementType::kBf16, values.data(), bf16.data(), values.size());
-  auto task = std::make_shared<InferTask>();
-  task->num_tokens = tokens;
-  task->input = bf16.data();
-  task->input_type = ElementType::kBf16;
-  task->output = fp16_out.data();
-  task->output_type = ElementType::kFp16;
-  task->enqueued = absl::Now();
-  std::atomic<int> calls{0};
-  absl::Status status;
-  task->done = [&](absl::Status s, const TaskTimes&) {
-    status = s;
-    calls++;
-  };
+  Bf16InFp16Out req(values, tokens);
   std::vector<int64_t> offsets;  // each chunk's first row, from its input pointer
   bool types_kept = true;
   Batcher::Executor exec = [&](int, std::span<const worker::RowChunk> chunks) {
     for (const auto& c : chunks) {
       types_kept = types_kept && c.input_type == ElementType::kBf16 &&
                    c.output_type == ElementType::kFp16;
-      offsets.push_back((static_cast<const char*>(c.input) - bf16.data()) / (2 * kHidden));
+      offsets.push_back((static_cast<const char*>(c.input) - req.bf16.data()) / (2 * kHidden));
       std::vector<float> row(c.rows * kHidden);
       ToFp32(ElementType::kBf16, static_cast<const char*>(c.input), row.data(), row.size());
       for (float& v : row) v *= 2;
@@ -542,23 +544,18 @@ TEST(Batcher, AnExecutorThatConvertsGetsTheRequestsOwnRowsAndTypes) {
     }
     return absl::OkStatus();
   };
-  {
-    BatchingOptions options = Options(8);
-    options.executor_converts = true;
-    Batcher b(options, kModel, kLevels, exec);
-    ASSERT_TRUE(b.Enqueue(task).ok());
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (calls == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_EQ(calls, 1);
-  ASSERT_TRUE(status.ok()) << status;
+  BatchingOptions options = Options(8);
+  options.executor_converts = true;
+  req.Run(options, exec);
+  ASSERT_EQ(req.calls, 1);
+  ASSERT_TRUE(req.status.ok()) << req.status;
   EXPECT_TRUE(types_kept);
   EXPECT_EQ(offsets, (std::vector<int64_t>{0, 8}));
-  std::vector<float> out(values.size()), expect(values.size());
-  ToFp32(ElementType::kFp16, fp16_out.data(), out.data(), out.size());
+  const std::vector<float> out = req.Answer();
+  std::vector<float> expect(values.size());
   // The FP16 of twice the BF16 of each value: what the executor wrote, nothing else.
   std::vector<float> widened(values.size());
-  ToFp32(ElementType::kBf16, bf16.data(), widened.data(), widened.size());
+  ToFp32(ElementType::kBf16, req.bf16.data(), widened.data(), widened.size());
   for (float& v : widened) v *= 2;
   std::vector<char> narrowed(values.size() * 2);
   FromFp32(ElementType::kFp16, widened.data(), narrowed.data(), widened.size());
