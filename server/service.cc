@@ -183,8 +183,7 @@ void InferenceService::Reap() {
       admitted_at_look = admitted;
       const size_t free_bytes = mallinfo2().fordblks;
       const size_t held = static_cast<size_t>(std::max<int64_t>(budget_.used(), 64 << 20));
-      const bool give_back =
-          !options_.keep_request_buffers || quiet || free_bytes > 2 * held;
+      const bool give_back = !options_.keep_request_buffers || quiet || free_bytes > 2 * held;
       if (free_bytes >= (size_t{32} << 20) && give_back) malloc_trim(0);
     }
     lock.lock();

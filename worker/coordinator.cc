@@ -475,6 +475,10 @@ absl::StatusOr<BatchTrace> Coordinator::Finish(uint64_t ticket) {
   return result;
 }
 
+bool Coordinator::EndedPosted(int w) {
+  return heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) >= seq_;
+}
+
 bool Coordinator::Finished(uint64_t ticket) {
   if (flight_.empty() || flight_.front().ticket != ticket) return false;
   const InFlight& b = flight_.front();
@@ -484,7 +488,7 @@ bool Coordinator::Finished(uint64_t ticket) {
     return true;
   }
   for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
-    if (b.live.Has(w) && heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) < seq_) {
+    if (b.live.Has(w) && !EndedPosted(w)) {
       return false;
     }
   }
@@ -556,9 +560,10 @@ void Coordinator::Slice(std::span<const RowChunk> chunks, int64_t begin, int64_t
       const int64_t skip = from - at;
       RowChunk part = c;
       part.rows = to - from;
-      part.input = static_cast<const char*>(c.input) +
-                   skip * hidden * common::ElementBytes(c.input_type);
-      part.output = static_cast<char*>(c.output) + skip * hidden * common::ElementBytes(c.output_type);
+      part.input =
+          static_cast<const char*>(c.input) + skip * hidden * common::ElementBytes(c.input_type);
+      part.output =
+          static_cast<char*>(c.output) + skip * hidden * common::ElementBytes(c.output_type);
       if (part.topk_ids != nullptr) part.topk_ids += skip * k;
       if (part.topk_weights != nullptr) part.topk_weights += skip * k;
       out.push_back(part);
@@ -667,7 +672,7 @@ absl::Status Coordinator::FailBatch(const absl::Status& wait, const WorkerSet& p
   std::string why = std::string(wait.message());
   for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
     if (!posted.Has(w)) continue;
-    if (heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) < seq_) {
+    if (!EndedPosted(w)) {
       absl::StrAppend(&why, "; worker ", w, " (rank ", RankOfWorker(w), ") did not finish");
     } else if (reports[w].status_code != 0) {
       absl::StrAppend(&why, "; ", ReportMessage(reports[w]));

@@ -202,6 +202,8 @@ class Coordinator {
   // Makes b (the oldest in flight) kDone: waits for it (posting its successor as soon as the
   // workers are free) and gathers its output, or runs it in slices.
   void Complete(InFlight& b);
+  // Whether worker w has reported the last posted batch (or control step) done.
+  bool EndedPosted(int w);
   // Completes every batch in flight (before a control step).
   void Drain();
   std::deque<InFlight> flight_;

@@ -143,7 +143,8 @@ TEST(Batcher, PipelinedExecutorKeepsTwoBatchesInFlightAndAnswersEveryRequestOnce
     if (!p.started.empty()) p.started.pop_front();
     EXPECT_EQ(c.size(), p.chunks[t].size());
     for (const auto& chunk : c) {
-      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.fp32_output()[i] = 2 * chunk.fp32_input()[i];
+      for (int64_t i = 0; i < chunk.rows * kHidden; ++i)
+        chunk.fp32_output()[i] = 2 * chunk.fp32_input()[i];
     }
     if (p.fail_finish.count(t) > 0) return absl::UnavailableError("finish failed");
     return absl::OkStatus();
@@ -200,7 +201,8 @@ TEST(Batcher, PipelinedExecutorStartsABatchFormedWhileOneRunsAndFillsTheNext) {
     std::lock_guard<std::mutex> lock(g.mu);
     int64_t rows = 0;
     for (const auto& chunk : c) {
-      for (int64_t i = 0; i < chunk.rows * kHidden; ++i) chunk.fp32_output()[i] = 2 * chunk.fp32_input()[i];
+      for (int64_t i = 0; i < chunk.rows * kHidden; ++i)
+        chunk.fp32_output()[i] = 2 * chunk.fp32_input()[i];
       rows += chunk.rows;
     }
     g.started_beside.push_back(!g.started.empty());
@@ -248,7 +250,8 @@ TEST(Batcher, PipelinedExecutorStartsABatchFormedWhileOneRunsAndFillsTheNext) {
     let_end(1);
     {
       std::unique_lock<std::mutex> lock(g.mu);
-      ASSERT_TRUE(g.cv.wait_for(lock, std::chrono::seconds(20), [&] { return g.started.size() == 1; }));
+      ASSERT_TRUE(
+          g.cv.wait_for(lock, std::chrono::seconds(20), [&] { return g.started.size() == 1; }));
     }
     // The second runs alone; rows that arrive now wait for a full batch.
     enqueue(4);
@@ -534,8 +537,8 @@ TEST(Batcher, AnExecutorThatConvertsGetsTheRequestsOwnRowsAndTypes) {
   bool types_kept = true;
   Batcher::Executor exec = [&](int, std::span<const worker::RowChunk> chunks) {
     for (const auto& c : chunks) {
-      types_kept = types_kept && c.input_type == ElementType::kBf16 &&
-                   c.output_type == ElementType::kFp16;
+      types_kept =
+          types_kept && c.input_type == ElementType::kBf16 && c.output_type == ElementType::kFp16;
       offsets.push_back((static_cast<const char*>(c.input) - req.bf16.data()) / (2 * kHidden));
       std::vector<float> row(c.rows * kHidden);
       ToFp32(ElementType::kBf16, static_cast<const char*>(c.input), row.data(), row.size());

@@ -175,8 +175,8 @@ TEST_P(TypedRows, AreConvertedOnTheirWayInAndOut) {
       // What the workers compute on: the inputs as they widen.
       common::ToFp32(p.in, in_bytes.back().data(), x.data() + at * h, n);
       out_bytes.emplace_back(n * common::ElementBytes(p.out), '\xff');  // NaN in every type
-      chunks.push_back({in_bytes.back().data(), out_bytes.back().data(), p.tokens, nullptr,
-                        nullptr, p.in, p.out});
+      chunks.push_back({in_bytes.back().data(), out_bytes.back().data(), p.tokens, nullptr, nullptr,
+                        p.in, p.out});
       at += p.tokens;
     }
     absl::StatusOr<BatchTrace> trace = coord.Run(0, chunks, absl::Now() + absl::Seconds(60));
