@@ -9,7 +9,10 @@
 
 namespace epserve::common {
 
+// A job of no elements may name no memory (an empty vector's data()): nothing is touched.
+
 void ToFp32(ElementType type, const char* src, float* dst, size_t count) {
+  if (count == 0) return;
   if (type == ElementType::kFp32) {
     std::memcpy(dst, src, count * sizeof(float));
     return;
@@ -22,6 +25,7 @@ void ToFp32(ElementType type, const char* src, float* dst, size_t count) {
 }
 
 void FromFp32(ElementType type, const float* src, char* dst, size_t count) {
+  if (count == 0) return;
   if (type == ElementType::kFp32) {
     std::memcpy(dst, src, count * sizeof(float));
     return;
@@ -33,6 +37,7 @@ void FromFp32(ElementType type, const float* src, char* dst, size_t count) {
 }
 
 void Convert(const ConvertJob& job) {
+  if (job.count == 0) return;
   if (job.src_type == job.dst_type) {
     std::memcpy(job.dst, job.src, job.count * ElementBytes(job.src_type));
   } else if (job.dst_type == ElementType::kFp32) {
