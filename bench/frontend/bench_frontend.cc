@@ -3,6 +3,10 @@
 // (an executor that copies each row back), beside a bare gRPC echo server with the same
 // messages (the floor), both in this process, at 1, 16 and 64 concurrent clients.
 //   bench_frontend [--seconds=3] [--hidden=2048] [--tokens=1] [--clients=1,16,64]
+//                  [--connections=N]
+// --connections spreads every point's clients over N connections (default: one per client,
+// at most 8); with large requests (--tokens=2048 is 16 MiB each way) and --connections=1 the
+// echo is what one HTTP/2 connection carries at most.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -49,11 +53,13 @@ struct Result {
 };
 
 // `clients` closed-loop clients (each sends its next request when the last one is answered),
-// spread over up to 8 connections, for `seconds` after a warm-up.
+// spread over `connections` connections (0: one per client, at most 8), for `seconds` after a
+// warm-up.
 Result Load(const std::string& address, const inference::ModelInferRequest& request, int clients,
-            double seconds) {
+            int connections, double seconds) {
   std::vector<std::unique_ptr<inference::GRPCInferenceService::Stub>> stubs;
-  for (int c = 0; c < std::min(clients, 8); ++c) {
+  const int n = connections > 0 ? std::min(clients, connections) : std::min(clients, 8);
+  for (int c = 0; c < n; ++c) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
@@ -121,6 +127,7 @@ Result Load(const std::string& address, const inference::ModelInferRequest& requ
 int Main(int argc, char** argv) {
   double seconds = 3;
   int64_t hidden = 2048, tokens = 1;
+  int connections = 0;
   std::vector<int> client_counts = {1, 16, 64};
   for (int i = 1; i < argc; ++i) {
     absl::string_view a = argv[i];
@@ -130,6 +137,8 @@ int Main(int argc, char** argv) {
       if (!absl::SimpleAtoi(a, &hidden)) return 2;
     } else if (absl::ConsumePrefix(&a, "--tokens=")) {
       if (!absl::SimpleAtoi(a, &tokens)) return 2;
+    } else if (absl::ConsumePrefix(&a, "--connections=")) {
+      if (!absl::SimpleAtoi(a, &connections) || connections < 1) return 2;
     } else if (absl::ConsumePrefix(&a, "--clients=")) {
       client_counts.clear();
       for (absl::string_view c : absl::StrSplit(a, ',')) {
@@ -140,7 +149,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--seconds=3] [--hidden=2048] [--tokens=1] "
-                   "[--clients=1,16,64]\n",
+                   "[--clients=1,16,64] [--connections=N]\n",
                    argv[0]);
       return 2;
     }
@@ -158,7 +167,7 @@ int Main(int argc, char** argv) {
   options.grpc_address = "127.0.0.1:0";
   options.metrics.address = "127.0.0.1:0";
   options.batching.max_queue_delay_us = 0;
-  options.batching.max_batch_tokens = 256;
+  options.batching.max_batch_tokens = std::max<int64_t>(256, tokens);
   server::ServedModel model;
   model.hidden_size = hidden;
   model.layers = {0};
@@ -186,21 +195,27 @@ int Main(int argc, char** argv) {
 
   std::printf(
       "ModelInfer, %lld token(s) x H=%lld FP32 (%lld bytes each way), %.0f s per point, "
-      "%u hardware threads shared by clients and server\n\n",
+      "%u hardware threads shared by clients and server, %s\n\n",
       static_cast<long long>(tokens), static_cast<long long>(hidden),
-      static_cast<long long>(x.size() * 4), seconds, std::thread::hardware_concurrency());
+      static_cast<long long>(x.size() * 4), seconds, std::thread::hardware_concurrency(),
+      connections > 0 ? absl::StrCat(connections, " connection(s) per point").c_str()
+                      : "one connection per client (at most 8)");
   std::printf(
       "| clients | echo req/s | echo p50 us | echo p99 us | epserve req/s | epserve p50 us "
-      "| epserve p99 us | added p50 us | req/s ratio |\n");
-  std::printf("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "| epserve p99 us | added p50 us | req/s ratio | echo MB/s each way | epserve MB/s each way "
+      "|\n");
+  std::printf("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  const double mb = static_cast<double>(x.size() * 4) / 1e6;
   int failed_targets = 0;
   std::string verdicts;
   for (int clients : client_counts) {
-    const Result e = Load(absl::StrCat("127.0.0.1:", echo_port), req, clients, seconds);
-    const Result f = Load((*fe)->grpc_address(), req, clients, seconds);
+    const Result e =
+        Load(absl::StrCat("127.0.0.1:", echo_port), req, clients, connections, seconds);
+    const Result f = Load((*fe)->grpc_address(), req, clients, connections, seconds);
     const double ratio = f.rps / std::max(e.rps, 1.0);
-    std::printf("| %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %+.0f | %.2f |\n", clients, e.rps,
-                e.p50_us, e.p99_us, f.rps, f.p50_us, f.p99_us, f.p50_us - e.p50_us, ratio);
+    std::printf("| %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %+.0f | %.2f | %.0f | %.0f |\n",
+                clients, e.rps, e.p50_us, e.p99_us, f.rps, f.p50_us, f.p99_us,
+                f.p50_us - e.p50_us, ratio, e.rps * mb, f.rps * mb);
     std::fflush(stdout);
     if (e.errors + f.errors > 0) {
       std::printf("errors: echo %lld, epserve %lld\n", static_cast<long long>(e.errors),
