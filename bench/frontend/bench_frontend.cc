@@ -214,8 +214,8 @@ int Main(int argc, char** argv) {
     const Result f = Load((*fe)->grpc_address(), req, clients, connections, seconds);
     const double ratio = f.rps / std::max(e.rps, 1.0);
     std::printf("| %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %+.0f | %.2f | %.0f | %.0f |\n",
-                clients, e.rps, e.p50_us, e.p99_us, f.rps, f.p50_us, f.p99_us,
-                f.p50_us - e.p50_us, ratio, e.rps * mb, f.rps * mb);
+                clients, e.rps, e.p50_us, e.p99_us, f.rps, f.p50_us, f.p99_us, f.p50_us - e.p50_us,
+                ratio, e.rps * mb, f.rps * mb);
     std::fflush(stdout);
     if (e.errors + f.errors > 0) {
       std::printf("errors: echo %lld, epserve %lld\n", static_cast<long long>(e.errors),
