@@ -1,7 +1,15 @@
 // Device discovery and choice (kernels/detail/device.h) and DeviceInfo (kernels/runtime.h).
 #include "kernels/detail/device.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -247,7 +255,52 @@ bool HostRunsBf16Dot(const DeviceInfo& info) {
 #endif
 }
 
+bool HostRunsAmx(const DeviceInfo& info, std::string* why) {
+#if defined(__x86_64__) && defined(__linux__)
+  if (!HostRunsBf16Dot(info)) {
+    *why = "no BF16 dot-product kernels on this device";
+    return false;
+  }
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || ((d >> 22) & 1) == 0 ||
+      ((d >> 24) & 1) == 0) {
+    *why = "the CPU has no AMX-BF16";
+    return false;
+  }
+  // Process-wide and idempotent; asked once.
+  static const long granted = [] {
+    constexpr int kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 0L : long{errno};
+  }();
+  if (granted != 0) {
+    *why = absl::StrCat("the kernel refused the tile state (arch_prctl: ",
+                        std::strerror(static_cast<int>(granted)), ")");
+    return false;
+  }
+  return true;
+#else
+  (void)info;
+  *why = "not an x86-64 Linux host";
+  return false;
+#endif
+}
+
 namespace {
+
+// One tile product as the FFN kernels spell it (kernels/cl/expert_ffn.cl, AmxSums).
+constexpr char kAmxProbe[] = R"CL(
+__attribute__((target("amx-tile,amx-bf16"))) void Tiles(ulong cfg, ulong a, ulong c) {
+  __asm__ volatile("ldtilecfg (%0)\n\ttilezero %%tmm0" ::"r"(cfg) : "memory");
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm2\n\ttileloadd 64(%0,%1,1), %%tmm3\n\t"
+                   "tdpbf16ps %%tmm3, %%tmm2, %%tmm0" ::"r"(a), "r"((ulong)128) : "memory");
+  __asm__ volatile("tilestored %%tmm0, (%0,%1,1)\n\ttilerelease" ::"r"(c), "r"((ulong)64)
+                   : "memory");
+}
+__kernel void amx_probe(__global const uchar* cfg, __global const uint* a, __global float* c) {
+  Tiles((ulong)cfg, (ulong)a, (ulong)c);
+}
+)CL";
 
 // The dot-product kernels' vdpbf16ps in each form (kernels/cl/expert_ffn.cl, Dpbf16).
 constexpr char kDotBuiltinProbe[] = R"(
@@ -295,6 +348,10 @@ std::string BuildLog(cl_program program, cl_device_id device) {
     while (!log.empty() && log.back() == '\0') log.pop_back();
   }
   return log;
+}
+
+bool ProbeAmxBuilds(cl_context context, cl_device_id device, std::string* why) {
+  return ProbeBuilds(context, device, kAmxProbe, why);
 }
 
 DotForm ProbeDotForm(cl_context context, cl_device_id device, bool inline_asm_only,

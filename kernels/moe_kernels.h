@@ -47,6 +47,7 @@ struct ExpertWeights {
   common::ElementType dtype = common::ElementType::kFp32;  // of gate_up and down
   bool tensor_cores = false;  // the tensor-core layout and kernels (BF16 x and h)
   bool bf16_dot = false;      // the pair-panel layout and BF16 dot-product kernels (BF16 x, h)
+  bool bf16_amx = false;      // bf16_dot on a runtime whose dot kernels run AMX tiles
   // The portable kernels' blocking (neither tensor_cores nor bf16_dot), chosen at upload by
   // Runtime::ChooseFfnBlocking; the panel layout follows it.
   FfnBlocking blocking;
@@ -57,7 +58,7 @@ struct ExpertWeights {
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
 // Which FFN kernels run these weights, for logs and benchmark output: "tensor cores",
-// "bf16 dot products" or "fp32 fma".
+// "bf16 amx tiles", "bf16 dot products" or "fp32 fma".
 const char* FfnKernelsName(const ExpertWeights& w);
 
 // With `reuse` (an upload of the same layer of the same weights): the experts it holds, in

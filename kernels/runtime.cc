@@ -165,7 +165,13 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
                        "); BF16 weights run on the FP32-FMA kernels"));
     }
   }
-  rt->program_options_ = detail::ProgramBuildOptions(rt->info_.is_cpu, dot_form);
+  if (rt->bf16_dot_ && options.bf16_amx) {
+    std::string why;
+    rt->bf16_amx_ = detail::HostRunsAmx(rt->info_, &why) &&
+                    detail::ProbeAmxBuilds(rt->context_, rt->device_, &why);
+    if (!rt->bf16_amx_) rt->bf16_amx_why_not_ = why;
+  }
+  rt->program_options_ = detail::ProgramBuildOptions(rt->info_.is_cpu, dot_form, rt->bf16_amx_);
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
                              {"expert_ffn",

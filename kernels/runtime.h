@@ -65,6 +65,10 @@ struct RuntimeOptions {
   // Spell the dot kernels' vdpbf16ps as inline assembly even where the compiler's builtin
   // builds (the form clang 16 and later need; tests compare the two forms bit for bit).
   bool bf16_dot_inline_asm = false;
+  // Run the dot-product kernels' rows through AMX tiles (tdpbf16ps, 16 rows x 16 k pairs x 16
+  // columns an instruction) where the host's CPU has AMX-BF16 and the kernel grants the tile
+  // state (Intel Sapphire Rapids and later). false keeps vdpbf16ps.
+  bool bf16_amx = true;
   // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
   std::string cache_dir;
   // A folder to read the kernel sources from (<name>.cl, e.g. kernels/cl) instead of the copies
@@ -143,6 +147,10 @@ class Runtime {
   // Whether this runtime has the BF16 dot-product kernels: BF16 expert weights use them where
   // ChooseFfnBlocking picks "dot" for their shape.
   bool bf16_dot() const { return bf16_dot_; }
+  // Whether the dot-product kernels run on AMX tiles (RuntimeOptions::bf16_amx), and if not,
+  // why (empty where AMX was not asked for).
+  bool bf16_amx() const { return bf16_amx_; }
+  const std::string& bf16_amx_why_not() const { return bf16_amx_why_not_; }
 
   // A read-write buffer of `bytes` (contents undefined); bytes == 0 gives an empty Buffer
   // whose mem() is nullptr.
@@ -232,6 +240,8 @@ class Runtime {
   std::string cache_dir_;
   bool tensor_cores_ = false;
   bool bf16_dot_ = false;
+  bool bf16_amx_ = false;
+  std::string bf16_amx_why_not_;
   // The options every program is built with (detail::ProgramBuildOptions), fixed at Create.
   std::string program_options_;
   std::unique_ptr<Programs> programs_;

@@ -161,6 +161,10 @@ void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
          "FFN run on its bf16 dot products (vdpbf16ps; activations and the intermediate also "
          "rounded to bf16) where timing on the device shows them faster than fp32 FMAs (see "
          "--ffn-blocking); --no-bf16-dot keeps fp32 FMAs");
+  fs.Add("bf16-amx", &flags.runtime.bf16_amx,
+         "Where the bf16 dot-product kernels run and the CPU has AMX-BF16 (Intel Sapphire Rapids "
+         "and later), run their rows through AMX tiles (tdpbf16ps); --no-bf16-amx keeps "
+         "vdpbf16ps");
   fs.Add("ffn-blocking", &flags.runtime.ffn_blocking,
          "Force the portable expert FFN kernels' blocking, e.g. 'vec=8 rows=6 prefetch=64 "
          "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows), for fp32 "

@@ -16,6 +16,8 @@ binaries=(tests/kernels/kernels_test bench/kernels/bench_expert_ffn bench/gpu/be
           bench/frontend/bench_frontend)
 # Built only where the CUDA toolkit was found.
 if [ -x "$build/bench/gpu/probe_device_heap" ]; then binaries+=(bench/gpu/probe_device_heap); fi
+# The AMX probe runs on the GPU host's CPU (Intel Xeons with AMX).
+if [ -x "$build/bench/kernels/probe_amx" ]; then binaries+=(bench/kernels/probe_amx); fi
 rm -rf "$out"
 mkdir -p "$out/lib"
 for b in "${binaries[@]}"; do

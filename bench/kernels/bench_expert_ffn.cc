@@ -153,6 +153,8 @@ int Run(int argc, char** argv) {
   RuntimeOptions runtime_options;
   fs.Add("bf16-dot", &runtime_options.bf16_dot,
          "BF16 weights through AVX512-BF16 dot products where the CPU has them");
+  fs.Add("bf16-amx", &runtime_options.bf16_amx,
+         "The dot-product kernels' rows through AMX tiles where the CPU has AMX-BF16");
   const int code = bench::ParseFlags(
       fs, argc, argv,
       [&] { return num_experts >= 1 && threads >= 1 && bench::AllPositive(rows_per_expert); },
@@ -185,6 +187,10 @@ int Run(int argc, char** argv) {
       UploadExperts(r, source, 0, 0, num_experts, ElementType::kBf16);
   if (!w32.ok() || !w16.ok()) return Fail((w32.ok() ? w16 : w32).status());
   std::printf("BF16 weights run on: %s\n", FfnKernelsName(*w16));
+  if (r.bf16_dot()) {
+    std::printf("AMX tiles: %s\n",
+                r.bf16_amx() ? "yes" : absl::StrCat("no (", r.bf16_amx_why_not(), ")").c_str());
+  }
   for (const FfnChoice& c : r.ffn_choices()) {
     std::printf("FFN blocking: %s (%.2f s to choose)\n", c.Describe().c_str(), c.seconds);
   }

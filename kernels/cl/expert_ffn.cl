@@ -430,6 +430,11 @@ DOT_TARGET inline float16 Dpbf16(float16 acc, int16 a, int16 b) {
   REP##R(DOT_FMA)
 // The dot kernels' own row blocks: 12 rows, then 12, 8 or 4 for the rest (their blocking is
 // fixed: they run only on AVX-512 hosts, whose 32 vector registers hold 12 x 2 sums).
+#if FFN_BF16_AMX
+// With AMX tiles every row goes through them, 16 rows a tile (fewer for the last).
+#define DOT_ROW_BLOCKS(PREFIX, ARGS)                                                  \
+  for (int p = g.y; p < end; p += 16) GLUE(PREFIX, _amx) ARGS;
+#else
 #define DOT_ROW_BLOCKS(PREFIX, ARGS)                                                  \
   int p = g.y;                                                                        \
   for (; p + 12 <= end; p += 12) GLUE3(PREFIX, 12, _dot) ARGS;                        \
@@ -441,6 +446,7 @@ DOT_TARGET inline float16 Dpbf16(float16 acc, int16 a, int16 b) {
   } else if (rest > 0) {                                                              \
     GLUE3(PREFIX, 4, _dot) ARGS;                                                      \
   }
+#endif
 #define DOT_DOWN_STORE(r)                                                             \
   if ((r) < valid) {                                                                  \
     __global float* out = y + (size_t)(p + (r)) * hidden + c0;                        \
@@ -487,6 +493,110 @@ DEFINE_DOT_GATE_UP_BLOCK(12)
 DEFINE_DOT_DOWN_BLOCK(4)
 DEFINE_DOT_DOWN_BLOCK(8)
 DEFINE_DOT_DOWN_BLOCK(12)
+
+#if FFN_BF16_AMX
+// ---- AMX tiles (-DFFN_BF16_AMX=1: x86 CPUs with AMX-BF16 whose process holds the tile
+// state, kernels/device.cc HostRunsAmx) ----
+//
+// tdpbf16ps multiplies a tile of up to 16 rows x 16 k pairs of x by a tile of 16 k pairs x 16
+// columns of weights (each column's pair adjacent: one pair-panel half row is one tile row)
+// into 16 x 16 FP32 sums, 8192 multiply-adds an instruction. A block of up to 16 rows keeps
+// two sum tiles (the panel's two halves: gate and up, or its two 16-column groups of down),
+// walks K 16 pairs a step (tile 2: x's rows, kp2 pairs apart; tiles 3 and 4: the panel's two
+// halves, rows 128 bytes apart), stores the sums to private memory and finishes there: the
+// pairs past the last whole step through vdpbf16ps, then the same activation and stores as
+// the dot blocks. OpenCL C has no tile types, so the instructions are spelled out; the sums
+// are FP32 as with the dot products (AMX rounds each product pair's sum its own way, so the
+// bits differ from vdpbf16ps's; the tests compare both with the reference at BF16's bound).
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+// Tiles 0-4 of `rows` rows (sums and x) or 16 (weights), 64 bytes each.
+inline void AmxConfig(__private uchar* cfg, int rows) {
+  for (int i = 0; i < 64; ++i) cfg[i] = 0;
+  cfg[0] = 1;  // palette 1
+  for (int t = 0; t < 5; ++t) {
+    cfg[16 + 2 * t] = 64;                       // bytes a row
+    cfg[48 + t] = (uchar)(t >= 3 ? 16 : rows);  // rows
+  }
+}
+
+// s0/s1 [rows][16] = x[rows][0, 16 * steps) pairs . the panel's halves. stream: the panel
+// comes from memory (the last tile of a work tile; the others found it in cache), so each
+// step also prefetches the panel AMX_PREFETCH_STEPS steps (of 2 KiB) ahead: a tile load's
+// sixteen 64-byte rows 128 bytes apart are no pattern the hardware prefetchers follow far.
+#define AMX_PREFETCH_STEPS 4
+AMX_TARGET void AmxSums(const __private uchar* cfg, ulong x, ulong x_stride,
+                        const __global char* b, int steps, int stream, ulong s0, ulong s1) {
+  __asm__ volatile("ldtilecfg (%0)\n\ttilezero %%tmm0\n\ttilezero %%tmm1" ::"r"((ulong)cfg)
+                   : "memory");
+  for (int i = 0; i < steps; ++i) {
+    if (stream) {
+      const __global char* ahead = b + (size_t)(i + AMX_PREFETCH_STEPS) * 2048;
+      for (int l = 0; l < 2048; l += 64) PREFETCH(ahead + l);
+    }
+    const ulong xk = x + (ulong)i * 64, bk = (ulong)b + (ulong)i * 2048;
+    __asm__ volatile(
+        "tileloadd (%0,%1,1), %%tmm2\n\t"
+        "tileloadd (%2,%3,1), %%tmm3\n\t"
+        "tileloadd 64(%2,%3,1), %%tmm4\n\t"
+        "tdpbf16ps %%tmm3, %%tmm2, %%tmm0\n\t"
+        "tdpbf16ps %%tmm4, %%tmm2, %%tmm1" ::"r"(xk),
+        "r"(x_stride), "r"(bk), "r"((ulong)128)
+        : "memory");
+  }
+  __asm__ volatile(
+      "tilestored %%tmm0, (%0,%2,1)\n\t"
+      "tilestored %%tmm1, (%1,%2,1)\n\t"
+      "tilerelease" ::"r"(s0),
+      "r"(s1), "r"((ulong)64)
+      : "memory");
+}
+
+// Row r's two sum vectors: the tiles' sums plus the pairs [kt, kp2) through vdpbf16ps.
+#define AMX_ROW_SUMS(r)                                                                   \
+  float16 acc0 = vload16(r, s0), acc1 = vload16(r, s1);                                    \
+  for (int k = kt; k < kp2; ++k) {                                                         \
+    const int16 av = (int16)(as_int(x[(size_t)(p + (r)) * kp2 + k]));                      \
+    acc0 = Dpbf16(acc0, av, b[2 * k]);                                                     \
+    acc1 = Dpbf16(acc1, av, b[2 * k + 1]);                                                 \
+  }
+
+// A block's rows (up to 16 from p) through the tiles: rows, kt (the pairs the tiles took) and
+// the sums s0, s1 [rows][16] of the panel's two halves.
+#define AMX_BLOCK_SUMS                                                                     \
+  const int rows = min(16, end - p);                                                       \
+  __private uchar cfg[64] __attribute__((aligned(64)));                                    \
+  __private float s0[256] __attribute__((aligned(64)));                                    \
+  __private float s1[256] __attribute__((aligned(64)));                                    \
+  AmxConfig(cfg, rows);                                                                    \
+  const int kt = kp2 & ~15;                                                                \
+  AmxSums(cfg, (ulong)(x + (size_t)p * kp2), (ulong)kp2 * 4, (const __global char*)b, kt / 16, \
+          p + 16 >= end, (ulong)s0, (ulong)s1);
+
+AMX_TARGET void GateUpBlock_amx(const __global uint* restrict x, int kp2, int p, int end,
+                                const __global int16* restrict b, int f0,
+                                __global ushort* restrict h, int h_stride) {
+  AMX_BLOCK_SUMS
+  for (int r = 0; r < rows; ++r) {
+    AMX_ROW_SUMS(r)
+    const float16 act = acc0 / (1.0f + exp(-acc0)) * acc1;
+    StorePartial(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + r) * h_stride + f0,
+                 h_stride - f0);
+  }
+}
+
+AMX_TARGET void DownBlock_amx(const __global uint* restrict x, int kp2, int p, int end,
+                              const __global int16* restrict b, int hidden, int c0,
+                              __global float* restrict y) {
+  AMX_BLOCK_SUMS
+  for (int r = 0; r < rows; ++r) {
+    AMX_ROW_SUMS(r)
+    __global float* out = y + (size_t)(p + r) * hidden + c0;
+    StorePartial(acc0, out, hidden - c0);
+    StorePartial(acc1, out + 16, hidden - c0 - 16);
+  }
+}
+#endif  // FFN_BF16_AMX
 
 // xb: the BF16 rows of x in group order [*, 2 * kp_hidden]; h: BF16 [*, 2 * kp_ffn].
 __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_dot(

@@ -42,6 +42,16 @@ void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue qu
 // device: a CPU device of PoCL, which compiles for the host, on a host that has AVX512-BF16.
 bool HostRunsBf16Dot(const DeviceInfo& info);
 
+// Whether the dot-product kernels may also run on AMX tiles (tdpbf16ps): HostRunsBf16Dot's
+// device on a host whose CPU has AMX-TILE and AMX-BF16 (cpuid) and whose kernel granted this
+// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once; without it the first
+// tile instruction would be a fatal signal). `why` gets the reason where it is false.
+bool HostRunsAmx(const DeviceInfo& info, std::string* why);
+
+// Whether the device's compiler builds the AMX tile instructions as the FFN kernels spell them
+// (inline assembly); `why` gets the build log's first line where it does not.
+bool ProbeAmxBuilds(cl_context context, cl_device_id device, std::string* why);
+
 // The build log of `program` for `device`, without trailing NULs ("" if it cannot be read).
 std::string BuildLog(cl_program program, cl_device_id device);
 

@@ -125,11 +125,13 @@ enum class DotForm { kNone, kBuiltin, kInlineAsm };
 // Options every program is built with. On CPU devices the FFN kernels prefetch weight panels
 // ahead of their loads (FFN_PREFETCH); GPU compilers need not know the builtin. FFN_BF16_DOT
 // builds the pair-panel kernels (x86 AVX512-BF16), only where they run, in the form `dot`
-// names (FFN_BF16_DOT_ASM). The FP32 FFN kernels' blocking comes on top, per variant
+// names (FFN_BF16_DOT_ASM); FFN_BF16_AMX runs their rows through AMX tiles (amx: only where
+// detail::HostRunsAmx). The FP32 FFN kernels' blocking comes on top, per variant
 // (FfnBlockingOptions in runtime.cc).
-inline std::string ProgramBuildOptions(bool cpu, DotForm dot) {
+inline std::string ProgramBuildOptions(bool cpu, DotForm dot, bool amx = false) {
   return absl::StrCat("-cl-std=CL1.2", cpu ? " -DFFN_PREFETCH=1" : "",
                       dot != DotForm::kNone ? " -DFFN_BF16_DOT=1" : "",
+                      dot != DotForm::kNone && amx ? " -DFFN_BF16_AMX=1" : "",
                       dot == DotForm::kInlineAsm ? " -DFFN_BF16_DOT_ASM=1" : "",
                       " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
                       " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,

@@ -971,6 +971,21 @@ TEST_F(ExpertFfnTest, Bf16DotFormsAgreeBitForBit) {
   }
 }
 
+// AMX tiles (Intel CPUs with AMX-BF16): the dot kernels' rows in tiles of up to 16 rows and
+// 16 k pairs, the pairs past the last whole step through vdpbf16ps. Against the reference: K
+// a multiple of 16 pairs (no rest) and not (a rest of 8, and odd K with a padded pair), from 1
+// to 250 routed rows over 2-4 experts (partial tiles, whole ones, several). Elsewhere the
+// BF16 tests run the same kernels on vdpbf16ps; this one says why it skips.
+TEST_F(ExpertFfnTest, AmxTilesMatchTheReference) {
+  if (!Rt().bf16_dot()) GTEST_SKIP() << "the device runs no BF16 dot products";
+  if (!Rt().bf16_amx()) GTEST_SKIP() << "no AMX tiles: " << Rt().bf16_amx_why_not();
+  const std::span<const FfnTypes> bf16_weights = std::span(kAllTypes).subspan(1);
+  CheckShape(/*hidden=*/256, /*ffn=*/160, /*experts=*/2, /*tokens=*/64, bf16_weights, {16, 64});
+  CheckShape(/*hidden=*/64, /*ffn=*/48, /*experts=*/2, /*tokens=*/40, bf16_weights,
+             {1, 15, 16, 17, 33, 80});
+  CheckShape(/*hidden=*/71, /*ffn=*/37, /*experts=*/4, /*tokens=*/60, bf16_weights, {1, 13, 250});
+}
+
 // A rebalance's upload: experts an earlier upload of the same layer holds are copied from it
 // on the device, in any order, and the result is the fresh upload byte for byte; only the
 // others are read from the source.
