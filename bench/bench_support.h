@@ -3,6 +3,7 @@
 #pragma once
 
 #include <dirent.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,18 +49,65 @@ inline constexpr char kUnsetMarker[] = "EPSERVE_BENCH_UNSET_OPENBLAS_CORETYPE";
 // narrower kernels), so drop it and start the binary again. Call first thing in main().
 // EPSERVE_BENCH_KEEP_CORETYPE=1 keeps it: to time an older CPU's code on a newer one, with
 // PoCL told to build for the same CPU (POCL_LLVM_CPU_NAME=haswell, bench/kernels/RESULTS.md).
+inline constexpr char kUnknownCpuMarker[] = "EPSERVE_BENCH_OPENBLAS_CORE_WAS";
+
 inline void ReexecWithoutCoretype(char** argv) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
-  if (coretype == nullptr || std::getenv("EPSERVE_BENCH_KEEP_CORETYPE") != nullptr) return;
+  if (coretype == nullptr || std::getenv("EPSERVE_BENCH_KEEP_CORETYPE") != nullptr ||
+      std::getenv(kUnknownCpuMarker) != nullptr) {
+    return;
+  }
   setenv(kUnsetMarker, coretype, 1);
   unsetenv("OPENBLAS_CORETYPE");
   execv("/proc/self/exe", argv);
   std::perror("execv /proc/self/exe");  // carry on with it set; PrintCoretype says so
 }
 
+// The OPENBLAS_CORETYPE of this host's widest vectors where OpenBLAS fell back to a core
+// without AVX (`corename`: its DYNAMIC_ARCH build does not know every newer CPU; 0.3.21 runs
+// Intel's Sapphire Rapids on its Prescott kernels, bench/kernels/RESULTS.md runs 9 and 13),
+// else nullptr.
+inline const char* CoretypeForUnknownCpu(const char* corename) {
+#if defined(__x86_64__)
+  static constexpr const char* kWithoutAvx[] = {"Prescott",   "Core2",   "Penryn",
+                                                "Dunnington", "Nehalem", "Atom",
+                                                "Barcelona",  "Opteron", "Bobcat"};
+  bool without_avx = false;
+  for (const char* c : kWithoutAvx) without_avx = without_avx || strcasecmp(c, corename) == 0;
+  if (!without_avx) return nullptr;
+  if (__builtin_cpu_supports("avx512f")) return "SkylakeX";
+  if (__builtin_cpu_supports("avx2")) return "Haswell";
+#else
+  (void)corename;
+#endif
+  return nullptr;
+}
+
+// Call once OpenBLAS is loaded, after ReexecWithoutCoretype: where OpenBLAS took this CPU for
+// one without AVX while it has AVX2 or AVX-512, starts the binary again with OPENBLAS_CORETYPE
+// naming the kernels of its widest vectors (CoretypeForUnknownCpu), so that the baseline runs
+// at its best. EPSERVE_BENCH_KEEP_CORETYPE keeps OpenBLAS's own choice.
+inline void ReexecForUnknownCpu(char** argv, const char* corename) {
+  if (std::getenv("EPSERVE_BENCH_KEEP_CORETYPE") != nullptr ||
+      std::getenv(kUnknownCpuMarker) != nullptr) {
+    return;
+  }
+  const char* coretype = CoretypeForUnknownCpu(corename);
+  if (coretype == nullptr) return;
+  setenv(kUnknownCpuMarker, corename, 1);
+  setenv("OPENBLAS_CORETYPE", coretype, 1);
+  execv("/proc/self/exe", argv);
+  std::perror("execv /proc/self/exe");  // carry on with OpenBLAS's choice
+}
+
 // Says whether OpenBLAS runs with its own kernels.
 inline void PrintCoretype() {
-  if (const char* was = std::getenv(kUnsetMarker)) {
+  if (const char* core = std::getenv(kUnknownCpuMarker)) {
+    std::printf(
+        "OpenBLAS took this CPU for one without AVX (core %s): re-executed with "
+        "OPENBLAS_CORETYPE=%s, the kernels of its widest vectors\n",
+        core, std::getenv("OPENBLAS_CORETYPE"));
+  } else if (const char* was = std::getenv(kUnsetMarker)) {
     std::printf("OPENBLAS_CORETYPE=%s was unset (re-executed) so OpenBLAS picks its own kernels\n",
                 was);
   } else if (const char* still = std::getenv("OPENBLAS_CORETYPE")) {

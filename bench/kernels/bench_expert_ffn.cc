@@ -492,5 +492,6 @@ int Run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   epserve::bench::ReexecWithoutCoretype(argv);
+  epserve::bench::ReexecForUnknownCpu(argv, openblas_get_corename());
   return epserve::kernels::Run(argc, argv);
 }

@@ -25,6 +25,7 @@
 #include "model/synthetic.h"
 
 extern "C" void openblas_set_num_threads(int);
+extern "C" char* openblas_get_corename(void);
 
 namespace epserve::kernels {
 namespace {
@@ -127,5 +128,6 @@ int Run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   epserve::bench::ReexecWithoutCoretype(argv);
+  epserve::bench::ReexecForUnknownCpu(argv, openblas_get_corename());
   return epserve::kernels::Run(argc, argv);
 }

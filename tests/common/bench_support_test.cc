@@ -1,6 +1,7 @@
 // bench/bench_support.h: the round-robin timing calls its settle hook before every timed call,
-// and the wait for idle threads sees a spinning thread, waits it out, and gives up at its
-// deadline when the thread never stops.
+// the wait for idle threads sees a spinning thread, waits it out, and gives up at its deadline
+// when the thread never stops, and OpenBLAS's fallback to a core without AVX is replaced by
+// the host's widest kernels.
 #include "bench/bench_support.h"
 
 #include <atomic>
@@ -30,6 +31,30 @@ class BusyThread {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
+
+// A core without AVX (what OpenBLAS 0.3.21 takes Sapphire Rapids for) on a host with AVX2 or
+// AVX-512 becomes the kernels of its widest vectors; a core OpenBLAS knows stays its own.
+TEST(CoretypeForUnknownCpuTest, ReplacesOnlyACoreWithoutAvx) {
+  EXPECT_EQ(CoretypeForUnknownCpu("Cooperlake"), nullptr);
+  EXPECT_EQ(CoretypeForUnknownCpu("Zen"), nullptr);
+  EXPECT_EQ(CoretypeForUnknownCpu("SkylakeX"), nullptr);
+#if defined(__x86_64__)
+  const char* widest = __builtin_cpu_supports("avx512f") ? "SkylakeX"
+                       : __builtin_cpu_supports("avx2")  ? "Haswell"
+                                                         : nullptr;
+  for (const char* core : {"Prescott", "prescott", "Nehalem", "Barcelona"}) {
+    const char* got = CoretypeForUnknownCpu(core);
+    if (widest == nullptr) {
+      EXPECT_EQ(got, nullptr) << core;
+    } else {
+      ASSERT_NE(got, nullptr) << core;
+      EXPECT_STREQ(got, widest) << core;
+    }
+  }
+#else
+  EXPECT_EQ(CoretypeForUnknownCpu("Prescott"), nullptr);
+#endif
+}
 
 TEST(RoundRobinMedianSecondsTest, SettlesBeforeEveryTimedCallWithItsIndex) {
   std::vector<size_t> order;
