@@ -255,12 +255,8 @@ bool HostRunsBf16Dot(const DeviceInfo& info) {
 #endif
 }
 
-bool HostRunsAmx(const DeviceInfo& info, std::string* why) {
+bool HostGrantsAmxTiles(std::string* why) {
 #if defined(__x86_64__) && defined(__linux__)
-  if (!HostRunsBf16Dot(info)) {
-    *why = "no BF16 dot-product kernels on this device";
-    return false;
-  }
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0 || ((d >> 22) & 1) == 0 ||
       ((d >> 24) & 1) == 0) {
@@ -280,10 +276,17 @@ bool HostRunsAmx(const DeviceInfo& info, std::string* why) {
   }
   return true;
 #else
-  (void)info;
   *why = "not an x86-64 Linux host";
   return false;
 #endif
+}
+
+bool HostRunsAmx(const DeviceInfo& info, std::string* why) {
+  if (!HostRunsBf16Dot(info)) {
+    *why = "no BF16 dot-product kernels on this device";
+    return false;
+  }
+  return HostGrantsAmxTiles(why);
 }
 
 namespace {

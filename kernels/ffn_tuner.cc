@@ -83,7 +83,6 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
   w.dtype = dtype;
   w.blocking = b;
   w.bf16_dot = b.dot;
-  w.bf16_amx = b.dot && rt.bf16_amx();
   const int64_t pw = b.panel_cols();
   // BF16 weights: two 0.0078125 values a word; FP32: the pattern given.
   const uint32_t pattern = dtype == common::ElementType::kBf16 ? 0x3c003c00u : fp32_pattern;

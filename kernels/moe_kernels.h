@@ -47,7 +47,6 @@ struct ExpertWeights {
   common::ElementType dtype = common::ElementType::kFp32;  // of gate_up and down
   bool tensor_cores = false;  // the tensor-core layout and kernels (BF16 x and h)
   bool bf16_dot = false;      // the pair-panel layout and BF16 dot-product kernels (BF16 x, h)
-  bool bf16_amx = false;      // bf16_dot on a runtime whose dot kernels run AMX tiles
   // The portable kernels' blocking (neither tensor_cores nor bf16_dot), chosen at upload by
   // Runtime::ChooseFfnBlocking; the panel layout follows it.
   FfnBlocking blocking;
@@ -57,9 +56,10 @@ struct ExpertWeights {
   size_t bytes_from_source = 0;  // of gate_up and down filled from the source (not reused)
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
-// Which FFN kernels run these weights, for logs and benchmark output: "tensor cores",
-// "bf16 amx tiles", "bf16 dot products" or "fp32 fma".
-const char* FfnKernelsName(const ExpertWeights& w);
+// Which FFN kernels run these weights, uploaded through `rt`, for logs and benchmark output:
+// "tensor cores", "bf16 amx tiles" (the dot kernels where rt.bf16_amx()), "bf16 dot products"
+// or "fp32 fma".
+const char* FfnKernelsName(const Runtime& rt, const ExpertWeights& w);
 
 // With `reuse` (an upload of the same layer of the same weights): the experts it holds, in
 // the same layout, are copied from it on the device instead of read from the source.

@@ -237,7 +237,6 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
     // The blocking of the FMA kernels, or (BF16 weights where they run) the dot kernels.
     EPSERVE_ASSIGN_OR_RETURN(FfnBlocking blocking, rt.ChooseFfnBlocking(hidden, ffn, dtype));
     w.bf16_dot = blocking.dot;
-    w.bf16_amx = blocking.dot && rt.bf16_amx();
     if (!blocking.dot) w.blocking = blocking;
   }
   const int64_t pw = w.blocking.panel_cols();
@@ -300,11 +299,11 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
   return w;
 }
 
-const char* FfnKernelsName(const ExpertWeights& w) {
-  return w.tensor_cores ? "tensor cores"
-         : w.bf16_amx   ? "bf16 amx tiles"
-         : w.bf16_dot   ? "bf16 dot products"
-                        : "fp32 fma";
+const char* FfnKernelsName(const Runtime& rt, const ExpertWeights& w) {
+  return w.tensor_cores                ? "tensor cores"
+         : w.bf16_dot && rt.bf16_amx() ? "bf16 amx tiles"
+         : w.bf16_dot                  ? "bf16 dot products"
+                                       : "fp32 fma";
 }
 
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,

@@ -339,7 +339,7 @@ std::string Worker::ffn_blocking() const {
 }
 
 const char* Worker::ffn_kernels() const {
-  return layers_.empty() ? "none" : kernels::FfnKernelsName(layers_.front().experts);
+  return layers_.empty() ? "none" : kernels::FfnKernelsName(*rt_, layers_.front().experts);
 }
 
 size_t Worker::LayerBytes(const Layer& l) {

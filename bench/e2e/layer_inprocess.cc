@@ -86,7 +86,7 @@ class InProcessLayer {
   // y [n, H] = the layer on x [n, H], n <= max_tokens.
   const kernels::Runtime& runtime() const { return *rt_; }
   bool tensor_cores() const { return experts_.tensor_cores; }
-  const char* ffn_kernels() const { return kernels::FfnKernelsName(experts_); }
+  const char* ffn_kernels() const { return kernels::FfnKernelsName(*rt_, experts_); }
 
   // y [n, H] = the layer on x [n, H]. With resident, x is already on the device (an earlier
   // call uploaded it) and the output stays there (y is not written): the layer as a caller

@@ -186,7 +186,7 @@ int Run(int argc, char** argv) {
   absl::StatusOr<ExpertWeights> w16 =
       UploadExperts(r, source, 0, 0, num_experts, ElementType::kBf16);
   if (!w32.ok() || !w16.ok()) return Fail((w32.ok() ? w16 : w32).status());
-  std::printf("BF16 weights run on: %s\n", FfnKernelsName(*w16));
+  std::printf("BF16 weights run on: %s\n", FfnKernelsName(r, *w16));
   if (r.bf16_dot()) {
     std::printf("AMX tiles: %s\n",
                 r.bf16_amx() ? "yes" : absl::StrCat("no (", r.bf16_amx_why_not(), ")").c_str());

@@ -7,8 +7,9 @@
 //
 //   probe_amx [--reps=2000000] [--threads=0] [--build-only]
 //
-// Steps, each printed: the CPU's AMX-TILE / AMX-BF16 bits (cpuid leaf 7), the permission,
-// whether the device's compiler builds the tile kernel (its log's first line if not), one
+// Steps, each printed: whether the process may run tiles (the CPU's AMX-TILE / AMX-BF16 bits
+// and the permission: kernels::detail::HostGrantsAmxTiles, as the runtime asks),
+// whether the device's compiler builds the tile kernels (its build log if not), one
 // 16x16 tile product against the same sums on the host (small integers: exact in BF16 and
 // FP32), then the throughput of tdpbf16ps on four independent accumulator tiles per
 // work-item, beside an FP32-FMA kernel (eight independent float16 accumulators a work-item)
@@ -17,20 +18,23 @@
 // Exit 0 when the tile product matched, 1 when it did not or a step failed, 77 where the CPU
 // or the kernel has no AMX.
 #include <CL/cl.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/flags.h"
 #include "common/half.h"
+#include "common/status.h"
+#include "kernels/detail/cl_check.h"
+#include "kernels/detail/device.h"
+#include "kernels/detail/launch.h"
+#include "kernels/runtime.h"
 
+namespace epserve {
 namespace {
 
 constexpr char kSource[] = R"CL(
@@ -93,70 +97,51 @@ __kernel void fma_throughput(__global const float16* in, __global float16* out, 
 }
 )CL";
 
-bool CpuHasAmxBf16() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
-  const bool bf16 = (d >> 22) & 1, tile = (d >> 24) & 1;
-  std::printf("cpuid: amx-bf16 %d, amx-tile %d\n", bf16, tile);
-  return bf16 && tile;
-}
-
-// Linux's permission for the tile data state (XFEATURE_XTILEDATA = 18), process-wide.
-bool RequestTilePermission() {
-  constexpr int kArchReqXcompPerm = 0x1023;
-  const long r = syscall(SYS_arch_prctl, kArchReqXcompPerm, 18);
-  std::printf("arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): %s\n",
-              r == 0 ? "granted" : std::strerror(errno));
-  return r == 0;
-}
-
-#define CHECK_CL(call)                                                     \
-  do {                                                                     \
-    cl_int e_ = (call);                                                    \
-    if (e_ != CL_SUCCESS) {                                                \
-      std::printf("%s: OpenCL error %d (line %d)\n", #call, e_, __LINE__); \
-      return 1;                                                            \
-    }                                                                      \
+// Exits the probe with `code` and the message where `s` is not OK.
+#define CHECK_OK(expr, code)                                             \
+  do {                                                                   \
+    const absl::Status s_ = (expr);                                      \
+    if (!s_.ok()) {                                                      \
+      std::printf("%s: %s\n", #expr, std::string(s_.message()).c_str()); \
+      return code;                                                       \
+    }                                                                    \
   } while (0)
 
+// Runs `kernel` on `n` work-items of one (after a warm-up run); seconds of the timed run.
+absl::StatusOr<double> TimeKernel(kernels::Runtime& rt, cl_kernel kernel, size_t n) {
+  const size_t one = 1;
+  double seconds = 0;
+  for (int run = 0; run < 2; ++run) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CL_CHECK(clEnqueueNDRangeKernel(rt.queue(), kernel, 1, nullptr, &n, &one, 0, nullptr, nullptr));
+    EPSERVE_RETURN_IF_ERROR(rt.Finish());
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return seconds;
+}
+
 int Run(int reps, int threads, bool build_only) {
-  const bool amx = CpuHasAmxBf16();
-  if (!build_only && (!amx || !RequestTilePermission())) return 77;
-  cl_uint np = 0;
-  CHECK_CL(clGetPlatformIDs(0, nullptr, &np));
-  std::vector<cl_platform_id> platforms(np);
-  CHECK_CL(clGetPlatformIDs(np, platforms.data(), nullptr));
-  cl_device_id device = nullptr;
-  for (cl_platform_id p : platforms) {
-    if (clGetDeviceIDs(p, CL_DEVICE_TYPE_CPU, 1, &device, nullptr) == CL_SUCCESS) break;
-    device = nullptr;
-  }
-  if (device == nullptr) {
-    std::printf("no OpenCL CPU device\n");
-    return 1;
-  }
-  char name[256] = {0}, version[256] = {0};
-  cl_uint units = 0;
-  clGetDeviceInfo(device, CL_DEVICE_NAME, sizeof(name), name, nullptr);
-  clGetDeviceInfo(device, CL_DRIVER_VERSION, sizeof(version), version, nullptr);
-  clGetDeviceInfo(device, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(units), &units, nullptr);
-  if (threads <= 0) threads = static_cast<int>(units);
-  std::printf("device: %s (driver %s, %u compute units); %d work-items\n", name, version, units,
-              threads);
+  std::string why;
+  const bool amx = kernels::detail::HostGrantsAmxTiles(&why);
+  std::printf("AMX tiles for this process: %s\n",
+              amx ? "granted (cpuid amx-bf16 and amx-tile, arch_prctl)" : why.c_str());
+  if (!build_only && !amx) return 77;
+  kernels::RuntimeOptions options;
+  options.device = "cpu";
+  absl::StatusOr<std::unique_ptr<kernels::Runtime>> created = kernels::Runtime::Create(options);
+  CHECK_OK(created.status(), 1);
+  kernels::Runtime& rt = **created;
+  const kernels::DeviceInfo& info = rt.device_info();
+  if (threads <= 0) threads = info.compute_units;
+  std::printf("device: %s; %d work-items\n", info.Describe().c_str(), threads);
   cl_int err = CL_SUCCESS;
-  cl_context ctx = clCreateContext(nullptr, 1, &device, nullptr, nullptr, &err);
-  CHECK_CL(err);
-  cl_command_queue q = clCreateCommandQueue(ctx, device, 0, &err);
-  CHECK_CL(err);
   const char* src = kSource;
-  cl_program prog = clCreateProgramWithSource(ctx, 1, &src, nullptr, &err);
-  CHECK_CL(err);
+  cl_program prog = clCreateProgramWithSource(rt.context(), 1, &src, nullptr, &err);
+  if (err != CL_SUCCESS) return 1;
+  const cl_device_id device = rt.device();
   if (clBuildProgram(prog, 1, &device, "-cl-std=CL1.2", nullptr, nullptr) != CL_SUCCESS) {
-    size_t bytes = 0;
-    clGetProgramBuildInfo(prog, device, CL_PROGRAM_BUILD_LOG, 0, nullptr, &bytes);
-    std::string log(bytes, '\0');
-    clGetProgramBuildInfo(prog, device, CL_PROGRAM_BUILD_LOG, bytes, log.data(), nullptr);
-    std::printf("the tile kernels do not build:\n%s\n", log.c_str());
+    std::printf("the tile kernels do not build:\n%s\n",
+                kernels::detail::BuildLog(prog, device).c_str());
     return 77;
   }
   std::printf("the tile kernels build\n");
@@ -170,8 +155,8 @@ int Run(int reps, int threads, bool build_only) {
     bv[i] = static_cast<float>((i * 3) % 7 - 3);
   }
   auto pack = [](float lo, float hi) {
-    return static_cast<uint32_t>(epserve::common::FloatToBf16(lo)) |
-           (static_cast<uint32_t>(epserve::common::FloatToBf16(hi)) << 16);
+    return static_cast<uint32_t>(common::FloatToBf16(lo)) |
+           (static_cast<uint32_t>(common::FloatToBf16(hi)) << 16);
   };
   for (int i = 0; i < 256; ++i) {
     a[i] = pack(av[2 * i], av[2 * i + 1]);
@@ -187,25 +172,18 @@ int Run(int reps, int threads, bool build_only) {
       }
     }
   }
-  cl_mem da = clCreateBuffer(ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, 1024, a.data(), &err);
-  CHECK_CL(err);
-  cl_mem db = clCreateBuffer(ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, 1024, b.data(), &err);
-  CHECK_CL(err);
-  cl_mem dc =
-      clCreateBuffer(ctx, CL_MEM_READ_WRITE, 1024 * static_cast<size_t>(threads), nullptr, &err);
-  CHECK_CL(err);
+  absl::StatusOr<kernels::Buffer> da = rt.AllocateCopy(a.data(), 1024);
+  absl::StatusOr<kernels::Buffer> db = rt.AllocateCopy(b.data(), 1024);
+  std::vector<float> got(256 * static_cast<size_t>(threads), -12345.0f);  // poisoned
+  absl::StatusOr<kernels::Buffer> dc = rt.AllocateCopy(got.data(), got.size() * sizeof(float));
+  for (const auto* buffer : {&da, &db, &dc}) CHECK_OK(buffer->status(), 1);
   cl_kernel product = clCreateKernel(prog, "tile_product", &err);
-  CHECK_CL(err);
-  int one = 1;
-  CHECK_CL(clSetKernelArg(product, 0, sizeof(cl_mem), &da));
-  CHECK_CL(clSetKernelArg(product, 1, sizeof(cl_mem), &db));
-  CHECK_CL(clSetKernelArg(product, 2, sizeof(cl_mem), &dc));
-  CHECK_CL(clSetKernelArg(product, 3, sizeof(int), &one));
-  std::vector<float> got(256, -12345.0f);
-  CHECK_CL(clEnqueueWriteBuffer(q, dc, CL_TRUE, 0, 1024, got.data(), 0, nullptr, nullptr));
-  size_t global = 1, local = 1;
-  CHECK_CL(clEnqueueNDRangeKernel(q, product, 1, nullptr, &global, &local, 0, nullptr, nullptr));
-  CHECK_CL(clEnqueueReadBuffer(q, dc, CL_TRUE, 0, 1024, got.data(), 0, nullptr, nullptr));
+  cl_kernel tiles = clCreateKernel(prog, "tile_throughput", &err);
+  cl_kernel fma = clCreateKernel(prog, "fma_throughput", &err);
+  if (err != CL_SUCCESS) return 1;
+  CHECK_OK(kernels::detail::SetArgs(product, *da, *db, *dc, cl_int{1}), 1);
+  CHECK_OK(TimeKernel(rt, product, 1).status(), 1);
+  CHECK_OK(rt.Read(*dc, 0, got.data(), 1024), 1);
   int wrong = 0;
   for (int i = 0; i < 256; ++i) wrong += got[i] != want[i];
   std::printf(
@@ -213,53 +191,37 @@ int Run(int reps, int threads, bool build_only) {
       "want %.1f)\n",
       wrong == 0 ? "match" : "MISMATCH", wrong, got[0], want[0]);
 
-  auto time_kernel = [&](cl_kernel k, size_t n) -> double {
-    size_t l = 1;
-    clEnqueueNDRangeKernel(q, k, 1, nullptr, &n, &l, 0, nullptr, nullptr);  // warm-up
-    clFinish(q);
-    const auto t0 = std::chrono::steady_clock::now();
-    clEnqueueNDRangeKernel(q, k, 1, nullptr, &n, &l, 0, nullptr, nullptr);
-    clFinish(q);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  cl_kernel tiles = clCreateKernel(prog, "tile_throughput", &err);
-  CHECK_CL(err);
-  CHECK_CL(clSetKernelArg(tiles, 0, sizeof(cl_mem), &da));
-  CHECK_CL(clSetKernelArg(tiles, 1, sizeof(cl_mem), &db));
-  CHECK_CL(clSetKernelArg(tiles, 2, sizeof(cl_mem), &dc));
-  CHECK_CL(clSetKernelArg(tiles, 3, sizeof(int), &reps));
-  const double tile_s = time_kernel(tiles, static_cast<size_t>(threads));
+  CHECK_OK(kernels::detail::SetArgs(tiles, *da, *db, *dc, cl_int{reps}), 1);
+  const absl::StatusOr<double> tile_s = TimeKernel(rt, tiles, static_cast<size_t>(threads));
+  CHECK_OK(tile_s.status(), 1);
   // Each tdpbf16ps: 16 x 16 sums of 16 pairs = 16 x 16 x 32 multiply-adds.
   const double tile_flops = 2.0 * 16 * 16 * 32 * 4 * static_cast<double>(reps) * threads;
 
   std::vector<float> fin(16 * 10, 1.0f);
   for (int i = 128; i < 144; ++i) fin[i] = 0.999f;  // m
   for (int i = 144; i < 160; ++i) fin[i] = 0.001f;  // s
-  cl_mem dfin = clCreateBuffer(ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                               fin.size() * sizeof(float), fin.data(), &err);
-  CHECK_CL(err);
-  cl_mem dfout =
-      clCreateBuffer(ctx, CL_MEM_WRITE_ONLY, 64 * static_cast<size_t>(threads), nullptr, &err);
-  CHECK_CL(err);
-  cl_kernel fma = clCreateKernel(prog, "fma_throughput", &err);
-  CHECK_CL(err);
+  absl::StatusOr<kernels::Buffer> dfin = rt.AllocateCopy(fin.data(), fin.size() * sizeof(float));
+  absl::StatusOr<kernels::Buffer> dfout = rt.Allocate(64 * static_cast<size_t>(threads));
+  for (const auto* buffer : {&dfin, &dfout}) CHECK_OK(buffer->status(), 1);
   // An iteration of the FMA loop is 8 x 16 multiply-adds, one of the tile loop 4 x 8192: the
   // FMA loop runs 16x as many iterations, for a time of the same order.
   const int fma_reps = reps * 16;
-  CHECK_CL(clSetKernelArg(fma, 0, sizeof(cl_mem), &dfin));
-  CHECK_CL(clSetKernelArg(fma, 1, sizeof(cl_mem), &dfout));
-  CHECK_CL(clSetKernelArg(fma, 2, sizeof(int), &fma_reps));
-  const double fma_s = time_kernel(fma, static_cast<size_t>(threads));
+  CHECK_OK(kernels::detail::SetArgs(fma, *dfin, *dfout, cl_int{fma_reps}), 1);
+  const absl::StatusOr<double> fma_s = TimeKernel(rt, fma, static_cast<size_t>(threads));
+  CHECK_OK(fma_s.status(), 1);
   const double fma_flops = 2.0 * 16 * 8 * static_cast<double>(fma_reps) * threads;
   std::printf(
       "tdpbf16ps: %.1f GFLOP/s (%.3f s); FP32 FMA (float16): %.1f GFLOP/s (%.3f s); "
       "tiles / fma %.2fx, %d work-items\n",
-      tile_flops / tile_s / 1e9, tile_s, fma_flops / fma_s / 1e9, fma_s,
-      (tile_flops / tile_s) / (fma_flops / fma_s), threads);
+      tile_flops / *tile_s / 1e9, *tile_s, fma_flops / *fma_s / 1e9, *fma_s,
+      (tile_flops / *tile_s) / (fma_flops / *fma_s), threads);
+  for (cl_kernel k : {product, tiles, fma}) clReleaseKernel(k);
+  clReleaseProgram(prog);
   return wrong == 0 ? 0 : 1;
 }
 
 }  // namespace
+}  // namespace epserve
 
 int main(int argc, char** argv) {
   int reps = 2000000, threads = 0;
@@ -272,5 +234,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 2;
   }
-  return Run(reps, threads, build_only);
+  return epserve::Run(reps, threads, build_only);
 }

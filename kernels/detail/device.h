@@ -42,10 +42,14 @@ void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue qu
 // device: a CPU device of PoCL, which compiles for the host, on a host that has AVX512-BF16.
 bool HostRunsBf16Dot(const DeviceInfo& info);
 
+// Whether this process may run AMX tile instructions: the CPU has AMX-TILE and AMX-BF16
+// (cpuid) and Linux granted the process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked
+// once; without it the first tile instruction is a fatal signal). `why` gets the reason where
+// it is false.
+bool HostGrantsAmxTiles(std::string* why);
+
 // Whether the dot-product kernels may also run on AMX tiles (tdpbf16ps): HostRunsBf16Dot's
-// device on a host whose CPU has AMX-TILE and AMX-BF16 (cpuid) and whose kernel granted this
-// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once; without it the first
-// tile instruction would be a fatal signal). `why` gets the reason where it is false.
+// device on a host that HostGrantsAmxTiles.
 bool HostRunsAmx(const DeviceInfo& info, std::string* why);
 
 // Whether the device's compiler builds the AMX tile instructions as the FFN kernels spell them
