@@ -7,6 +7,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 
 
 class Cluster:
@@ -25,13 +26,29 @@ class Cluster:
         while time.time() < deadline:
             if os.path.exists(ready):
                 with open(ready) as f:
-                    self.address = json.load(f)["grpc"]
+                    addresses = json.load(f)
+                self.address = addresses["grpc"]
+                self.metrics_address = addresses["metrics"]
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError("epserve exited before it was ready:\n" + self.read_log())
             time.sleep(0.05)
         self.stop()
         raise RuntimeError("epserve not ready in time:\n" + self.read_log())
+
+    def metric_sum(self, name):
+        """The sum over its labels of metric `name` on the cluster's /metrics (0 if absent)."""
+        total = 0.0
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.split("{")[0].split(" ")[0] == name:
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def accepted(self):
+        """Inference requests the front-end has accepted: answered plus in flight."""
+        return (self.metric_sum("epserve_requests_total")
+                + self.metric_sum("epserve_inflight_requests"))
 
     def read_log(self):
         with open(self.log_path) as f:

@@ -292,9 +292,12 @@ class SharedMemory(unittest.TestCase):
 
     def queued_behind_work(self, tokens, in_name, out_name, n, change):
         """Sends a shared-memory request behind 8 inline requests of 8192 tokens (4096 batches
-        of 16 rows), calls `change()` 0.2 s later, while it is accepted and still queued, and
-        returns its result or its error; None when it was answered before the change."""
+        of 16 rows), calls `change()` once the server has accepted all nine (answered plus in
+        flight, from /metrics; a fixed 0.2 s lost the race on a loaded host, where the 512 MiB
+        ahead of it had not all arrived by then), while it is still queued, and returns its
+        result or its error; None when it was answered before the change."""
         big = self.rng.uniform(-1, 1, size=(8192, H)).astype(np.float32)
+        accepted_before = self.cluster.accepted()
         done = []
         for _ in range(8):
             inp = triton.InferInput("hidden_states", [8192, H], "FP32")
@@ -308,7 +311,10 @@ class SharedMemory(unittest.TestCase):
         self.client.async_infer("moe", [inp], lambda result, error: answer.append((result, error)),
                                 outputs=[out])
         t0 = time.time()
-        time.sleep(0.2)
+        accepted_by = t0 + 30
+        while (self.cluster.accepted() < accepted_before + 9 and not answer
+               and time.time() < accepted_by):
+            time.sleep(0.01)
         too_late = bool(answer)
         change()
         deadline = time.time() + 60
