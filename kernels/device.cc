@@ -245,10 +245,13 @@ void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue qu
   }
 }
 
+bool IsPoclCpu(const DeviceInfo& info) {
+  return info.is_cpu && absl::StrContains(info.platform_name, "Portable Computing Language");
+}
+
 bool HostRunsBf16Dot(const DeviceInfo& info) {
 #if defined(__x86_64__)
-  return info.is_cpu && absl::StrContains(info.platform_name, "Portable Computing Language") &&
-         __builtin_cpu_supports("avx512bf16");
+  return IsPoclCpu(info) && __builtin_cpu_supports("avx512bf16");
 #else
   (void)info;
   return false;

@@ -99,6 +99,11 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
   return w;
 }
 
+// Whether weights laid out for blocking a serve blocking b as they are.
+bool SameLayout(const FfnBlocking& a, const FfnBlocking& b) {
+  return a.dot == b.dot && (a.dot || a.panel_cols() == b.panel_cols());
+}
+
 // Times every candidate on every case, round-robin (one run of each candidate and case per
 // round, after a warm-up round that also builds the candidates' programs), so that a drift
 // in the machine's load hits every candidate alike; the fastest run of each counts. Returns
@@ -116,10 +121,21 @@ absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking
                            rt.AllocateCopy(index.data(), index.size() * sizeof(int32_t)));
   EPSERVE_ASSIGN_OR_RETURN(Buffer h, rt.Allocate(max_rows * ffn * sizeof(float)));
   EPSERVE_ASSIGN_OR_RETURN(Buffer y, rt.Allocate(max_rows * hidden * sizeof(float)));
-  std::vector<ExpertWeights> weights;
-  for (const FfnBlocking& b : candidates) {
-    EPSERVE_ASSIGN_OR_RETURN(ExpertWeights w, TuneWeights(rt, b, hidden, ffn, dtype, x_pattern));
-    weights.push_back(std::move(w));
+  // One set of weights per layout: candidates of one panel width lay their weights out alike
+  // (the rest of a blocking changes only how the kernels walk them), so they share a set, its
+  // blocking set before each run. Filling a set (tens of MiB of fresh pages) cost more than
+  // all the timed runs together.
+  std::vector<ExpertWeights> layouts;
+  std::vector<size_t> layout_of(candidates.size());
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const FfnBlocking& b = candidates[i];
+    size_t j = 0;
+    while (j < layouts.size() && !SameLayout(layouts[j].blocking, b)) ++j;
+    if (j == layouts.size()) {
+      EPSERVE_ASSIGN_OR_RETURN(ExpertWeights w, TuneWeights(rt, b, hidden, ffn, dtype, x_pattern));
+      layouts.push_back(std::move(w));
+    }
+    layout_of[i] = j;
   }
 
   const size_t num_cases = std::size(kTuneCases);
@@ -128,8 +144,9 @@ absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking
   for (int round = 0; round <= kTuneRepeats; ++round) {
     for (size_t i = 0; i < candidates.size(); ++i) {
       for (size_t c = 0; c < num_cases; ++c) {
-        EPSERVE_ASSIGN_OR_RETURN(double t,
-                                 RunCase(rt, weights[i], kTuneCases[c], x, row_index, h, y));
+        ExpertWeights& w = layouts[layout_of[i]];
+        w.blocking = candidates[i];
+        EPSERVE_ASSIGN_OR_RETURN(double t, RunCase(rt, w, kTuneCases[c], x, row_index, h, y));
         if (round > 0) times[i][c] = std::min(times[i][c], t);
       }
     }

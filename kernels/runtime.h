@@ -70,7 +70,17 @@ struct RuntimeOptions {
   // state (Intel Sapphire Rapids and later). false keeps vdpbf16ps.
   bool bf16_amx = true;
   // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
+  // The FFN tuning's choices are kept there too.
   std::string cache_dir;
+  // Which built programs' binaries go into cache_dir. kAuto: every driver's but PoCL's. To
+  // hand out a program's binary PoCL compiles every kernel in it to machine code (0.3-0.5 s a
+  // kernel on a 2-core host, eight in the FFN program: 3 s for each FFN blocking a cold start
+  // builds), a form it does not run: at a launch it compiles the kernel again for the launch's
+  // work-group size. Its own cache ($POCL_CACHE_DIR, else ~/.cache/pocl) keeps each program's
+  // bitcode and the machine code of the kernels that ran, which is all a warm start needs.
+  // kAlways: every driver's (tests of the cache); kOff: none. Binaries found are read always.
+  enum class ProgramBinaries { kAuto, kAlways, kOff };
+  ProgramBinaries program_binaries = ProgramBinaries::kAuto;
   // A folder to read the kernel sources from (<name>.cl, e.g. kernels/cl) instead of the copies
   // embedded at build time, so that a kernel can be changed and timed without rebuilding;
   // "" means $EPSERVE_KERNEL_SOURCES, else the embedded sources.
@@ -195,7 +205,9 @@ class Runtime {
   // The cl_kernel stays owned by the Runtime; its arguments are whatever the last caller set.
   absl::StatusOr<cl_kernel> Kernel(std::string_view name);
 
-  // The portable FFN kernel `name` built for `blocking` (on first use of that blocking).
+  // The expert FFN kernel `name` (kernels/cl/expert_ffn.cl) built for `blocking`: the part of
+  // the program that holds it, built on first use of that part and blocking (the dot-product
+  // kernels' part ignores the blocking). Kernel(name) gives the device default blocking's.
   absl::StatusOr<cl_kernel> FfnKernel(std::string_view name, const FfnBlocking& blocking);
   // The blocking of the portable FFN kernels for experts of this shape and weight dtype on
   // this device, or for BF16 weights where bf16_dot() the dot kernels ("dot"): made on first
@@ -211,6 +223,8 @@ class Runtime {
   // The folder binaries are cached in ("" when no cache folder could be found).
   const std::string& cache_dir() const { return cache_dir_; }
   const ProgramCacheStats& cache_stats() const;
+  // Whether built programs' binaries are written to cache_dir (RuntimeOptions::program_binaries).
+  bool stores_program_binaries() const { return store_binaries_; }
   // Builds `source` the way embedded programs are built (same options, same cache) and
   // releases it. Errors carry the build log. For tests of the build path.
   absl::Status BuildProgramForTest(std::string_view source);
@@ -238,6 +252,7 @@ class Runtime {
   cl_command_queue queue_ = nullptr;
   cl_command_queue side_queue_ = nullptr;  // WriteBeside's, made on first use
   std::string cache_dir_;
+  bool store_binaries_ = false;
   bool tensor_cores_ = false;
   bool bf16_dot_ = false;
   bool bf16_amx_ = false;

@@ -15,6 +15,15 @@
 // AVX-512 one.
 //
 // Kernels, one per weight type: ffn_gate_up_w{f32,bf16}, ffn_down_w{f32,bf16}.
+//
+// FFN_FAMILY picks the kernels a program holds: 0 all of them; 1 the FP32-weight kernels;
+// 2 the BF16-weight ones and gather_bf16_rows; 3 the BF16 dot-product kernels and
+// gather_rows_to_bf16_pairs. The runtime builds one program per family (and blocking), so
+// that a build compiles only what it runs (kernels/runtime.cc FfnFamily).
+#ifndef FFN_FAMILY
+#define FFN_FAMILY 0
+#endif
+#define FFN_HAS(f) (FFN_FAMILY == 0 || FFN_FAMILY == (f))
 
 #ifndef FFN_VEC
 #define FFN_VEC 16
@@ -297,12 +306,23 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
     ROW_BLOCKS(DownBlock, S, (h, p, end, b, hidden, ffn, c0, y, few))                      \
   }
 
-// Every block size of one weight type (FP32 panel rows are two floatV, BF16 ones two ushortV).
-#define DEFINE_ALL_BLOCKS(R)                            \
-  DEFINE_GATE_UP_BLOCK(R, _wf32, float, floatV)         \
-  DEFINE_GATE_UP_BLOCK(R, _wbf16, float, ushortV)       \
-  DEFINE_DOWN_BLOCK(R, _wf32, floatV)                   \
+// Every block size of the program's weight types (FP32 panel rows are two floatV, BF16 ones
+// two ushortV).
+#if FFN_HAS(1)
+#define DEFINE_BLOCKS_WF32(R)                   \
+  DEFINE_GATE_UP_BLOCK(R, _wf32, float, floatV) \
+  DEFINE_DOWN_BLOCK(R, _wf32, floatV)
+#else
+#define DEFINE_BLOCKS_WF32(R)
+#endif
+#if FFN_HAS(2)
+#define DEFINE_BLOCKS_WBF16(R)                    \
+  DEFINE_GATE_UP_BLOCK(R, _wbf16, float, ushortV) \
   DEFINE_DOWN_BLOCK(R, _wbf16, ushortV)
+#else
+#define DEFINE_BLOCKS_WBF16(R)
+#endif
+#define DEFINE_ALL_BLOCKS(R) DEFINE_BLOCKS_WF32(R) DEFINE_BLOCKS_WBF16(R)
 #if NEED_ROWS(1)
 DEFINE_ALL_BLOCKS(1)
 #endif
@@ -352,9 +372,12 @@ DEFINE_ALL_BLOCKS(15)
 DEFINE_ALL_BLOCKS(16)
 #endif
 
+#if FFN_HAS(1)
 DEFINE_GATE_UP_KERNEL(_wf32, float, floatV)
-DEFINE_GATE_UP_KERNEL(_wbf16, float, ushortV)
 DEFINE_DOWN_KERNEL(_wf32, floatV)
+#endif
+#if FFN_HAS(2)
+DEFINE_GATE_UP_KERNEL(_wbf16, float, ushortV)
 DEFINE_DOWN_KERNEL(_wbf16, ushortV)
 
 // out[p, :] = x[row_index[p], :] widened from BF16 (exact), for p < num_rows; x rows are
@@ -372,6 +395,7 @@ __kernel void gather_bf16_rows(__global const ushort* restrict x, long x_rows, l
   }
   for (; c < hidden; ++c) dst[c] = as_float((uint)src[c] << 16);
 }
+#endif  // FFN_HAS(2)
 
 // ---- BF16 dot products on x86 CPUs with AVX512-BF16 (-DFFN_BF16_DOT=1) ----
 //
@@ -389,7 +413,7 @@ __kernel void gather_bf16_rows(__global const ushort* restrict x, long x_rows, l
 // The block functions carry the target feature and are called from the kernels (a function
 // built for a feature the caller lacks is not inlined into it); each call runs a whole
 // K loop, so the call costs nothing that shows.
-#if FFN_BF16_DOT
+#if FFN_BF16_DOT && FFN_HAS(3)
 #define DOT_TARGET __attribute__((target("avx512bf16")))
 
 inline uint16 Bf16Round16(float16 v) {
@@ -646,4 +670,4 @@ __kernel void gather_rows_to_bf16_pairs(__global const void* restrict x, int x_b
   }
   for (; c < k_pad; ++c) dst[c] = 0;
 }
-#endif  // FFN_BF16_DOT
+#endif  // FFN_BF16_DOT && FFN_HAS(3)

@@ -38,6 +38,10 @@ absl::StatusOr<FoundDevice> ChooseDevice(const std::vector<FoundDevice>& devices
 void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue queue,
                     DeviceInfo& info);
 
+// Whether the device is a CPU device of PoCL (the Portable Computing Language), which compiles
+// kernels for the host's CPU with its own LLVM.
+bool IsPoclCpu(const DeviceInfo& info);
+
 // Whether the BF16 dot-product kernels (clang's x86 builtin for vdpbf16ps) can run on the
 // device: a CPU device of PoCL, which compiles for the host, on a host that has AVX512-BF16.
 bool HostRunsBf16Dot(const DeviceInfo& info);

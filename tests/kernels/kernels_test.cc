@@ -33,6 +33,7 @@
 #include "absl/strings/str_format.h"
 #include "common/half.h"
 #include "gtest/gtest.h"
+#include "kernels/detail/device.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
@@ -225,9 +226,11 @@ TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
   std::filesystem::remove_all(dir);
   RuntimeOptions options = TestRuntimeOptions();
   options.cache_dir = dir.string();
+  options.program_binaries = RuntimeOptions::ProgramBinaries::kAlways;  // PoCL's too
   {
     absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
     ASSERT_TRUE(rt.ok()) << rt.status();
+    EXPECT_TRUE((*rt)->stores_program_binaries());
     ASSERT_TRUE((*rt)->Kernel("weighted_combine").ok());
     EXPECT_EQ((*rt)->cache_stats().loaded, 0);
     EXPECT_GE((*rt)->cache_stats().built, 1);
@@ -262,6 +265,66 @@ TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
     std::vector<float> got(3);
     ASSERT_TRUE(r.Read(*out, 0, got.data(), 3 * sizeof(float)).ok());
     EXPECT_EQ(got, (std::vector<float>{2 * 4 + 0.5f * 1, 2 * 5 + 0.5f * 2, 2 * 6 + 0.5f * 3}));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// By default PoCL's programs leave no binary in the cache (its own cache keeps what a warm
+// start reads; kernels/runtime.h ProgramBinaries), every other driver's do; kOff stores none.
+TEST(RuntimeTest, ProgramBinariesStoredButPoclsByDefault) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() /
+      absl::StrCat("epserve-kernel-binaries-test-", std::random_device{}());
+  for (const auto mode :
+       {RuntimeOptions::ProgramBinaries::kAuto, RuntimeOptions::ProgramBinaries::kOff}) {
+    std::filesystem::remove_all(dir);
+    RuntimeOptions options = TestRuntimeOptions();
+    options.cache_dir = dir.string();
+    options.program_binaries = mode;
+    bool pocl = false;
+    int programs = 0;
+    for (int start = 0; start < 2; ++start) {
+      absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
+      ASSERT_TRUE(rt.ok()) << rt.status();
+      Runtime& r = **rt;
+      pocl = detail::IsPoclCpu(r.device_info());
+      const bool stores = mode == RuntimeOptions::ProgramBinaries::kAuto && !pocl;
+      EXPECT_EQ(r.stores_program_binaries(), stores) << r.device_info().Describe();
+      ASSERT_TRUE(r.Kernel("weighted_combine").ok());
+      // The programs built on the way to the kernel (those before it in the runtime's list).
+      const ProgramCacheStats& stats = r.cache_stats();
+      if (start == 0) programs = stats.built;
+      EXPECT_GE(programs, 1);
+      if (stores) {
+        EXPECT_EQ(stats.built, start == 0 ? programs : 0) << stats.last_error;
+        EXPECT_EQ(stats.loaded, start == 0 ? 0 : programs);
+        EXPECT_EQ(stats.stored, stats.built);
+      } else {
+        EXPECT_EQ(stats.built, programs);  // from source both times
+        EXPECT_EQ(stats.loaded, 0);
+        EXPECT_EQ(stats.stored, 0);
+      }
+      // Whatever the cache holds, the program runs: out = 2 * y[1] + 0.5 * y[0].
+      const std::vector<float> y = {1, 2, 3, 4, 5, 6};
+      const std::vector<int32_t> index = {1, 0};
+      const std::vector<float> weight = {2.0f, 0.5f};
+      absl::StatusOr<Buffer> yb = r.AllocateCopy(y.data(), y.size() * sizeof(float));
+      absl::StatusOr<Buffer> ib = r.AllocateCopy(index.data(), index.size() * sizeof(int32_t));
+      absl::StatusOr<Buffer> wb = r.AllocateCopy(weight.data(), weight.size() * sizeof(float));
+      const std::vector<float> poison(3, std::numeric_limits<float>::quiet_NaN());
+      absl::StatusOr<Buffer> out = r.AllocateCopy(poison.data(), 3 * sizeof(float));
+      ASSERT_TRUE(yb.ok() && ib.ok() && wb.ok() && out.ok());
+      ASSERT_TRUE(WeightedCombine(r, *yb, *ib, *wb, 1, 2, 3, *out).ok());
+      std::vector<float> got(3);
+      ASSERT_TRUE(r.Read(*out, 0, got.data(), 3 * sizeof(float)).ok());
+      EXPECT_EQ(got, (std::vector<float>{2 * 4 + 0.5f * 1, 2 * 5 + 0.5f * 2, 2 * 6 + 0.5f * 3}));
+    }
+    int binaries = 0;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+      binaries += entry.path().extension() == ".bin";
+    }
+    EXPECT_EQ(binaries, mode == RuntimeOptions::ProgramBinaries::kAuto && !pocl ? programs : 0);
   }
   std::filesystem::remove_all(dir);
 }
