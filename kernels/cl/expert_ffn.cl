@@ -185,8 +185,11 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 #define PANEL_LINES_PER_4 ((int)(8 * sizeof(*b)) / 64)
 #define PREFETCH_LINE(ahead, n) \
   if (PANEL_LINES_PER_4 > (n)) PREFETCH((ahead) + 64 * (n));
-// The K loop of a register block (ahead_next: also prefetch the panel after this one, which
-// the next work-item of the kernel's order reads). Multi-row blocks take four k-steps an iteration through a
+#define PREFETCH_HALF_LINE(ahead, n) \
+  if (PANEL_LINES_PER_4 / 2 > (n)) PREFETCH((ahead) + 64 * (n));
+// The K loop of a register block (next_part 1 or 2: also prefetch the first or second half of
+// the panel after this one, which the next work-item of the kernel's order reads, half a
+// k-step's lines a k-step; 0: not). Multi-row blocks take four k-steps an iteration through a
 // pointer that walks the panel (constant offsets from it and from k), and prefetch each line
 // of the panel once, FFN_PREFETCH_STEPS ahead: the loop of one k-step with its index
 // arithmetic and two prefetches per step issued about as many instructions as the 6-row
@@ -204,10 +207,9 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
       PREFETCH_LINE(ahead, 3) PREFETCH_LINE(ahead, 4) PREFETCH_LINE(ahead, 5)             \
       PREFETCH_LINE(ahead, 6) PREFETCH_LINE(ahead, 7)                                     \
       if (NEXT) {                                                                         \
-        const __global char* next = ahead + 2 * (KEND) * sizeof(*b);                      \
-        PREFETCH_LINE(next, 0) PREFETCH_LINE(next, 1) PREFETCH_LINE(next, 2)              \
-        PREFETCH_LINE(next, 3) PREFETCH_LINE(next, 4) PREFETCH_LINE(next, 5)              \
-        PREFETCH_LINE(next, 6) PREFETCH_LINE(next, 7)                                     \
+        const __global char* next = next_half + k * sizeof(*b);                           \
+        PREFETCH_HALF_LINE(next, 0) PREFETCH_HALF_LINE(next, 1)                           \
+        PREFETCH_HALF_LINE(next, 2) PREFETCH_HALF_LINE(next, 3)                           \
       }                                                                                   \
     }                                                                                     \
     PANEL_STEP(R, 0) PANEL_STEP(R, 1) PANEL_STEP(R, 2) PANEL_STEP(R, 3)                   \
@@ -224,7 +226,11 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
       PANEL_STEP(R, 0)                                                                    \
     }                                                                                     \
   }                                                                                       \
-  if (ahead_next) {                                                                       \
+  /* half of the next panel: the first block of the tile its first half, the second the    \
+     other, half a k-step's lines a k-step */                                             \
+  const __global char* next_half = (const __global char*)(b + 2 * (KEND)) +                \
+                                   (next_part == 2 ? (KEND) / 2 * 2 * sizeof(*b) : 0);    \
+  if (next_part) {                                                                        \
     K_LOOP4(R, KEND, 1)                                                                   \
   } else {                                                                                \
     K_LOOP4(R, KEND, 0)                                                                   \
@@ -240,7 +246,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
       const __global WT* restrict b, int hidden, int ffn, int f0, __global float* restrict h, \
       int few) {                                                                           \
     REP##R(ACC_DECL_GATHER)                                                                \
-    const bool ahead_next = few && p + (R) >= end;                                         \
+    const int next_part = few ? (p + (R) >= end ? 2 : 1) : 0;                              \
     K_LOOP(R, hidden)                                                                      \
     const int valid = min((R), end - p);                                                   \
     REP##R(GATE_UP_STORE)                                                                  \
@@ -253,7 +259,7 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
                                      const __global WT* restrict b, int hidden, int ffn,   \
                                      int c0, __global float* restrict y, int few) {        \
     REP##R(ACC_DECL_DIRECT)                                                                \
-    const bool ahead_next = few && p + (R) >= end;                                         \
+    const int next_part = few ? (p + (R) >= end ? 2 : 1) : 0;                              \
     K_LOOP(R, ffn)                                                                         \
     const int valid = min((R), end - p);                                                   \
     REP##R(DOWN_STORE)                                                                     \
@@ -265,11 +271,14 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
   ((n) == 1 || (n) == FFN_ROWS || (n) == FFN_ROWS_HALF || (n) == FFN_ROWS_QUARTER)
 
 // A tile of two register blocks at most (few rows per expert): its first block streams the
-// panel from memory and its second reads it from cache, so the second also prefetches the next
-// panel (the next work-item's in the kernels' order), keeping memory busy across both blocks
-// (bench/kernels/RESULTS.md run 11: at 8 rows per expert 2-15% faster with FP32 weights and
-// 5-15% with BF16, means of three sets of alternated runs). Tiles of one block, where the only
-// block streams, and of many, where the prefetch would be a small share, do not.
+// panel and its second reads it from cache, so each block also prefetches half of the next
+// panel (the next work-item's in the kernels' order), the first block the first half: memory
+// stays busy through both blocks. With the whole next panel prefetched by the second block
+// (run 11: 2-15% faster at 8 rows than none), the next work-item's first block found its panel
+// in cache and memory idled while it ran: the halves took FP32 weights at 8 rows per expert on
+// AVX2 code from 0.52-0.67x to 0.83-0.87x memcpy (bench/kernels/RESULTS.md run 15). Tiles of
+// one block, where the only block streams, and of many, where the prefetch would be a small
+// share, do not.
 #define FEW_ROW_TILE(g) ((g).z - (g).y > FFN_ROWS && (g).z - (g).y <= 2 * FFN_ROWS)
 
 // groups[g] = (local expert, first row, end row, unused) of the g-th tile.
