@@ -101,11 +101,16 @@ std::string DescribeAll(const std::vector<detail::FoundDevice>& devices) {
   return absl::StrJoin(parts, "; ");
 }
 
-// The vector extensions the device's compiler targets, read from its predefined macros by a
-// one-work-item kernel: 0 unknown (not x86, or the probe did not run), 1 sse, 2 avx, 3 avx2,
-// 4 avx512f.
+// What the device's compiler targets, read from its predefined macros by a one-work-item
+// kernel: out[0] its vector extensions, 0 unknown (not x86, or the probe did not run), 1 sse,
+// 2 avx, 3 avx2, 4 avx512f; out[1] clang's major version (0 for another compiler).
 constexpr char kTargetProbeSource[] = R"(
 __kernel void target_probe(__global int* out) {
+#ifdef __clang_major__
+  out[1] = __clang_major__;
+#else
+  out[1] = 0;
+#endif
   int isa = 0;
 #if defined(__x86_64__) || defined(__i386__)
   isa = 1;
@@ -123,34 +128,36 @@ __kernel void target_probe(__global int* out) {
 }
 )";
 
-// "" where it is not x86 or the probe cannot run (its errors are not the caller's: the
-// reported width then stands).
-std::string ProbeTargetIsa(cl_context context, cl_device_id device, cl_command_queue queue) {
+// Sets info.target_isa ("" where it is not x86 or the probe cannot run: its errors are not
+// the caller's, the reported width then stands) and info.clang_major.
+void ProbeTargetIsa(cl_context context, cl_device_id device, cl_command_queue queue,
+                    DeviceInfo& info) {
   constexpr const char* kNames[] = {"", "sse", "avx", "avx2", "avx512f"};
   cl_int err = CL_SUCCESS;
   const char* src = kTargetProbeSource;
   cl_program program = clCreateProgramWithSource(context, 1, &src, nullptr, &err);
-  if (err != CL_SUCCESS) return "";
+  if (err != CL_SUCCESS) return;
   cl_kernel kernel = nullptr;
   cl_mem out = nullptr;
-  int isa = 0;
+  int got[2] = {0, 0};
   if (clBuildProgram(program, 1, &device, "", nullptr, nullptr) == CL_SUCCESS &&
       (kernel = clCreateKernel(program, "target_probe", &err), err == CL_SUCCESS) &&
-      (out = clCreateBuffer(context, CL_MEM_READ_WRITE, sizeof(int), nullptr, &err),
+      (out = clCreateBuffer(context, CL_MEM_READ_WRITE, sizeof(got), nullptr, &err),
        err == CL_SUCCESS) &&
       clSetKernelArg(kernel, 0, sizeof(out), &out) == CL_SUCCESS) {
     const size_t one = 1;
     if (clEnqueueNDRangeKernel(queue, kernel, 1, nullptr, &one, nullptr, 0, nullptr, nullptr) !=
             CL_SUCCESS ||
-        clEnqueueReadBuffer(queue, out, CL_TRUE, 0, sizeof(isa), &isa, 0, nullptr, nullptr) !=
+        clEnqueueReadBuffer(queue, out, CL_TRUE, 0, sizeof(got), got, 0, nullptr, nullptr) !=
             CL_SUCCESS) {
-      isa = 0;
+      got[0] = got[1] = 0;
     }
   }
   if (out != nullptr) clReleaseMemObject(out);
   if (kernel != nullptr) clReleaseKernel(kernel);
   clReleaseProgram(program);
-  return isa >= 0 && isa <= 4 ? kNames[isa] : "";
+  info.target_isa = got[0] >= 0 && got[0] <= 4 ? kNames[got[0]] : "";
+  info.clang_major = std::max(got[1], 0);
 }
 
 }  // namespace
@@ -238,7 +245,7 @@ absl::StatusOr<FoundDevice> ChooseDevice(const std::vector<FoundDevice>& devices
 void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue queue,
                     DeviceInfo& info) {
   if (!info.is_cpu) return;
-  info.target_isa = ProbeTargetIsa(context, device, queue);
+  ProbeTargetIsa(context, device, queue, info);
   const std::string& isa = info.target_isa;
   if (!isa.empty() && isa != "avx512f") {
     info.native_float_width = std::min(info.native_float_width, isa == "sse" ? 4 : 8);

@@ -173,7 +173,11 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
     // clang 16 and later take the builtin's operands as __bf16 vectors: the kernels then
     // spell the instruction out. Neither form building leaves the FP32-FMA kernels.
     std::string why;
-    dot_form = detail::ProbeDotForm(rt->context_, rt->device_, options.bf16_dot_inline_asm, &why);
+    // clang 16 and later refuse the builtin's int operands: not probed there (the failed
+    // build would only print its error count to stderr).
+    dot_form =
+        detail::ProbeDotForm(rt->context_, rt->device_,
+                             options.bf16_dot_inline_asm || rt->info_.clang_major >= 16, &why);
     rt->bf16_dot_ = dot_form != detail::DotForm::kNone;
     if (!rt->bf16_dot_) {
       common::LogWarning(

@@ -40,6 +40,9 @@ struct DeviceInfo {
   // an AVX-512 host) still reports the host's vector width; native_float_width is capped to
   // what the build target has (8 without AVX-512), and the BF16 dot products need avx512f.
   std::string target_isa;
+  // The major version of clang where the device's compiler is clang (PoCL: its LLVM), read by
+  // the same probe; 0 unknown.
+  int clang_major = 0;
   // The device's UUID, 16 raw bytes (cl_khr_device_uuid; "" without it): how another API's
   // device (CUDA's) is matched to this one.
   std::string uuid;

@@ -31,9 +31,9 @@ absl::StatusOr<std::vector<FoundDevice>> EnumerateDevices();
 absl::StatusOr<FoundDevice> ChooseDevice(const std::vector<FoundDevice>& devices,
                                          absl::string_view spec, int local_rank);
 
-// On a CPU device, sets info.target_isa from the predefined macros of the device's compiler
-// (a one-work-item kernel run on `queue`) and caps info.native_float_width to what that
-// target has (8 without AVX-512, 4 with SSE only). Other devices, or a probe that cannot
+// On a CPU device, sets info.target_isa and info.clang_major from the predefined macros of the
+// device's compiler (a one-work-item kernel run on `queue`) and caps info.native_float_width to
+// what that target has (8 without AVX-512, 4 with SSE only). Other devices, or a probe that cannot
 // run, leave `info` as it is: the probe's errors are not the caller's.
 void ProbeCpuTarget(cl_context context, cl_device_id device, cl_command_queue queue,
                     DeviceInfo& info);
@@ -68,7 +68,8 @@ std::string BuildLog(cl_program program, cl_device_id device);
 // earlier take it, else one instruction of inline assembly (clang 16 and later changed the
 // builtin's operands to 32 __bf16, and PoCL 5 refuses the int form). kNone where neither
 // builds; `why` then gets the first failing form's build log's first line. inline_asm_only
-// skips the builtin (RuntimeOptions::bf16_dot_inline_asm).
+// skips the builtin (RuntimeOptions::bf16_dot_inline_asm, and devices whose compiler is clang
+// 16 or later, DeviceInfo::clang_major).
 DotForm ProbeDotForm(cl_context context, cl_device_id device, bool inline_asm_only,
                      std::string* why);
 
