@@ -22,6 +22,7 @@ echo "== building"
 build="${BUILD_DIR:-$root/build}"
 source "$root/deploy/env.sh"
 export EPSERVE_KERNEL_CACHE="${EPSERVE_KERNEL_CACHE:-$build/kernel-cache}"
+export POCL_CACHE_DIR="${POCL_CACHE_DIR:-$EPSERVE_KERNEL_CACHE/pocl}"  # PoCL's compiled kernels
 
 run_dir="$(mktemp -d /tmp/epserve-demo.XXXXXX)"
 echo "== starting 1 front-end + 2 workers on $model (log: $run_dir/server.log)"
