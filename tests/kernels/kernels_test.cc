@@ -224,6 +224,24 @@ TEST(RuntimeTest, BrokenKernelSurfacesBuildLog) {
       (*rt)->BuildProgramForTest("__kernel void fine(__global float* x) { x[0] = 1; }").ok());
 }
 
+// One weighted combine through `r`'s combine program, the output poisoned before:
+// out = 2 * y[1] + 0.5 * y[0].
+void ExpectCombineRuns(Runtime& r) {
+  const std::vector<float> y = {1, 2, 3, 4, 5, 6};
+  const std::vector<int32_t> index = {1, 0};
+  const std::vector<float> weight = {2.0f, 0.5f};
+  const std::vector<float> poison(3, std::numeric_limits<float>::quiet_NaN());
+  absl::StatusOr<Buffer> yb = r.AllocateCopy(y.data(), y.size() * sizeof(float));
+  absl::StatusOr<Buffer> ib = r.AllocateCopy(index.data(), index.size() * sizeof(int32_t));
+  absl::StatusOr<Buffer> wb = r.AllocateCopy(weight.data(), weight.size() * sizeof(float));
+  absl::StatusOr<Buffer> out = r.AllocateCopy(poison.data(), poison.size() * sizeof(float));
+  ASSERT_TRUE(yb.ok() && ib.ok() && wb.ok() && out.ok());
+  ASSERT_TRUE(WeightedCombine(r, *yb, *ib, *wb, 1, 2, 3, *out).ok());
+  std::vector<float> got(3);
+  ASSERT_TRUE(r.Read(*out, 0, got.data(), 3 * sizeof(float)).ok());
+  EXPECT_EQ(got, (std::vector<float>{2 * 4 + 0.5f * 1, 2 * 5 + 0.5f * 2, 2 * 6 + 0.5f * 3}));
+}
+
 TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() /
@@ -257,19 +275,7 @@ TEST(RuntimeTest, ProgramCacheIsWrittenThenReused) {
     ASSERT_TRUE(kernel.ok()) << kernel.status();
     EXPECT_GE(r.cache_stats().loaded, 1);
     EXPECT_EQ(r.cache_stats().built, 0) << r.cache_stats().last_error;
-    // The cached program runs: out = 2 * y[1] + 0.5 * y[0].
-    const std::vector<float> y = {1, 2, 3, 4, 5, 6};
-    const std::vector<int32_t> index = {1, 0};
-    const std::vector<float> weight = {2.0f, 0.5f};
-    absl::StatusOr<Buffer> yb = r.AllocateCopy(y.data(), y.size() * sizeof(float));
-    absl::StatusOr<Buffer> ib = r.AllocateCopy(index.data(), index.size() * sizeof(int32_t));
-    absl::StatusOr<Buffer> wb = r.AllocateCopy(weight.data(), weight.size() * sizeof(float));
-    absl::StatusOr<Buffer> out = r.Allocate(3 * sizeof(float));
-    ASSERT_TRUE(yb.ok() && ib.ok() && wb.ok() && out.ok());
-    ASSERT_TRUE(WeightedCombine(r, *yb, *ib, *wb, 1, 2, 3, *out).ok());
-    std::vector<float> got(3);
-    ASSERT_TRUE(r.Read(*out, 0, got.data(), 3 * sizeof(float)).ok());
-    EXPECT_EQ(got, (std::vector<float>{2 * 4 + 0.5f * 1, 2 * 5 + 0.5f * 2, 2 * 6 + 0.5f * 3}));
+    ExpectCombineRuns(r);  // the cached program
   }
   std::filesystem::remove_all(dir);
 }
@@ -309,20 +315,7 @@ TEST(RuntimeTest, ProgramBinariesStoredButPoclsByDefault) {
         EXPECT_EQ(stats.loaded, 0);
         EXPECT_EQ(stats.stored, 0);
       }
-      // Whatever the cache holds, the program runs: out = 2 * y[1] + 0.5 * y[0].
-      const std::vector<float> y = {1, 2, 3, 4, 5, 6};
-      const std::vector<int32_t> index = {1, 0};
-      const std::vector<float> weight = {2.0f, 0.5f};
-      absl::StatusOr<Buffer> yb = r.AllocateCopy(y.data(), y.size() * sizeof(float));
-      absl::StatusOr<Buffer> ib = r.AllocateCopy(index.data(), index.size() * sizeof(int32_t));
-      absl::StatusOr<Buffer> wb = r.AllocateCopy(weight.data(), weight.size() * sizeof(float));
-      const std::vector<float> poison(3, std::numeric_limits<float>::quiet_NaN());
-      absl::StatusOr<Buffer> out = r.AllocateCopy(poison.data(), 3 * sizeof(float));
-      ASSERT_TRUE(yb.ok() && ib.ok() && wb.ok() && out.ok());
-      ASSERT_TRUE(WeightedCombine(r, *yb, *ib, *wb, 1, 2, 3, *out).ok());
-      std::vector<float> got(3);
-      ASSERT_TRUE(r.Read(*out, 0, got.data(), 3 * sizeof(float)).ok());
-      EXPECT_EQ(got, (std::vector<float>{2 * 4 + 0.5f * 1, 2 * 5 + 0.5f * 2, 2 * 6 + 0.5f * 3}));
+      ExpectCombineRuns(r);  // whatever the cache holds
     }
     int binaries = 0;
     std::error_code ec;
