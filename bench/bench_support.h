@@ -44,13 +44,14 @@ inline bool AllPositive(const std::vector<int64_t>& v, bool empty_ok = false) {
 }
 
 inline constexpr char kUnsetMarker[] = "EPSERVE_BENCH_UNSET_OPENBLAS_CORETYPE";
+// Set by ReexecForUnknownCpu to the core OpenBLAS took the CPU for: its OPENBLAS_CORETYPE
+// then stays.
+inline constexpr char kUnknownCpuMarker[] = "EPSERVE_BENCH_OPENBLAS_CORE_WAS";
 
 // OpenBLAS reads OPENBLAS_CORETYPE when the library loads (this environment pins it to
 // narrower kernels), so drop it and start the binary again. Call first thing in main().
 // EPSERVE_BENCH_KEEP_CORETYPE=1 keeps it: to time an older CPU's code on a newer one, with
 // PoCL told to build for the same CPU (POCL_LLVM_CPU_NAME=haswell, bench/kernels/RESULTS.md).
-inline constexpr char kUnknownCpuMarker[] = "EPSERVE_BENCH_OPENBLAS_CORE_WAS";
-
 inline void ReexecWithoutCoretype(char** argv) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   if (coretype == nullptr || std::getenv("EPSERVE_BENCH_KEEP_CORETYPE") != nullptr ||

@@ -91,9 +91,9 @@ Buffer::~Buffer() {
   if (mem_ != nullptr) clReleaseMemObject(mem_);
 }
 
-// The embedded programs, each built on first use; kernels by name. expert_ffn is built in
-// parts instead (FfnKernel): once per kernel family (FfnFamily) and FFN blocking asked for,
-// the kernels of those variants keyed by "<variant options>|<name>".
+// The embedded programs, each built on first use; kernels by name. expert_ffn (`ffn`) is
+// built in parts instead (FfnKernel): once per kernel family (FfnFamily) and FFN blocking asked
+// for, the kernels of those variants keyed by "<variant options>|<name>".
 struct Runtime::Programs {
   struct Program {
     std::string_view name;
@@ -103,6 +103,7 @@ struct Runtime::Programs {
     cl_program program = nullptr;
   };
   std::vector<Program> programs;
+  Program ffn;                       // expert_ffn's source; never built whole
   std::vector<cl_program> variants;  // expert_ffn's parts
   std::string source_dir;
   std::unordered_map<std::string, cl_kernel> kernels;
@@ -194,8 +195,8 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->program_options_ = detail::ProgramBuildOptions(rt->info_.is_cpu, dot_form, rt->bf16_amx_);
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
-                             {"expert_ffn", embedded::kernels_cl_expert_ffn, ""},
                              {"combine", embedded::kernels_cl_combine, ""}};
+  rt->programs_->ffn = {"expert_ffn", embedded::kernels_cl_expert_ffn, ""};
   if (rt->tensor_cores_) {
     // A register cap (NVIDIA's cl_nv_compiler_options) sized for two work-groups per
     // multiprocessor (detail::kMmaMaxRegisters). The kernels declare no required work-group
@@ -597,7 +598,7 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
   const std::string key(name);
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   for (Programs::Program& p : programs_->programs) {
-    if (p.program != nullptr || p.name == "expert_ffn") continue;
+    if (p.program != nullptr) continue;
     EPSERVE_RETURN_IF_ERROR(programs_->LoadSource(p));
     EPSERVE_ASSIGN_OR_RETURN(cl_program program,
                              BuildProgram(p.name, p.source, p.extra_options, ""));
@@ -619,27 +620,20 @@ absl::StatusOr<cl_kernel> Runtime::FfnKernel(std::string_view name, const FfnBlo
                   : absl::StrCat(FfnBlockingOptions(blocking), " -DFFN_FAMILY=", family);
   const std::string key = absl::StrCat(variant, "|", Sv(name));
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
-  for (Programs::Program& p : programs_->programs) {
-    if (p.name != "expert_ffn") continue;
-    EPSERVE_RETURN_IF_ERROR(programs_->LoadSource(p));
-    EPSERVE_ASSIGN_OR_RETURN(cl_program program,
-                             BuildProgram(p.name, p.source, p.extra_options, variant));
-    programs_->variants.push_back(program);
-    EPSERVE_RETURN_IF_ERROR(programs_->AddKernels(program, absl::StrCat(variant, "|")));
-    if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
-  }
+  Programs::Program& p = programs_->ffn;
+  EPSERVE_RETURN_IF_ERROR(programs_->LoadSource(p));
+  EPSERVE_ASSIGN_OR_RETURN(cl_program program,
+                           BuildProgram(p.name, p.source, p.extra_options, variant));
+  programs_->variants.push_back(program);
+  EPSERVE_RETURN_IF_ERROR(programs_->AddKernels(program, absl::StrCat(variant, "|")));
+  if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   return absl::NotFoundError(absl::StrCat("no OpenCL kernel named '", Sv(name), "'"));
 }
 
 std::string Runtime::FfnProgramKeySource() {
-  for (Programs::Program& p : programs_->programs) {
-    if (p.name == "expert_ffn") {
-      (void)programs_->LoadSource(
-          p);  // an unreadable override fails the build that follows instead
-      return absl::StrCat(Sv(p.source), "\n", program_options_, "\n", p.extra_options);
-    }
-  }
-  return "";
+  Programs::Program& p = programs_->ffn;
+  (void)programs_->LoadSource(p);  // an unreadable override fails the build that follows instead
+  return absl::StrCat(Sv(p.source), "\n", program_options_, "\n", p.extra_options);
 }
 
 const std::vector<FfnChoice>& Runtime::ffn_choices() const { return programs_->ffn_choices; }

@@ -177,10 +177,13 @@ int Run(int reps, int threads, bool build_only) {
   std::vector<float> got(256 * static_cast<size_t>(threads), -12345.0f);  // poisoned
   absl::StatusOr<kernels::Buffer> dc = rt.AllocateCopy(got.data(), got.size() * sizeof(float));
   for (const auto* buffer : {&da, &db, &dc}) CHECK_OK(buffer->status(), 1);
-  cl_kernel product = clCreateKernel(prog, "tile_product", &err);
-  cl_kernel tiles = clCreateKernel(prog, "tile_throughput", &err);
-  cl_kernel fma = clCreateKernel(prog, "fma_throughput", &err);
-  if (err != CL_SUCCESS) return 1;
+  cl_int errs[3] = {CL_SUCCESS, CL_SUCCESS, CL_SUCCESS};
+  cl_kernel product = clCreateKernel(prog, "tile_product", &errs[0]);
+  cl_kernel tiles = clCreateKernel(prog, "tile_throughput", &errs[1]);
+  cl_kernel fma = clCreateKernel(prog, "fma_throughput", &errs[2]);
+  for (cl_int e : errs) {
+    if (e != CL_SUCCESS) return 1;
+  }
   CHECK_OK(kernels::detail::SetArgs(product, *da, *db, *dc, cl_int{1}), 1);
   CHECK_OK(TimeKernel(rt, product, 1).status(), 1);
   CHECK_OK(rt.Read(*dc, 0, got.data(), 1024), 1);

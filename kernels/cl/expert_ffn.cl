@@ -317,17 +317,14 @@ inline size_t SourceRow(__global const int* row_index, int gather, int p, long x
 
 // Every block size of the program's weight types (FP32 panel rows are two floatV, BF16 ones
 // two ushortV).
+#define DEFINE_BLOCKS(R, S, WT) DEFINE_GATE_UP_BLOCK(R, S, float, WT) DEFINE_DOWN_BLOCK(R, S, WT)
 #if FFN_HAS(1)
-#define DEFINE_BLOCKS_WF32(R)                   \
-  DEFINE_GATE_UP_BLOCK(R, _wf32, float, floatV) \
-  DEFINE_DOWN_BLOCK(R, _wf32, floatV)
+#define DEFINE_BLOCKS_WF32(R) DEFINE_BLOCKS(R, _wf32, floatV)
 #else
 #define DEFINE_BLOCKS_WF32(R)
 #endif
 #if FFN_HAS(2)
-#define DEFINE_BLOCKS_WBF16(R)                    \
-  DEFINE_GATE_UP_BLOCK(R, _wbf16, float, ushortV) \
-  DEFINE_DOWN_BLOCK(R, _wbf16, ushortV)
+#define DEFINE_BLOCKS_WBF16(R) DEFINE_BLOCKS(R, _wbf16, ushortV)
 #else
 #define DEFINE_BLOCKS_WBF16(R)
 #endif
