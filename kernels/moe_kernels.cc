@@ -159,26 +159,51 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
 
 // The BF16 dot-product FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows
 // x_stride apart, gathered through row_index when `gather`) -> BF16 activations in y -> BF16 h
-// in h_scratch -> FP32 y. Tiles of kDotRowChunk rows of one expert.
+// in h_scratch -> FP32 y. Tiles of kDotRowChunk rows of one expert; where no expert has more
+// than kDotDirectRows rows, gate_up reads x itself (ffn_gate_up_x_dot) and the gather launch
+// is saved, the larger share of a few-row call on a many-core CPU.
 absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
   const int64_t kp_hidden = detail::DotKPairs(w.hidden);
   const int64_t kp_ffn = detail::DotKPairs(w.ffn);
-  const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
-  EPSERVE_ASSIGN_OR_RETURN(Bf16Tiles tiles,
-                           StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets,
-                                         detail::kDotRowChunk, 2 * kp_hidden, 2 * kp_ffn,
-                                         "gather_rows_to_bf16_pairs", gather_global, h_scratch, y));
-  if (tiles.num_groups == 0) return absl::OkStatus();
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up, rt.Kernel("ffn_gate_up_dot"));
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_down_dot"));
   const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn, detail::kDotPanelCols));
   const cl_int down_panels =
       static_cast<cl_int>(detail::DownPanels(w.hidden, detail::kDotPanelCols));
+  int64_t most_rows = 0;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    most_rows = std::max(most_rows, offsets[e + 1] - offsets[e]);
+  }
+  Bf16Tiles tiles;
+  cl_kernel gate_up = nullptr;
+  if (most_rows <= detail::kDotDirectRows) {
+    const int64_t rows = offsets.back();
+    EPSERVE_RETURN_IF_ERROR(
+        NeedBytes(h_scratch, rows * 2 * kp_ffn * sizeof(uint16_t), "h_scratch (BF16 h)"));
+    EPSERVE_ASSIGN_OR_RETURN(tiles.groups,
+                             UploadGroups(rt, offsets, detail::kDotRowChunk, &tiles.num_groups));
+    if (tiles.num_groups == 0) return absl::OkStatus();
+    EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.Kernel("ffn_gate_up_x_dot"));
+    const bool x_bf16 = x_format.dtype == common::ElementType::kBf16;
+    const cl_long x_rows =
+        RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
+    EPSERVE_RETURN_IF_ERROR(SetArgs(
+        gate_up, x, cl_int{x_bf16 ? 1 : 0}, x_rows, cl_long{x_format.row_stride}, row_index,
+        cl_int{gather ? 1 : 0}, static_cast<cl_int>(w.hidden), static_cast<cl_int>(kp_hidden),
+        tiles.groups, w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
+  } else {
+    const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
+    EPSERVE_ASSIGN_OR_RETURN(
+        tiles, StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets, detail::kDotRowChunk,
+                             2 * kp_hidden, 2 * kp_ffn, "gather_rows_to_bf16_pairs", gather_global,
+                             h_scratch, y));
+    if (tiles.num_groups == 0) return absl::OkStatus();
+    EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.Kernel("ffn_gate_up_dot"));
+    EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, static_cast<cl_int>(kp_hidden), tiles.groups,
+                                    w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
+  }
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_down_dot"));
   const size_t local[2] = {1, 1};
-  EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, static_cast<cl_int>(kp_hidden), tiles.groups,
-                                  w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels),
                                static_cast<size_t>(tiles.num_groups)};
   EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
@@ -215,6 +240,10 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
   const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterTokens))};
   const size_t local[1] = {1};
   return Launch(rt, kernel, 1, global, local);
+}
+
+int64_t ExpertFfnSecondFormRows(const ExpertWeights& w) {
+  return w.bf16_dot && !w.tensor_cores ? detail::kDotDirectRows + 1 : 1;
 }
 
 absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,

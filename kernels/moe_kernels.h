@@ -104,6 +104,11 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                        const Buffer& row_index, std::span<const int64_t> expert_offsets,
                        Buffer& h_scratch, Buffer& y, RowFormat x_format = {});
 
+// The rows of one expert from which ExpertFfn runs `w` through other kernels than at one row
+// (the BF16 dot products stage rows through a gather launch above a few rows; 1 where one
+// form serves every count): a warm-up runs both counts, so that no request builds a kernel.
+int64_t ExpertFfnSecondFormRows(const ExpertWeights& w);
+
 // The shared expert on x [n, H]: y[i, :] = g_i * FFN(x[i, :]), with g_i = sigmoid(x[i] . gate)
 // when w.gate is set, else 1. h_scratch holds at least n * w.ffn floats; x and y must not
 // overlap (as for ExpertFfn).

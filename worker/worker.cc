@@ -250,18 +250,30 @@ absl::Status Worker::EndStage(bool use_new) {
 absl::Status Worker::WarmUp() {
   const int64_t hidden = cfg_.hidden_size;
   const std::vector<float> zeros(static_cast<size_t>(hidden), 0.0f);
-  const int32_t row0 = 0;
+  // Every warm-up row reads row 0 of x.
+  const std::vector<int32_t> row0(row_index_.bytes() / sizeof(int32_t), 0);
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, zeros.data(), zeros.size() * sizeof(float)));
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, zeros.data(), zeros.size() * sizeof(float)));
-  EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, &row0, sizeof(row0)));
+  EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, row0.data(), row0.size() * sizeof(int32_t)));
   // Rows reach the expert FFN as FP32, or as BF16 where they are dispatched so and the shared
   // expert's slice does not need them widened (RunBatch's expert step).
   const bool bf16_rows = regions_.plan.dispatch_dtype() == common::ElementType::kBf16;
   for (const Layer& layer : layers_) {
     EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, 1, ids_, weights_));
-    std::vector<int64_t> offsets(static_cast<size_t>(layer.experts.num_experts) + 1, 1);
-    offsets[0] = 0;
-    if (layer.experts.num_experts > 0) {
+    // One row (of the first expert), then, where the FFN's kernels change with the rows, as
+    // many as take the other form, if the buffers hold them.
+    std::vector<std::vector<int64_t>> row_counts;
+    const size_t experts = static_cast<size_t>(layer.experts.num_experts);
+    if (experts > 0) {
+      row_counts.emplace_back(experts + 1, 1);
+      row_counts.back()[0] = 0;
+      const int64_t second = kernels::ExpertFfnSecondFormRows(layer.experts);
+      if (second > 1 && static_cast<size_t>(second) <= row_index_.bytes() / sizeof(int32_t)) {
+        row_counts.emplace_back(experts + 1, second);
+        row_counts.back()[0] = 0;
+      }
+    }
+    for (const std::vector<int64_t>& offsets : row_counts) {
       EPSERVE_RETURN_IF_ERROR(
           kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_));
       if (bf16_rows) {

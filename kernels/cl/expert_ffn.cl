@@ -524,6 +524,91 @@ DEFINE_DOT_DOWN_BLOCK(4)
 DEFINE_DOT_DOWN_BLOCK(8)
 DEFINE_DOT_DOWN_BLOCK(12)
 
+// ---- The gate_up dot kernel straight from x's rows (tiles of at most DOT_DIRECT_ROWS rows) ----
+//
+// The staged form costs a launch of its own (gather_rows_to_bf16_pairs) before gate_up, and a
+// launch on a CPU driver costs tens of microseconds whatever it does: 50-100 us of a 1-row
+// FFN call's 0.7-0.8 ms on a 16-thread Sapphire Rapids (bench/kernels/RESULTS.md run 16). With
+// few rows per tile each work-item rounds its own rows instead, 16 k pairs at a time into
+// private memory, and broadcasts from there as the staged form does from the gathered rows
+// (with AMX tiles: loads its x tile from there). Every panel rounds the rows again, which
+// costs nothing that shows while the panel's stream is what bounds the block, and would at
+// many rows (then the staged form runs).
+#if DOT_DIRECT_ROWS != 8
+#error "the direct dot blocks are 1, 4 and 8 rows: DOT_DIRECT_ROWS must be 8"
+#endif
+
+// out[0, 16) = BF16 pairs k0 .. k0 + 16 of x's row at `row` (an offset in values): FP32
+// rounded to nearest even, or BF16 as is; values at or past `hidden` are zero.
+inline void StagePairs(const __global void* restrict x, int x_bf16, size_t row, int hidden,
+                       int k0, __private uint* restrict out) {
+  const int c = 2 * k0;
+  const __global float* xf = (const __global float*)x + row;
+  const __global ushort* xh = (const __global ushort*)x + row;
+  if (c + 32 <= hidden) {
+    uint16 lo, hi;
+    if (x_bf16) {
+      lo = convert_uint16(vload16(0, xh + c));
+      hi = convert_uint16(vload16(0, xh + c + 16));
+    } else {
+      lo = Bf16Round16(vload16(0, xf + c));
+      hi = Bf16Round16(vload16(0, xf + c + 16));
+    }
+    vstore8(lo.even | (lo.odd << 16), 0, out);
+    vstore8(hi.even | (hi.odd << 16), 0, out + 8);
+    return;
+  }
+  for (int j = 0; j < 16; ++j) {
+    const int c0 = c + 2 * j, c1 = c0 + 1;
+    const uint v0 = c0 >= hidden ? 0u : x_bf16 ? (uint)xh[c0] : Bf16Round(xf[c0]);
+    const uint v1 = c1 >= hidden ? 0u : x_bf16 ? (uint)xh[c1] : Bf16Round(xf[c1]);
+    out[j] = v0 | (v1 << 16);
+  }
+}
+
+#define XDOT_ROW_DECL(r)                                                                   \
+  const size_t src##r =                                                                     \
+      SourceRow(row_index, gather, min(p + (r), end - 1), x_rows) * (size_t)x_stride;       \
+  float16 acc##r##_0 = (float16)(0.0f);                                                     \
+  float16 acc##r##_1 = (float16)(0.0f);
+#define XDOT_STAGE(r) StagePairs(x, x_bf16, src##r, hidden, k0, xs + (r) * 16);
+#define XDOT_FMA(r)                                                                        \
+  {                                                                                        \
+    const int16 av = (int16)(as_int(xs[(r) * 16 + kk]));                                   \
+    acc##r##_0 = Dpbf16(acc##r##_0, av, b0);                                               \
+    acc##r##_1 = Dpbf16(acc##r##_1, av, b1);                                               \
+  }
+// The gate_up block of DEFINE_DOT_GATE_UP_BLOCK over rows [p, min(p + R, end)) read from x
+// (through row_index when `gather`) rather than from staged BF16 rows.
+#define DEFINE_XDOT_GATE_UP_BLOCK(R)                                                        \
+  DOT_TARGET void GLUE3(GateUpXBlock, R, _dot)(                                             \
+      const __global void* restrict x, int x_bf16, long x_rows, long x_stride,              \
+      const __global int* restrict row_index, int gather, int hidden, int kp2, int p,       \
+      int end, const __global int16* restrict b, int f0, __global ushort* restrict h,       \
+      int h_stride) {                                                                       \
+    REP##R(XDOT_ROW_DECL)                                                                   \
+    __private uint xs[(R) * 16] __attribute__((aligned(64)));                               \
+    for (int k0 = 0; k0 < kp2; k0 += 16) {                                                  \
+      REP##R(XDOT_STAGE)                                                                    \
+      const int steps = min(16, kp2 - k0);                                                  \
+      for (int kk = 0; kk < steps; ++kk) {                                                  \
+        const int k = k0 + kk;                                                              \
+        PREFETCH(b + 2 * (k + 64));                                                         \
+        PREFETCH(b + 2 * (k + 64) + 1);                                                     \
+        const int16 b0 = b[2 * k];                                                          \
+        const int16 b1 = b[2 * k + 1];                                                      \
+        REP##R(XDOT_FMA)                                                                    \
+      }                                                                                     \
+    }                                                                                       \
+    const int valid = min((R), end - p);                                                    \
+    REP##R(DOT_GATE_UP_STORE)                                                               \
+  }
+#if !FFN_BF16_AMX
+DEFINE_XDOT_GATE_UP_BLOCK(1)
+DEFINE_XDOT_GATE_UP_BLOCK(4)
+DEFINE_XDOT_GATE_UP_BLOCK(8)
+#endif
+
 #if FFN_BF16_AMX
 // ---- AMX tiles (-DFFN_BF16_AMX=1: x86 CPUs with AMX-BF16 whose process holds the tile
 // state, kernels/device.cc HostRunsAmx) ----
@@ -550,36 +635,53 @@ inline void AmxConfig(__private uchar* cfg, int rows) {
   }
 }
 
-// s0/s1 [rows][16] = x[rows][0, 16 * steps) pairs . the panel's halves. stream: the panel
-// comes from memory (the last tile of a work tile; the others found it in cache), so each
-// step also prefetches the panel AMX_PREFETCH_STEPS steps (of 2 KiB) ahead: a tile load's
-// sixteen 64-byte rows 128 bytes apart are no pattern the hardware prefetchers follow far.
-#define AMX_PREFETCH_STEPS 4
-AMX_TARGET void AmxSums(const __private uchar* cfg, ulong x, ulong x_stride,
-                        const __global char* b, int steps, int stream, ulong s0, ulong s1) {
+// The steps of a block's tile sums, each its own statement (the compiler allocates no tile
+// registers, so the tiles keep their state from one to the next): AmxBegin loads the
+// configuration and zeroes the sums (tiles 0 and 1); AmxStep loads x's tile (2, rows x_stride
+// bytes apart) and the panel's two halves of one step (3, 4) and adds their products;
+// AmxEnd stores the sums (64 bytes a row) and releases the tiles.
+AMX_TARGET inline void AmxBegin(const __private uchar* cfg) {
   __asm__ volatile("ldtilecfg (%0)\n\ttilezero %%tmm0\n\ttilezero %%tmm1" ::"r"((ulong)cfg)
                    : "memory");
-  for (int i = 0; i < steps; ++i) {
-    if (stream) {
-      const __global char* ahead = b + (size_t)(i + AMX_PREFETCH_STEPS) * 2048;
-      for (int l = 0; l < 2048; l += 64) PREFETCH(ahead + l);
-    }
-    const ulong xk = x + (ulong)i * 64, bk = (ulong)b + (ulong)i * 2048;
-    __asm__ volatile(
-        "tileloadd (%0,%1,1), %%tmm2\n\t"
-        "tileloadd (%2,%3,1), %%tmm3\n\t"
-        "tileloadd 64(%2,%3,1), %%tmm4\n\t"
-        "tdpbf16ps %%tmm3, %%tmm2, %%tmm0\n\t"
-        "tdpbf16ps %%tmm4, %%tmm2, %%tmm1" ::"r"(xk),
-        "r"(x_stride), "r"(bk), "r"((ulong)128)
-        : "memory");
-  }
+}
+AMX_TARGET inline void AmxStep(ulong xk, ulong x_stride, ulong bk) {
+  __asm__ volatile(
+      "tileloadd (%0,%1,1), %%tmm2\n\t"
+      "tileloadd (%2,%3,1), %%tmm3\n\t"
+      "tileloadd 64(%2,%3,1), %%tmm4\n\t"
+      "tdpbf16ps %%tmm3, %%tmm2, %%tmm0\n\t"
+      "tdpbf16ps %%tmm4, %%tmm2, %%tmm1" ::"r"(xk),
+      "r"(x_stride), "r"(bk), "r"((ulong)128)
+      : "memory");
+}
+AMX_TARGET inline void AmxEnd(ulong s0, ulong s1) {
   __asm__ volatile(
       "tilestored %%tmm0, (%0,%2,1)\n\t"
       "tilestored %%tmm1, (%1,%2,1)\n\t"
       "tilerelease" ::"r"(s0),
       "r"(s1), "r"((ulong)64)
       : "memory");
+}
+
+// A streamed panel (the last tile of a work tile; the others find it in cache) is prefetched
+// AMX_PREFETCH_STEPS steps (of 2 KiB) ahead: a tile load's sixteen 64-byte rows 128 bytes
+// apart are no pattern the hardware prefetchers follow far.
+#define AMX_PREFETCH_STEPS 4
+inline void AmxPrefetch(const __global char* b, int step) {
+  const __global char* ahead = b + (size_t)(step + AMX_PREFETCH_STEPS) * 2048;
+  for (int l = 0; l < 2048; l += 64) PREFETCH(ahead + l);
+}
+
+// s0/s1 [rows][16] = x[rows][0, 16 * steps) pairs . the panel's halves; `stream`: the panel
+// comes from memory.
+AMX_TARGET void AmxSums(const __private uchar* cfg, ulong x, ulong x_stride,
+                        const __global char* b, int steps, int stream, ulong s0, ulong s1) {
+  AmxBegin(cfg);
+  for (int i = 0; i < steps; ++i) {
+    if (stream) AmxPrefetch(b, i);
+    AmxStep(x + (ulong)i * 64, x_stride, (ulong)b + (ulong)i * 2048);
+  }
+  AmxEnd(s0, s1);
 }
 
 // Row r's two sum vectors: the tiles' sums plus the pairs [kt, kp2) through vdpbf16ps.
@@ -626,6 +728,55 @@ AMX_TARGET void DownBlock_amx(const __global uint* restrict x, int kp2, int p, i
     StorePartial(acc1, out + 16, hidden - c0 - 16);
   }
 }
+
+// AmxSums with x's tile rounded from x's rows (offsets src[0, rows), in values) into private
+// memory at each step (StagePairs) rather than loaded from staged BF16 rows; the panel
+// streams (one tile of rows is the whole work tile).
+AMX_TARGET void AmxSumsX(const __private uchar* cfg, const __global void* restrict x, int x_bf16,
+                         const __private size_t* src, int rows, int hidden,
+                         const __global char* b, int steps, ulong s0, ulong s1) {
+  __private uint xt[16 * 16] __attribute__((aligned(64)));
+  AmxBegin(cfg);
+  for (int i = 0; i < steps; ++i) {
+    AmxPrefetch(b, i);
+    for (int r = 0; r < rows; ++r) StagePairs(x, x_bf16, src[r], hidden, i * 16, xt + r * 16);
+    AmxStep((ulong)xt, 64, (ulong)b + (ulong)i * 2048);
+  }
+  AmxEnd(s0, s1);
+}
+
+// GateUpBlock_amx over rows [p, end) (at most 16) read from x as ffn_gate_up_x_dot takes it.
+AMX_TARGET void GateUpXBlock_amx(const __global void* restrict x, int x_bf16, long x_rows,
+                                 long x_stride, const __global int* restrict row_index,
+                                 int gather, int hidden, int kp2, int p, int end,
+                                 const __global int16* restrict b, int f0,
+                                 __global ushort* restrict h, int h_stride) {
+  const int rows = min(16, end - p);
+  __private size_t src[16];
+  for (int r = 0; r < rows; ++r) {
+    src[r] = SourceRow(row_index, gather, p + r, x_rows) * (size_t)x_stride;
+  }
+  __private uchar cfg[64] __attribute__((aligned(64)));
+  __private float s0[256] __attribute__((aligned(64)));
+  __private float s1[256] __attribute__((aligned(64)));
+  AmxConfig(cfg, rows);
+  const int kt = kp2 & ~15;
+  AmxSumsX(cfg, x, x_bf16, src, rows, hidden, (const __global char*)b, kt / 16, (ulong)s0,
+           (ulong)s1);
+  __private uint rest[16] __attribute__((aligned(64)));
+  for (int r = 0; r < rows; ++r) {
+    float16 acc0 = vload16(r, s0), acc1 = vload16(r, s1);
+    if (kt < kp2) StagePairs(x, x_bf16, src[r], hidden, kt, rest);
+    for (int k = kt; k < kp2; ++k) {
+      const int16 av = (int16)(as_int(rest[k - kt]));
+      acc0 = Dpbf16(acc0, av, b[2 * k]);
+      acc1 = Dpbf16(acc1, av, b[2 * k + 1]);
+    }
+    const float16 act = acc0 / (1.0f + exp(-acc0)) * acc1;
+    StorePartial(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + r) * h_stride + f0,
+                 h_stride - f0);
+  }
+}
 #endif  // FFN_BF16_AMX
 
 // xb: the BF16 rows of x in group order [*, 2 * kp_hidden]; h: BF16 [*, 2 * kp_ffn].
@@ -638,6 +789,36 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_dot(
   const int f0 = panel * 16;
   const int end = g.z;
   DOT_ROW_BLOCKS(GateUpBlock, (xb, kp_hidden, p, end, b, f0, h, 2 * kp_ffn))
+}
+
+// ffn_gate_up_dot on tiles of at most DOT_DIRECT_ROWS rows, reading x itself: FP32
+// (x_bf16 == 0) or BF16 rows x_stride values apart, row p of the tiles at row_index[p] when
+// `gather` (else p), clamped to x's x_rows rows.
+__kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_gate_up_x_dot(
+    __global const void* restrict x, int x_bf16, long x_rows, long x_stride,
+    __global const int* restrict row_index, int gather, int hidden, int kp_hidden,
+    __global const int4* restrict groups, __global const int16* restrict w, int num_panels,
+    __global ushort* restrict h, int kp_ffn) {
+  const int panel = get_group_id(0);
+  const int4 g = groups[get_group_id(1)];
+  const __global int16* b = w + ((size_t)g.x * num_panels + panel) * (size_t)kp_hidden * 2;
+  const int f0 = panel * 16;
+  const int p = g.y, end = g.z;
+  const int rows = end - p;
+#define XDOT_ARGS (x, x_bf16, x_rows, x_stride, row_index, gather, hidden, kp_hidden, p, end, b, \
+                   f0, h, 2 * kp_ffn)
+#if FFN_BF16_AMX
+  if (rows > 0) GateUpXBlock_amx XDOT_ARGS;
+#else
+  if (rows > 4) {
+    GateUpXBlock8_dot XDOT_ARGS;
+  } else if (rows > 1) {
+    GateUpXBlock4_dot XDOT_ARGS;
+  } else if (rows == 1) {
+    GateUpXBlock1_dot XDOT_ARGS;
+  }
+#endif
+#undef XDOT_ARGS
 }
 
 __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void ffn_down_dot(

@@ -112,6 +112,9 @@ inline int64_t DownDotValuesPerExpert(int64_t hidden, int64_t ffn) {
 }
 // Rows of one expert a dot-product work-item covers.
 inline constexpr int64_t kDotRowChunk = 192;
+// Experts of at most this many rows go through ffn_gate_up_x_dot, which reads x itself,
+// instead of a gather launch and ffn_gate_up_dot (its blocks are 1, 4 and 8 rows).
+inline constexpr int64_t kDotDirectRows = 8;
 // Offset of (column c of a panel, k) within that panel of the pair-panel layout.
 inline int64_t DotPanelOffset(int64_t c, int64_t k) {
   return (k / 2) * 2 * kDotPanelCols + (c / 16) * 32 + (c % 16) * 2 + k % 2;
@@ -137,7 +140,7 @@ inline std::string ProgramBuildOptions(bool cpu, DotForm dot, bool amx = false) 
                       " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
                       " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm,
                       " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads,
-                      " -DMMA_STAGES=", kMmaStages);
+                      " -DMMA_STAGES=", kMmaStages, " -DDOT_DIRECT_ROWS=", kDotDirectRows);
 }
 
 }  // namespace epserve::kernels::detail

@@ -581,7 +581,8 @@ class ExpertFfnTest : public Seeded {
   // from `tokens` token rows and checks it against the reference (see the top of the file
   // for BF16). Rows of x are types.x_pad NaNs apart. Returns y.
   std::vector<float> Check(const model::WeightSource& source, int first, int count, int64_t tokens,
-                           int64_t pairs, FfnTypes types = {}) {
+                           int64_t pairs, FfnTypes types = {},
+                           std::span<const int64_t> fixed_offsets = {}) {
     const model::MoeLayerConfig& cfg = source.config().layer;
     const int64_t h = cfg.hidden_size;
     const int64_t f = cfg.expert_ffn_size;
@@ -615,7 +616,10 @@ class ExpertFfnTest : public Seeded {
     }
     EXPECT_TRUE(!w->bf16_dot || (types.weights == ElementType::kBf16 && R().bf16_dot()));
     const std::vector<float> x = Uniform(tokens * h);
-    const std::vector<int64_t> offsets = RandomOffsets(rng_, count, pairs);
+    const std::vector<int64_t> offsets =
+        fixed_offsets.empty() ? RandomOffsets(rng_, count, pairs)
+                              : std::vector<int64_t>(fixed_offsets.begin(), fixed_offsets.end());
+    EXPECT_EQ(offsets.back(), pairs);
     std::vector<int32_t> row_index(pairs);
     std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(tokens - 1));
     for (int32_t& r : row_index) r = token(rng_);
@@ -1029,6 +1033,45 @@ TEST_F(ExpertFfnTest, Bf16DotFormsAgreeBitForBit) {
     rt_ = nullptr;
     ASSERT_EQ(builtin.size(), inline_asm.size());
     EXPECT_EQ(std::memcmp(builtin.data(), inline_asm.data(), builtin.size() * sizeof(float)), 0);
+  }
+}
+
+// Experts of at most kDotDirectRows rows run gate_up straight from x (ffn_gate_up_x_dot, no
+// gather launch): every row block (1, 4 and 8 rows, for 1, 2-4 and 5-8 rows), odd K (a padded
+// pair) past the last whole 16 pairs, FP32 and BF16 x in padded rows. Against the reference,
+// and against the staged form on the same rows: an expert of more rows sends a whole call
+// through the gather, and the other experts' rows must come out the same, bit for bit where
+// both forms run vdpbf16ps (AMX tiles sum in their own order: there, within BF16's bound).
+TEST_F(ExpertFfnTest, DotDirectRowsMatchTheStagedForm) {
+  if (!Rt().bf16_dot()) GTEST_SKIP() << "the device runs no BF16 dot products";
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+  ASSERT_TRUE(cfg.ok());
+  cfg->layer.hidden_size = 137;
+  cfg->layer.expert_ffn_size = 91;
+  cfg->layer.num_experts = 4;
+  const model::SyntheticWeights source(*cfg, seed_);
+  const int64_t most = detail::kDotDirectRows;
+  // Rows per expert: 1, 3, most, 5 (direct), then most + 1 in place of the last (staged).
+  const std::vector<int64_t> direct = {0, 1, 4, 4 + most, 9 + most};
+  const std::vector<int64_t> staged = {0, 1, 4, 4 + most, 5 + 2 * most};
+  const int64_t shared_rows = 4 + most, h = cfg->layer.hidden_size;
+  const uint32_t seed = seed_;
+  for (const FfnTypes types : std::span(kAllTypes).subspan(1)) {
+    if (types.weights != ElementType::kBf16) continue;
+    SCOPED_TRACE(Describe(types));
+    rng_.seed(seed);
+    const std::vector<float> y_direct = Check(source, 0, 4, 24, direct.back(), types, direct);
+    rng_.seed(seed);
+    const std::vector<float> y_staged = Check(source, 0, 4, 24, staged.back(), types, staged);
+    ASSERT_GE(y_direct.size(), static_cast<size_t>(shared_rows * h));
+    ASSERT_GE(y_staged.size(), static_cast<size_t>(shared_rows * h));
+    const std::vector<float> a(y_direct.begin(), y_direct.begin() + shared_rows * h);
+    const std::vector<float> b(y_staged.begin(), y_staged.begin() + shared_rows * h);
+    if (Rt().bf16_amx()) {
+      EXPECT_LE(RelError(a, std::vector<double>(b.begin(), b.end())), kMaxRelErrorMma);
+    } else {
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+    }
   }
 }
 
