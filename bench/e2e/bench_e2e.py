@@ -13,6 +13,14 @@ the table and the ratios against the targets.
 (c) runs under the interpreter of the virtual environment bench/install-deps.sh makes, one
 subprocess per variant; without that environment the table says so and (c) is skipped.
 
+--isa=avx2 runs every part on code for AVX2 and FMA only, on a host that has more (an AVX-512
+one standing in for an AVX2-only CPU): PoCL builds epserve's kernels for Haswell, and each
+library is told to keep to AVX2 by its own switch (ISA_ENV below: ATen's CPU capability,
+oneDNN's and MKL's instruction sets, OpenBLAS's core type, kt-kernel's CPU variant; vLLM's
+AVX2 kernel library and routing in FP32 as on a CPU without BF16 dot products through
+EPSERVE_BENCH_ISA, baselines/common.py). Caches go to folders of their own. The table's first
+line names the host and the code.
+
 Each part runs alone (the cluster is stopped while the others run). Before each shape it
 waits (up to --load-wait seconds, polling every 20 s) for the 1-minute load average to drop
 below --max-load, and records the load it started at. PyTorch runs with
@@ -31,6 +39,8 @@ import time
 
 import numpy as np
 
+from host import cpu_model_and_flags, host_description
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
@@ -41,6 +51,16 @@ TARGETS = {"service_vs_inprocess": 0.85, "one_token_fp32": 2.0, "one_token_bf16"
 BASELINE_TOKENS = (1, 32, 512)
 DEFAULT_VENV = os.environ.get("EPSERVE_BENCH_VENV",
                               os.path.expanduser("~/.cache/epserve/bench-venv"))
+# What --isa=avx2 sets: each library's own switch to AVX2 and FMA code.
+ISA_ENV = {"avx2": {
+    "POCL_LLVM_CPU_NAME": "haswell", "POCL_KERNELLIB_NAME": "avx2",  # epserve's kernels
+    "ATEN_CPU_CAPABILITY": "avx2",  # PyTorch's own kernels
+    "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",  # oneDNN (PyTorch's BF16 GEMMs)
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL (PyTorch's FP32 GEMMs)
+    "OPENBLAS_CORETYPE": "Haswell",  # OpenBLAS (Debian's PyTorch)
+    "KT_KERNEL_CPU_VARIANT": "avx2",  # kt-kernel
+    "EPSERVE_BENCH_ISA": "avx2",  # the baselines' CPU flags (vLLM's library, routing dtype)
+}}
 # The in-process bound's batch sizes; the service's throughput configuration uses the largest.
 INPROCESS_BATCHES = (1, 32, 256, 512)
 THROUGHPUT_BATCH = INPROCESS_BATCHES[-1]
@@ -69,15 +89,25 @@ def json_lines(text):
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def base_env(build):
+def base_env(build, isa):
     env = dict(os.environ)
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                 "OMPI_MCA_rmaps_base_oversubscribe": "1"})
     # Beside the build unless the caller names other folders (a read-only build).
-    env.setdefault("POCL_CACHE_DIR", os.path.join(build, "pocl-cache"))
-    env.setdefault("EPSERVE_KERNEL_CACHE", os.path.join(build, "kernel-cache"))
+    suffix = "" if isa == "native" else f"-{isa}"
+    env.setdefault("POCL_CACHE_DIR", os.path.join(build, f"pocl-cache{suffix}"))
+    env.setdefault("EPSERVE_KERNEL_CACHE", os.path.join(build, f"kernel-cache{suffix}"))
     env.pop("OPENBLAS_CORETYPE", None)
+    env.update(ISA_ENV.get(isa, {}))
     return env
+
+
+def host_line(isa):
+    """The CPU, its vector extensions and the code the run used."""
+    code = ("each part's widest code for this CPU" if isa == "native" else
+            "AVX2 and FMA code only (--isa=avx2: " +
+            " ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items()) + ")")
+    return f"Host: {host_description()}; code: {code}"
 
 
 def run(cmd, env, timeout=3600):
@@ -296,8 +326,8 @@ def step(steps, concurrency, tokens):
     return None
 
 
-def summarize(results):
-    lines = []
+def summarize(results, isa):
+    lines = [host_line(isa)]
     ratios = []
     for res in results:
         shape = res["shape"]
@@ -398,7 +428,12 @@ def main():
                    "(bench/install-deps.sh)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the CPU MoE baselines (vLLM, kt-kernel, torch 2.x, ggml)")
+    p.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
+                   help="avx2: every part on AVX2 and FMA code only (an AVX-512 host standing "
+                   "in for an AVX2-only one)")
     a = p.parse_args()
+    if a.isa == "avx2" and not {"avx2", "fma"} <= cpu_model_and_flags()[1]:
+        sys.exit("--isa=avx2 needs a CPU with AVX2 and FMA")
     if a.no_baselines:
         a.baselines_python = None
     elif not os.access(a.baselines_python, os.X_OK):
@@ -406,13 +441,13 @@ def main():
             "or pass --no-baselines)")
         a.baselines_python = None
     a.build = os.path.abspath(a.build)
-    env = base_env(a.build)
+    env = base_env(a.build, a.isa)
     dtypes = ["fp32", "bf16"]
     results = [bench_shape(a, env, shape, dtypes) for shape in a.shapes.split(",")]
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(results, f, indent=1)
-    print(summarize(results))
+    print(summarize(results, a.isa))
     return 0
 
 

@@ -25,6 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def isa():
+    """ATen's kernel level: asked where torch can say (2.x), else as ATEN_CPU_CAPABILITY set
+    it (torch 1.13 reads it too), else nothing."""
+    backends_cpu = getattr(torch.backends, "cpu", None)
+    if backends_cpu is not None:
+        return f" {backends_cpu.get_cpu_capability()}"
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    return f" ATEN_CPU_CAPABILITY={forced}" if forced else ""
+
+
 def linear(weight):
     """nn.Linear without bias holding `weight` [out, in] (no random initialisation first)."""
     layer = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=False)
@@ -126,6 +136,11 @@ def main():
     p.add_argument("--input")
     p.add_argument("--output")
     a = p.parse_args()
+    if os.environ.get("EPSERVE_BENCH_ISA") == "avx2" and not hasattr(torch.backends, "cpu"):
+        # torch 1.13 sends BF16 GEMMs to oneDNN by the CPU's own flags, and its oneDNN, kept
+        # to AVX2 (bench_e2e.py --isa=avx2), has no BF16 GEMM: off, they take ATen's own
+        # loop, as on a CPU without AVX-512.
+        torch.backends.mkldnn.enabled = False
 
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
@@ -150,7 +165,7 @@ def main():
             print(json.dumps({"tokens": tokens, "median_ms": best[0] * 1e3,
                               "tokens_per_s": tokens / best[0], "reps": best[1],
                               "threads": best[2], "dtype": a.dtype,
-                              "torch": torch.__version__}), flush=True)
+                              "torch": f"{torch.__version__}{isa()}"}), flush=True)
     return 0
 
 

@@ -28,25 +28,11 @@ import tempfile
 import time
 import urllib.request
 
+from host import host_description
+
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def host_description():
-    model = "unknown CPU"
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
-    return f"{model}, {os.cpu_count()} hardware threads, {' '.join(isa) or 'no AVX2'}"
 
 
 class Cluster:

@@ -16,12 +16,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DENSE = ("router", "shared_gate", "shared_up", "shared_down", "shared_expert_gate")
 
 
+# Extensions past AVX2 and FMA, which EPSERVE_BENCH_ISA=avx2 (bench_e2e.py --isa=avx2) hides.
+_PAST_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
+
+
 def cpu_flags():
+    """The CPU's flags, less those past AVX2 where EPSERVE_BENCH_ISA=avx2 says to keep to it."""
+    flags = set()
     with open("/proc/cpuinfo") as f:
         for line in f:
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if os.environ.get("EPSERVE_BENCH_ISA") == "avx2":
+        flags = {f for f in flags if not f.startswith(_PAST_AVX2)}
+    return flags
 
 
 def dense_dtype(dtype):

@@ -9,7 +9,7 @@ from .common import Unsupported, hf_loop
 
 
 def version():
-    return f"torch {torch.__version__}"
+    return f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def grouped_mm(w):

@@ -53,7 +53,7 @@ def version():
 
 def isa():
     # vLLM picks "amx" on CPUs with AMX tiles and the portable "vec" kernels elsewhere.
-    return "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+    return "amx" if torch.cpu._is_amx_tile_supported() and "amx_tile" in cpu_flags() else "vec"
 
 
 def fused_moe(w):
