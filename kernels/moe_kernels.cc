@@ -88,7 +88,8 @@ absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_
 // work tiles (at most `chunk` rows of one expert each), and launches `gather_kernel` (the
 // arguments of gather_rows_to_bf16) over `gather_global` to write the rows of x (FP32 or
 // BF16 as x_format says, through row_index when `gather`) into y as zero-padded BF16 rows of
-// x_values values. num_groups == 0: there is nothing to run.
+// x_values values; with no gather_kernel, neither (the FFN's first kernel reads x itself).
+// num_groups == 0: there is nothing to run.
 struct Bf16Tiles {
   Buffer groups;
   int num_groups = 0;
@@ -101,13 +102,16 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
                                         std::span<const size_t> gather_global, Buffer& h_scratch,
                                         Buffer& y) {
   const int64_t rows = offsets.back();
-  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * x_values * sizeof(uint16_t), "y (BF16 activations)"));
+  if (gather_kernel != nullptr) {
+    EPSERVE_RETURN_IF_ERROR(
+        NeedBytes(y, rows * x_values * sizeof(uint16_t), "y (BF16 activations)"));
+  }
   EPSERVE_RETURN_IF_ERROR(
       NeedBytes(h_scratch, rows * h_values * sizeof(uint16_t), "h_scratch (BF16 h)"));
   Bf16Tiles tiles;
   EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, chunk, &tiles.num_groups));
   tiles.groups = std::move(groups);
-  if (tiles.num_groups == 0) return tiles;
+  if (tiles.num_groups == 0 || gather_kernel == nullptr) return tiles;
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(gather_kernel));
   const cl_long x_rows =
       RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
@@ -174,15 +178,16 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     most_rows = std::max(most_rows, offsets[e + 1] - offsets[e]);
   }
-  Bf16Tiles tiles;
+  const bool direct = most_rows <= detail::kDotDirectRows;
+  const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
+  EPSERVE_ASSIGN_OR_RETURN(
+      Bf16Tiles tiles,
+      StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets, detail::kDotRowChunk,
+                    2 * kp_hidden, 2 * kp_ffn, direct ? nullptr : "gather_rows_to_bf16_pairs",
+                    gather_global, h_scratch, y));
+  if (tiles.num_groups == 0) return absl::OkStatus();
   cl_kernel gate_up = nullptr;
-  if (most_rows <= detail::kDotDirectRows) {
-    const int64_t rows = offsets.back();
-    EPSERVE_RETURN_IF_ERROR(
-        NeedBytes(h_scratch, rows * 2 * kp_ffn * sizeof(uint16_t), "h_scratch (BF16 h)"));
-    EPSERVE_ASSIGN_OR_RETURN(tiles.groups,
-                             UploadGroups(rt, offsets, detail::kDotRowChunk, &tiles.num_groups));
-    if (tiles.num_groups == 0) return absl::OkStatus();
+  if (direct) {
     EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.Kernel("ffn_gate_up_x_dot"));
     const bool x_bf16 = x_format.dtype == common::ElementType::kBf16;
     const cl_long x_rows =
@@ -192,12 +197,6 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
         cl_int{gather ? 1 : 0}, static_cast<cl_int>(w.hidden), static_cast<cl_int>(kp_hidden),
         tiles.groups, w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
   } else {
-    const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
-    EPSERVE_ASSIGN_OR_RETURN(
-        tiles, StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets, detail::kDotRowChunk,
-                             2 * kp_hidden, 2 * kp_ffn, "gather_rows_to_bf16_pairs", gather_global,
-                             h_scratch, y));
-    if (tiles.num_groups == 0) return absl::OkStatus();
     EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.Kernel("ffn_gate_up_dot"));
     EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, static_cast<cl_int>(kp_hidden), tiles.groups,
                                     w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));

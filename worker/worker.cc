@@ -250,8 +250,18 @@ absl::Status Worker::EndStage(bool use_new) {
 absl::Status Worker::WarmUp() {
   const int64_t hidden = cfg_.hidden_size;
   const std::vector<float> zeros(static_cast<size_t>(hidden), 0.0f);
-  // Every warm-up row reads row 0 of x.
-  const std::vector<int32_t> row0(row_index_.bytes() / sizeof(int32_t), 0);
+  // The FFN runs on 1 row of the first expert, then, where its kernels change with the rows,
+  // on as many as take the other form, if the buffers hold them; every row reads row 0 of x.
+  const int64_t capacity = static_cast<int64_t>(row_index_.bytes() / sizeof(int32_t));
+  auto row_counts = [&](const Layer& layer) {
+    std::vector<int64_t> counts = {1};
+    const int64_t second = kernels::ExpertFfnSecondFormRows(layer.experts);
+    if (second > 1 && second <= capacity) counts.push_back(second);
+    return counts;
+  };
+  int64_t most_rows = 1;
+  for (const Layer& layer : layers_) most_rows = std::max(most_rows, row_counts(layer).back());
+  const std::vector<int32_t> row0(static_cast<size_t>(most_rows), 0);
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, zeros.data(), zeros.size() * sizeof(float)));
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_recv_, 0, zeros.data(), zeros.size() * sizeof(float)));
   EPSERVE_RETURN_IF_ERROR(rt_->Write(row_index_, 0, row0.data(), row0.size() * sizeof(int32_t)));
@@ -260,20 +270,11 @@ absl::Status Worker::WarmUp() {
   const bool bf16_rows = regions_.plan.dispatch_dtype() == common::ElementType::kBf16;
   for (const Layer& layer : layers_) {
     EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, 1, ids_, weights_));
-    // One row (of the first expert), then, where the FFN's kernels change with the rows, as
-    // many as take the other form, if the buffers hold them.
-    std::vector<std::vector<int64_t>> row_counts;
-    const size_t experts = static_cast<size_t>(layer.experts.num_experts);
-    if (experts > 0) {
-      row_counts.emplace_back(experts + 1, 1);
-      row_counts.back()[0] = 0;
-      const int64_t second = kernels::ExpertFfnSecondFormRows(layer.experts);
-      if (second > 1 && static_cast<size_t>(second) <= row_index_.bytes() / sizeof(int32_t)) {
-        row_counts.emplace_back(experts + 1, second);
-        row_counts.back()[0] = 0;
-      }
-    }
-    for (const std::vector<int64_t>& offsets : row_counts) {
+    for (const int64_t rows : row_counts(layer)) {
+      if (layer.experts.num_experts == 0) break;
+      // All `rows` rows in the first expert.
+      std::vector<int64_t> offsets(static_cast<size_t>(layer.experts.num_experts) + 1, rows);
+      offsets[0] = 0;
       EPSERVE_RETURN_IF_ERROR(
           kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_));
       if (bf16_rows) {

@@ -452,12 +452,15 @@ DOT_TARGET inline float16 Dpbf16(float16 acc, int16 a, int16 b) {
     acc##r##_0 = Dpbf16(acc##r##_0, av, b0);                            \
     acc##r##_1 = Dpbf16(acc##r##_1, av, b1);                            \
   }
-#define DOT_STEP(R)                                                     \
+// One k pair of the panel (b0, b1: its two halves) into R rows' sums, each row's pair
+// broadcast by FMA(r).
+#define DOT_STEP_OF(R, FMA)                                             \
   PREFETCH(b + 2 * (k + 64));                                           \
   PREFETCH(b + 2 * (k + 64) + 1);                                       \
   const int16 b0 = b[2 * k];                                            \
   const int16 b1 = b[2 * k + 1];                                        \
-  REP##R(DOT_FMA)
+  REP##R(FMA)
+#define DOT_STEP(R) DOT_STEP_OF(R, DOT_FMA)
 // The dot kernels' own row blocks: 12 rows, then 12, 8 or 4 for the rest (their blocking is
 // fixed: they run only on AVX-512 hosts, whose 32 vector registers hold 12 x 2 sums).
 #if FFN_BF16_AMX
@@ -483,12 +486,16 @@ DOT_TARGET inline float16 Dpbf16(float16 acc, int16 a, int16 b) {
     StorePartial(acc##r##_0, out, hidden - c0);                                       \
     StorePartial(acc##r##_1, out + 16, hidden - c0 - 16);                             \
   }
-#define DOT_GATE_UP_STORE(r)                                                          \
-  if ((r) < valid) {                                                                  \
-    const float16 act = acc##r##_0 / (1.0f + exp(-acc##r##_0)) * acc##r##_1;          \
-    StorePartial(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + (r)) * h_stride + f0, \
-                 h_stride - f0);                                                      \
-  }
+// h[row, f0 .. f0 + 16) = BF16(silu(gate) * up), rows h_stride values apart (only the
+// columns before h_stride).
+inline void StoreSwiGlu(float16 gate, float16 up, __global ushort* restrict h, int row,
+                        int h_stride, int f0) {
+  const float16 act = gate / (1.0f + exp(-gate)) * up;
+  StorePartial(convert_ushort16(Bf16Round16(act)), h + (size_t)row * h_stride + f0,
+               h_stride - f0);
+}
+#define DOT_GATE_UP_STORE(r) \
+  if ((r) < valid) StoreSwiGlu(acc##r##_0, acc##r##_1, h, p + (r), h_stride, f0);
 
 // x: BF16 rows of 2 * kp2 values (kp2 k pairs, as uint); b: the panel, int16 per half row.
 // h[p', f0 .. f0 + 16) = BF16(silu(x . gate) * (x . up)), rows h_stride values apart (the
@@ -593,11 +600,7 @@ inline void StagePairs(const __global void* restrict x, int x_bf16, size_t row, 
       const int steps = min(16, kp2 - k0);                                                  \
       for (int kk = 0; kk < steps; ++kk) {                                                  \
         const int k = k0 + kk;                                                              \
-        PREFETCH(b + 2 * (k + 64));                                                         \
-        PREFETCH(b + 2 * (k + 64) + 1);                                                     \
-        const int16 b0 = b[2 * k];                                                          \
-        const int16 b1 = b[2 * k + 1];                                                      \
-        REP##R(XDOT_FMA)                                                                    \
+        DOT_STEP_OF(R, XDOT_FMA)                                                            \
       }                                                                                     \
     }                                                                                       \
     const int valid = min((R), end - p);                                                    \
@@ -711,9 +714,7 @@ AMX_TARGET void GateUpBlock_amx(const __global uint* restrict x, int kp2, int p,
   AMX_BLOCK_SUMS
   for (int r = 0; r < rows; ++r) {
     AMX_ROW_SUMS(r)
-    const float16 act = acc0 / (1.0f + exp(-acc0)) * acc1;
-    StorePartial(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + r) * h_stride + f0,
-                 h_stride - f0);
+    StoreSwiGlu(acc0, acc1, h, p + r, h_stride, f0);
   }
 }
 
@@ -772,9 +773,7 @@ AMX_TARGET void GateUpXBlock_amx(const __global void* restrict x, int x_bf16, lo
       acc0 = Dpbf16(acc0, av, b[2 * k]);
       acc1 = Dpbf16(acc1, av, b[2 * k + 1]);
     }
-    const float16 act = acc0 / (1.0f + exp(-acc0)) * acc1;
-    StorePartial(convert_ushort16(Bf16Round16(act)), h + (size_t)(p + r) * h_stride + f0,
-                 h_stride - f0);
+    StoreSwiGlu(acc0, acc1, h, p + r, h_stride, f0);
   }
 }
 #endif  // FFN_BF16_AMX
