@@ -186,7 +186,11 @@ absl::Status ReadCommonKeys(const ConfigReader& r, MoeLayerConfig* c, int* num_l
 // (decoder_sparse_step, mlp_only_layers) and Qwen2's gated shared expert.
 absl::Status ReadQwenMoeKeys(const ConfigReader& r, Family family, int num_layers,
                              MoeLayerConfig* c, std::vector<bool>* is_moe) {
-  EPSERVE_ASSIGN_OR_RETURN(c->num_experts, r.Count("num_experts", true, 0));
+  // The published checkpoints say num_experts; transformers 5 saves Qwen3-MoE's count under
+  // its attribute map's name, num_local_experts.
+  const char* experts_key =
+      r.Has("num_experts") || !r.Has("num_local_experts") ? "num_experts" : "num_local_experts";
+  EPSERVE_ASSIGN_OR_RETURN(c->num_experts, r.Count(experts_key, true, 0));
   EPSERVE_ASSIGN_OR_RETURN(c->expert_ffn_size, r.Count("moe_intermediate_size", true, 0));
   EPSERVE_ASSIGN_OR_RETURN(c->norm_topk_prob, r.BoolOr("norm_topk_prob", false));
   int step = 1;

@@ -227,6 +227,28 @@ TEST(Checkpoint, QwenSparseStepAndMlpOnlyLayersPickTheMoeLayers) {
   std::filesystem::remove_all(w->folder);
 }
 
+TEST(Checkpoint, Qwen3ExpertCountUnderEitherName) {
+  // transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
+  CheckpointSpec spec;
+  spec.family = Family::kQwen3Moe;
+  spec.num_experts = 6;
+  spec.config_overrides = {{"num_experts", ""}, {"num_local_experts", "6"}};
+  absl::StatusOr<WrittenCheckpoint> w = WriteCheckpoint(spec, Folder("qwen3_local"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  absl::StatusOr<std::unique_ptr<CheckpointWeights>> c = CheckpointWeights::Open(w->folder);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->config().layer.num_experts, 6);
+  // With neither, the error names the published key.
+  spec.config_overrides = {{"num_experts", ""}};
+  w = WriteCheckpoint(spec, Folder("qwen3_local"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  c = CheckpointWeights::Open(w->folder);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("\"num_experts\" is missing"), absl::string_view::npos)
+      << c.status();
+  std::filesystem::remove_all(w->folder);
+}
+
 TEST(Checkpoint, DeepseekV2RenormalisesOrScalesNeverBoth) {
   CheckpointSpec spec;
   spec.family = Family::kDeepseekV2;
