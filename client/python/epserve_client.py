@@ -25,6 +25,8 @@ the server reads, and the answer is written by the server into the same region.
 
 import itertools
 import os
+import queue
+import threading
 from multiprocessing import shared_memory as _shm
 
 import grpc
@@ -36,6 +38,8 @@ import health_pb2
 _SERVICE = "/inference.GRPCInferenceService/"
 INPUT = "hidden_states"
 OUTPUT = "moe_output"
+TOPK_IDS = "topk_ids"
+TOPK_WEIGHTS = "topk_weights"
 
 
 class InferError(Exception):
@@ -241,14 +245,16 @@ class Client:
 
     # ---- inference
     def request(self, x, *, datatype="FP32", output_datatype=None, layer=None, priority=None,
-                timeout_us=None, request_id="", shared_memory=None):
+                timeout_us=None, request_id="", shared_memory=None, routing=False):
         """The ModelInferRequest for float32 rows `x` [T, H] sent as `datatype`. With
         `shared_memory` (a SharedMemoryRows) the rows are written into the region and the
-        request names it for the input and for moe_output instead of carrying bytes."""
+        request names it for the input and for moe_output instead of carrying bytes. With
+        `routing` the answer also carries each row's top-k expert ids and weights (routing())."""
         x = np.asarray(x, dtype=np.float32)
         req = pb.ModelInferRequest(model_name=self.model, id=request_id)
         inp = req.inputs.add(name=INPUT, datatype=datatype, shape=list(x.shape))
         payload = encode(x, datatype)
+        out = None  # the requested moe_output, where the request names one
         if shared_memory is None:
             req.raw_input_contents.append(payload)
         else:
@@ -264,9 +270,13 @@ class Client:
             out.parameters["shared_memory_region"].string_param = region.name
             out.parameters["shared_memory_byte_size"].int64_param = out_bytes
             out.parameters["shared_memory_offset"].int64_param = region.half
-        if output_datatype is not None:
-            out = req.outputs[0] if req.outputs else req.outputs.add(name=OUTPUT)
-            out.parameters["datatype"].string_param = output_datatype
+        if output_datatype is not None or (routing and out is None):
+            out = out or req.outputs.add(name=OUTPUT)
+            if output_datatype is not None:
+                out.parameters["datatype"].string_param = output_datatype
+        if routing:
+            req.outputs.add(name=TOPK_IDS)
+            req.outputs.add(name=TOPK_WEIGHTS)
         if layer is not None:
             req.parameters["layer"].int64_param = layer
         if priority is not None:
@@ -274,6 +284,16 @@ class Client:
         if timeout_us is not None:
             req.parameters["timeout"].int64_param = timeout_us
         return req
+
+    @staticmethod
+    def routing(resp):
+        """(ids int32 [T, k], weights float32 [T, k]) of a response to a request made with
+        routing=True: the experts the server's router chose for each row and their weights."""
+        # raw_output_contents line up with outputs (empty where an output went to a region).
+        found = {t.name: (t, raw) for t, raw in zip(resp.outputs, resp.raw_output_contents)}
+        (ids_t, ids_raw), (w_t, w_raw) = found[TOPK_IDS], found[TOPK_WEIGHTS]
+        ids = np.frombuffer(ids_raw, dtype="<i4").reshape(tuple(ids_t.shape))
+        return ids, decode(w_raw, w_t.datatype, tuple(w_t.shape))
 
     @staticmethod
     def output(resp, shared_memory=None):
@@ -296,6 +316,20 @@ class Client:
             raise InferError(e.code(), e.details(), kwargs.get("request_id", "")) from None
         return self.output(resp, kwargs.get("shared_memory"))
 
+    def infer_routing(self, x, *, timeout=60.0, **kwargs):
+        """As infer(), and the routing the server chose: (output [T, H], topk ids int32 [T, k],
+        topk weights float32 [T, k])."""
+        try:
+            resp = self._unary("ModelInfer", self.request(x, routing=True, **kwargs),
+                               pb.ModelInferResponse, timeout=timeout)
+        except grpc.RpcError as e:
+            raise InferError(e.code(), e.details(), kwargs.get("request_id", "")) from None
+        return (self.output(resp, kwargs.get("shared_memory")), *self.routing(resp))
+
+    def open_stream(self, timeout=60.0):
+        """An InferStream: one ModelStreamInfer stream for requests sent one at a time."""
+        return InferStream(self, timeout)
+
     def stream_infer(self, requests, timeout=120.0):
         """Sends ModelInferRequests (see request()) over one ModelStreamInfer stream; yields
         (id, float32 array or InferError) in the order the answers arrive."""
@@ -309,6 +343,70 @@ class Client:
                 yield rid, InferError(None, resp.error_message, rid)
             else:
                 yield rid, self.output(resp.infer_response)
+
+
+class InferStream:
+    """One ModelStreamInfer stream for a sequence of requests sent one after another: infer()
+    sends a request and waits for its answer, so that a caller whose next request depends on the
+    last answer (a model's forward pass, layer by layer) keeps one stream open instead of making
+    a call per request. One caller at a time (not thread-safe). Each answer is waited for at
+    most `timeout` seconds; after a failed wait the stream is cancelled and unusable. close()
+    (or leaving the `with` block) ends the stream."""
+
+    _END = object()
+
+    def __init__(self, client, timeout=60.0):
+        self._client = client
+        self._timeout = timeout
+        self._requests = queue.SimpleQueue()
+        self._answers = queue.SimpleQueue()
+        call = client.channel.stream_stream(
+            _SERVICE + "ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString)
+        self._call = call(iter(self._requests.get, self._END), metadata=client.metadata)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._broken = None
+
+    def _read(self):
+        try:
+            for resp in self._call:
+                self._answers.put(resp)
+            self._answers.put(InferError(None, "the server ended the stream"))
+        except grpc.RpcError as e:
+            self._answers.put(InferError(e.code(), e.details()))
+
+    def infer(self, x, **kwargs):
+        """As Client.infer, over the stream (kwargs as Client.request)."""
+        if self._broken is not None:
+            raise self._broken
+        self._requests.put(self._client.request(x, **kwargs))
+        try:
+            resp = self._answers.get(timeout=self._timeout)
+        except queue.Empty:
+            self._broken = InferError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"no answer within {self._timeout} s on the stream")
+            self._call.cancel()
+            raise self._broken from None
+        if isinstance(resp, InferError):
+            self._broken = resp
+            raise resp
+        if resp.error_message:
+            raise InferError(None, resp.error_message, resp.infer_response.id)
+        return self._client.output(resp.infer_response, kwargs.get("shared_memory"))
+
+    def close(self):
+        self._requests.put(self._END)
+        self._reader.join(timeout=self._timeout)
+        if self._reader.is_alive():
+            self._call.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 _DATATYPE_OF = {np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16"}

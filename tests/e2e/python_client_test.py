@@ -149,6 +149,46 @@ class PythonClient(unittest.TestCase):
         for rid, x in xs.items():
             np.testing.assert_allclose(got[rid], self.client.infer(x), rtol=1e-5, atol=1e-6)
 
+    def test_one_stream_answers_each_request_in_turn(self):
+        """InferStream: requests sent one after another over one stream, inline and through a
+        shared-memory region, answered as unary calls answer them; an error ends nothing."""
+        rng = np.random.default_rng()
+        with self.client.shared_memory_rows(max_tokens=8, hidden=H, datatype="BF16") as region, \
+                self.client.open_stream(timeout=30) as stream:
+            for i in range(12):
+                x = rng.uniform(-1, 1, size=(1 + i % 8, H)).astype(np.float32)
+                shm = region if i % 2 else None
+                if shm is not None:
+                    region.shm.buf[:] = b"\xff" * len(region.shm.buf)  # poison
+                y = stream.infer(x, datatype="BF16", shared_memory=shm)
+                np.testing.assert_array_equal(y, self.client.infer(x, datatype="BF16"))
+            with self.assertRaises(InferError) as e:
+                stream.infer(np.zeros((1, H), np.float32), layer=99)
+            self.assertIn("not a served MoE layer", e.exception.message)
+            x = rng.uniform(-1, 1, size=(3, H)).astype(np.float32)
+            np.testing.assert_array_equal(stream.infer(x), self.client.infer(x))
+
+    def test_routing_outputs(self):
+        """infer_routing: the answer with the router's top-k ids (distinct, in range) and
+        weights, the same answer as without, inline and with moe_output in a region."""
+        rng = np.random.default_rng()
+        x = rng.uniform(-1, 1, size=(9, H)).astype(np.float32)
+        y, ids, w = self.client.infer_routing(x)
+        np.testing.assert_array_equal(y, self.client.infer(x))
+        k = self.client.model_config().output[1].dims[-1]
+        self.assertEqual(ids.shape, (9, k))
+        self.assertEqual(w.shape, (9, k))
+        for row in ids:
+            self.assertEqual(len(set(row.tolist())), k)
+        self.assertTrue(((ids >= 0) & (ids < 8)).all(), ids)
+        self.assertTrue((w > 0).all(), w)
+        with self.client.shared_memory_rows(max_tokens=9, hidden=H) as region:
+            region.shm.buf[:] = b"\xff" * len(region.shm.buf)
+            y2, ids2, w2 = self.client.infer_routing(x, shared_memory=region)
+        np.testing.assert_array_equal(y2, y)
+        np.testing.assert_array_equal(ids2, ids)
+        np.testing.assert_array_equal(w2, w)
+
     def test_concurrent_clients(self):
         rng = np.random.default_rng(3)
         xs = [rng.uniform(-1, 1, size=(1 + i % 9, H)).astype(np.float32) for i in range(16)]
