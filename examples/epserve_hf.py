@@ -51,9 +51,9 @@ def tiny_config(family, *, layers=2, hidden=128, ffn=64, experts=8, top_k=2, voc
                 heads=4):
     """A small configuration of `family` with the shapes given: `ffn` is a routed expert's
     intermediate size; the shared expert (where the family has one) is twice that. DeepSeek's
-    first layer is dense (first_k_dense_replace=1), as in the real models; V2 routes greedily
-    and scales the weights (V2-Lite's gate), V3 by sigmoid scores with the correction bias,
-    grouped top-k, renormalised and scaled."""
+    first layer is dense (first_k_dense_replace=1), as in the real models; V2 routes by the
+    softmax's top-k among the best groups (group_limited_greedy) and scales the weights, V3 by
+    sigmoid scores with the correction bias, grouped top-k, renormalised and scaled."""
     import transformers
 
     if family not in FAMILIES:
@@ -87,9 +87,8 @@ def tiny_config(family, *, layers=2, hidden=128, ffn=64, experts=8, top_k=2, voc
                num_experts_per_tok=top_k, n_shared_experts=2, n_group=groups,
                topk_group=max(1, groups // 2))
     if family == "deepseek_v2":
-        # DeepSeek-V2-Lite's gate: greedy top-k of the softmax, scaled (epserve refuses
-        # group_limited_greedy with a reason at start).
-        return cls(**common, **mla, q_lora_rank=None, topk_method="greedy",
+        # DeepSeek-V2's gate: the softmax's top-k among the best groups, scaled.
+        return cls(**common, **mla, q_lora_rank=None, topk_method="group_limited_greedy",
                    norm_topk_prob=False, routed_scaling_factor=2.0)
     return cls(**common, **mla, q_lora_rank=hidden // 2, norm_topk_prob=True,
                routed_scaling_factor=2.5)

@@ -211,8 +211,9 @@ absl::Status ReadQwenMoeKeys(const ConfigReader& r, Family family, int num_layer
   return absl::OkStatus();
 }
 
-// DeepSeek's gate (V3 when `v3`, else V2): softmax with greedy top-k, or sigmoid with
-// grouped top-k (noaux_tc); any other pair of scoring_func and topk_method is an error.
+// DeepSeek's gate (V3 when `v3`, else V2): softmax with greedy or group-limited greedy top-k,
+// or sigmoid with grouped top-k (noaux_tc); any other pair of scoring_func and topk_method is
+// an error.
 // Needs c->top_k and c->num_experts read.
 absl::Status ReadDeepseekRouting(const ConfigReader& r, bool v3, MoeLayerConfig* c,
                                  CheckpointFacts* facts) {
@@ -231,36 +232,37 @@ absl::Status ReadDeepseekRouting(const ConfigReader& r, bool v3, MoeLayerConfig*
   norm = norm && c->top_k > 1;
   const std::string& scoring = facts->scoring_func;
   const std::string& method = facts->topk_method;
-  if (scoring == "softmax" && (method == "greedy" || method == "group_limited_greedy")) {
-    // group_limited_greedy keeps the topk_group groups with the largest max-probability
-    // expert; it only equals plain top-k when every group is kept.
-    if (method == "group_limited_greedy" && n_group > 1 && topk_group < n_group) {
-      return r.Error(
-          "topk_method",
-          absl::StrCat("is \"group_limited_greedy\" with n_group=", n_group,
-                       ", topk_group=", topk_group,
-                       ": softmax routing limited to the best groups by max score is not supported "
-                       "(supported: greedy; sigmoid + noaux_tc)"));
-    }
-    c->routing = RoutingKind::kSoftmaxTopK;
-    c->norm_topk_prob = norm;
-    // DeepSeek-V2's gate either renormalises or scales by routed_scaling_factor.
-    c->routed_scaling_factor = norm ? 1.0f : static_cast<float>(scale);
-  } else if (scoring == "sigmoid" && method == "noaux_tc") {
-    c->routing = RoutingKind::kSigmoidGroupedTopK;
-    c->norm_topk_prob = norm;
-    c->routed_scaling_factor = static_cast<float>(scale);
+  const bool limited = method == "group_limited_greedy";
+  if ((scoring == "sigmoid" && method == "noaux_tc") || limited) {
     if (n_group < 1 || n_group > c->num_experts)
       return r.Error("n_group", "must be in [1, n_routed_experts]");
     if (topk_group < 1 || topk_group > n_group)
       return r.Error("topk_group", "must be in [1, n_group]");
+  }
+  if (scoring == "softmax" && (method == "greedy" || limited)) {
+    c->routing = RoutingKind::kSoftmaxTopK;
+    c->norm_topk_prob = norm;
+    // DeepSeek-V2's gate either renormalises or scales by routed_scaling_factor.
+    c->routed_scaling_factor = norm ? 1.0f : static_cast<float>(scale);
+    // group_limited_greedy: the top-k among the topk_group groups with the best
+    // max-probability expert (keeping every group, plain greedy top-k).
+    if (limited && topk_group < n_group) {
+      c->n_group = static_cast<int>(n_group);
+      c->topk_group = static_cast<int>(topk_group);
+    }
+  } else if (scoring == "sigmoid" && method == "noaux_tc") {
+    c->routing = RoutingKind::kSigmoidGroupedTopK;
+    c->norm_topk_prob = norm;
+    c->routed_scaling_factor = static_cast<float>(scale);
     c->n_group = static_cast<int>(n_group);
     c->topk_group = static_cast<int>(topk_group);
   } else {
     return r.Error(
         "scoring_func",
-        absl::StrCat("is \"", scoring, "\" with topk_method \"", method,
-                     "\": supported are softmax with greedy, and sigmoid with noaux_tc"));
+        absl::StrCat(
+            "is \"", scoring, "\" with topk_method \"", method,
+            "\": supported are softmax with greedy or group_limited_greedy, and sigmoid with "
+            "noaux_tc"));
   }
   return absl::OkStatus();
 }

@@ -28,7 +28,10 @@ absl::Status MoeLayerConfig::Validate() const {
   if (shared_ffn_size < 0) return bad("shared_ffn_size must be >= 0, got ", shared_ffn_size);
   if (shared_expert_gate && shared_ffn_size == 0)
     return bad("shared_expert_gate needs shared_ffn_size > 0");
-  if (routing == RoutingKind::kSigmoidGroupedTopK) {
+  const bool sigmoid = routing == RoutingKind::kSigmoidGroupedTopK;
+  if (routing == RoutingKind::kTopKSoftmax && n_group != 1)
+    return bad("n_group must be 1 with topk_softmax routing, got ", n_group);
+  if (sigmoid || n_group != 1) {
     if (n_group < 1 || num_experts % n_group != 0)
       return bad("n_group must divide num_experts=", num_experts, ", got ", n_group);
     if (topk_group < 1 || topk_group > n_group)

@@ -15,7 +15,9 @@ namespace epserve::model {
 // How router logits become the k experts of a token and their weights.
 enum class RoutingKind {
   // softmax over all experts, top-k of the probabilities, optionally renormalised
-  // (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2).
+  // (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2). With n_group > 1, the top-k is taken among the
+  // experts of the topk_group groups whose best probability is largest (DeepSeek-V2's
+  // group_limited_greedy).
   kSoftmaxTopK,
   // sigmoid scores; choice on scores + per-expert bias with grouped top-k; weights from
   // the unbiased scores, optionally renormalised, times routed_scaling_factor (DeepSeek-V3).
@@ -34,8 +36,8 @@ struct MoeLayerConfig {
   int top_k = 0;                // k: routed experts per token
   RoutingKind routing = RoutingKind::kSoftmaxTopK;
   bool norm_topk_prob = false;  // renormalise the k weights to sum to 1
-  int n_group = 1;              // expert groups (kSigmoidGroupedTopK)
-  int topk_group = 1;           // groups a token may choose from (kSigmoidGroupedTopK)
+  int n_group = 1;              // expert groups (kSigmoidGroupedTopK; kSoftmaxTopK when > 1)
+  int topk_group = 1;           // groups a token may choose from (where n_group applies)
   float routed_scaling_factor = 1.0f;
   // Shared experts, fused into one FFN of this intermediate size; 0 means none.
   int64_t shared_ffn_size = 0;

@@ -32,6 +32,14 @@ std::vector<int> TopK(const std::vector<double>& score, const std::vector<bool>&
   return idx;
 }
 
+// Which of `num_experts` experts belong to `groups` (groups of `per_group` consecutive ones).
+std::vector<bool> GroupMembers(const std::vector<int>& groups, int per_group, int num_experts) {
+  std::vector<bool> allowed(num_experts, false);
+  for (int g : groups)
+    for (int e = g * per_group; e < (g + 1) * per_group; ++e) allowed[e] = true;
+  return allowed;
+}
+
 }  // namespace
 
 Routing ReferenceRoute(const MoeLayerConfig& c, const LayerWeights& w, const float* x,
@@ -57,7 +65,19 @@ Routing ReferenceRoute(const MoeLayerConfig& c, const LayerWeights& w, const flo
         double sum = 0.0;
         for (int e = 0; e < e_count; ++e) sum += (weight[e] = std::exp(logits[e] - mx));
         for (int e = 0; e < e_count; ++e) weight[e] /= sum;
+        double group_margin = std::numeric_limits<double>::infinity();
+        if (c.n_group > 1) {  // group_limited_greedy: groups scored by their best probability
+          const int per_group = e_count / c.n_group;
+          std::vector<double> group_score(c.n_group);
+          for (int g = 0; g < c.n_group; ++g)
+            group_score[g] = *std::max_element(weight.begin() + g * per_group,
+                                               weight.begin() + (g + 1) * per_group);
+          allowed = GroupMembers(
+              TopK(group_score, std::vector<bool>(c.n_group, true), c.topk_group, &group_margin),
+              per_group, e_count);
+        }
         chosen = TopK(weight, allowed, k, &margin);
+        margin = std::min(margin, group_margin);
         break;
       }
       case RoutingKind::kSigmoidGroupedTopK: {
@@ -75,11 +95,9 @@ Routing ReferenceRoute(const MoeLayerConfig& c, const LayerWeights& w, const flo
           group_score[g] = members[0] + members[1];
         }
         double group_margin = 0.0;
-        std::vector<int> groups =
-            TopK(group_score, std::vector<bool>(c.n_group, true), c.topk_group, &group_margin);
-        std::fill(allowed.begin(), allowed.end(), false);
-        for (int g : groups)
-          for (int e = g * per_group; e < (g + 1) * per_group; ++e) allowed[e] = true;
+        allowed = GroupMembers(
+            TopK(group_score, std::vector<bool>(c.n_group, true), c.topk_group, &group_margin),
+            per_group, e_count);
         chosen = TopK(choose, allowed, k, &margin);
         margin = std::min(margin, group_margin);
         break;

@@ -42,6 +42,13 @@ std::vector<Preset> Presets() {
   grouped.topk_group = 2;
   grouped.routed_scaling_factor = 2.5f;
   p.push_back({"tiny-grouped", {0}, grouped});
+  // For tests: DeepSeek-V2 routing in small (softmax top-4 of 16 experts, limited to the 2
+  // of 4 groups with the best max-probability expert, scaled).
+  MoeLayerConfig limited = Layer(64, 32, 16, 4, false, 0, false);
+  limited.n_group = 4;
+  limited.topk_group = 2;
+  limited.routed_scaling_factor = 2.0f;
+  p.push_back({"tiny-group-limited", {0}, limited});
   // For tests: gpt-oss routing in small.
   MoeLayerConfig topk_softmax = Layer(64, 48, 8, 2, false, 0, false);
   topk_softmax.routing = RoutingKind::kTopKSoftmax;

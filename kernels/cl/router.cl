@@ -38,6 +38,24 @@ inline int ArgMax(const float* score, int count, const uint* allowed, const uint
   return best;
 }
 
+// `allowed` = the experts of the `topk_group` best-scoring of `n_group` groups of `per_group`
+// consecutive experts (ties to the lower group).
+inline void AllowBestGroups(const float* group_score, int n_group, int per_group, int topk_group,
+                            uint* allowed) {
+  uint all_groups[MASK_WORDS];
+  uint groups_taken[MASK_WORDS];
+  for (int w = 0; w < MASK_WORDS; ++w) {
+    all_groups[w] = 0xffffffffu;
+    groups_taken[w] = 0u;
+    allowed[w] = 0u;
+  }
+  for (int j = 0; j < topk_group; ++j) {
+    const int g = ArgMax(group_score, n_group, all_groups, groups_taken);
+    BitSet(groups_taken, g);
+    for (int e = g * per_group; e < (g + 1) * per_group; ++e) BitSet(allowed, e);
+  }
+}
+
 // Lanes of v summed in a fixed tree order.
 inline float Sum16(float16 v) {
   const float8 a = v.lo + v.hi;
@@ -111,6 +129,16 @@ inline void SelectExperts(const float* logit, const __global float* restrict bia
       weight[e] /= sum;
       choose[e] = weight[e];
     }
+    if (n_group > 1) {  // group_limited_greedy: groups scored by their best probability
+      const int per_group = num_experts / n_group;
+      float group_score[ROUTER_MAX_EXPERTS / 2];  // groups hold >= 2 experts (Validate)
+      for (int g = 0; g < n_group; ++g) {
+        float best = choose[g * per_group];
+        for (int e = g * per_group + 1; e < (g + 1) * per_group; ++e) best = fmax(best, choose[e]);
+        group_score[g] = best;
+      }
+      AllowBestGroups(group_score, n_group, per_group, topk_group, allowed);
+    }
   } else if (kind == ROUTING_SIGMOID_GROUPED_TOPK) {
     for (int e = 0; e < num_experts; ++e) {
       weight[e] = 1.0f / (1.0f + exp(-logit[e]));
@@ -133,18 +161,7 @@ inline void SelectExperts(const float* logit, const __global float* restrict bia
       }
       group_score[g] = first + second;
     }
-    uint all_groups[MASK_WORDS];
-    uint groups_taken[MASK_WORDS];
-    for (int w = 0; w < MASK_WORDS; ++w) {
-      all_groups[w] = 0xffffffffu;
-      groups_taken[w] = 0u;
-      allowed[w] = 0u;
-    }
-    for (int j = 0; j < topk_group; ++j) {
-      const int g = ArgMax(group_score, n_group, all_groups, groups_taken);
-      BitSet(groups_taken, g);
-      for (int e = g * per_group; e < (g + 1) * per_group; ++e) BitSet(allowed, e);
-    }
+    AllowBestGroups(group_score, n_group, per_group, topk_group, allowed);
   } else {  // ROUTING_TOPK_SOFTMAX: choose on the raw logits
     for (int e = 0; e < num_experts; ++e) choose[e] = logit[e];
   }

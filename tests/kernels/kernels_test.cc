@@ -470,7 +470,8 @@ TEST_P(RouteTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, RouteTest,
-                         ::testing::Values("tiny", "tiny-grouped", "tiny-topk-softmax", "tiny-odd"),
+                         ::testing::Values("tiny", "tiny-grouped", "tiny-group-limited",
+                                           "tiny-topk-softmax", "tiny-odd"),
                          PresetTestName);
 
 // ---- expert FFN ----

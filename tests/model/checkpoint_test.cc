@@ -273,7 +273,20 @@ TEST(Checkpoint, DeepseekV2RenormalisesOrScalesNeverBoth) {
       {"topk_method", "\"group_limited_greedy\""}, {"n_group", "2"}, {"topk_group", "2"}};
   w = WriteCheckpoint(spec, Folder("v2_scale"));
   ASSERT_TRUE(w.ok()) << w.status();
-  EXPECT_TRUE(CheckpointWeights::Open(w->folder).ok());
+  c = CheckpointWeights::Open(w->folder);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->config().layer.n_group, 1);
+  // Keeping fewer groups limits the top-k to them (DeepSeek-V2's gate).
+  spec.num_experts = 8;
+  spec.config_overrides = {
+      {"topk_method", "\"group_limited_greedy\""}, {"n_group", "4"}, {"topk_group", "2"}};
+  w = WriteCheckpoint(spec, Folder("v2_scale"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  c = CheckpointWeights::Open(w->folder);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->config().layer.routing, RoutingKind::kSoftmaxTopK);
+  EXPECT_EQ((*c)->config().layer.n_group, 4);
+  EXPECT_EQ((*c)->config().layer.topk_group, 2);
   std::filesystem::remove_all(w->folder);
 }
 
@@ -350,13 +363,17 @@ TEST_F(Rejects, QuantizedCheckpoint) {
   ExpectMentions(Open(spec), {"config.json", "quantized", "fp8"});
 }
 
-TEST_F(Rejects, RoutingNoRoutingKindExpresses) {
+TEST_F(Rejects, RoutingNoRoutingKindExpressesOrBadGroups) {
   CheckpointSpec spec;
   spec.family = Family::kDeepseekV2;
   spec.num_experts = 8;
   spec.config_overrides = {
-      {"topk_method", "\"group_limited_greedy\""}, {"n_group", "4"}, {"topk_group", "2"}};
-  ExpectMentions(Open(spec), {"config.json", "group_limited_greedy", "n_group=4", "topk_group=2"});
+      {"topk_method", "\"group_limited_greedy\""}, {"n_group", "4"}, {"topk_group", "5"}};
+  ExpectMentions(Open(spec), {"config.json", "topk_group", "[1, n_group]"});
+  spec.config_overrides = {{"topk_method", "\"group_limited_greedy\""}, {"n_group", "3"}};
+  ExpectMentions(Open(spec), {"n_group must divide num_experts=8, got 3"});
+  spec.config_overrides = {{"topk_method", "\"device_limited\""}};
+  ExpectMentions(Open(spec), {"config.json", "device_limited", "group_limited_greedy"});
   spec.family = Family::kDeepseekV3;
   spec.config_overrides = {{"scoring_func", "\"softmax\""}};
   ExpectMentions(Open(spec), {"config.json", "softmax", "noaux_tc"});
