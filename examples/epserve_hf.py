@@ -12,18 +12,12 @@ client/python/epserve_client.py.
     model.generate(...)
     set_mode(blocks, "local")                                  # back to the model's own blocks
 
-Also here: small configurations of each family epserve loads (tiny_config), a seeded
-initialisation that keeps routing decisive (randomize), and LocalServer, which starts
-`mpirun -np 1+W epserve` on a checkpoint folder for the example and its test.
+Also here: small configurations of each family epserve loads (tiny_config) and a seeded
+initialisation that keeps routing decisive (randomize). client/python/epserve_local.py starts
+the `mpirun -np 1+W epserve` job on a checkpoint folder for the example and its test.
 """
 
-import json
 import math
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
 
 import grpc
@@ -303,65 +297,3 @@ def check_served(model, client, *, tolerance, probe_tokens=16, datatype="FP32", 
                 f"differ (another checkpoint, or weights the server rounds)")
         errors[layer] = (w_err, y_err)
     return errors
-
-
-class LocalServer:
-    """`mpirun -np 1+workers epserve --model=folder` on 127.0.0.1 (free ports, a ready file),
-    stopped with SIGTERM by stop() or at the end of a `with` block. `binary` is the epserve
-    executable; `args` more epserve flags."""
-
-    def __init__(self, binary, folder, *, workers=2, device="cpu", args=(), ready_timeout=300,
-                 mpiexec=None):
-        self.dir = tempfile.mkdtemp(prefix="epserve-example-")
-        ready = os.path.join(self.dir, "ready.json")
-        mpiexec = mpiexec or os.environ.get("EPSERVE_MPIEXEC") or shutil.which("mpirun")
-        if not mpiexec:
-            raise ConfigError("no mpirun on PATH (apt-get install openmpi-bin)")
-        if not os.access(binary, os.X_OK):
-            raise ConfigError(f"no epserve executable at {binary} (build it: deploy/build.sh)")
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                   OMPI_MCA_rmaps_base_oversubscribe="1")
-        env.setdefault("POCL_MAX_PTHREAD_COUNT", "1")
-        cmd = [mpiexec, "-np", str(1 + workers), "--oversubscribe", "--bind-to", "none", binary,
-               f"--model={folder}", f"--device={device}", "--grpc-address=127.0.0.1:0",
-               "--metrics-address=127.0.0.1:0", f"--ready-file={ready}", *args]
-        self.log_path = os.path.join(self.dir, "log.txt")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.time() + ready_timeout
-        while time.time() < deadline:
-            if os.path.exists(ready):
-                with open(ready) as f:
-                    self.address = json.load(f)["grpc"]
-                return
-            if self.proc.poll() is not None:
-                log = self.read_log()
-                self.stop()
-                raise ConfigError("epserve exited before it was ready:\n" + log)
-            time.sleep(0.05)
-        log = self.read_log()
-        self.stop()
-        raise ConfigError(f"epserve not ready within {ready_timeout} s:\n" + log)
-
-    def read_log(self):
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self, timeout=30):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if not self.log.closed:
-            self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()

@@ -102,9 +102,9 @@ def machine(device):
 class Run:
     """One family: its model, its server, the client and the comparisons."""
 
-    def __init__(self, args, family, seed, hf, torch, transformers, epserve_client):
+    def __init__(self, args, family, seed, hf, torch, transformers, epserve_client, local):
         self.args, self.family, self.seed = args, family, seed
-        self.hf, self.torch, self.client_mod = hf, torch, epserve_client
+        self.hf, self.torch, self.client_mod, self.local = hf, torch, epserve_client, local
         self.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         self.wire = "BF16" if args.dtype == "bf16" else "FP32"
         self.device = "cuda" if args.device == "gpu" else "cpu"
@@ -145,7 +145,7 @@ class Run:
                      *args.server_arg]
             t0 = time.perf_counter()
             binary = args.epserve or os.path.join(args.build, "server", "epserve")
-            self.server = self.hf.LocalServer(binary,
+            self.server = self.local.LocalServer(binary,
                                               self.folder, workers=args.workers,
                                               device=args.device, args=flags)
             print(f"  epserve ready in {time.perf_counter() - t0:.1f} s ({args.workers} "
@@ -324,6 +324,7 @@ def main(argv=None):
     import transformers
     import epserve_client
     import epserve_hf as hf
+    import epserve_local
 
     families = list(hf.FAMILIES) if args.families == "all" else args.families.split(",")
     for f in families:
@@ -348,14 +349,14 @@ def main(argv=None):
               f"top-{args.top_k}, {args.dtype.upper()}", flush=True)
         run = None
         try:
-            run = Run(args, family, seed, hf, torch, transformers, epserve_client)
+            run = Run(args, family, seed, hf, torch, transformers, epserve_client, epserve_local)
             run.start()
             rng = np.random.default_rng(seed)
             bad, ties, _ = run.compare(rng)
             failed += bad
             if family in speed:
                 print_speed(family, args, run.speed(rng), where)
-        except hf.ConfigError as e:
+        except (hf.ConfigError, epserve_local.ServerError) as e:
             print(f"error: {family}: {e}", flush=True)
             config_errors.append(family)
         finally:

@@ -47,6 +47,7 @@ import transformers  # noqa: E402
 
 import epserve_client  # noqa: E402
 import epserve_hf as hf  # noqa: E402
+from epserve_local import LocalServer  # noqa: E402
 
 EPSERVE = os.environ.get("EPSERVE_BINARY", os.path.join(BUILD, "server", "epserve"))
 SMALL = ["--layers", "2", "--hidden", "64", "--ffn", "32"]
@@ -92,7 +93,7 @@ class RefusesBadConfigurations(unittest.TestCase):
         cls.folder = os.path.join(cls.tmp.name, "a")
         cls.seed = int.from_bytes(os.urandom(4), "little")
         cls.model = small_model(cls.folder, cls.seed)
-        cls.server = hf.LocalServer(EPSERVE, cls.folder, args=["--no-ffn-tune"])
+        cls.server = LocalServer(EPSERVE, cls.folder, args=["--no-ffn-tune"])
         cls.client = epserve_client.Client(cls.server.address)
 
     @classmethod
@@ -126,7 +127,7 @@ class RefusesBadConfigurations(unittest.TestCase):
         self.refused(self.model, client, "no-such-model", "NOT_FOUND", "moe")
 
     def test_a_layer_the_server_does_not_serve(self):
-        with hf.LocalServer(EPSERVE, self.folder, args=["--no-ffn-tune", "--layers=0"]) as s:
+        with LocalServer(EPSERVE, self.folder, args=["--no-ffn-tune", "--layers=0"]) as s:
             self.refused(self.model, epserve_client.Client(s.address), "[1]", "does not serve")
 
     def test_the_command_line_says_so_and_exits_2(self):
