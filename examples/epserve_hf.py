@@ -133,9 +133,9 @@ class Unary:
                        if shared_memory else None)
         self.name = "unary, " + ("shared memory" if shared_memory else "inline")
 
-    def __call__(self, x, layer):
+    def __call__(self, x, layer, as_stored=False):
         return self.client.infer(x, datatype=self.datatype, layer=layer,
-                                 shared_memory=self.region)
+                                 shared_memory=self.region, as_stored=as_stored)
 
     def close(self):
         if self.region is not None:
@@ -151,9 +151,9 @@ class Stream(Unary):
         self.stream = client.open_stream()
         self.name = self.name.replace("unary", "stream")
 
-    def __call__(self, x, layer):
+    def __call__(self, x, layer, as_stored=False):
         return self.stream.infer(x, datatype=self.datatype, layer=layer,
-                                 shared_memory=self.region)
+                                 shared_memory=self.region, as_stored=as_stored)
 
     def close(self):
         self.stream.close()
@@ -183,10 +183,16 @@ class ServedMoe(torch.nn.Module):
                 torch.cuda.synchronize()
         else:
             shape = hidden_states.shape
-            rows = hidden_states.reshape(-1, shape[-1]).float().cpu().numpy()
-            y = self.transport(rows, self.layer)
-            out = torch.as_tensor(np.array(y)).to(hidden_states.device, hidden_states.dtype)
-            out = out.reshape(shape)
+            rows = hidden_states.reshape(-1, shape[-1])
+            if rows.dtype == torch.bfloat16 and self.transport.datatype == "BF16":
+                # BF16 bits travel as they are, both ways: no conversion through FP32.
+                bits = rows.view(torch.int16).cpu().numpy()
+                y = self.transport(bits, self.layer, as_stored=True).view(np.int16)
+                out = torch.from_numpy(y.copy()).view(torch.bfloat16)
+            else:
+                y = self.transport(rows.float().cpu().numpy(), self.layer)
+                out = torch.from_numpy(y.copy()).to(hidden_states.dtype)
+            out = out.to(hidden_states.device).reshape(shape)
         self.times.append(time.perf_counter() - t0)
         self.rows.append(hidden_states.numel() // hidden_states.shape[-1])
         return out

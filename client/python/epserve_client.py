@@ -53,30 +53,43 @@ class InferError(Exception):
 
 
 def encode(x, datatype):
-    """float32 array -> little-endian bytes of `datatype` (FP32, BF16 rounded to nearest even,
-    FP16)."""
+    """Array -> little-endian bytes of `datatype`: float values become FP32, BF16 (rounded to
+    nearest even) or FP16; an array already in the datatype's own form (float16 for FP16,
+    uint16 holding BF16 bits for BF16, e.g. a torch bfloat16 tensor's .view(torch.int16)) is
+    sent as it is."""
+    x = np.asarray(x)
+    if datatype == "BF16" and x.dtype in (np.uint16, np.int16):
+        return np.ascontiguousarray(x).view("<u2").tobytes()
+    if datatype == "FP16" and x.dtype == np.float16:
+        return np.ascontiguousarray(x, dtype="<f2").tobytes()
     x = np.ascontiguousarray(x, dtype=np.float32)
     if datatype == "FP32":
-        return x.astype("<f4").tobytes()
+        return x.astype("<f4", copy=False).tobytes()
     if datatype == "FP16":
         return x.astype("<f2").tobytes()
     if datatype == "BF16":
-        bits = x.view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # Round to nearest even in 32-bit words: only NaNs (set right below) can wrap.
+        bits = x.view(np.uint32)
+        rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) >> 16)
+        rounded = rounded.astype("<u2")
         nan = np.isnan(x)
-        rounded[nan] = (bits[nan] >> 16) | 0x40
-        return rounded.astype("<u2").tobytes()
+        if nan.any():
+            rounded[nan] = ((bits[nan] >> 16) | 0x40).astype("<u2")
+        return rounded.tobytes()
     raise ValueError(f"unsupported datatype {datatype!r}")
 
 
-def decode(raw, datatype, shape):
-    """Bytes of `datatype` -> float32 array of `shape`."""
+def decode(raw, datatype, shape, as_stored=False):
+    """Bytes of `datatype` -> float32 array of `shape`; with `as_stored`, the datatype's own
+    form instead (float16 for FP16, uint16 BF16 bits for BF16), with no conversion."""
     if datatype == "FP32":
         out = np.frombuffer(raw, dtype="<f4")
     elif datatype == "FP16":
-        out = np.frombuffer(raw, dtype="<f2").astype(np.float32)
+        out = np.frombuffer(raw, dtype="<f2")
+        out = out if as_stored else out.astype(np.float32)
     elif datatype == "BF16":
-        out = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        out = np.frombuffer(raw, dtype="<u2")
+        out = out if as_stored else (out.astype(np.uint32) << 16).view(np.float32)
     else:
         raise ValueError(f"unsupported datatype {datatype!r}")
     return out.reshape(shape)
@@ -246,11 +259,12 @@ class Client:
     # ---- inference
     def request(self, x, *, datatype="FP32", output_datatype=None, layer=None, priority=None,
                 timeout_us=None, request_id="", shared_memory=None, routing=False):
-        """The ModelInferRequest for float32 rows `x` [T, H] sent as `datatype`. With
+        """The ModelInferRequest for rows `x` [T, H] (float values, or already in `datatype`'s
+        own form: see encode()) sent as `datatype`. With
         `shared_memory` (a SharedMemoryRows) the rows are written into the region and the
         request names it for the input and for moe_output instead of carrying bytes. With
         `routing` the answer also carries each row's top-k expert ids and weights (routing())."""
-        x = np.asarray(x, dtype=np.float32)
+        x = np.asarray(x)
         req = pb.ModelInferRequest(model_name=self.model, id=request_id)
         inp = req.inputs.add(name=INPUT, datatype=datatype, shape=list(x.shape))
         payload = encode(x, datatype)
@@ -296,25 +310,26 @@ class Client:
         return ids, decode(w_raw, w_t.datatype, tuple(w_t.shape))
 
     @staticmethod
-    def output(resp, shared_memory=None):
+    def output(resp, shared_memory=None, as_stored=False):
         """The float32 array of a ModelInferResponse's moe_output (read from the region when
-        the request named one)."""
+        the request named one); with `as_stored`, in its datatype's own form (decode())."""
         t = resp.outputs[0]
         shape = tuple(t.shape)
         if shared_memory is not None:
             nbytes = int(np.prod(shape)) * _BYTES_PER_VALUE[t.datatype]
-            return decode(shared_memory.read_output(nbytes), t.datatype, shape)
-        return decode(resp.raw_output_contents[0], t.datatype, shape)
+            return decode(shared_memory.read_output(nbytes), t.datatype, shape, as_stored)
+        return decode(resp.raw_output_contents[0], t.datatype, shape, as_stored)
 
-    def infer(self, x, *, timeout=60.0, **kwargs):
-        """Rows `x` through the served MoE layer; returns float32 [T, H]. Raises InferError.
-        kwargs as request(); with shared_memory=region the rows go through the region."""
+    def infer(self, x, *, timeout=60.0, as_stored=False, **kwargs):
+        """Rows `x` through the served MoE layer; returns float32 [T, H] (with `as_stored`, the
+        answer's datatype's own form: decode()). Raises InferError. kwargs as request(); with
+        shared_memory=region the rows go through the region."""
         try:
             resp = self._unary("ModelInfer", self.request(x, **kwargs), pb.ModelInferResponse,
                                timeout=timeout)
         except grpc.RpcError as e:
             raise InferError(e.code(), e.details(), kwargs.get("request_id", "")) from None
-        return self.output(resp, kwargs.get("shared_memory"))
+        return self.output(resp, kwargs.get("shared_memory"), as_stored)
 
     def infer_routing(self, x, *, timeout=60.0, **kwargs):
         """As infer(), and the routing the server chose: (output [T, H], topk ids int32 [T, k],
@@ -377,7 +392,7 @@ class InferStream:
         except grpc.RpcError as e:
             self._answers.put(InferError(e.code(), e.details()))
 
-    def infer(self, x, **kwargs):
+    def infer(self, x, as_stored=False, **kwargs):
         """As Client.infer, over the stream (kwargs as Client.request)."""
         if self._broken is not None:
             raise self._broken
@@ -394,7 +409,7 @@ class InferStream:
             raise resp
         if resp.error_message:
             raise InferError(None, resp.error_message, resp.infer_response.id)
-        return self._client.output(resp.infer_response, kwargs.get("shared_memory"))
+        return self._client.output(resp.infer_response, kwargs.get("shared_memory"), as_stored)
 
     def close(self):
         self._requests.put(self._END)

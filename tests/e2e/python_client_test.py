@@ -8,6 +8,7 @@ import unittest
 import grpc
 import numpy as np
 
+import epserve_client
 from epserve_cluster import Cluster
 from epserve_client import Client, InferError
 
@@ -148,6 +149,39 @@ class PythonClient(unittest.TestCase):
         self.assertIn("not a served MoE layer", got["bad"].message)
         for rid, x in xs.items():
             np.testing.assert_allclose(got[rid], self.client.infer(x), rtol=1e-5, atol=1e-6)
+
+    def test_bf16_rows_round_to_nearest_even_or_go_as_stored(self):
+        """encode: BF16 rounded to nearest even (ties to even, NaN kept NaN, overflow to inf),
+        against the 64-bit formula; BF16 bits and FP16 values sent as they are; decode's
+        as_stored returns them untouched. An answer asked as_stored is the float answer's bits."""
+        rng = np.random.default_rng()
+        x = (rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096)).astype(np.float32)
+        special = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -1 - 2 ** -8, np.inf, -np.inf, 3.4e38, 1e-40,
+                   -0.0, 0.0]
+        x[:len(special)] = special
+        x[-3:] = np.nan
+        bits = x.view(np.uint32).astype(np.uint64)
+        want = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        got = np.frombuffer(epserve_client.encode(x, "BF16"), dtype="<u2")
+        finite = ~np.isnan(x)
+        np.testing.assert_array_equal(got[finite], want[finite])
+        self.assertTrue(np.isnan(epserve_client.decode(got.tobytes(), "BF16", x.shape)[~finite])
+                        .all())
+        self.assertEqual(got[0], 0x3F80)  # 1 + 2^-8 ties to the even 1.0
+        self.assertEqual(got[1], 0x3F82)  # 1 + 3 * 2^-8 ties to the even 1 + 2^-6
+        self.assertEqual(got[5], 0x7F80)  # rounds past the largest BF16: inf
+        self.assertEqual(epserve_client.encode(got, "BF16"), got.tobytes())
+        h = x[:8].astype(np.float16)
+        self.assertEqual(epserve_client.encode(h, "FP16"), h.tobytes())
+        np.testing.assert_array_equal(
+            epserve_client.decode(got.tobytes(), "BF16", x.shape, as_stored=True), got)
+        rows = rng.uniform(-1, 1, size=(5, H)).astype(np.float32)
+        as_float = self.client.infer(rows, datatype="BF16")
+        row_bits = np.frombuffer(epserve_client.encode(rows, "BF16"), "<u2").reshape(rows.shape)
+        as_bits = self.client.infer(row_bits, datatype="BF16", as_stored=True)
+        self.assertEqual(as_bits.dtype, np.uint16)
+        np.testing.assert_array_equal((as_bits.astype(np.uint32) << 16).view(np.float32),
+                                      as_float)
 
     def test_one_stream_answers_each_request_in_turn(self):
         """InferStream: requests sent one after another over one stream, inline and through a
