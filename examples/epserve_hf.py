@@ -164,7 +164,13 @@ class ServedMoe(torch.nn.Module):
     """Stands in for one sparse MoE block: mode "epserve" sends the block's input rows to
     epserve for `layer` through `transport` and returns the answer in the input's dtype and
     device; mode "local" runs the model's own block. Either way each call appends its rows to
-    `rows` and its time to `times` (seconds)."""
+    `rows` and its time to `times` (seconds).
+
+    With `check_routing` (FP32, a Unary transport), each call also asks for the experts the
+    server chose and compares them with the model's router on the same rows: a row whose
+    choice differs counts in `routing_ties` where the choice is a tie within `tie` of the top
+    score when computed in FP64 (two FP32 sums in another order may then choose either way),
+    else in `routing_flips` (a real difference)."""
 
     def __init__(self, local, layer, transport):
         super().__init__()
@@ -174,6 +180,21 @@ class ServedMoe(torch.nn.Module):
         self.mode = "epserve"
         self.rows = []
         self.times = []
+        self.check_routing = False
+        self.tie = 1e-5
+        self.routing_ties = 0
+        self.routing_flips = 0
+
+    def _check(self, rows, served_ids):
+        with torch.no_grad():
+            _, _, ids = self.local.gate(rows)
+        ids = np.sort(ids.cpu().numpy(), axis=1)
+        differ = np.nonzero((ids != np.sort(served_ids, axis=1)).any(axis=1))[0]
+        if len(differ):
+            margins = routing_margins(self.local.gate, rows[torch.from_numpy(differ)])
+            ties = int((margins <= self.tie).sum())
+            self.routing_ties += ties
+            self.routing_flips += len(differ) - ties
 
     def forward(self, hidden_states):
         t0 = time.perf_counter()
@@ -189,6 +210,12 @@ class ServedMoe(torch.nn.Module):
                 bits = rows.view(torch.int16).cpu().numpy()
                 y = self.transport(bits, self.layer, as_stored=True).view(np.int16)
                 out = torch.from_numpy(y.copy()).view(torch.bfloat16)
+            elif self.check_routing:
+                x = rows.float().cpu().numpy()
+                y, ids, _ = self.transport.client.infer_routing(
+                    x, datatype=self.transport.datatype, layer=self.layer)
+                self._check(rows, ids)
+                out = torch.from_numpy(y.copy()).to(hidden_states.dtype)
             else:
                 y = self.transport(rows.float().cpu().numpy(), self.layer)
                 out = torch.from_numpy(y.copy()).to(hidden_states.dtype)
@@ -196,6 +223,37 @@ class ServedMoe(torch.nn.Module):
         self.times.append(time.perf_counter() - t0)
         self.rows.append(hidden_states.numel() // hidden_states.shape[-1])
         return out
+
+
+def routing_margins(gate, rows):
+    """Per row, how decisively the router `gate` (a transformers MoE gate) chooses, computed in
+    FP64: the gap between the last chosen and the first unchosen score (and, for grouped
+    routing, between the last chosen and first unchosen group), over the largest score."""
+    x = rows.double()
+    logits = x @ gate.weight.double().T
+    n_group = getattr(gate, "num_group", None) or getattr(gate, "n_group", 1) or 1
+    topk_group = getattr(gate, "topk_group", n_group) or n_group
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is not None:  # DeepSeek-V3: sigmoid scores plus the bias, groups by their top two
+        choose = logits.sigmoid() + bias.double()
+        groups = choose.view(len(x), n_group, -1).topk(2, dim=-1).values.sum(-1)
+    else:
+        choose = logits.softmax(-1)
+        groups = choose.view(len(x), n_group, -1).max(-1).values
+        if getattr(gate, "topk_method", "group_limited_greedy") != "group_limited_greedy":
+            topk_group = n_group
+    scale = choose.abs().max(-1).values
+    margin = torch.full((len(x),), float("inf"), dtype=torch.float64, device=x.device)
+    if topk_group < n_group:
+        g = groups.sort(-1, descending=True).values
+        margin = g[:, topk_group - 1] - g[:, topk_group]
+        keep = groups.topk(topk_group, dim=-1).indices
+        mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, keep, True)
+        mask = mask.repeat_interleave(choose.shape[1] // n_group, dim=1)
+        choose = choose.masked_fill(~mask, float("-inf"))
+    top = choose.topk(gate.top_k + 1, dim=-1).values
+    margin = torch.minimum(margin, top[:, -2] - top[:, -1])
+    return (margin / scale).detach().cpu().numpy()
 
 
 def serve_moe_blocks(model, transport):
@@ -210,11 +268,12 @@ def serve_moe_blocks(model, transport):
     return served
 
 
-def set_mode(served, mode, transport=None):
+def set_mode(served, mode, transport=None, check_routing=False):
     for s in served:
         s.mode = mode
         if transport is not None:
             s.transport = transport
+        s.check_routing = check_routing
         s.rows.clear()
         s.times.clear()
 

@@ -168,8 +168,8 @@ class Run:
         ids = rng.integers(3, self.model.config.vocab_size, size=(count, length))
         return self.torch.from_numpy(ids).to(self.device)
 
-    def generate(self, mode, ids, new_tokens):
-        self.hf.set_mode(self.served, mode)
+    def generate(self, mode, ids, new_tokens, check_routing=False):
+        self.hf.set_mode(self.served, mode, check_routing=check_routing)
         with self.torch.no_grad():
             out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids),
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -188,15 +188,32 @@ class Run:
         cases = [self.prompts(1, n, rng) for n in lengths] + [self.prompts(16, 12, rng)]
         worst, worst_whole, bad, ties, differing = 0.0, 0.0, 0, 0, 0
         for ids in cases:
+            for served in self.served:
+                served.routing_ties = served.routing_flips = 0
             with torch.no_grad():
                 hf.set_mode(self.served, "local")
                 want = self.model(ids).logits.float().cpu().numpy()
-                hf.set_mode(self.served, "epserve")
+                hf.set_mode(self.served, "epserve", check_routing=strict)
                 got = self.model(ids).logits.float().cpu().numpy()
                 exact = None if strict else self.exact(ids).logits.float().cpu().numpy()
+            want_tok, want_logits = self.generate("local", ids, self.args.new_tokens)
+            got_tok, _ = self.generate("epserve", ids, self.args.new_tokens, check_routing=strict)
+            flips = sum(served.routing_flips for served in self.served)
+            # FP32 only: a row whose experts are tied within 1e-5 (in FP64) may go either way;
+            # what follows from it in this case is reported, not counted.
+            routing_tie = strict and not flips and sum(s.routing_ties for s in self.served)
+            if flips:
+                print(f"  ROUTING: prompt of {ids.shape[1]} tokens x {ids.shape[0]}: the server "
+                      f"chose other experts than the model's router for {flips} row(s), by more "
+                      f"than a tie")
+                bad += 1
+            elif routing_tie:
+                print(f"  routing near tie: prompt of {ids.shape[1]} tokens x {ids.shape[0]}: "
+                      f"{routing_tie} row(s) whose experts tie within 1e-5 in FP64 went the other "
+                      f"way; this case's differences are reported, not counted")
             if strict:
                 err = hf.relative_error(got, want)
-                if err > self.tolerance:
+                if err > self.tolerance and not routing_tie:
                     print(f"  LOGITS: prompt of {ids.shape[1]} tokens x {ids.shape[0]}: "
                           f"{err:.2e} relative, above {self.tolerance:g}")
                     bad += 1
@@ -204,8 +221,6 @@ class Run:
                 err = hf.relative_error(got, exact)
                 worst_whole = max(worst_whole, hf.relative_error(want, exact))
             worst = max(worst, err)
-            want_tok, want_logits = self.generate("local", ids, self.args.new_tokens)
-            got_tok, _ = self.generate("epserve", ids, self.args.new_tokens)
             for b in range(ids.shape[0]):
                 diff = (want_tok[b] != got_tok[b]).nonzero()
                 if len(diff) == 0:
@@ -215,8 +230,9 @@ class Run:
                 row = want_logits[step][b]
                 margin = float(row[want_tok[b, step]] - row[got_tok[b, step]])
                 scale = float(row.abs().max())
-                # FP32: a tie is the whole model's own top two closer than the logits' bound.
-                tie = strict and margin <= 2 * self.tolerance * scale
+                # FP32: a tie is the whole model's own top two closer than the logits' bound,
+                # or a routing tie upstream.
+                tie = strict and (routing_tie or margin <= 2 * self.tolerance * scale)
                 ties += tie
                 bad += strict and not tie
                 label = "differs" if not strict else "near tie" if tie else "MISMATCH"

@@ -78,9 +78,14 @@ class GeneratesTheWholeModelsTokens(unittest.TestCase):
                            r"identical", out.stdout, re.M | re.S)
         self.assertEqual([f for f, _, _ in found], list(hf.FAMILIES))
         for family, same, total in found:
-            self.assertEqual(same, total, family)
             self.assertEqual(int(total), 2 + 16, family)
-        self.assertNotIn("near tie", out.stdout)
+        for failure in ("MISMATCH", "ROUTING", "LOGITS"):
+            self.assertNotIn(failure, out.stdout)
+        # Every sequence is identical but those excused by a tie (the whole model's own top two
+        # tokens, or a row's experts in FP64, within rounding), each named on a line.
+        ties = len(re.findall(r"^  near tie: prompt", out.stdout, re.M))
+        self.assertEqual(sum(int(t) - int(s) for _, s, t in found), ties)
+        self.assertLessEqual(ties, 2, "too many ties to be a meaningful check")
 
 
 class RefusesBadConfigurations(unittest.TestCase):
