@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/share.h"
 #include "model/layers.h"
 #include "model/weights.h"
 
@@ -23,14 +24,13 @@ absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_
   // The shared expert this worker holds: all of it, or its slice of the columns.
   MoeLayerConfig held = c;
   if (shared_split) {
-    held.shared_ffn_size = SharedSliceBegin(c.shared_ffn_size, worker + 1, num_workers) -
-                           SharedSliceBegin(c.shared_ffn_size, worker, num_workers);
+    held.shared_ffn_size = common::ContiguousShare(c.shared_ffn_size, worker, num_workers).size();
   }
   auto numel = [&](TensorKind kind) { return ShapeOf(held, kind).numel(); };
   RankMemory m;
-  m.first_expert = static_cast<int>(static_cast<int64_t>(worker) * c.num_experts / num_workers);
-  m.num_experts = static_cast<int>(static_cast<int64_t>(worker + 1) * c.num_experts / num_workers) -
-                  m.first_expert;
+  const common::Share own = common::ContiguousShare(c.num_experts, worker, num_workers);
+  m.first_expert = static_cast<int>(own.begin);
+  m.num_experts = static_cast<int>(own.size());
   if (redundant < 0 || redundant > c.num_experts * (num_workers - 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat("redundant experts must be in [0, experts x (workers - 1) = ",

@@ -12,7 +12,7 @@ namespace epserve::model {
 // The weights worker `worker` of `num_workers` holds for every served layer (config.moe_layers):
 // the router (and its bias), its routed experts and the shared expert (with its gate). Experts
 // are placed contiguously the way worker/ places them: worker w owns experts
-// [w*E/W, (w+1)*E/W). With `shared_split` (--shared-expert=split) a worker holds only its
+// common::ContiguousShare(E, w, W). With `shared_split` (--shared-expert=split) a worker holds only its
 // slice of the shared expert's intermediate columns (model::SharedExpertSlice).
 struct RankMemory {
   int first_expert = 0;
