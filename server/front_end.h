@@ -31,7 +31,7 @@
 
 namespace epserve::server {
 
-// Every setting of the front-end, each the home of one flag (server/main_flags.cc binds the
+// Every setting of the front-end, each the home of one flag (app/flags.cc binds the
 // flags straight to these fields). Settings another component reads are grouped in that
 // component's struct, which checks them (Validate, where it is defined) and which the
 // component takes by const reference; the rest are the FrontEnd's own.

@@ -8,29 +8,6 @@
 
 namespace epserve::worker {
 
-absl::StatusOr<DeviceExchangeMode> ParseDeviceExchangeMode(absl::string_view name) {
-  if (name == "auto") return DeviceExchangeMode::kAuto;
-  if (name == "off") return DeviceExchangeMode::kOff;
-  if (name == "host") return DeviceExchangeMode::kHost;
-  if (name == "cuda") return DeviceExchangeMode::kCuda;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--device-exchange must be auto, off, host or cuda; got '", name, "'"));
-}
-
-const char* DeviceExchangeModeName(DeviceExchangeMode mode) {
-  switch (mode) {
-    case DeviceExchangeMode::kAuto:
-      return "auto";
-    case DeviceExchangeMode::kOff:
-      return "off";
-    case DeviceExchangeMode::kHost:
-      return "host";
-    case DeviceExchangeMode::kCuda:
-      return "cuda";
-  }
-  return "?";
-}
-
 absl::StatusOr<std::unique_ptr<DeviceExchange>> DeviceExchange::Create(
     kernels::Runtime& rt, shmem::SymmetricHeap& heap, const HeapRegions& regions, int me,
     shmem::PeerMemoryKind kind, int64_t row_parts_rows, const Own& own, const Inputs& inputs,

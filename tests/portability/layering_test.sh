@@ -2,7 +2,7 @@
 # The layers of docs/ARCHITECTURE.md ("Dependencies run one way"), checked on the sources'
 # #include lines, and on the front-end's test binary: which folder may include which, that no
 # folder reaches another's detail/ headers, that OpenCL headers stay in kernels/ and MPI's in
-# shmem/ (and main.cc, which starts MPI), and that the front-end library and its tests link
+# shmem/ (and app/, the executable, which starts MPI), and that the front-end library and its tests link
 # no OpenCL. Fails naming each include that breaks a rule.
 #   layering_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
@@ -18,12 +18,12 @@ declare -A allowed=(
   [worker]="common shmem"          # the exchange protocol; worker.{h,cc} below
   [worker/worker]="common model shmem kernels"
   [server]="common model shmem worker"  # worker's protocol headers only, checked below
-  [server/main]="common model shmem kernels worker"
+  [app]="common model shmem kernels worker server"
   [client]="common model"
   [tools]="common model worker"   # worker/placement.h only (header-only), checked below
 )
 # The worker's own files, which the front-end library must not include (they need OpenCL).
-worker_only='worker/(worker|device_exchange)\.h'
+worker_only='worker/(worker|device_exchange|worker_options)\.h'
 # What tools may read of worker/: the rank mapping, constexpr in its header (no MPI linked).
 tools_worker='worker/placement\.h'
 
@@ -32,13 +32,13 @@ fail() { echo "layering: $*"; failed=$((failed + 1)); }
 
 for file in $(ls common/*.{h,cc} common/detail/*.{h,cc} model/*.{h,cc} model/detail/*.{h,cc} \
                  shmem/*.{h,cc} shmem/detail/*.{h,cc} kernels/*.{h,cc} kernels/detail/*.{h,cc} \
-                 worker/*.{h,cc} server/*.{h,cc} client/*.{h,cc} tools/*.cc 2>/dev/null); do
+                 worker/*.{h,cc} server/*.{h,cc} app/*.{h,cc} client/*.{h,cc} tools/*.cc 2>/dev/null); do
   folder="${file%%/*}"
   key="$folder"
   case "$file" in
-    worker/worker.h | worker/worker.cc | worker/device_exchange.h | worker/device_exchange.cc)
+    worker/worker.h | worker/worker.cc | worker/device_exchange.h | worker/device_exchange.cc | \
+      worker/worker_options.h | worker/worker_options.cc)
       key=worker/worker ;;
-    server/main.cc | server/main_flags.h | server/main_flags.cc) key=server/main ;;
   esac
   while IFS= read -r line; do
     inc="$(sed -E 's/^#include "([^"]+)".*/\1/' <<<"$line")"
@@ -64,8 +64,8 @@ for file in $(ls common/*.{h,cc} common/detail/*.{h,cc} model/*.{h,cc} model/det
   if [ "$folder" != kernels ] && grep -qE '^#include <CL/' "$file"; then
     fail "$file includes an OpenCL header: only kernels/ knows OpenCL"
   fi
-  if [ "$folder" != shmem ] && [ "$file" != server/main.cc ] && grep -qE '^#include <mpi\.h>' "$file"; then
-    fail "$file includes mpi.h: only shmem/ (and main.cc, which starts MPI) knows MPI"
+  if [ "$folder" != shmem ] && [ "$folder" != app ] && grep -qE '^#include <mpi\.h>' "$file"; then
+    fail "$file includes mpi.h: only shmem/ (and app/, which starts MPI) knows MPI"
   fi
 done
 
