@@ -6,13 +6,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/parallel.h"
 #include "common/status.h"
+#include "worker/detail/timing.h"
 
 namespace epserve::worker {
-namespace {
-
-int64_t NanosSince(absl::Time start) { return absl::ToInt64Nanoseconds(absl::Now() - start); }
-
-}  // namespace
+using detail::NanosSince;
 
 // ---- ReceivedRows ----
 

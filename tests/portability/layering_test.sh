@@ -38,8 +38,8 @@ for file in $(ls common/*.{h,cc} common/detail/*.{h,cc} model/*.{h,cc} model/det
   folder="${file%%/*}"
   key="$folder"
   case "$file" in
-    worker/worker.h | worker/worker.cc | worker/device_exchange.h | worker/device_exchange.cc | \
-      worker/worker_options.h | worker/worker_options.cc)
+    worker/worker.h | worker/worker*.cc | worker/device_exchange.h | worker/device_exchange.cc | \
+      worker/worker_options.h)
       key=worker/worker ;;
   esac
   while IFS= read -r line; do
