@@ -59,14 +59,18 @@ void RegisterServingFlags(common::FlagSet& fs, Flags& flags) {
          "them in turn by their order on the host), or <platform>:<device>");
 }
 
-// The front-end's flags (server/: protocol, security, limits).
+// The front-end's request limits (server/).
 void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
   server::FrontEndOptions& fe = flags.fe;
-  worker::WorkerOptions& w = flags.worker;
   fs.Add("max-request-tokens", &fe.requests.max_request_tokens,
          "Most token rows in one request; larger ones get INVALID_ARGUMENT");
   fs.Add("max-response-bytes", &fe.max_response_bytes,
          "Largest gRPC message sent, in bytes; 0: derived as --max-request-bytes is");
+}
+
+// The workers' host threads and paths (worker/worker_options.h).
+void RegisterWorkerFlags(common::FlagSet& fs, Flags& flags) {
+  worker::WorkerOptions& w = flags.worker;
   fs.Add("worker-host-threads", &w.host_threads,
          "Each worker's host threads for its combine (summing its tokens' returned rows); 0: "
          "the host's hardware threads over its workers and rank 0, 1 to 8");
@@ -92,6 +96,11 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
       worker::ParseUploadAhead, [](const worker::WorkerOptions::UploadAhead& u) {
         return Quoted(worker::UploadAheadName(u));
       });
+}
+
+// Rank 0's pipeline: batches in flight, its threads, priorities (server/).
+void RegisterPipelineFlags(common::FlagSet& fs, Flags& flags) {
+  server::FrontEndOptions& fe = flags.fe;
   fs.Add("batches-in-flight", &fe.batches_in_flight,
          "Batches between rank 0 and the workers at once: 2 copies the next batch's rows into "
          "the workers' second input slot while they compute, and the last batch's output out "
@@ -114,6 +123,11 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
          "Request priority levels (request parameter `priority`, 1 is served first)");
   fs.Add("default-priority", &fe.requests.default_priority,
          "Priority level of a request that names none (or priority 0)");
+}
+
+// The front-end's connections and calls: streams, memory, keepalive, security (server/).
+void RegisterConnectionFlags(common::FlagSet& fs, Flags& flags) {
+  server::FrontEndOptions& fe = flags.fe;
   fs.Add("max-stream-inflight", &fe.service.max_stream_inflight,
          "Requests of one ModelStreamInfer stream read but not yet answered; beyond it the "
          "server stops reading the stream");
@@ -267,6 +281,9 @@ absl::Status Flags::Validate() const {
 void RegisterFlags(common::FlagSet& fs, Flags& flags) {
   RegisterServingFlags(fs, flags);
   RegisterFrontEndFlags(fs, flags);
+  RegisterWorkerFlags(fs, flags);
+  RegisterPipelineFlags(fs, flags);
+  RegisterConnectionFlags(fs, flags);
   RegisterKernelFlags(fs, flags);
   RegisterExchangeFlags(fs, flags);
 }

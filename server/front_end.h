@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 
 #include "absl/status/statusor.h"
@@ -144,6 +145,11 @@ class FrontEnd {
       : options_(options), served_(std::move(served)), coordinator_(coordinator) {}
   // With `pipelined` (the coordinator's halves) the batcher keeps two batches in flight.
   absl::Status Init(Batcher::Executor executor, Batcher::PipelinedExecutor pipelined = {});
+  // Init's steps: the batcher over the executor (its threads, its observers), then the gRPC
+  // server with the services on --grpc-address (grpc_address_ the port it got).
+  void StartBatcher(Batcher::Executor executor, Batcher::PipelinedExecutor pipelined);
+  absl::Status StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& creds,
+                         const Authenticator& auth);
   // Closes connections beyond the stream and connection bounds (server/stream_guard.h).
   void StartStreamGuard();
   // A batch through the coordinator: StartBatch copies its rows in (the batch before it may

@@ -253,30 +253,7 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
     const BatchDescriptor desc = *heap_.LocalAs<BatchDescriptor>(regions_.descriptor);
     WorkerReport report;
     std::memset(&report, 0, sizeof(report));
-    if (desc.op != BatchOp::kStop) {
-      absl::Status s;
-      switch (desc.op) {
-        case BatchOp::kStage:
-          s = Stage(seq);
-          break;
-        case BatchOp::kSwitch:
-          s = EndStage(true);
-          break;
-        case BatchOp::kDiscard:
-          s = EndStage(false);
-          break;
-        default:
-          s = RunBatch(desc, report);
-      }
-      if (!s.ok()) {
-        report.status_code = static_cast<int32_t>(s.code());
-        const std::string msg = absl::StrCat("worker ", me_, " (rank ", rank_, "): ", s.message());
-        std::strncpy(report.message, msg.c_str(), sizeof(report.message) - 1);
-        if (absl::IsDeadlineExceeded(s)) {
-          common::LogError(absl::StrCat("batch ", seq, ": ", msg));
-        }
-      }
-    }
+    if (desc.op != BatchOp::kStop) RunPosted(seq, desc, report);
     EPSERVE_RETURN_IF_ERROR(
         heap_.Put(0, regions_.reports + static_cast<size_t>(me_) * sizeof(WorkerReport), &report,
                   sizeof(report)));
@@ -284,6 +261,28 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
     EPSERVE_RETURN_IF_ERROR(PublishStage());
     if (desc.op == BatchOp::kStop) return absl::OkStatus();
   }
+}
+
+void Worker::RunPosted(uint64_t seq, const BatchDescriptor& desc, WorkerReport& report) {
+  absl::Status s;
+  switch (desc.op) {
+    case BatchOp::kStage:
+      s = Stage(seq);
+      break;
+    case BatchOp::kSwitch:
+      s = EndStage(true);
+      break;
+    case BatchOp::kDiscard:
+      s = EndStage(false);
+      break;
+    default:
+      s = RunBatch(desc, report);
+  }
+  if (s.ok()) return;
+  report.status_code = static_cast<int32_t>(s.code());
+  const std::string msg = absl::StrCat("worker ", me_, " (rank ", rank_, "): ", s.message());
+  std::strncpy(report.message, msg.c_str(), sizeof(report.message) - 1);
+  if (absl::IsDeadlineExceeded(s)) common::LogError(absl::StrCat("batch ", seq, ": ", msg));
 }
 
 // The route stage (n > 0 rows): this worker's rows through the router; the routing goes to

@@ -104,6 +104,9 @@ class Worker {
   absl::Status CheckRoomForSecondCopy() const;
 
   class Heart;
+  // Runs the op rank 0 posted as batch `seq` (a batch or a weight swap's control step) and
+  // writes its outcome into `report`, an error naming this worker.
+  void RunPosted(uint64_t seq, const BatchDescriptor& desc, WorkerReport& report);
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
   // RunBatch's parts: the route stage, the expert step the exchange calls, and the expert
   // load report to rank 0.
