@@ -1,5 +1,6 @@
 #include "common/flags.h"
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -9,10 +10,18 @@
 
 namespace epserve::common {
 
-void FlagSet::AddFlag(std::string name, std::string help, std::string default_text, bool is_bool,
-                      std::function<bool(absl::string_view)> set) {
+void FlagSet::AddChecked(std::string name, std::string help, std::string default_text, bool is_bool,
+                         std::function<absl::Status(absl::string_view)> set) {
   flags_.push_back(
       {std::move(name), std::move(help), std::move(default_text), is_bool, std::move(set)});
+}
+
+void FlagSet::AddFlag(std::string name, std::string help, std::string default_text, bool is_bool,
+                      std::function<bool(absl::string_view)> set) {
+  AddChecked(std::move(name), std::move(help), std::move(default_text), is_bool,
+             [set = std::move(set)](absl::string_view v) {
+               return set(v) ? absl::OkStatus() : absl::InvalidArgumentError("");
+             });
 }
 
 void FlagSet::Add(std::string name, std::string* value, std::string help) {
@@ -62,6 +71,34 @@ void FlagSet::Add(std::string name, absl::Duration* value, std::string help) {
           [value](absl::string_view v) { return absl::ParseDuration(v, value); });
 }
 
+void FlagSet::AddBytes(std::string name, int64_t* value, std::string help) {
+  std::string default_text = *value == 0 ? "\"\"" : absl::StrCat(*value);
+  const std::string flag = name;
+  AddChecked(
+      std::move(name), std::move(help), std::move(default_text), false,
+      [value, flag](absl::string_view text) -> absl::Status {
+        if (text.empty() || text == "0") {
+          *value = 0;
+          return absl::OkStatus();
+        }
+        // A binary suffix K, M, G or T (either case) scales by 2^10, 2^20, 2^30 or 2^40.
+        int64_t scale = 1;
+        absl::string_view digits = text;
+        if (const size_t unit = absl::string_view("KMGT").find(absl::ascii_toupper(text.back()));
+            unit != absl::string_view::npos) {
+          scale = int64_t{1} << (10 * (unit + 1));
+          digits.remove_suffix(1);
+        }
+        double v = 0;
+        if (!absl::SimpleAtod(digits, &v) || v <= 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "--", flag, " must be bytes with an optional K/M/G/T suffix, got '", text, "'"));
+        }
+        *value = static_cast<int64_t>(v * static_cast<double>(scale));
+        return absl::OkStatus();
+      });
+}
+
 absl::Status FlagSet::Parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
@@ -103,7 +140,8 @@ absl::Status FlagSet::Parse(int argc, char** argv) {
         return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
       }
     }
-    if (!flag->set(value)) {
+    if (absl::Status s = flag->set(value); !s.ok()) {
+      if (!s.message().empty()) return s;  // the flag's own words
       return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", flag->name,
                                                      " (default ", flag->default_text, ")"));
     }

@@ -239,6 +239,39 @@ std::string FfnChoice::Describe() const {
                       common::FlagName(dtype), " weights");
 }
 
+namespace {
+
+// A forced blocking (--ffn-blocking / EPSERVE_FFN_BLOCKING) checked against the device and
+// the weights: its blocking and origin into `choice` ("dot" names BF16 weights' kernels, so
+// FP32 weights keep `device_default`), or INVALID_ARGUMENT quoting it and saying why.
+absl::Status ApplyForcedBlocking(const std::string& forced, common::ElementType dtype,
+                                 bool dot_runs, const DeviceInfo& info,
+                                 const FfnBlocking& device_default, FfnChoice& choice) {
+  absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(forced);
+  if (!b.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='",
+                                                   forced.substr(0, 128),
+                                                   "': ", b.status().message()));
+  }
+  if (b->dot && dtype == common::ElementType::kBf16 && !dot_runs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
+        "': this device runs no BF16 dot-product kernels (x86 AVX512-BF16 under PoCL)"));
+  }
+  if (!b->dot && b->vec == 16 && !info.target_isa.empty() && info.target_isa != "avx512f") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
+                     "': vec=16 needs 16-lane vectors, and this device's code is built for ",
+                     info.target_isa, " (8 lanes): use vec=8"));
+  }
+  const bool fp32_under_dot = b->dot && dtype != common::ElementType::kBf16;
+  choice.blocking = fp32_under_dot ? device_default : *b;
+  choice.origin = fp32_under_dot ? FfnBlockingOrigin::kDefault : FfnBlockingOrigin::kForced;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t ffn,
                                                        common::ElementType dtype) {
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
@@ -260,27 +293,8 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
   std::vector<FfnBlocking> candidates = FfnBlockingCandidates(info_);
   if (dot_runs) candidates.push_back(DotKernels());
   if (!forced.empty()) {
-    absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(forced);
-    if (!b.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='",
-                                                     forced.substr(0, 128),
-                                                     "': ", b.status().message()));
-    }
-    if (b->dot && dtype == common::ElementType::kBf16 && !dot_runs) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
-          "': this device runs no BF16 dot-product kernels (x86 AVX512-BF16 under PoCL)"));
-    }
-    if (!b->dot && b->vec == 16 && !info_.target_isa.empty() && info_.target_isa != "avx512f") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
-                       "': vec=16 needs 16-lane vectors, and this device's code is built for ",
-                       info_.target_isa, " (8 lanes): use vec=8"));
-    }
-    // "dot" names BF16 weights' kernels: FP32 weights keep the device default.
-    const bool fp32_under_dot = b->dot && dtype != common::ElementType::kBf16;
-    choice.blocking = fp32_under_dot ? default_ffn_blocking_ : *b;
-    choice.origin = fp32_under_dot ? FfnBlockingOrigin::kDefault : FfnBlockingOrigin::kForced;
+    EPSERVE_RETURN_IF_ERROR(
+        ApplyForcedBlocking(forced, dtype, dot_runs, info_, default_ffn_blocking_, choice));
   } else if (candidates.size() < 2 || !options_.tune_ffn ||
              3 * hidden * ffn * static_cast<int64_t>(common::ElementBytes(dtype)) <
                  kMinTunedExpertBytes) {

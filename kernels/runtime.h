@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/dtype.h"
 #include "kernels/ffn_blocking.h"
+#include "kernels/runtime_options.h"
 
 namespace epserve::kernels {
 
@@ -54,58 +55,6 @@ struct DeviceInfo {
 
 // Every OpenCL device of every platform.
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices();
-
-struct RuntimeOptions {
-  // "cpu", "gpu" or "<platform>:<device>". With "gpu" and several GPUs, local_rank picks one.
-  std::string device = "cpu";
-  int local_rank = 0;
-  // Use the tensor-core expert FFN for BF16 weights where the device has one (NVIDIA, compute
-  // capability 8.0 or more). false keeps the portable kernels everywhere.
-  bool tensor_cores = true;
-  // Use AVX512-BF16 dot products (vdpbf16ps) for BF16 weights on x86 CPU devices of PoCL whose
-  // host has them (kernels/detail/ffn_layout.h, pair panels). false keeps FP32 FMAs.
-  bool bf16_dot = true;
-  // Spell the dot kernels' vdpbf16ps as inline assembly even where the compiler's builtin
-  // builds (the form clang 16 and later need; tests compare the two forms bit for bit).
-  bool bf16_dot_inline_asm = false;
-  // Run the dot-product kernels' rows through AMX tiles (tdpbf16ps, 16 rows x 16 k pairs x 16
-  // columns an instruction) where the host's CPU has AMX-BF16 and the kernel grants the tile
-  // state (Intel Sapphire Rapids and later). false keeps vdpbf16ps.
-  bool bf16_amx = true;
-  // Program-binary cache folder; "" means $EPSERVE_KERNEL_CACHE, else ~/.cache/epserve/kernels.
-  // The FFN tuning's choices are kept there too.
-  std::string cache_dir;
-  // Which built programs' binaries go into cache_dir. kAuto: every driver's but PoCL's. To
-  // hand out a program's binary PoCL compiles every kernel in it to machine code (0.3-0.5 s a
-  // kernel on a 2-core host, eight in the FFN program: 3 s for each FFN blocking a cold start
-  // builds), a form it does not run: at a launch it compiles the kernel again for the launch's
-  // work-group size. Its own cache ($POCL_CACHE_DIR, else ~/.cache/pocl) keeps each program's
-  // bitcode and the machine code of the kernels that ran, which is all a warm start needs.
-  // kAlways: every driver's (tests of the cache); kOff: none. Binaries found are read always.
-  enum class ProgramBinaries { kAuto, kAlways, kOff };
-  ProgramBinaries program_binaries = ProgramBinaries::kAuto;
-  // A folder to read the kernel sources from (<name>.cl, e.g. kernels/cl) instead of the copies
-  // embedded at build time, so that a kernel can be changed and timed without rebuilding;
-  // "" means $EPSERVE_KERNEL_SOURCES, else the embedded sources.
-  std::string source_dir;
-  // The portable FFN kernels' blocking (kernels/ffn_blocking.h): "" means
-  // $EPSERVE_FFN_BLOCKING, else chosen per shape (cache, or timed now when tune_ffn); a
-  // ParseFfnBlocking form forces it.
-  std::string ffn_blocking;
-  // Time the candidates on the device when the tuning cache has no entry for a shape; false
-  // takes the device default instead.
-  bool tune_ffn = true;
-  // Where Write and Read of large blocks go through two pinned (page-locked) staging buffers
-  // of the driver's, a chunk at a time: the host-side copy of one chunk on transfer_threads
-  // threads while the DMA of the other runs (drivers copy pageable memory through a staging
-  // buffer of their own, on one thread, without that overlap). kAuto: on devices with memory
-  // of their own (not CPUs); kAlways: on every device (tests run the path on CPUs with it);
-  // kOff: the driver's blocking copies from the caller's memory.
-  enum class Staging { kAuto, kAlways, kOff };
-  Staging staging = Staging::kAuto;
-  // Threads of the staged copies' host side; 0: common::DefaultCopyThreads().
-  int transfer_threads = 0;
-};
 
 // The FFN blocking chosen for one expert shape on a runtime, and how.
 struct FfnChoice {

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/share.h"
 
 namespace epserve::model {
 namespace {
@@ -162,9 +163,8 @@ absl::StatusOr<std::unique_ptr<WeightSource>> SharedExpertSlice(const WeightSour
         "shared expert slice ", part, " of ", parts,
         ": needs 0 <= part < parts <= ", "the shared expert's intermediate size (", full, ")"));
   }
-  const int64_t begin = SharedSliceBegin(full, part, parts);
-  const int64_t end = SharedSliceBegin(full, part + 1, parts);
-  return std::make_unique<SharedSlice>(source, begin, end - begin);
+  const common::Share slice = common::ContiguousShare(full, part, parts);
+  return std::make_unique<SharedSlice>(source, slice.begin, slice.size());
 }
 
 }  // namespace epserve::model

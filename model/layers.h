@@ -29,7 +29,7 @@ absl::StatusOr<std::unique_ptr<WeightSource>> ServeLayers(std::unique_ptr<Weight
                                                           absl::string_view selection);
 
 // A view of `source` (kept alive by the caller) whose shared expert is only the slice
-// [part * Fs / parts, (part + 1) * Fs / parts) of its intermediate columns: the rows of
+// common::ContiguousShare(Fs, part, parts) of its intermediate columns: the rows of
 // kSharedGate and kSharedUp and the columns of kSharedDown, with config().layer.shared_ffn_size
 // the slice's width; every other tensor as `source` gives it. SwiGLU acts on each
 // intermediate column alone and the down projection sums over them, so the outputs of the
@@ -37,8 +37,5 @@ absl::StatusOr<std::unique_ptr<WeightSource>> ServeLayers(std::unique_ptr<Weight
 // output, applies to each slice). INVALID_ARGUMENT unless 0 <= part < parts <= Fs.
 absl::StatusOr<std::unique_ptr<WeightSource>> SharedExpertSlice(const WeightSource& source,
                                                                 int part, int parts);
-// The first intermediate column of slice `part` of `parts` of a shared expert of width
-// `full`; slice `part` is [SharedSliceBegin(part), SharedSliceBegin(part + 1)).
-inline int64_t SharedSliceBegin(int64_t full, int part, int parts) { return full * part / parts; }
 
 }  // namespace epserve::model

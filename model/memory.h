@@ -2,9 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/element_type.h"
 #include "model/moe_config.h"
 
 namespace epserve::model {
@@ -12,8 +14,8 @@ namespace epserve::model {
 // The weights worker `worker` of `num_workers` holds for every served layer (config.moe_layers):
 // the router (and its bias), its routed experts and the shared expert (with its gate). Experts
 // are placed contiguously the way worker/ places them: worker w owns experts
-// [w*E/W, (w+1)*E/W). With `shared_split` (--shared-expert=split) a worker holds only its
-// slice of the shared expert's intermediate columns (model::SharedExpertSlice).
+// common::ContiguousShare(E, w, W). With `shared_split` (--shared-expert=split) a worker holds only
+// its slice of the shared expert's intermediate columns (model::SharedExpertSlice).
 struct RankMemory {
   int first_expert = 0;
   int num_experts = 0;        // routed experts owned, per layer
@@ -35,5 +37,28 @@ absl::StatusOr<RankMemory> EstimateRankBytes(const ModelConfig& config, int num_
 
 // "1.50 GiB", "12.0 MiB", "512 B": for logs and tools.
 std::string FormatBytes(int64_t bytes);
+
+// The admission check of a host, before anything is loaded: what its ranks need, each worker
+// rank's weights (EstimateRankBytes; with BF16 weights the router stays FP32, 2 more bytes a
+// router parameter) plus one heap segment of `heap_bytes` per rank, the front-end's included,
+// against `limit_bytes` (0: this machine's memory, MachineMemoryBytes). RESOURCE_EXHAUSTED
+// naming each part and the ways out (--memory-limit's words) when they need more.
+struct HostRank {
+  int rank = 0;
+  int worker = -1;  // -1: the front-end, which holds no expert weights
+};
+struct HostMemoryCheck {
+  const ModelConfig* config = nullptr;
+  int num_workers = 1;
+  int redundant = 0;          // --redundant-experts
+  bool shared_split = false;  // --shared-expert=split
+  common::ElementType weight_dtype = common::ElementType::kFp32;
+  int64_t heap_bytes = 0;  // one rank's segment
+  int64_t limit_bytes = 0;
+};
+absl::Status CheckHostMemory(const HostMemoryCheck& check, std::span<const HostRank> ranks);
+
+// MemTotal of /proc/meminfo; FAILED_PRECONDITION where it cannot be read.
+absl::StatusOr<int64_t> MachineMemoryBytes();
 
 }  // namespace epserve::model

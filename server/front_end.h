@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 
 #include "absl/status/statusor.h"
@@ -31,7 +32,7 @@
 
 namespace epserve::server {
 
-// Every setting of the front-end, each the home of one flag (server/main_flags.cc binds the
+// Every setting of the front-end, each the home of one flag (app/flags.cc binds the
 // flags straight to these fields). Settings another component reads are grouped in that
 // component's struct, which checks them (Validate, where it is defined) and which the
 // component takes by const reference; the rest are the FrontEnd's own.
@@ -144,6 +145,11 @@ class FrontEnd {
       : options_(options), served_(std::move(served)), coordinator_(coordinator) {}
   // With `pipelined` (the coordinator's halves) the batcher keeps two batches in flight.
   absl::Status Init(Batcher::Executor executor, Batcher::PipelinedExecutor pipelined = {});
+  // Init's steps: the batcher over the executor (its threads, its observers), then the gRPC
+  // server with the services on --grpc-address (grpc_address_ the port it got).
+  void StartBatcher(Batcher::Executor executor, Batcher::PipelinedExecutor pipelined);
+  absl::Status StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& creds,
+                         const Authenticator& auth);
   // Closes connections beyond the stream and connection bounds (server/stream_guard.h).
   void StartStreamGuard();
   // A batch through the coordinator: StartBatch copies its rows in (the batch before it may

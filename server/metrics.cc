@@ -74,7 +74,35 @@ void Metrics::RegisterRequestMetrics(const std::string& model_name) {
                     .Add({{"model", model_name}});
 }
 
-// Batches: stage latencies per rank, bytes exchanged, per-expert load and balance.
+// Rebalances while serving (--eplb-interval): outcomes, the last one's time, bytes loaded.
+void Metrics::RegisterRebalanceMetrics() {
+  prometheus::Registry& r = *registry_;
+  auto& rebalances = prometheus::BuildCounter()
+                         .Name("epserve_eplb_rebalances_total")
+                         .Help(
+                             "Expert rebalances while serving (--eplb-interval), by outcome: "
+                             "done, skipped (the expected gain was below --eplb-min-gain), "
+                             "failed.")
+                         .Register(r);
+  for (const char* outcome : {"done", "skipped", "failed"}) {
+    rebalances_[outcome] = &rebalances.Add({{"outcome", outcome}});
+  }
+  rebalance_seconds_ = &prometheus::BuildGauge()
+                            .Name("epserve_eplb_rebalance_seconds")
+                            .Help("How long the last rebalance took, loading to switch.")
+                            .Register(r)
+                            .Add({});
+  rebalance_bytes_ = &prometheus::BuildCounter()
+                          .Name("epserve_eplb_loaded_bytes_total")
+                          .Help(
+                              "Weight bytes the workers read from the source for rebalances "
+                              "(experts a worker already held are copied on its device).")
+                          .Register(r)
+                          .Add({});
+}
+
+// Batches: stage latencies per rank, bytes exchanged, per-expert load and balance (and, in
+// the order /metrics lists them, the rebalances').
 void Metrics::RegisterBatchMetrics(const ServedModel& model) {
   Metrics* m = this;
   prometheus::Registry& r = *registry_;
@@ -123,28 +151,7 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
                        .Name("epserve_expert_replicas")
                        .Help("Copies of each expert the workers hold, by layer.")
                        .Register(r);
-  auto& rebalances = prometheus::BuildCounter()
-                         .Name("epserve_eplb_rebalances_total")
-                         .Help(
-                             "Expert rebalances while serving (--eplb-interval), by outcome: "
-                             "done, skipped (the expected gain was below --eplb-min-gain), "
-                             "failed.")
-                         .Register(r);
-  for (const char* outcome : {"done", "skipped", "failed"}) {
-    m->rebalances_[outcome] = &rebalances.Add({{"outcome", outcome}});
-  }
-  m->rebalance_seconds_ = &prometheus::BuildGauge()
-                               .Name("epserve_eplb_rebalance_seconds")
-                               .Help("How long the last rebalance took, loading to switch.")
-                               .Register(r)
-                               .Add({});
-  m->rebalance_bytes_ = &prometheus::BuildCounter()
-                             .Name("epserve_eplb_loaded_bytes_total")
-                             .Help(
-                                 "Weight bytes the workers read from the source for rebalances "
-                                 "(experts a worker already held are copied on its device).")
-                             .Register(r)
-                             .Add({});
+  RegisterRebalanceMetrics();
   m->layer_ids_ = model.layers;
   m->num_experts_ = model.num_experts;
   for (size_t pos = 0; pos < model.layers.size(); ++pos) {

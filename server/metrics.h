@@ -84,6 +84,7 @@ class Metrics {
   // Start's parts: each registers one family of series into registry_.
   void RegisterRequestMetrics(const std::string& model_name);
   void RegisterBatchMetrics(const ServedModel& model);
+  void RegisterRebalanceMetrics();
   void RegisterStateMetrics(const ServedModel& model, int64_t queue_capacity_tokens);
   void RegisterProtectionMetrics();
   // epserve_expert_balancedness looks this far back.

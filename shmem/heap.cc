@@ -8,11 +8,13 @@
 #include <algorithm>
 #include <atomic>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/log.h"
 #include "shmem/detail/backends.h"
+#include "shmem/host.h"
 
 namespace epserve::shmem {
 
@@ -62,11 +64,12 @@ absl::StatusOr<std::unique_ptr<SymmetricHeap>> SymmetricHeap::Create(MPI_Comm co
   int num_ranks = 0;
   EPSERVE_MPI_CHECK(MPI_Comm_size(dup, &num_ranks));
   // Whether every rank shares this host: the same answer on every rank.
-  MPI_Comm node = MPI_COMM_NULL;
-  EPSERVE_MPI_CHECK(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-  int node_size = 0;
-  EPSERVE_MPI_CHECK(MPI_Comm_size(node, &node_size));
-  EPSERVE_MPI_CHECK(MPI_Comm_free(&node));
+  absl::StatusOr<std::vector<int>> on_host = RanksOnThisHost(dup);
+  if (!on_host.ok()) {
+    EPSERVE_MPI_CHECK_LOG(MPI_Comm_free(&dup));
+    return on_host.status();
+  }
+  const int node_size = static_cast<int>(on_host->size());
   int all_local = node_size == num_ranks ? 1 : 0;
   EPSERVE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &all_local, 1, MPI_INT, MPI_MIN, dup));
   if (backend == HeapBackend::kAuto) backend = all_local ? HeapBackend::kShm : HeapBackend::kRma;

@@ -264,6 +264,108 @@ absl::Status PeerMemory::Decline(const PeerGroup& group) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The socket this member's peers take its descriptors from (an abstract Unix socket named by
+// `pid`), or -1 with `error` set.
+int ListenForPeers(uint64_t pid, int members, absl::Status& error) {
+  const int listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  socklen_t len = 0;
+  const sockaddr_un addr = AddressOf(pid, &len);
+  if (listener < 0 || bind(listener, reinterpret_cast<const sockaddr*>(&addr), len) != 0 ||
+      listen(listener, members) != 0) {
+    error = absl::FailedPreconditionError(Errno("the peer memory socket"));
+    if (listener >= 0) close(listener);
+    return -1;
+  }
+  return listener;
+}
+
+// Serves peers' connections on `listener` (descriptors `own` of pieces of `sizes` bytes) until
+// `expected` is set and that many were served, or the deadline; what went wrong in `error`.
+void ServePieces(int listener, const std::vector<int>& own, const std::vector<uint64_t>& sizes,
+                 absl::Time deadline, const std::atomic<int>& expected, std::string& error) {
+  int served = 0;
+  while (absl::Now() < deadline) {
+    const int want = expected.load();
+    if (want >= 0 && served >= want) return;
+    pollfd pfd = {listener, POLLIN, 0};
+    if (poll(&pfd, 1, std::min(MillisLeft(deadline), 50)) <= 0) continue;
+    const int conn = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0) continue;
+    if (SendPieces(conn, own, sizes)) {
+      ++served;
+    } else {
+      error = Errno("sendmsg to a peer");
+    }
+    close(conn);
+  }
+  error = "a peer did not take this member's descriptors in time";
+}
+
+// Every peer's rendezvous word into `words` (pid + 2: its socket listens; 1: it declined);
+// FAILED_PRECONDITION naming a peer that declined.
+absl::Status ReadPeerWords(const PeerGroup& group, absl::Time deadline,
+                           std::vector<uint64_t>& words) {
+  words.assign(group.size, 0);
+  for (int d = 0; d < group.size; ++d) {
+    if (d == group.me) continue;
+    const size_t at = group.rendezvous + d * group.signal_stride;
+    EPSERVE_RETURN_IF_ERROR(group.heap->WaitSignal(at, 1, deadline, "peer memory of member", d));
+    words[d] = group.heap->SignalLoad(at);
+  }
+  for (int d = 0; d < group.size; ++d) {
+    if (d != group.me && words[d] < 2) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("member ", d, " could not make its peer memory (its log says why)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PeerMemory::TakePeerPieces(const PeerGroup& group, const std::vector<uint64_t>& words,
+                                        absl::Time deadline) {
+  absl::Status status;
+  for (int d = 0; d < group.size && status.ok(); ++d) {
+    if (d == group.me) continue;
+    const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t len = 0;
+    const sockaddr_un addr = AddressOf(words[d] - 2, &len);
+    timeval tv = {MillisLeft(deadline) / 1000, (MillisLeft(deadline) % 1000) * 1000};
+    if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
+        connect(sock, reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+      status = absl::UnavailableError(
+          absl::StrCat("member ", d, "'s peer memory socket: ", Errno("connect")));
+    } else {
+      std::vector<int> fds;
+      std::vector<uint64_t> sizes;
+      status = ReceivePieces(sock, pieces(), &fds, &sizes);
+      for (int p = 0; status.ok() && p < pieces(); ++p) {
+        fds_[Index(d, p)] = fds[p];
+        if (sizes[p] != bytes_[p]) {
+          status = absl::FailedPreconditionError(absl::StrCat(
+              "member ", d, "'s piece ", p, " has ", sizes[p], " bytes, this one's ", bytes_[p]));
+        }
+      }
+    }
+    if (sock >= 0) close(sock);
+  }
+  return status;
+}
+
+absl::Status PeerMemory::MapHostPieces() {
+  maps_.assign(fds_.size(), nullptr);
+  for (size_t i = 0; i < fds_.size(); ++i) {
+    const size_t size = bytes_[i % bytes_.size()];
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fds_[i], 0);
+    if (p == MAP_FAILED) return absl::ResourceExhaustedError(Errno("mmap of peer memory"));
+    maps_[i] = p;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Create(const PeerGroup& group,
                                                                PeerMemoryKind kind,
                                                                const std::vector<size_t>& bytes,
@@ -284,23 +386,13 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Create(const PeerGroup& 
   // This member's pieces, and the socket its peers take their descriptors from.
   absl::Status mine = m->MakeOwnPieces(group.me, cuda_uuid);
   const uint64_t pid = static_cast<uint64_t>(getpid());
-  int listener = -1;
-  if (mine.ok() && group.size > 1) {
-    listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    socklen_t len = 0;
-    const sockaddr_un addr = AddressOf(pid, &len);
-    if (listener < 0 || bind(listener, reinterpret_cast<const sockaddr*>(&addr), len) != 0 ||
-        listen(listener, group.size) != 0) {
-      mine = absl::FailedPreconditionError(Errno("the peer memory socket"));
-    }
-  }
+  const int listener = mine.ok() && group.size > 1 ? ListenForPeers(pid, group.size, mine) : -1;
   // Rendezvous word: pid + 2 once the socket listens, 1 when this member has nothing to share.
   const uint64_t word = mine.ok() ? pid + 2 : 1;
-  SymmetricHeap& heap = *group.heap;
-  auto rendezvous = [&](int member) { return group.rendezvous + member * group.signal_stride; };
   for (int d = 0; d < group.size; ++d) {
     if (d == group.me) continue;
-    absl::Status s = heap.SignalSet(group.first_rank + d, rendezvous(group.me), word);
+    absl::Status s = group.heap->SignalSet(group.first_rank + d,
+                                           group.rendezvous + group.me * group.signal_stride, word);
     if (!s.ok()) {
       if (listener >= 0) close(listener);
       return s;
@@ -315,68 +407,16 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Create(const PeerGroup& 
     std::vector<uint64_t> sizes(m->bytes_.begin(), m->bytes_.end());
     std::vector<int> own(m->bytes_.size());
     for (int p = 0; p < m->pieces(); ++p) own[p] = m->fd(group.me, p);
-    server = std::thread([&, sizes, own] {
-      int served = 0;
-      while (absl::Now() < deadline) {
-        const int want = expected.load();
-        if (want >= 0 && served >= want) return;
-        pollfd pfd = {listener, POLLIN, 0};
-        if (poll(&pfd, 1, std::min(MillisLeft(deadline), 50)) <= 0) continue;
-        const int conn = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-        if (conn < 0) continue;
-        if (SendPieces(conn, own, sizes)) {
-          ++served;
-        } else {
-          serve_error = Errno("sendmsg to a peer");
-        }
-        close(conn);
-      }
-      serve_error = "a peer did not take this member's descriptors in time";
-    });
+    server = std::thread(
+        [&, sizes, own] { ServePieces(listener, own, sizes, deadline, expected, serve_error); });
   }
 
   // Every peer's word first: where one declined, every member says so (and none connects to a
   // peer that may already be closing its socket), then every peer's descriptors.
-  absl::Status status = mine;
-  std::vector<uint64_t> words(group.size, 0);
-  for (int d = 0; d < group.size && status.ok(); ++d) {
-    if (d == group.me) continue;
-    status = heap.WaitSignal(rendezvous(d), 1, deadline, "peer memory of member", d);
-    if (status.ok()) words[d] = heap.SignalLoad(rendezvous(d));
-  }
-  for (int d = 0; d < group.size && status.ok(); ++d) {
-    if (d != group.me && words[d] < 2) {
-      status = absl::FailedPreconditionError(
-          absl::StrCat("member ", d, " could not make its peer memory (its log says why)"));
-    }
-  }
+  std::vector<uint64_t> words;
+  absl::Status status = mine.ok() ? ReadPeerWords(group, deadline, words) : mine;
   const int peers_ok = status.ok() ? group.size - 1 : 0;
-  for (int d = 0; d < group.size && status.ok(); ++d) {
-    if (d == group.me) continue;
-    const uint64_t theirs = words[d];
-    const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    socklen_t len = 0;
-    const sockaddr_un addr = AddressOf(theirs - 2, &len);
-    timeval tv = {MillisLeft(deadline) / 1000, (MillisLeft(deadline) % 1000) * 1000};
-    if (sock < 0 || setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
-        connect(sock, reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
-      status = absl::UnavailableError(
-          absl::StrCat("member ", d, "'s peer memory socket: ", Errno("connect")));
-    } else {
-      std::vector<int> fds;
-      std::vector<uint64_t> sizes;
-      status = ReceivePieces(sock, m->pieces(), &fds, &sizes);
-      for (int p = 0; status.ok() && p < m->pieces(); ++p) {
-        m->fds_[m->Index(d, p)] = fds[p];
-        if (sizes[p] != m->bytes_[p]) {
-          status = absl::FailedPreconditionError(absl::StrCat("member ", d, "'s piece ", p, " has ",
-                                                              sizes[p], " bytes, this one's ",
-                                                              m->bytes_[p]));
-        }
-      }
-    }
-    if (sock >= 0) close(sock);
-  }
+  if (status.ok()) status = m->TakePeerPieces(group, words, deadline);
   // Peers that failed never connect; on an error here, serve those that still come until the
   // deadline would be too long: stop at once.
   expected.store(status.ok() ? peers_ok : 0);
@@ -387,16 +427,7 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Create(const PeerGroup& 
   if (!serve_error.empty() && expected.load() > 0) {
     return absl::UnavailableError(serve_error);
   }
-
-  if (kind == PeerMemoryKind::kHost) {
-    m->maps_.assign(m->fds_.size(), nullptr);
-    for (size_t i = 0; i < m->fds_.size(); ++i) {
-      const size_t size = m->bytes_[i % m->bytes_.size()];
-      void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, m->fds_[i], 0);
-      if (p == MAP_FAILED) return absl::ResourceExhaustedError(Errno("mmap of peer memory"));
-      m->maps_[i] = p;
-    }
-  }
+  if (kind == PeerMemoryKind::kHost) EPSERVE_RETURN_IF_ERROR(m->MapHostPieces());
   return m;
 }
 

@@ -85,6 +85,11 @@ class PeerMemory {
   }
   // This member's pieces, made and exported (fds_ of `me`), or why not.
   absl::Status MakeOwnPieces(int me, absl::string_view cuda_uuid);
+  // Create's steps after the rendezvous words: every peer's descriptors from its socket
+  // (`words`: pid + 2 of each), and, for kHost, every piece mapped.
+  absl::Status TakePeerPieces(const PeerGroup& group, const std::vector<uint64_t>& words,
+                              absl::Time deadline);
+  absl::Status MapHostPieces();
 
   PeerMemoryKind kind_ = PeerMemoryKind::kHost;
   int members_ = 0;

@@ -1,15 +1,15 @@
+// Rank 0's coordinator: a batch's life cycle (start, rows placed and scattered, posted,
+// completed, gathered; slices and the retry after a worker's death). Its signals to the
+// workers and the control steps are in coordinator_signals.cc, a worker's death in
+// coordinator_deaths.cc.
 #include "worker/coordinator.h"
-#include "worker/placement.h"
 
-#include <poll.h>
-#include <signal.h>
-#include <sys/eventfd.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cerrno>
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <string>
+
+#include "worker/placement.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -17,28 +17,6 @@
 #include "common/status.h"
 
 namespace epserve::worker {
-namespace {
-
-// What a worker wrote into its report's message (not NUL-terminated when full).
-std::string ReportMessage(const WorkerReport& report) {
-  return std::string(report.message, strnlen(report.message, sizeof(report.message)));
-}
-
-absl::Status ReportStatus(const WorkerReport& report) {
-  return absl::Status(static_cast<absl::StatusCode>(report.status_code), ReportMessage(report));
-}
-
-// A pidfd for `pid` (readable once the process has ended), or -1 where the kernel has none.
-int OpenPidfd(int64_t pid) {
-#ifdef SYS_pidfd_open
-  return static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
-#else
-  (void)pid;
-  return -1;
-#endif
-}
-
-}  // namespace
 
 Coordinator::Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
                          std::vector<ExpertPlacement> placements)
@@ -47,267 +25,6 @@ Coordinator::Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
       placements_(std::move(placements)),
       serving_live_(WorkerSet::All(regions.plan.shape().num_workers)),
       live_(serving_live_) {}
-
-Coordinator::~Coordinator() {
-  if (watch_.joinable()) {
-    const uint64_t one = 1;
-    if (write(watch_stop_fd_, &one, sizeof(one)) < 0) common::LogError("ending the worker watch");
-    watch_.join();
-  }
-  if (watch_stop_fd_ >= 0) close(watch_stop_fd_);
-}
-
-absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
-  EPSERVE_RETURN_IF_ERROR(
-      heap_.SignalSet(0, regions_.front_end_pid, static_cast<uint64_t>(getpid())));
-  shmem::WaitOptions wait;
-  wait.max_sleep = absl::Milliseconds(5);
-  const int num_workers = regions_.plan.shape().num_workers;
-  for (int w = 0; w < num_workers; ++w) {
-    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.ready, w), 1, deadline,
-                                             "weights loaded by worker", w, wait));
-  }
-  // Only the shm heap has every worker on this host, and survives one's death.
-  if (heap_.backend() != shmem::HeapBackend::kShm || watch_.joinable()) return absl::OkStatus();
-  std::vector<int> pidfds(num_workers, -1);
-  std::vector<int64_t> pids(num_workers, 0);
-  for (int w = 0; w < num_workers; ++w) {
-    pids[w] = static_cast<int64_t>(heap_.SignalLoad(HeapRegions::Signal(regions_.pids, w)));
-    pidfds[w] = OpenPidfd(pids[w]);
-  }
-  watch_stop_fd_ = eventfd(0, EFD_CLOEXEC);
-  if (watch_stop_fd_ < 0) {
-    for (int fd : pidfds) {
-      if (fd >= 0) close(fd);
-    }
-    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
-  }
-  watch_ = std::thread([this, pidfds, pids] {
-    common::NameThisThread("ep-death-watch");
-    Watch(pidfds, pids);
-  });
-  return absl::OkStatus();
-}
-
-void Coordinator::Watch(std::vector<int> pidfds, std::vector<int64_t> pids) {
-  const int num_workers = static_cast<int>(pidfds.size());
-  std::vector<bool> gone(num_workers, false);
-  while (true) {
-    // Workers without a pidfd (a kernel before 5.3) are probed with kill(pid, 0) every 20 ms.
-    std::vector<pollfd> fds = {{watch_stop_fd_, POLLIN, 0}};
-    std::vector<int> of;  // worker of fds[i + 1]
-    bool probe = false;
-    for (int w = 0; w < num_workers; ++w) {
-      if (gone[w]) continue;
-      if (pidfds[w] >= 0) {
-        fds.push_back({pidfds[w], POLLIN, 0});
-        of.push_back(w);
-      } else {
-        probe = true;
-      }
-    }
-    const int ready = poll(fds.data(), fds.size(), probe ? 20 : -1);
-    if (ready < 0 && errno != EINTR) {
-      common::LogError(absl::StrCat("watching the workers: poll: ", std::strerror(errno)));
-      break;
-    }
-    if (fds[0].revents != 0) break;
-    for (size_t i = 1; i < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      const int w = of[i - 1];
-      gone[w] = true;
-      OnDeath(w, pids[w]);
-    }
-    for (int w = 0; probe && w < num_workers; ++w) {
-      if (!gone[w] && pidfds[w] < 0 && kill(static_cast<pid_t>(pids[w]), 0) != 0 &&
-          errno == ESRCH) {
-        gone[w] = true;
-        OnDeath(w, pids[w]);
-      }
-    }
-  }
-  for (int fd : pidfds) {
-    if (fd >= 0) close(fd);
-  }
-}
-
-void Coordinator::OnDeath(int w, int64_t pid) {
-  const int num_workers = regions_.plan.shape().num_workers;
-  WorkerSet live;
-  {
-    std::lock_guard<std::mutex> lock(live_mu_);
-    live_.Remove(w);
-    live = live_;
-  }
-  ++lost_;
-  // A new generation ends the waits of the batch under way, here and on every worker.
-  const uint64_t generation = shmem::SignalLoad(&cancel_word_) + 1;
-  for (int i = 0; i < num_workers; ++i) {
-    uint64_t* cancel = heap_.DirectAs<uint64_t>(RankOfWorker(i), regions_.cancel);
-    if (cancel != nullptr) shmem::SignalStore(cancel, generation);
-  }
-  shmem::SignalStore(&cancel_word_, generation);
-  const absl::Status survivable = SurvivorPlacements(live).status();
-  common::LogError(absl::StrCat(
-      "worker ", w, " (rank ", RankOfWorker(w), ", pid ", pid,
-      ") died; live workers: ", live.List(num_workers),
-      survivable.ok() ? "; serving on with them" : absl::StrCat("; ", survivable.message())));
-  if (!survivable.ok()) {
-    healthy_ = false;
-    if (on_fatal_death_) on_fatal_death_(std::string(survivable.message()));
-  }
-}
-
-WorkerSet Coordinator::live_workers() const {
-  std::lock_guard<std::mutex> lock(live_mu_);
-  return live_;
-}
-
-absl::StatusOr<std::vector<ExpertPlacement>> Coordinator::SurvivorPlacements(
-    const WorkerSet& live) const {
-  if (live.Count() == 0) return absl::UnavailableError("no worker is left");
-  if (regions_.plan.shared_expert_split()) {
-    return absl::UnavailableError(
-        "the shared expert is split over every worker, so a slice of it is gone");
-  }
-  // No placements given: every layer is contiguous.
-  std::vector<ExpertPlacement> contiguous;
-  if (placements_.empty()) {
-    EPSERVE_ASSIGN_OR_RETURN(ExpertPlacement c,
-                             ExpertPlacement::Contiguous(regions_.plan.shape().num_experts,
-                                                         regions_.plan.shape().num_workers));
-    contiguous.push_back(std::move(c));
-  }
-  const std::vector<ExpertPlacement>& all = placements_.empty() ? contiguous : placements_;
-  std::vector<ExpertPlacement> only;
-  for (size_t l = 0; l < all.size(); ++l) {
-    absl::StatusOr<ExpertPlacement> p = all[l].OnlyOn(live);
-    if (!p.ok()) {
-      return absl::UnavailableError(absl::StrCat("served layer ", l, ": ", p.status().message(),
-                                                 " (--redundant-experts places second copies)"));
-    }
-    only.push_back(*std::move(p));
-  }
-  if (placements_.empty()) only.clear();  // the workers serve contiguous layers
-  return only;
-}
-
-absl::Status Coordinator::UseLiveWorkers(const WorkerSet& live) {
-  if (live == serving_live_) return absl::OkStatus();
-  absl::StatusOr<std::vector<ExpertPlacement>> only = SurvivorPlacements(live);
-  if (!only.ok()) return Fail(only.status().message());
-  survivor_placements_ = *std::move(only);
-  serving_live_ = live;
-  common::LogInfo(
-      absl::StrCat("serving with workers ", live.List(regions_.plan.shape().num_workers)));
-  return absl::OkStatus();
-}
-
-absl::Status Coordinator::AnnounceRows(int64_t total, const WorkerSet& live, int slot,
-                                       uint64_t copy_id) {
-  const int num_workers = regions_.plan.shape().num_workers;
-  for (int w = 0; w < num_workers; ++w) {
-    if (!live.Has(w)) continue;
-    RowsAhead ahead{};
-    ahead.copy_id = copy_id;
-    ahead.slot = slot;
-    ahead.num_rows =
-        RowSplit(total, w + 1, num_workers, live) - RowSplit(total, w, num_workers, live);
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w),
-                                      regions_.rows_ahead + (copy_id % 2) * sizeof(RowsAhead),
-                                      &ahead, sizeof(ahead)));
-    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), regions_.rows_ahead_seq, copy_id));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Coordinator::Post(BatchOp op, int layer_pos, int64_t total_rows, absl::Time deadline,
-                               const WorkerSet& live, uint64_t generation, int slot,
-                               uint64_t copy_id) {
-  const int num_workers = regions_.plan.shape().num_workers;
-  ++seq_;
-  // Workers give up a little before rank 0 does, so their reports arrive in time.
-  const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
-  const absl::Time worker_deadline = deadline - std::min(left / 5, absl::Milliseconds(100));
-  for (int w = 0; w < num_workers; ++w) {
-    if (!live.Has(w)) continue;
-    const int64_t begin = RowSplit(total_rows, w, num_workers, live);
-    const int64_t end = RowSplit(total_rows, w + 1, num_workers, live);
-    BatchDescriptor desc{};
-    desc.op = op;
-    desc.layer_pos = layer_pos;
-    desc.row_start = begin;
-    desc.num_rows = end - begin;
-    desc.deadline_unix_us = absl::ToUnixMicros(worker_deadline);
-    desc.live = live;
-    desc.generation = generation;
-    desc.slot = slot;
-    desc.copy_id = copy_id;
-    EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), regions_.descriptor, &desc, sizeof(desc)));
-    EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(RankOfWorker(w), regions_.batch_seq, seq_));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Coordinator::WaitDone(absl::Time deadline, const WorkerSet& workers,
-                                   uint64_t generation) {
-  shmem::WaitOptions wait;
-  wait.cancel = &abort_;
-  wait.cancel_signal = &cancel_word_;
-  wait.cancel_above = generation;
-  // A batch runs for milliseconds to seconds; polling every 50 us throughout cost rank 0
-  // about 8% of a core (20,000 wake-ups a second) on the cores the workers compute on.
-  wait.sleep_fraction = 1.0 / 64;
-  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
-    if (!workers.Has(w)) continue;
-    EPSERVE_RETURN_IF_ERROR(heap_.WaitSignal(HeapRegions::Signal(regions_.done_seq, w), seq_,
-                                             deadline, "the end of the batch on worker", w, wait));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Coordinator::WaitForSurvivors(absl::Time deadline, const WorkerSet& posted) {
-  while (true) {
-    const uint64_t generation = shmem::SignalLoad(&cancel_word_);
-    const WorkerSet alive = live_workers();
-    WorkerSet survivors;
-    for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
-      if (posted.Has(w) && alive.Has(w)) survivors.Add(w);
-    }
-    absl::Status s = WaitDone(deadline, survivors, generation);
-    if (s.ok()) return s;
-    // Another death: wait again, for the workers still alive.
-    if (shmem::SignalLoad(&cancel_word_) == generation || abort_.load()) {
-      return FailBatch(s, survivors);
-    }
-  }
-}
-
-int Coordinator::StalledWorkers(absl::Duration timeout) {
-  const int w = regions_.plan.shape().num_workers;
-  uint64_t* beats = heap_.DirectAs<uint64_t>(0, regions_.heartbeats);
-  if (beats == nullptr || heap_.backend() != shmem::HeapBackend::kShm) return -1;
-  const WorkerSet live = live_workers();
-  std::lock_guard<std::mutex> lock(beat_mu_);
-  const absl::Time now = absl::Now();
-  if (last_beat_.empty()) {
-    last_beat_.assign(w, 0);
-    beat_seen_.assign(w, now);
-  }
-  int stalled = 0;
-  for (int i = 0; i < w; ++i) {
-    const uint64_t beat =
-        std::atomic_ref<uint64_t>(beats[HeapRegions::Signal(0, i) / sizeof(uint64_t)])
-            .load(std::memory_order_relaxed);
-    if (beat != last_beat_[i]) {
-      last_beat_[i] = beat;
-      beat_seen_[i] = now;
-    } else if (now - beat_seen_[i] > timeout && live.Has(i)) {
-      ++stalled;
-    }
-  }
-  return stalled;
-}
 
 absl::Status Coordinator::Fail(absl::string_view why) {
   healthy_ = false;
@@ -465,6 +182,12 @@ void Coordinator::Complete(InFlight& b) {
   b.state = InFlight::State::kDone;
 }
 
+// GCC 12, inlining Complete here, reports the moved StatusOr's BatchTrace as maybe
+// uninitialized on the paths where it holds an error (a false positive).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 absl::StatusOr<BatchTrace> Coordinator::Finish(uint64_t ticket) {
   if (flight_.empty() || flight_.front().ticket != ticket) {
     return absl::InternalError(absl::StrCat("Finish(", ticket, ") out of the order of Start"));
@@ -474,6 +197,9 @@ absl::StatusOr<BatchTrace> Coordinator::Finish(uint64_t ticket) {
   flight_.pop_front();
   return result;
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 bool Coordinator::EndedPosted(int w) {
   return heap_.SignalLoad(HeapRegions::Signal(regions_.done_seq, w)) >= seq_;
@@ -675,7 +401,7 @@ absl::Status Coordinator::FailBatch(const absl::Status& wait, const WorkerSet& p
     if (!EndedPosted(w)) {
       absl::StrAppend(&why, "; worker ", w, " (rank ", RankOfWorker(w), ") did not finish");
     } else if (reports[w].status_code != 0) {
-      absl::StrAppend(&why, "; ", ReportMessage(reports[w]));
+      absl::StrAppend(&why, "; ", reports[w].Message());
     }
   }
   return Fail(why);
@@ -695,9 +421,9 @@ absl::Status Coordinator::CollectReports(BatchTrace& trace, const WorkerSet& pos
     if (report.status_code != 0) {
       if (static_cast<absl::StatusCode>(report.status_code) ==
           absl::StatusCode::kDeadlineExceeded) {
-        absl::StrAppend(&timeouts, timeouts.empty() ? "" : "; ", ReportMessage(report));
+        absl::StrAppend(&timeouts, timeouts.empty() ? "" : "; ", report.Message());
       } else if (first_error.ok()) {
-        first_error = ReportStatus(report);
+        first_error = report.ToStatus();
       }
       continue;
     }
@@ -742,152 +468,6 @@ void Coordinator::Gather(std::span<const RowChunk> chunks, int slot) {
     weights += c.rows * k;
   }
   common::ParallelConvert(copy_threads_, copies_);
-}
-
-absl::Status Coordinator::Control(BatchOp op, absl::Time deadline) {
-  Drain();
-  const uint64_t generation = shmem::SignalLoad(&cancel_word_);
-  WorkerSet posted = live_workers();
-  absl::Status s = Post(op, 0, 0, deadline, posted, generation);
-  if (s.ok()) s = WaitDone(deadline, posted, generation);
-  if (absl::IsCancelled(s) && !abort_.load()) {
-    // A worker died meanwhile: what counts is that every survivor did it.
-    s = WaitForSurvivors(deadline, posted);
-    if (!s.ok()) return s;
-    posted = live_workers();
-  }
-  if (!s.ok()) return Fail(s.ToString());
-  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.reports);
-  for (int i = 0; i < regions_.plan.shape().num_workers; ++i) {
-    if (posted.Has(i) && reports[i].status_code != 0) return ReportStatus(reports[i]);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Coordinator::BeginStage(const std::string& model, uint64_t seed, absl::Time deadline,
-                                     const std::vector<ExpertPlacement>* placements) {
-  Drain();  // the table below goes into input slot 0
-  if (!healthy_) {
-    return absl::UnavailableError(
-        "the expert workers stopped answering; the service needs a restart");
-  }
-  if (model.empty() || model.size() > ControlMessage::kMaxModel) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the model name must be 1 to ", ControlMessage::kMaxModel, " bytes, got ", model.size()));
-  }
-  ControlMessage message{};
-  message.seed = seed;
-  message.model_bytes = static_cast<uint32_t>(model.size());
-  std::memcpy(message.model, model.data(), model.size());
-  std::vector<int32_t> table;
-  staged_placements_.clear();
-  if (placements != nullptr) {
-    table = EncodePlacements(*placements);
-    if (table.size() * sizeof(int32_t) > regions_.InputBytes()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the placement table (", table.size() * sizeof(int32_t),
-                       " bytes) does not fit a worker's input region (", regions_.InputBytes(),
-                       " bytes; --max-batch-tokens sizes it)"));
-    }
-    message.placement_words = static_cast<uint32_t>(table.size());
-    staged_placements_ = *placements;
-  }
-  const WorkerSet live = live_workers();
-  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
-    if (!live.Has(w)) continue;
-    absl::Status s = heap_.Put(RankOfWorker(w), regions_.control, &message, sizeof(message));
-    // The table goes where the worker's next batch rows would: the worker copies it out when
-    // it takes the kStage, before any later batch.
-    if (s.ok() && !table.empty()) {
-      s = heap_.Put(RankOfWorker(w), regions_.Input(0), table.data(),
-                    table.size() * sizeof(int32_t));
-    }
-    if (!s.ok()) return Fail(s.ToString());
-  }
-  absl::Status s = Control(BatchOp::kStage, deadline);
-  stage_seq_ = seq_;
-  return s;
-}
-
-absl::StatusOr<bool> Coordinator::StageDone() {
-  if (stage_seq_ == 0) return absl::FailedPreconditionError("no weight swap under way");
-  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.stage_reports);
-  const WorkerSet live = live_workers();
-  bool all = true;
-  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
-    if (!live.Has(w)) continue;
-    if (heap_.SignalLoad(HeapRegions::Signal(regions_.staged, w)) < stage_seq_) {
-      all = false;
-    } else if (reports[w].status_code != 0) {
-      return ReportStatus(reports[w]);
-    }
-  }
-  return all;
-}
-
-int64_t Coordinator::StagedBytes() const {
-  const WorkerReport* reports = heap_.LocalAs<WorkerReport>(regions_.stage_reports);
-  const WorkerSet live = live_workers();
-  int64_t bytes = 0;
-  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
-    if (live.Has(w)) bytes += reports[w].weight_bytes;
-  }
-  return bytes;
-}
-
-absl::Status Coordinator::EndStage(bool use_new, absl::Time deadline) {
-  stage_seq_ = 0;
-  absl::Status s = Control(use_new ? BatchOp::kSwitch : BatchOp::kDiscard, deadline);
-  if (use_new && s.ok() && !staged_placements_.empty()) {
-    placements_.swap(staged_placements_);
-    if (!survivor_placements_.empty()) {
-      // The survivors' view of the new placements, on the next batch.
-      survivor_placements_.clear();
-      serving_live_ = WorkerSet::All(regions_.plan.shape().num_workers);
-    }
-  }
-  staged_placements_.clear();
-  if (use_new && !s.ok() && healthy_) {
-    // Some workers may have switched and others not: answers could mix weights.
-    return Fail(absl::StrCat("switching to the new weights failed: ", s.message()));
-  }
-  return s;
-}
-
-absl::Status Coordinator::SwapWeights(const std::string& model, uint64_t seed,
-                                      absl::Time deadline) {
-  absl::Status s = BeginStage(model, seed, deadline);
-  while (s.ok()) {
-    absl::StatusOr<bool> done = StageDone();
-    if (!done.ok()) {
-      s = done.status();
-    } else if (*done) {
-      return EndStage(true, deadline);
-    } else if (absl::Now() > deadline) {
-      s = absl::DeadlineExceededError("the workers did not load the new weights in time");
-    } else {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-  }
-  if (!healthy_) return s;
-  absl::Status discarded = EndStage(false, deadline);
-  return discarded.ok() || !healthy_ ? s : discarded;
-}
-
-absl::Status Coordinator::Stop(absl::Time deadline) {
-  // Batches in flight end here (their Finish says so); workers still finishing an aborted
-  // batch see the stop right after it.
-  for (InFlight& b : flight_) {
-    if (b.state == InFlight::State::kDone) continue;
-    b.result = absl::CancelledError("the server is shutting down");
-    b.state = InFlight::State::kDone;
-  }
-  abort_.store(false);
-  const uint64_t generation = shmem::SignalLoad(&cancel_word_);
-  const WorkerSet live = live_workers();
-  absl::Status s = Post(BatchOp::kStop, 0, 0, deadline, live, generation);
-  if (s.ok()) s = WaitDone(deadline, live, generation);
-  return s;
 }
 
 }  // namespace epserve::worker

@@ -8,28 +8,38 @@
 
 namespace epserve::worker {
 
-absl::StatusOr<DeviceExchangeMode> ParseDeviceExchangeMode(absl::string_view name) {
-  if (name == "auto") return DeviceExchangeMode::kAuto;
-  if (name == "off") return DeviceExchangeMode::kOff;
-  if (name == "host") return DeviceExchangeMode::kHost;
-  if (name == "cuda") return DeviceExchangeMode::kCuda;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--device-exchange must be auto, off, host or cuda; got '", name, "'"));
+namespace {
+
+// Whether this worker can take part in a device exchange of `kind` with these pieces: the shm
+// heap, a device of the kind, pieces NVIDIA's driver imports.
+absl::Status CheckUsable(const kernels::Runtime& rt, const shmem::SymmetricHeap& heap,
+                         shmem::PeerMemoryKind kind, const std::vector<size_t>& pieces) {
+  const kernels::DeviceInfo& device = rt.device_info();
+  if (heap.backend() != shmem::HeapBackend::kShm) {
+    return absl::FailedPreconditionError("rows moved device to device need the shm heap");
+  }
+  if (kind == shmem::PeerMemoryKind::kHost && !device.is_cpu) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--device-exchange=host needs CPU devices; ", device.device_name, " is not"));
+  }
+  if (kind != shmem::PeerMemoryKind::kCuda) return absl::OkStatus();
+  if (!device.imports_opaque_fd || device.uuid.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(device.device_name,
+                     " does not import CUDA memory (cl_khr_external_memory_opaque_fd and "
+                     "cl_khr_device_uuid are needed)"));
+  }
+  for (size_t bytes : pieces) {
+    if (bytes > kMaxImportBytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a device exchange buffer of ", bytes, " bytes is over the ", kMaxImportBytes,
+          " NVIDIA's OpenCL driver imports; lower --max-recv-tokens-per-rank"));
+    }
+  }
+  return absl::OkStatus();
 }
 
-const char* DeviceExchangeModeName(DeviceExchangeMode mode) {
-  switch (mode) {
-    case DeviceExchangeMode::kAuto:
-      return "auto";
-    case DeviceExchangeMode::kOff:
-      return "off";
-    case DeviceExchangeMode::kHost:
-      return "host";
-    case DeviceExchangeMode::kCuda:
-      return "cuda";
-  }
-  return "?";
-}
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceExchange>> DeviceExchange::Create(
     kernels::Runtime& rt, shmem::SymmetricHeap& heap, const HeapRegions& regions, int me,
@@ -41,34 +51,15 @@ absl::StatusOr<std::unique_ptr<DeviceExchange>> DeviceExchange::Create(
   const size_t recv = static_cast<size_t>(plan.recv_capacity());
   const size_t k = static_cast<size_t>(plan.shape().top_k);
   const size_t n = static_cast<size_t>(plan.max_rows_per_worker());
-  // Every worker checks what it can before the rendezvous and takes part in it either way, so
-  // that a refusal is every worker's at once (PeerMemory::Create fails them all).
-  absl::Status usable;
-  if (heap.backend() != shmem::HeapBackend::kShm) {
-    usable = absl::FailedPreconditionError("rows moved device to device need the shm heap");
-  } else if (kind == shmem::PeerMemoryKind::kHost && !rt.device_info().is_cpu) {
-    usable = absl::FailedPreconditionError(absl::StrCat(
-        "--device-exchange=host needs CPU devices; ", rt.device_info().device_name, " is not"));
-  } else if (kind == shmem::PeerMemoryKind::kCuda &&
-             (!rt.device_info().imports_opaque_fd || rt.device_info().uuid.empty())) {
-    usable = absl::FailedPreconditionError(
-        absl::StrCat(rt.device_info().device_name,
-                     " does not import CUDA memory (cl_khr_external_memory_opaque_fd and "
-                     "cl_khr_device_uuid are needed)"));
-  }
   const size_t w = static_cast<size_t>(num_workers);
   // Receive rows, pair rows, row parts (what this worker computes), and the pair rows and row
   // parts its tokens' receivers return to it.
   const std::vector<size_t> pieces = {
       recv * std::max(row, plan.dispatch_row_bytes()), recv * k * row,
       static_cast<size_t>(std::max<int64_t>(row_parts_rows, 1)) * row, n * k * row, w * n * row};
-  for (size_t p = 0; p < pieces.size() && usable.ok(); ++p) {
-    if (kind == shmem::PeerMemoryKind::kCuda && pieces[p] > kMaxImportBytes) {
-      usable = absl::FailedPreconditionError(absl::StrCat(
-          "a device exchange buffer of ", pieces[p], " bytes is over the ", kMaxImportBytes,
-          " NVIDIA's OpenCL driver imports; lower --max-recv-tokens-per-rank"));
-    }
-  }
+  // Every worker checks what it can before the rendezvous and takes part in it either way, so
+  // that a refusal is every worker's at once (PeerMemory::Create fails them all).
+  const absl::Status usable = CheckUsable(rt, heap, kind, pieces);
   shmem::PeerGroup group;
   group.heap = &heap;
   group.first_rank = plan.shape().first_rank;

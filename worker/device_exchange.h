@@ -30,14 +30,9 @@
 #include "shmem/peer_memory.h"
 #include "worker/exchange.h"
 #include "worker/heap_regions.h"
+#include "worker/worker_options.h"
 
 namespace epserve::worker {
-
-// --device-exchange: auto (cuda where every worker is a GPU that imports CUDA memory and the
-// heap is shm, else off), off, host (shared host memory: CPU devices), cuda.
-enum class DeviceExchangeMode { kAuto, kOff, kHost, kCuda };
-absl::StatusOr<DeviceExchangeMode> ParseDeviceExchangeMode(absl::string_view name);
-const char* DeviceExchangeModeName(DeviceExchangeMode mode);
 
 // The largest piece NVIDIA's OpenCL driver imports (BENCHMARKS.md, the device-heap probe: one
 // allocation of 512 MiB or more crashed the import, 384 MiB worked).

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/share.h"
 
 namespace epserve::worker {
 namespace {
@@ -109,9 +110,8 @@ double ContiguousBalancedness(std::span<const double> load, int num_workers) {
   if (num_workers < 1 || num_workers > experts) return 0;
   std::vector<double> worker_load(num_workers, 0.0);
   for (int w = 0; w < num_workers; ++w) {
-    for (int64_t e = experts * w / num_workers; e < experts * (w + 1) / num_workers; ++e) {
-      worker_load[w] += load[e];
-    }
+    const common::Share own = common::ContiguousShare(experts, w, num_workers);
+    for (int64_t e = own.begin; e < own.end; ++e) worker_load[w] += load[e];
   }
   return BalancednessOf(worker_load);
 }

@@ -253,6 +253,10 @@ class Exchange {
   absl::Status DispatchStaged(const float* x);
   // run_base_: where my pairs of each (destination, local expert) start among all of mine.
   void ComputeRuns();
+  // Reduce where peers' segments have no load/store access: fetches my pairs' rows into
+  // pulled_, in runs per (destination, local expert), then my row parts per destination;
+  // points pair_base_at_ and row_base_at_ there and gives each pair's row in `pulled_at`.
+  absl::Status PullCombined(std::vector<int64_t>& pulled_at);
   // Points received() at what peers dispatched this pass; adds its counts to stats.
   void PublishReceived(ExchangeStats* stats);
   absl::Status TakeBadIdError();

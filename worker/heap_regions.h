@@ -6,7 +6,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "shmem/heap.h"
@@ -90,6 +93,12 @@ struct WorkerReport {
   int64_t rows_received;
   int64_t pairs;
   int64_t weight_bytes;  // a stage report: bytes of weights read from the source
+
+  // What the worker wrote into `message` (not NUL-terminated when full), and with its code.
+  std::string Message() const { return std::string(message, strnlen(message, sizeof(message))); }
+  absl::Status ToStatus() const {
+    return absl::Status(static_cast<absl::StatusCode>(status_code), Message());
+  }
 };
 
 // Offsets of the regions in each rank's segment (the worker-to-worker ones in `exchange`).

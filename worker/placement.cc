@@ -4,8 +4,23 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/share.h"
 
 namespace epserve::worker {
+
+absl::Status CheckWorkerCount(int num_workers, int num_experts) {
+  if (num_workers < 1) {
+    return absl::InvalidArgumentError(
+        "epserve needs at least 2 ranks (rank 0 front-end + workers): "
+        "mpirun -np 1+W epserve ...");
+  }
+  if (num_workers > num_experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(num_workers, " workers but the model has only ", num_experts,
+                     " experts: launch with mpirun -np <= ", num_experts + 1));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<ExpertPlacement> ExpertPlacement::Contiguous(int num_experts, int num_workers) {
   if (num_workers < 1 || num_workers > num_experts) {
@@ -15,9 +30,8 @@ absl::StatusOr<ExpertPlacement> ExpertPlacement::Contiguous(int num_experts, int
   }
   std::vector<std::vector<int>> experts_of(num_workers);
   for (int w = 0; w < num_workers; ++w) {
-    const int first = static_cast<int>(static_cast<long long>(w) * num_experts / num_workers);
-    const int end = static_cast<int>(static_cast<long long>(w + 1) * num_experts / num_workers);
-    for (int e = first; e < end; ++e) experts_of[w].push_back(e);
+    const common::Share own = common::ContiguousShare(num_experts, w, num_workers);
+    for (int64_t e = own.begin; e < own.end; ++e) experts_of[w].push_back(static_cast<int>(e));
   }
   return FromSlots(num_experts, std::move(experts_of));
 }
@@ -34,7 +48,7 @@ int64_t RowSplit(int64_t total_rows, int worker, int num_workers, const WorkerSe
   int before = 0;  // live workers before `worker`
   for (int w = 0; w < worker && w < num_workers; ++w) before += live.Has(w) ? 1 : 0;
   const int count = live.Count();
-  return count == 0 ? 0 : total_rows * before / count;
+  return count == 0 ? 0 : common::ShareBegin(total_rows, before, count);
 }
 
 absl::StatusOr<ExpertPlacement> ExpertPlacement::FromSlots(int num_experts,

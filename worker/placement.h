@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/share.h"
 
 namespace epserve::worker {
 
@@ -18,6 +20,29 @@ constexpr int RankOfWorker(int worker) { return kFirstWorkerRank + worker; }
 constexpr int WorkerOfRank(int rank) { return rank - kFirstWorkerRank; }
 // Workers in a job of `num_ranks` ranks (the front-end is not one).
 constexpr int NumWorkers(int num_ranks) { return num_ranks - kFirstWorkerRank; }
+// INVALID_ARGUMENT, saying how to launch, unless 1 <= num_workers <= num_experts: a job of
+// 1 + W ranks serves a model of E experts.
+absl::Status CheckWorkerCount(int num_workers, int num_experts);
+
+// The workers on one host: a worker's index among them (0 for the first), which picks its GPU
+// with --device=gpu, and how many there are, who share the host's memory when a weight swap
+// stages a second copy. The front-end's is {0, 1}.
+struct HostWorkers {
+  int index = 0;
+  int count = 1;
+};
+// Those of rank `rank`, given the ranks on its host (shmem::RanksOnThisHost), ascending.
+inline HostWorkers WorkersOnHost(std::span<const int> ranks_on_host, int rank) {
+  HostWorkers out;
+  if (rank < kFirstWorkerRank) return out;
+  out.count = 0;
+  for (int r : ranks_on_host) {
+    if (r < kFirstWorkerRank) continue;
+    if (r < rank) ++out.index;
+    ++out.count;
+  }
+  return out;
+}
 
 // The most workers a job may have: the size of a WorkerSet.
 inline constexpr int kMaxWorkers = 256;
@@ -61,7 +86,7 @@ struct WorkerSet {
 // How a batch's rows are split over the workers: worker w takes rows
 // [RowSplit(total, w, W), RowSplit(total, w + 1, W)), sizes differing by at most one.
 constexpr int64_t RowSplit(int64_t total_rows, int worker, int num_workers) {
-  return total_rows * worker / num_workers;
+  return common::ShareBegin(total_rows, worker, num_workers);
 }
 // The same over the live workers of `live` (of num_workers): the i-th live worker takes the
 // i-th of live.Count() even shares, a worker outside `live` none.

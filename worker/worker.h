@@ -22,52 +22,9 @@
 #include "worker/exchange.h"
 #include "worker/heap_regions.h"
 #include "worker/placement.h"
+#include "worker/worker_options.h"
 
 namespace epserve::worker {
-
-struct WorkerOptions {
-  kernels::RuntimeOptions device;
-  // Element type of the expert weights (routed and shared) on the device; the router stays FP32.
-  common::ElementType weight_dtype = common::ElementType::kFp32;
-  // A stop request (e.g. SIGTERM) ends the loop once no batch has come for this long,
-  // even if rank 0 never sends kStop (rank 0 gone).
-  absl::Duration orphan_grace = absl::Seconds(3);
-  // Workers on this host (this one included): a weight swap stages a second copy of every
-  // one's weights at once, so each checks that all those copies fit the host's memory.
-  int workers_on_host = 1;
-  // Host threads of this worker's combine (the owner's sum of its tokens' returned rows,
-  // Exchange::set_reduce_threads); 0: the host's hardware threads shared among its workers
-  // and rank 0, 1 to 8 (--worker-host-threads).
-  int host_threads = 0;
-  // A batch of which this worker is the only live worker (a one-worker job, or the last
-  // survivor) runs on its device alone: rows go up once and the layer's output comes down
-  // once, the FFN reads the rows where the router read them and the owner's sum runs on the
-  // device, with the bits the exchange gives (RunLocal). false: through the heap exchange,
-  // as with several workers (--worker-local-pass; for comparison).
-  bool local_pass = true;
-  // Whether the exchange moves rows between the workers' devices (worker/device_exchange.h):
-  // kAuto does where every worker is a GPU that imports CUDA memory (and the heap is shm);
-  // kHost shares host memory among CPU devices; kCuda requires the GPU path. A worker whose
-  // device cannot is an error with kHost/kCuda, the heap exchange with kAuto.
-  DeviceExchangeMode device_exchange = DeviceExchangeMode::kAuto;
-  // Every wait of the start-up rendezvous of the device exchange ends by then.
-  absl::Duration rendezvous_timeout = absl::Seconds(60);
-  // Upload the next batch's rows (announced by rank 0, RowsAhead) through a second queue while
-  // the device computes the current batch's experts, so that the next batch starts with its
-  // rows on the device. kAuto: on devices with memory of their own (on a CPU device the upload
-  // is a copy that competes with the kernels for the same cores).
-  enum class UploadAhead { kAuto, kOn, kOff };
-  UploadAhead upload_ahead = UploadAhead::kAuto;
-  // Which worker holds which experts, one placement per served layer (the same on every rank;
-  // worker/placement.h); empty: the contiguous placement for every layer. A kStage may bring
-  // new ones (a rebalance), served from its kSwitch on.
-  std::vector<ExpertPlacement> placements;
-  // Opens the model a weight swap names (as --model names one, with the served layers
-  // selected as at start); without it the worker refuses swaps (UNIMPLEMENTED).
-  std::function<absl::StatusOr<std::unique_ptr<model::WeightSource>>(const std::string& model,
-                                                                     uint64_t seed)>
-      open_model;
-};
 
 class Worker {
  public:
@@ -147,6 +104,9 @@ class Worker {
   absl::Status CheckRoomForSecondCopy() const;
 
   class Heart;
+  // Runs the op rank 0 posted as batch `seq` (a batch or a weight swap's control step) and
+  // writes its outcome into `report`, an error naming this worker.
+  void RunPosted(uint64_t seq, const BatchDescriptor& desc, WorkerReport& report);
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
   // RunBatch's parts: the route stage, the expert step the exchange calls, and the expert
   // load report to rank 0.

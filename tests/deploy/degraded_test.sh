@@ -69,7 +69,7 @@ sleep 3
 touch "$dir/stop"
 wait $load || fail "wrong or late answers around the kill: $(cat "$dir/load.json")"
 cat "$dir/load.json"
-new_rank0=$(rank_pid $supervisor 0)
+new_rank0=$(rank_pid $supervisor 0 "$rank0")
 [ -n "$new_rank0" ] && [ "$new_rank0" != "$rank0" ] || fail "rank 0 is not a new process"
 ready=$(gauge epserve_workers_ready); lost=$(gauge epserve_workers_lost)
 [ "$ready" = "3" ] && [ "$lost" = "0" ] ||

@@ -22,13 +22,23 @@ descendants() {
   for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done
 }
 
-# The pid of MPI rank $2 among the descendants of $1.
+# The pid of MPI rank $2 among the descendants of $1, other than $3 (when given). Waits for it
+# up to $RANK_PID_TIMEOUT seconds (30 by default: a job's processes may still be starting or
+# leaving when a test looks, above all on a loaded machine) and prints nothing when none came,
+# or at once when $1 has exited. The environment is read by grep itself (-z: NUL-separated):
+# piped from another process under pipefail, grep -q's early exit could kill the writer with
+# SIGPIPE and fail the match it had found.
 rank_pid() {
-  local p
-  for p in $(descendants "$1"); do
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2"; then
-      case "$(readlink "/proc/$p/exe" 2>/dev/null)" in *epserve*) echo "$p"; return ;; esac
-    fi
+  local deadline=$((SECONDS + ${RANK_PID_TIMEOUT:-30})) p
+  while :; do
+    for p in $(descendants "$1"); do
+      [ "$p" != "${3:-}" ] || continue
+      if grep -qxz "OMPI_COMM_WORLD_RANK=$2" "/proc/$p/environ" 2>/dev/null; then
+        case "$(readlink "/proc/$p/exe" 2>/dev/null)" in *epserve*) echo "$p"; return ;; esac
+      fi
+    done
+    [ "$SECONDS" -lt "$deadline" ] && kill -0 "$1" 2>/dev/null || return 0
+    sleep 0.1
   done
 }
 
@@ -42,6 +52,16 @@ wait_ready() {
     sleep 0.1
   done
   return 1
+}
+
+# Waits up to $3 seconds (30 by default) for a line of file $1 to match grep pattern $2: what
+# the ranks print reaches the file through mpirun's forwarding, which may lag the ready file.
+wait_log() {
+  local deadline=$((SECONDS + ${3:-30}))
+  until grep -q -- "$2" "$1" 2>/dev/null; do
+    [ "$SECONDS" -lt "$deadline" ] || return 1
+    sleep 0.1
+  done
 }
 
 json_field() {  # json_field FILE EXPR: a Python expression over the object `j`

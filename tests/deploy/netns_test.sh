@@ -26,7 +26,7 @@ namespaces+=("${tag}1")
 subnet=""
 for _ in $(seq 1 50); do
   n=$((RANDOM % 250 + 1))
-  ip route show | grep -q "^10\.200\.$n\." || { subnet="10.200.$n"; break; }
+  grep -q "^10\.200\.$n\." <<<"$(ip route show)" || { subnet="10.200.$n"; break; }
 done
 [ -n "$subnet" ] || fail "no free 10.200.N.0/24"
 ip link add "${tag}br" type bridge
@@ -83,7 +83,7 @@ EOF
 supervisor=$!
 pids+=($supervisor)
 wait_ready "$dir/ready.json" 180 $supervisor || fail "cluster not ready"
-grep -q "^\[epserve rank 0\] heap rma" "$dir/cluster.log" || fail "the heap is not rma"
+wait_log "$dir/cluster.log" "^\[epserve rank 0\] heap rma" || fail "the heap is not rma"
 
 # Every rank runs in its own namespace.
 declare -A seen
@@ -93,7 +93,7 @@ for r in 0 1 2; do
   netns=$(readlink "/proc/$p/ns/net")
   [ -z "${seen[$netns]:-}" ] || fail "ranks ${seen[$netns]} and $r share $netns"
   seen[$netns]=$r
-  ip netns identify "$p" | grep -qx "${tag}$((r + 1))" || fail "rank $r is not in ${tag}$((r + 1))"
+  grep -qx "${tag}$((r + 1))" <<<"$(ip netns identify "$p")" || fail "rank $r is not in ${tag}$((r + 1))"
   [ "$(nsenter --target "$p" --uts hostname)" = "${tag}$((r + 1))-host" ] ||
     fail "rank $r does not run on host ${tag}$((r + 1))-host"
 done

@@ -198,11 +198,10 @@ TEST(ServeCheckpointMemory, EachWorkerHoldsItsOwnExpertsOnly) {
     absl::StatusOr<std::unique_ptr<ServerProcess>> server =
         ServerProcess::Start(1 + workers, {"--model=" + folder});
     ASSERT_TRUE(server.ok()) << server.status();
-    std::vector<double> rss;
-    for (int i = 0; i < 100 && static_cast<int>(rss.size()) < workers; ++i) {
-      rss = WorkerResidentBytes((*server)->Log());
-      if (static_cast<int>(rss.size()) < workers) absl::SleepFor(absl::Milliseconds(50));
-    }
+    const std::vector<double> rss =
+        WorkerResidentBytes((*server)->WaitForLog([&](const std::string& log) {
+          return static_cast<int>(WorkerResidentBytes(log).size()) >= workers;
+        }));
     ASSERT_EQ(static_cast<int>(rss.size()), workers) << (*server)->Log();
     (workers == 1 ? one : three) = rss;
   }

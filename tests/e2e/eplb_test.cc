@@ -246,11 +246,11 @@ TEST(DeviceExchange, RowsMovedDeviceToDeviceAnswerAsTheHeapExchangeDoes) {
           ServerProcess::Start(1 + c.workers, args);
       ASSERT_TRUE(server.ok()) << server.status();
       answers[device ? 0 : 1] = Answers(**server, requests, 1);
-      const std::string log = (*server)->Log();
-      EXPECT_NE(log.find(device ? "rows between workers go device to device (host)"
-                                : "rows between workers go through the heap"),
-                std::string::npos)
-          << log;
+      const std::string said = device ? "rows between workers go device to device (host)"
+                                      : "rows between workers go through the heap";
+      const std::string log = (*server)->WaitForLog(
+          [&](const std::string& l) { return l.find(said) != std::string::npos; });
+      EXPECT_NE(log.find(said), std::string::npos) << log;
       if (HasFailure()) ADD_FAILURE() << log;
       (*server)->Stop(SIGTERM, absl::Seconds(15)).IgnoreError();
     }

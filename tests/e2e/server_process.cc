@@ -144,19 +144,34 @@ ServerProcess::~ServerProcess() {
 
 std::string ServerProcess::Log() const { return ReadFile(dir_ + "/log.txt"); }
 
-pid_t ServerProcess::RankPid(int rank) const {
+std::string ServerProcess::WaitForLog(const std::function<bool(const std::string&)>& done,
+                                      absl::Duration wait) const {
+  const absl::Time deadline = absl::Now() + wait;
+  std::string log = Log();
+  while (!done(log) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    log = Log();
+  }
+  return log;
+}
+
+pid_t ServerProcess::RankPid(int rank, absl::Duration wait) const {
   if (pid_ <= 0) return -1;
   const std::string want = absl::StrCat("OMPI_COMM_WORLD_RANK=", rank);
-  for (const common::ProcStat& p : JobProcesses(pid_)) {
-    if (p.pid == pid_) continue;
-    std::string env = ReadFile(absl::StrCat("/proc/", p.pid, "/environ"));
-    for (size_t at = 0; at < env.size();) {
-      const size_t end = std::min(env.find('\0', at), env.size());
-      if (env.compare(at, end - at, want) == 0) return p.pid;
-      at = end + 1;
+  const absl::Time deadline = absl::Now() + wait;
+  while (true) {
+    for (const common::ProcStat& p : JobProcesses(pid_)) {
+      if (p.pid == pid_) continue;
+      std::string env = ReadFile(absl::StrCat("/proc/", p.pid, "/environ"));
+      for (size_t at = 0; at < env.size();) {
+        const size_t end = std::min(env.find('\0', at), env.size());
+        if (env.compare(at, end - at, want) == 0) return p.pid;
+        at = end + 1;
+      }
     }
+    if (absl::Now() >= deadline || kill(pid_, 0) != 0) return -1;
+    absl::SleepFor(absl::Milliseconds(50));
   }
-  return -1;
 }
 
 bool ServerProcess::Exited(int* code) {

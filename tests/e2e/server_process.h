@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,8 +37,13 @@ class ServerProcess {
   const std::string& metrics_address() const { return metrics_address_; }
   std::unique_ptr<inference::GRPCInferenceService::Stub> NewStub() const;
   std::string Log() const;  // everything the job printed so far
-  // The process of MPI rank `rank` (from its OMPI_COMM_WORLD_RANK), or -1.
-  pid_t RankPid(int rank) const;
+  // The log once `done(log)` holds, or as it is after `wait`: what the ranks print reaches the
+  // log through mpirun's forwarding, which may lag the ready file and the answers.
+  std::string WaitForLog(const std::function<bool(const std::string&)>& done,
+                         absl::Duration wait = absl::Seconds(30)) const;
+  // The process of MPI rank `rank` (from its OMPI_COMM_WORLD_RANK), waited for up to `wait`
+  // (a rank may still be starting when a test looks, above all on a loaded machine), or -1.
+  pid_t RankPid(int rank, absl::Duration wait = absl::Seconds(30)) const;
   // Whether mpirun has exited (reaps it); its exit code then in *code (-1: killed).
   bool Exited(int* code = nullptr);
 

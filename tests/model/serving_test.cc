@@ -163,6 +163,30 @@ TEST(EstimateRankBytes, CountsRouterOwnedExpertsAndSharedExpert) {
   EXPECT_FALSE(EstimateRankBytes(c, 2, -1).ok());
 }
 
+TEST(CheckHostMemory, CountsEachWorkersWeightsAndEveryRanksHeap) {
+  ModelConfig c = Lite();
+  c.moe_layers = {1};
+  // Rank 0 (the front-end) and ranks 1, 2 (workers 0, 1) of 2 workers on this host.
+  const HostRank ranks[] = {
+      {.rank = 0, .worker = -1}, {.rank = 1, .worker = 0}, {.rank = 2, .worker = 1}};
+  HostMemoryCheck check{.config = &c, .num_workers = 2, .heap_bytes = 1000};
+  int64_t need = 3 * 1000;
+  for (int w = 0; w < 2; ++w) need += EstimateRankBytes(c, 2, w)->fp32_bytes();
+  check.limit_bytes = need;
+  EXPECT_TRUE(CheckHostMemory(check, ranks).ok());
+  check.limit_bytes = need - 1;
+  const absl::Status s = CheckHostMemory(check, ranks);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("FP32 weights: rank 1 "), std::string::npos) << s;
+  EXPECT_NE(s.message().find("per rank x 3) but --memory-limit is"), std::string::npos) << s;
+  // BF16 weights halve what they need, the router aside (it stays FP32).
+  check.weight_dtype = common::ElementType::kBf16;
+  EXPECT_TRUE(CheckHostMemory(check, ranks).ok());
+  // 0: the machine's memory, which these few bytes fit.
+  check.limit_bytes = 0;
+  EXPECT_TRUE(CheckHostMemory(check, ranks).ok());
+}
+
 TEST(EstimateRankBytes, RealModelScale) {
   // Mixtral-8x7B, 32 layers, 8 workers: one expert each = 32 * 3 * 14336 * 4096 parameters.
   absl::StatusOr<ModelConfig> c = SyntheticPreset("mixtral-8x7b");

@@ -12,7 +12,8 @@ cxx=aarch64-linux-gnu-g++
 command -v $cxx >/dev/null || { echo "SKIPPED: no $cxx (package g++-aarch64-linux-gnu)"; exit 77; }
 mpi_include=$(mpicxx --showme:incdirs 2>/dev/null | tr ' ' '\n' | head -1)
 cd "$src"
-files=$(ls common/*.cc shmem/*.cc worker/*.cc kernels/*.cc model/*.cc server/*.cc client/*.cc tools/*.cc 2>/dev/null)
+files=$(ls common/*.cc shmem/*.cc worker/*.cc kernels/*.cc model/*.cc server/*.cc app/*.cc client/*.cc tools/*.cc \
+  2>/dev/null)
 failed=0
 for f in $files; do
   if ! out=$($cxx -std=c++20 -fsyntax-only -Werror -Wall -Wextra -Wno-unused-parameter \

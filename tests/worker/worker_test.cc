@@ -12,6 +12,22 @@
 namespace epserve::worker {
 namespace {
 
+TEST(HostWorkers, IndexAmongTheWorkersOfTheHost) {
+  // Ranks 0, 2, 3 and 5 on this host: rank 0 is the front-end, ranks 2, 3, 5 workers.
+  const int on_host[] = {0, 2, 3, 5};
+  EXPECT_EQ(WorkersOnHost(on_host, 0).index, 0);
+  EXPECT_EQ(WorkersOnHost(on_host, 0).count, 1);
+  for (int i = 0; i < 3; ++i) {
+    const HostWorkers w = WorkersOnHost(on_host, on_host[i + 1]);
+    EXPECT_EQ(w.index, i);
+    EXPECT_EQ(w.count, 3);
+  }
+  EXPECT_TRUE(CheckWorkerCount(8, 8).ok());
+  EXPECT_NE(CheckWorkerCount(9, 8).message().find("9 workers but the model has only 8 experts"),
+            std::string::npos);
+  EXPECT_FALSE(CheckWorkerCount(0, 8).ok());
+}
+
 TEST(ExpertPlacement, EveryExpertHasExactlyOneOwnerForAnyWorkerCount) {
   for (int experts : {1, 7, 8, 60}) {
     for (int workers = 1; workers <= experts; ++workers) {

@@ -1,7 +1,14 @@
-#include "server/main_flags.h"
+#include "app/flags.h"
 
-namespace epserve::server {
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/dtype.h"
+
+namespace epserve::app {
 namespace {
+
+// A default shown as the string flag it was: "auto".
+std::string Quoted(absl::string_view name) { return absl::StrCat("\"", name, "\""); }
 
 // The job's flags: model, addresses, batching, timeouts, device.
 void RegisterServingFlags(common::FlagSet& fs, Flags& flags) {
@@ -12,9 +19,9 @@ void RegisterServingFlags(common::FlagSet& fs, Flags& flags) {
   fs.Add("seed", &flags.seed, "Seed of synthetic weights");
   fs.Add("layers", &flags.layers,
          "MoE layers to serve, by the model's layer index: all, 3, 1,5, 2-7 or a mix");
-  fs.Add("memory-limit", &flags.memory_limit,
-         "Memory the ranks on one host may use (bytes, K/M/G/T suffixes); empty: the "
-         "machine's. A configuration needing more is refused before loading");
+  fs.AddBytes("memory-limit", &flags.memory_limit_bytes,
+              "Memory the ranks on one host may use (bytes, K/M/G/T suffixes); empty: the "
+              "machine's. A configuration needing more is refused before loading");
   fs.Add("model-name", &flags.fe.requests.model_name, "Name clients use for the model");
   fs.Add("grpc-address", &flags.fe.grpc_address,
          "gRPC listen address host:port (port 0 picks a free port)");
@@ -47,35 +54,53 @@ void RegisterServingFlags(common::FlagSet& fs, Flags& flags) {
          "On SIGTERM, how long a running batch may take before its requests get UNAVAILABLE");
   fs.Add("startup-timeout", &flags.startup_timeout,
          "How long rank 0 waits for the workers to load their weights");
-  fs.Add("device", &flags.runtime.device,
+  fs.Add("device", &flags.worker.device.device,
          "OpenCL device of each worker: cpu, gpu (with several GPUs on a host, its workers take "
          "them in turn by their order on the host), or <platform>:<device>");
 }
 
-// The front-end's flags (server/: protocol, security, limits).
+// The front-end's request limits (server/).
 void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
-  FrontEndOptions& fe = flags.fe;
+  server::FrontEndOptions& fe = flags.fe;
   fs.Add("max-request-tokens", &fe.requests.max_request_tokens,
          "Most token rows in one request; larger ones get INVALID_ARGUMENT");
   fs.Add("max-response-bytes", &fe.max_response_bytes,
          "Largest gRPC message sent, in bytes; 0: derived as --max-request-bytes is");
-  fs.Add("worker-host-threads", &flags.worker_host_threads,
+}
+
+// The workers' host threads and paths (worker/worker_options.h).
+void RegisterWorkerFlags(common::FlagSet& fs, Flags& flags) {
+  worker::WorkerOptions& w = flags.worker;
+  fs.Add("worker-host-threads", &w.host_threads,
          "Each worker's host threads for its combine (summing its tokens' returned rows); 0: "
          "the host's hardware threads over its workers and rank 0, 1 to 8");
-  fs.Add("worker-local-pass", &flags.worker_local_pass,
+  fs.Add("worker-local-pass", &w.local_pass,
          "A batch with one live worker (a one-worker job, or the last survivor) runs on that "
          "worker's device alone: its rows go up once, the output comes down once, the owner's "
          "sum runs on the device, with the bits the exchange gives; --no-worker-local-pass "
          "runs it through the heap exchange (for comparison)");
-  fs.Add("device-exchange", &flags.device_exchange,
-         "How the exchange moves rows between workers: auto (device to device where every "
-         "worker is a GPU that imports CUDA memory into OpenCL and the heap is shm, else "
-         "through the heap), off (through the heap), cuda (device to device, required), host "
-         "(CPU workers: kernels move rows through shared host memory, required)");
-  fs.Add("upload-ahead", &flags.upload_ahead,
-         "Whether a worker uploads the next batch's rows (copied in by rank 0 while the "
-         "workers compute, --batches-in-flight=2) to its device while it computes the current "
-         "batch's experts: auto (on devices with memory of their own), on, off");
+  fs.AddTyped<worker::DeviceExchangeMode>(
+      "device-exchange", &w.device_exchange,
+      "How the exchange moves rows between workers: auto (device to device where every "
+      "worker is a GPU that imports CUDA memory into OpenCL and the heap is shm, else "
+      "through the heap), off (through the heap), cuda (device to device, required), host "
+      "(CPU workers: kernels move rows through shared host memory, required)",
+      worker::ParseDeviceExchangeMode, [](const worker::DeviceExchangeMode& m) {
+        return Quoted(worker::DeviceExchangeModeName(m));
+      });
+  fs.AddTyped<worker::WorkerOptions::UploadAhead>(
+      "upload-ahead", &w.upload_ahead,
+      "Whether a worker uploads the next batch's rows (copied in by rank 0 while the "
+      "workers compute, --batches-in-flight=2) to its device while it computes the current "
+      "batch's experts: auto (on devices with memory of their own), on, off",
+      worker::ParseUploadAhead, [](const worker::WorkerOptions::UploadAhead& u) {
+        return Quoted(worker::UploadAheadName(u));
+      });
+}
+
+// Rank 0's pipeline: batches in flight, its threads, priorities (server/).
+void RegisterPipelineFlags(common::FlagSet& fs, Flags& flags) {
+  server::FrontEndOptions& fe = flags.fe;
   fs.Add("batches-in-flight", &fe.batches_in_flight,
          "Batches between rank 0 and the workers at once: 2 copies the next batch's rows into "
          "the workers' second input slot while they compute, and the last batch's output out "
@@ -98,6 +123,11 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
          "Request priority levels (request parameter `priority`, 1 is served first)");
   fs.Add("default-priority", &fe.requests.default_priority,
          "Priority level of a request that names none (or priority 0)");
+}
+
+// The front-end's connections and calls: streams, memory, keepalive, security (server/).
+void RegisterConnectionFlags(common::FlagSet& fs, Flags& flags) {
+  server::FrontEndOptions& fe = flags.fe;
   fs.Add("max-stream-inflight", &fe.service.max_stream_inflight,
          "Requests of one ModelStreamInfer stream read but not yet answered; beyond it the "
          "server stops reading the stream");
@@ -149,33 +179,48 @@ void RegisterFrontEndFlags(common::FlagSet& fs, Flags& flags) {
 
 // The kernels' flags (weights on the device, FFN kernels).
 void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
-  fs.Add("weight-dtype", &flags.weight_dtype,
-         "Expert weights (routed and shared) on the workers' devices: fp32 or bf16 (rounded to "
-         "nearest even once at load; the router stays fp32, sums are fp32 either way)");
-  fs.Add("tensor-cores", &flags.runtime.tensor_cores,
+  kernels::RuntimeOptions& runtime = flags.worker.device;
+  fs.AddTyped<common::ElementType>(
+      "weight-dtype", &flags.worker.weight_dtype,
+      "Expert weights (routed and shared) on the workers' devices: fp32 or bf16 (rounded to "
+      "nearest even once at load; the router stays fp32, sums are fp32 either way)",
+      [](absl::string_view text) {
+        return common::ParseFlagName(text, "--weight-dtype", kernels::kKernelTypes);
+      },
+      [](const common::ElementType& t) { return Quoted(common::FlagName(t)); });
+  fs.Add("tensor-cores", &runtime.tensor_cores,
          "With --weight-dtype=bf16 on NVIDIA GPUs of compute capability 8.0 or more, run the "
          "expert FFN on the tensor cores (activations and the intermediate also rounded to "
          "bf16); --no-tensor-cores keeps the portable kernels");
-  fs.Add("bf16-dot", &flags.runtime.bf16_dot,
+  fs.Add("bf16-dot", &runtime.bf16_dot,
          "With --weight-dtype=bf16 on CPU devices whose x86 CPU has AVX512-BF16, let the expert "
          "FFN run on its bf16 dot products (vdpbf16ps; activations and the intermediate also "
          "rounded to bf16) where timing on the device shows them faster than fp32 FMAs (see "
          "--ffn-blocking); --no-bf16-dot keeps fp32 FMAs");
-  fs.Add("bf16-amx", &flags.runtime.bf16_amx,
+  fs.Add("bf16-amx", &runtime.bf16_amx,
          "Where the bf16 dot-product kernels run and the CPU has AMX-BF16 (Intel Sapphire Rapids "
          "and later), run their rows through AMX tiles (tdpbf16ps); --no-bf16-amx keeps "
          "vdpbf16ps");
-  fs.Add("ffn-blocking", &flags.runtime.ffn_blocking,
+  fs.Add("ffn-blocking", &runtime.ffn_blocking,
          "Force the portable expert FFN kernels' blocking, e.g. 'vec=8 rows=6 prefetch=64 "
          "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows), for fp32 "
          "and bf16 weights, or 'dot': bf16 weights on the bf16 dot products; default: chosen "
          "per device and expert shape, from the tuning cache beside the kernel cache or timed "
          "on the device at first start (also $EPSERVE_FFN_BLOCKING)");
-  fs.Add("pinned-transfers", &flags.pinned_transfers,
-         "On GPUs, move large blocks between host and device through pinned staging buffers, "
-         "a chunk's host copy (on the worker's host threads) overlapping the previous chunk's "
-         "DMA; --no-pinned-transfers leaves them to the driver's copies from pageable memory");
-  fs.Add("ffn-tune", &flags.runtime.tune_ffn,
+  using Staging = kernels::RuntimeOptions::Staging;
+  fs.AddTyped<Staging>(
+      "pinned-transfers", &runtime.staging,
+      "On GPUs, move large blocks between host and device through pinned staging buffers, "
+      "a chunk's host copy (on the worker's host threads) overlapping the previous chunk's "
+      "DMA; --no-pinned-transfers leaves them to the driver's copies from pageable memory",
+      [](absl::string_view text) -> absl::StatusOr<Staging> {
+        bool on = true;
+        if (!absl::SimpleAtob(text, &on)) return absl::InvalidArgumentError("");
+        return on ? Staging::kAuto : Staging::kOff;
+      },
+      [](const Staging& s) { return s == Staging::kOff ? "false" : "true"; },
+      /*switch_flag=*/true);
+  fs.Add("ffn-tune", &runtime.tune_ffn,
          "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
          "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "
          "the device's default blocking instead");
@@ -228,11 +273,19 @@ void RegisterExchangeFlags(common::FlagSet& fs, Flags& flags) {
 
 }  // namespace
 
+absl::Status Flags::Validate() const {
+  if (absl::Status s = fe.Validate(); !s.ok()) return s;
+  return worker.Validate();
+}
+
 void RegisterFlags(common::FlagSet& fs, Flags& flags) {
   RegisterServingFlags(fs, flags);
   RegisterFrontEndFlags(fs, flags);
+  RegisterWorkerFlags(fs, flags);
+  RegisterPipelineFlags(fs, flags);
+  RegisterConnectionFlags(fs, flags);
   RegisterKernelFlags(fs, flags);
   RegisterExchangeFlags(fs, flags);
 }
 
-}  // namespace epserve::server
+}  // namespace epserve::app

@@ -1,0 +1,105 @@
+// A worker's local run: a batch of which it is the only live worker (a one-worker job, or the
+// last survivor) runs on its device alone, with the exchange's bits (Worker::RunLocal). The
+// serve loop is in worker.cc, the device path in worker_device.cc.
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "worker/detail/timing.h"
+#include "worker/worker.h"
+
+namespace epserve::worker {
+using detail::NanosSince;
+
+bool Worker::RunsLocally(const BatchDescriptor& desc) const {
+  const ExchangePlan& plan = regions_.plan;
+  auto reproduced = [](common::ElementType t) {
+    return t == common::ElementType::kFp32 || t == common::ElementType::kBf16;
+  };
+  return options_.local_pass && desc.live.Count() == 1 && desc.live.Has(me_) &&
+         reproduced(plan.dispatch_dtype()) && reproduced(plan.combine_dtype()) &&
+         desc.num_rows <= plan.recv_capacity();
+}
+
+absl::Status Worker::RunLocal(const Layer& layer, const ExpertPlacement& placement,
+                              const BatchDescriptor& desc, float* y, ExchangeStats& stats) {
+  const int64_t n = desc.num_rows;
+  const int k = cfg_.top_k;
+  const int64_t hidden = cfg_.hidden_size;
+  const ExchangePlan& plan = regions_.plan;
+  const int num_local = layer.experts.num_experts;
+  stats.rounds = 1;
+  stats.expert_pairs.assign(num_local, 0);
+  if (n == 0) return absl::OkStatus();
+
+  // ---- the pair table (the `layout` stage): expert-major, tokens in order within an expert ----
+  absl::Time t0 = absl::Now();
+  local_of_expert_.assign(cfg_.num_experts, -1);
+  for (int e = 0; e < placement.count(me_); ++e) local_of_expert_[placement.expert(me_, e)] = e;
+  const int64_t pairs = n * k;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int32_t id = ids_host_[i];
+    const int local = id >= 0 && id < cfg_.num_experts ? local_of_expert_[id] : -1;
+    if (local < 0 || local >= num_local) {
+      return absl::InternalError(absl::StrCat("token ", i / k, " routed to expert ", id,
+                                              ", which this worker does not hold"));
+    }
+    ++stats.expert_pairs[local];
+  }
+  local_offsets_.assign(num_local + 1, 0);
+  for (int e = 0; e < num_local; ++e) {
+    local_offsets_[e + 1] = local_offsets_[e] + stats.expert_pairs[e];
+  }
+  std::vector<int64_t> next(local_offsets_.begin(), local_offsets_.end() - 1);
+  local_pair_row_.resize(pairs);
+  local_pair_of_choice_.resize(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t at = next[local_of_expert_[ids_host_[i]]]++;
+    local_pair_row_[at] = static_cast<int32_t>(i / k);
+    local_pair_of_choice_[i] = static_cast<int32_t>(at);
+  }
+  // ids_ (read to the host by Route) now holds each choice's pair.
+  EPSERVE_RETURN_IF_ERROR(
+      rt_->Write(row_index_, 0, local_pair_row_.data(), pairs * sizeof(int32_t)));
+  EPSERVE_RETURN_IF_ERROR(
+      rt_->Write(ids_, 0, local_pair_of_choice_.data(), pairs * sizeof(int32_t)));
+  stats.layout_ns = NanosSince(t0);
+
+  // ---- the rows as the dispatch payload would deliver them (the `dispatch` stage) ----
+  t0 = absl::Now();
+  const bool bf16_rows = plan.dispatch_dtype() == common::ElementType::kBf16;
+  const kernels::Buffer& x = bf16_rows ? x_recv_ : x_local_;
+  if (bf16_rows) EPSERVE_RETURN_IF_ERROR(kernels::RoundToBf16(*rt_, x_local_, n * hidden, x_recv_));
+  stats.rows_received = n;
+  stats.pairs = pairs;
+  stats.dispatch_ns = NanosSince(t0);
+
+  // ---- the experts and the shared expert ----
+  t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(
+      kernels::ExpertFfn(*rt_, layer.experts, x, row_index_, local_offsets_, h_, y_));
+  kernels::SumStart start = kernels::SumStart::kZero;
+  if (layer.shared.num_experts > 0) {
+    // The whole shared expert on the unrounded rows (the owner's own), or its one slice on the
+    // rows as received (split), as the exchange runs them.
+    const bool split = plan.shared_expert_split();
+    EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(*rt_, layer.shared, split ? x : x_local_, n,
+                                                     shared_h_, shared_y_));
+    start = split ? kernels::SumStart::kAsPart : kernels::SumStart::kOnto;
+  }
+  EPSERVE_RETURN_IF_ERROR(rt_->Finish());
+  stats.expert_ns = NanosSince(t0);
+
+  // ---- the owner's sum, on the device, and the output rows down once ----
+  t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(
+      kernels::SumPairRows(*rt_, y_, ids_, weights_, n, k, hidden, &shared_y_, start,
+                           plan.combine_dtype() == common::ElementType::kBf16, shared_y_));
+  EPSERVE_RETURN_IF_ERROR(
+      rt_->Read(shared_y_, 0, y, static_cast<size_t>(n * hidden) * sizeof(float)));
+  stats.combine_ns = NanosSince(t0);
+  return absl::OkStatus();
+}
+
+}  // namespace epserve::worker

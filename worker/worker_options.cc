@@ -1,0 +1,58 @@
+#include "worker/worker_options.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace epserve::worker {
+
+absl::StatusOr<DeviceExchangeMode> ParseDeviceExchangeMode(absl::string_view name) {
+  if (name == "auto") return DeviceExchangeMode::kAuto;
+  if (name == "off") return DeviceExchangeMode::kOff;
+  if (name == "host") return DeviceExchangeMode::kHost;
+  if (name == "cuda") return DeviceExchangeMode::kCuda;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--device-exchange must be auto, off, host or cuda; got '", name, "'"));
+}
+
+const char* DeviceExchangeModeName(DeviceExchangeMode mode) {
+  switch (mode) {
+    case DeviceExchangeMode::kAuto:
+      return "auto";
+    case DeviceExchangeMode::kOff:
+      return "off";
+    case DeviceExchangeMode::kHost:
+      return "host";
+    case DeviceExchangeMode::kCuda:
+      return "cuda";
+  }
+  return "?";
+}
+
+absl::StatusOr<WorkerOptions::UploadAhead> ParseUploadAhead(absl::string_view name) {
+  if (name == "auto") return WorkerOptions::UploadAhead::kAuto;
+  if (name == "on") return WorkerOptions::UploadAhead::kOn;
+  if (name == "off") return WorkerOptions::UploadAhead::kOff;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--upload-ahead must be auto, on or off; got '", name, "'"));
+}
+
+const char* UploadAheadName(WorkerOptions::UploadAhead mode) {
+  switch (mode) {
+    case WorkerOptions::UploadAhead::kAuto:
+      return "auto";
+    case WorkerOptions::UploadAhead::kOn:
+      return "on";
+    case WorkerOptions::UploadAhead::kOff:
+      return "off";
+  }
+  return "?";
+}
+
+absl::Status WorkerOptions::Validate() const {
+  if (host_threads < 0 || host_threads > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker-host-threads must be in [0, 256], got ", host_threads));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace epserve::worker
