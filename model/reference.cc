@@ -32,12 +32,71 @@ std::vector<int> TopK(const std::vector<double>& score, const std::vector<bool>&
   return idx;
 }
 
-// Which of `num_experts` experts belong to `groups` (groups of `per_group` consecutive ones).
-std::vector<bool> GroupMembers(const std::vector<int>& groups, int per_group, int num_experts) {
-  std::vector<bool> allowed(num_experts, false);
-  for (int g : groups)
+// The experts of the `topk_group` best of the groups scored by `group_score` (groups of
+// `per_group` consecutive experts); `margin` the gap between the last kept and first dropped.
+std::vector<bool> BestGroups(const std::vector<double>& group_score, int topk_group, int per_group,
+                             double* margin) {
+  const int n_group = static_cast<int>(group_score.size());
+  std::vector<bool> allowed(static_cast<size_t>(n_group) * per_group, false);
+  for (int g : TopK(group_score, std::vector<bool>(n_group, true), topk_group, margin))
     for (int e = g * per_group; e < (g + 1) * per_group; ++e) allowed[e] = true;
   return allowed;
+}
+
+// One token's k experts from its router `logits` under c's routing kind; `weight` gets each
+// expert's weight if chosen (before the norm and scale), `margin` the choice's margin.
+std::vector<int> ChooseExperts(const MoeLayerConfig& c, const LayerWeights& w,
+                               const std::vector<double>& logits, std::vector<double>& weight,
+                               double* margin) {
+  const int e_count = c.num_experts;
+  const int per_group = e_count / c.n_group;
+  std::vector<bool> allowed(e_count, true);
+  std::vector<double> group_score(c.n_group);
+  double group_margin = std::numeric_limits<double>::infinity();
+  std::vector<int> chosen;
+  switch (c.routing) {
+    case RoutingKind::kSoftmaxTopK: {
+      const double mx = *std::max_element(logits.begin(), logits.end());
+      double sum = 0.0;
+      for (int e = 0; e < e_count; ++e) sum += (weight[e] = std::exp(logits[e] - mx));
+      for (int e = 0; e < e_count; ++e) weight[e] /= sum;
+      if (c.n_group > 1) {  // group_limited_greedy: groups scored by their best probability
+        for (int g = 0; g < c.n_group; ++g)
+          group_score[g] = *std::max_element(weight.begin() + g * per_group,
+                                             weight.begin() + (g + 1) * per_group);
+        allowed = BestGroups(group_score, c.topk_group, per_group, &group_margin);
+      }
+      chosen = TopK(weight, allowed, c.top_k, margin);
+      break;
+    }
+    case RoutingKind::kSigmoidGroupedTopK: {
+      std::vector<double> choose(e_count);
+      for (int e = 0; e < e_count; ++e) {
+        weight[e] = Sigmoid(logits[e]);
+        choose[e] = weight[e] + w.router_bias[e];
+      }
+      for (int g = 0; g < c.n_group; ++g) {  // groups scored by their two best
+        std::vector<double> members(choose.begin() + g * per_group,
+                                    choose.begin() + (g + 1) * per_group);
+        std::partial_sort(members.begin(), members.begin() + 2, members.end(),
+                          std::greater<double>());
+        group_score[g] = members[0] + members[1];
+      }
+      allowed = BestGroups(group_score, c.topk_group, per_group, &group_margin);
+      chosen = TopK(choose, allowed, c.top_k, margin);
+      break;
+    }
+    case RoutingKind::kTopKSoftmax: {
+      chosen = TopK(logits, allowed, c.top_k, margin);
+      const double mx = logits[chosen[0]];
+      double sum = 0.0;
+      for (int e : chosen) sum += (weight[e] = std::exp(logits[e] - mx));
+      for (int e : chosen) weight[e] /= sum;
+      break;
+    }
+  }
+  *margin = std::min(*margin, group_margin);
+  return chosen;
 }
 
 }  // namespace
@@ -50,67 +109,13 @@ Routing ReferenceRoute(const MoeLayerConfig& c, const LayerWeights& w, const flo
   r.ids.resize(num_tokens * k);
   r.weights.resize(num_tokens * k);
   r.margins.resize(num_tokens);
-  std::vector<double> logits(e_count), choose(e_count);
+  std::vector<double> logits(e_count), weight(e_count);
   for (int64_t t = 0; t < num_tokens; ++t) {
     const float* row = x + t * c.hidden_size;
     for (int e = 0; e < e_count; ++e)
       logits[e] = Dot(row, &w.router[e * c.hidden_size], c.hidden_size);
-    std::vector<bool> allowed(e_count, true);
-    std::vector<double> weight(e_count);
     double margin = 0.0;
-    std::vector<int> chosen;
-    switch (c.routing) {
-      case RoutingKind::kSoftmaxTopK: {
-        const double mx = *std::max_element(logits.begin(), logits.end());
-        double sum = 0.0;
-        for (int e = 0; e < e_count; ++e) sum += (weight[e] = std::exp(logits[e] - mx));
-        for (int e = 0; e < e_count; ++e) weight[e] /= sum;
-        double group_margin = std::numeric_limits<double>::infinity();
-        if (c.n_group > 1) {  // group_limited_greedy: groups scored by their best probability
-          const int per_group = e_count / c.n_group;
-          std::vector<double> group_score(c.n_group);
-          for (int g = 0; g < c.n_group; ++g)
-            group_score[g] = *std::max_element(weight.begin() + g * per_group,
-                                               weight.begin() + (g + 1) * per_group);
-          allowed = GroupMembers(
-              TopK(group_score, std::vector<bool>(c.n_group, true), c.topk_group, &group_margin),
-              per_group, e_count);
-        }
-        chosen = TopK(weight, allowed, k, &margin);
-        margin = std::min(margin, group_margin);
-        break;
-      }
-      case RoutingKind::kSigmoidGroupedTopK: {
-        for (int e = 0; e < e_count; ++e) {
-          weight[e] = Sigmoid(logits[e]);
-          choose[e] = weight[e] + w.router_bias[e];
-        }
-        const int per_group = e_count / c.n_group;
-        std::vector<double> group_score(c.n_group);
-        for (int g = 0; g < c.n_group; ++g) {
-          std::vector<double> members(choose.begin() + g * per_group,
-                                      choose.begin() + (g + 1) * per_group);
-          std::partial_sort(members.begin(), members.begin() + 2, members.end(),
-                            std::greater<double>());
-          group_score[g] = members[0] + members[1];
-        }
-        double group_margin = 0.0;
-        allowed = GroupMembers(
-            TopK(group_score, std::vector<bool>(c.n_group, true), c.topk_group, &group_margin),
-            per_group, e_count);
-        chosen = TopK(choose, allowed, k, &margin);
-        margin = std::min(margin, group_margin);
-        break;
-      }
-      case RoutingKind::kTopKSoftmax: {
-        chosen = TopK(logits, allowed, k, &margin);
-        const double mx = logits[chosen[0]];
-        double sum = 0.0;
-        for (int e : chosen) sum += (weight[e] = std::exp(logits[e] - mx));
-        for (int e : chosen) weight[e] /= sum;
-        break;
-      }
-    }
+    const std::vector<int> chosen = ChooseExperts(c, w, logits, weight, &margin);
     double norm = 1.0;
     if (c.norm_topk_prob && c.routing != RoutingKind::kTopKSoftmax) {
       double sum = 0.0;
