@@ -204,6 +204,22 @@ inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, in
   __asm__ __volatile__("cp.async.wait_all;" ::: "memory");
 }
 
+// The tile of this work-group: (weight-row tile, row group). The launch grid is (weight-row
+// tiles, row groups); work-groups are renumbered so that MMA_RASTER consecutive ones take the
+// same weight tile for MMA_RASTER row groups, then the next weight tile: the work-groups in
+// flight read each weight tile from L2 for about 1000 rows instead of one group's 128. On an
+// H100, mixtral-8x7b 335 -> 355 TFLOP/s at 4 x 2048 rows, +5-6% from 512 to 8192 rows
+// (qwen1.5-moe-a2.7b, whose four experts' weights stay in L2: unchanged).
+#define MMA_RASTER 8
+inline int2 ThisTile(void) {
+  const int nx = get_num_groups(0), ny = get_num_groups(1);
+  const int b = get_group_id(1) * nx + get_group_id(0);
+  const int first = (b / (MMA_RASTER * nx)) * MMA_RASTER;
+  const int span = min(MMA_RASTER, ny - first);
+  const int at = b - first * nx;
+  return (int2)(at / span, first + at % span);
+}
+
 // This work-item's copies for a tile whose A rows are [p0, end) of `a` (rows of ld 16-byte
 // chunks; rows clamped to end - 1, whose results are not stored) and whose weights start at
 // w (tiles of MMA_BN rows x MMA_BK columns, each in local-memory order, K slices one after
@@ -234,7 +250,7 @@ inline __attribute__((always_inline)) int4 TileProduct(
     const __global ushort* restrict a, const __global int4* restrict groups,
     const __global ushort* restrict w, int n_rows, int k_pad, int n0, __local uint4* lds_a,
     __local uint4* lds_b, float* acc) {
-  const int4 grp = groups[get_group_id(1)];
+  const int4 grp = groups[ThisTile().y];
   const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
   const StageCopies copies = TileCopies((const __global uint4*)a, grp.y, grp.z,
                                         (const __global uint4*)wt, k_pad / 8);
@@ -267,7 +283,7 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
                               __global ushort* restrict h) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
-  const int n0 = get_group_id(0) * MMA_BN;  // first weight row of the tile
+  const int n0 = ThisTile().x * MMA_BN;  // first weight row of the tile
   float acc[4 * NJ * 4];
   const int4 grp = TileProduct(a, groups, w, 2 * f_pad, k_pad, n0, lds_a, lds_b, acc);
 
@@ -300,7 +316,7 @@ __kernel void ffn_mma_down(__global const ushort* restrict h, __global const int
                            __global float* restrict y) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
-  const int n0 = get_group_id(0) * MMA_BN;
+  const int n0 = ThisTile().x * MMA_BN;
   float acc[4 * NJ * 4];
   const int4 grp = TileProduct(h, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
 
