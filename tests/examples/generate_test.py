@@ -8,6 +8,7 @@ which ctest reports as skipped. EPSERVE_BUILD_DIR names the build folder, EPSERV
 executable.
 """
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -19,12 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def reexec_in_venv():
     """Returns when torch and transformers import here; else re-runs this file in the venv."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+    if all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         return
-    except ImportError:
-        pass
     venv = os.environ.get("EPSERVE_EXAMPLES_VENV", "")
     python = os.path.join(venv, "bin", "python")
     if not venv or not os.access(python, os.X_OK) or os.environ.get("EPSERVE_IN_VENV"):
