@@ -9,6 +9,7 @@
 #include "common/status.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/ffn_layout.h"
+#include "kernels/detail/ffn_mma.h"
 #include "kernels/detail/launch.h"
 
 namespace epserve::kernels {
@@ -133,32 +134,10 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
 absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
-  const int64_t rows = offsets.back();
-  const int64_t k_pad = detail::MmaKPad(w.hidden);
-  const int64_t f_pad = detail::MmaFfnPad(w.ffn);
-  const int64_t down_rows = detail::MmaDownRows(w.hidden);
-  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
-  EPSERVE_ASSIGN_OR_RETURN(
-      Bf16Tiles tiles,
-      StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets, detail::kMmaBm, k_pad, f_pad,
-                    "gather_rows_to_bf16", gather_global, h_scratch, y));
-  if (tiles.num_groups == 0) return absl::OkStatus();
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up, rt.Kernel("ffn_mma_gate_up"));
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_mma_down"));
-  const size_t local[2] = {static_cast<size_t>(detail::kMmaThreads), 1};
-  EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, tiles.groups, w.gate_up, static_cast<cl_int>(k_pad),
-                                  static_cast<cl_int>(f_pad), h_scratch));
-  const size_t gu_global[2] = {
-      static_cast<size_t>(2 * f_pad / detail::kMmaBn * detail::kMmaThreads),
-      static_cast<size_t>(tiles.num_groups)};
-  EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
-  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, tiles.groups, w.down, static_cast<cl_int>(f_pad),
-                                  static_cast<cl_int>(down_rows), static_cast<cl_int>(w.hidden),
-                                  y));
-  const size_t down_global[2] = {
-      static_cast<size_t>(down_rows / detail::kMmaBn * detail::kMmaThreads),
-      static_cast<size_t>(tiles.num_groups)};
-  return Launch(rt, down, 2, down_global, local);
+  int num_groups = 0;
+  EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, detail::kMmaBm, &num_groups));
+  return detail::LaunchFfnMma(rt, w, x, x_format, row_index, gather, offsets.back(), groups,
+                              num_groups, h_scratch, y);
 }
 
 // The BF16 dot-product FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows
@@ -214,6 +193,108 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
 }
 }  // namespace
 
+namespace detail {
+
+namespace {
+
+// Parts of K (k_pad values) for a tensor-core launch of `tiles` work-groups: enough that about
+// two work-groups per multiprocessor stream the weights, each part at least 4 slices of kMmaBk;
+// 1 where the launch has that many tiles already.
+int KSplits(const Runtime& rt, int64_t tiles, int64_t k_pad) {
+  const int64_t want = 2 * static_cast<int64_t>(rt.device_info().compute_units);
+  if (tiles >= want) return 1;
+  const int64_t slices = k_pad / kMmaBk;
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMmaMaxKSplits, slices / 4));
+  const int64_t parts = std::min(most, CeilDiv(want, std::max<int64_t>(tiles, 1)));
+  // Parts of equal slices: the last one is not empty.
+  return static_cast<int>(CeilDiv(slices, CeilDiv(slices, parts)));
+}
+
+// One GEMM of the tensor-core FFN in `splits` parts of K: ffn_mma_partial writes each part's
+// products of a [rows, k_pad] (BF16) and the n_rows weight rows of w into FP32 partial sums,
+// then `reduce` (ffn_reduce_gate_up: h, BF16; ffn_reduce_down: y, FP32 columns < out_cols)
+// adds the parts in order and finishes as the unsplit kernel does.
+absl::Status LaunchSplitK(Runtime& rt, const Buffer& a, const Buffer& groups, int num_groups,
+                          const Buffer& w, int64_t n_rows, int64_t k_pad, int splits, int64_t rows,
+                          const char* reduce, int64_t out_cols, Buffer& out) {
+  const int64_t slices = k_pad / kMmaBk;
+  const int64_t per_split = CeilDiv(slices, splits);
+  EPSERVE_ASSIGN_OR_RETURN(Buffer * partial,
+                           rt.Scratch(Runtime::kSplitKScratch,
+                                      static_cast<size_t>(splits * rows * n_rows) * sizeof(float)));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel product, rt.Kernel("ffn_mma_partial"));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(product, a, groups, w, static_cast<cl_int>(n_rows),
+                                  static_cast<cl_int>(k_pad), static_cast<cl_int>(per_split),
+                                  static_cast<cl_int>(rows), *partial));
+  const size_t local[3] = {static_cast<size_t>(kMmaThreads), 1, 1};
+  const size_t global[3] = {static_cast<size_t>(n_rows / kMmaBn * kMmaThreads),
+                            static_cast<size_t>(num_groups), static_cast<size_t>(splits)};
+  EPSERVE_RETURN_IF_ERROR(Launch(rt, product, 3, global, local));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel sum, rt.Kernel(reduce));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(sum, *partial, cl_int{splits}, static_cast<cl_int>(rows),
+                                  static_cast<cl_int>(n_rows), static_cast<cl_int>(out_cols), out));
+  const size_t sum_global[2] = {static_cast<size_t>(out_cols), static_cast<size_t>(rows)};
+  return Launch(rt, sum, 2, sum_global, nullptr);
+}
+
+}  // namespace
+
+absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
+                          const Buffer& row_index, bool gather, int64_t rows, const Buffer& groups,
+                          int num_groups, Buffer& h_scratch, Buffer& y) {
+  if (rows == 0 || num_groups == 0) return absl::OkStatus();
+  const int64_t k_pad = MmaKPad(w.hidden);
+  const int64_t f_pad = MmaFfnPad(w.ffn);
+  const int64_t down_rows = MmaDownRows(w.hidden);
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * k_pad * sizeof(uint16_t), "y (BF16 activations)"));
+  EPSERVE_RETURN_IF_ERROR(
+      NeedBytes(h_scratch, rows * f_pad * sizeof(uint16_t), "h_scratch (BF16 h)"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(groups, num_groups * 4 * sizeof(cl_int), "groups"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gather_kernel, rt.Kernel("gather_rows_to_bf16"));
+  const cl_long x_rows =
+      RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
+  EPSERVE_RETURN_IF_ERROR(SetArgs(
+      gather_kernel, x, cl_int{x_format.dtype == common::ElementType::kBf16 ? 1 : 0}, x_rows,
+      cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0}, static_cast<cl_int>(rows),
+      static_cast<cl_int>(w.hidden), static_cast<cl_int>(k_pad), y));
+  // One work-item per 8 values of a row (rows in dimension 1).
+  static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
+  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
+  EPSERVE_RETURN_IF_ERROR(LaunchBounded(rt, gather_kernel, 2, gather_global, kCpuChunksPerGroup));
+  // Launches of fewer tiles than twice the device's multiprocessors (a shared expert, or a few
+  // experts, at decode sizes) split K, so that more work-groups stream the weights; the parts
+  // are summed in a fixed order. How many parts follows from the rows and the device only, so
+  // the device's grouping and the host's give the same bits.
+  const int64_t tile_bound = MaxPairGroups(rows, w.num_experts, kMmaBm);
+  const int gu_splits = KSplits(rt, 2 * f_pad / kMmaBn * tile_bound, k_pad);
+  const int down_splits = KSplits(rt, down_rows / kMmaBn * tile_bound, f_pad);
+  const size_t local[2] = {static_cast<size_t>(kMmaThreads), 1};
+  if (gu_splits > 1) {
+    EPSERVE_RETURN_IF_ERROR(LaunchSplitK(rt, y, groups, num_groups, w.gate_up, 2 * f_pad, k_pad,
+                                         gu_splits, rows, "ffn_reduce_gate_up", f_pad, h_scratch));
+  } else {
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up, rt.Kernel("ffn_mma_gate_up"));
+    EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, groups, w.gate_up, static_cast<cl_int>(k_pad),
+                                    static_cast<cl_int>(f_pad), h_scratch));
+    const size_t gu_global[2] = {static_cast<size_t>(2 * f_pad / kMmaBn * kMmaThreads),
+                                 static_cast<size_t>(num_groups)};
+    EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
+  }
+  if (down_splits > 1) {
+    return LaunchSplitK(rt, h_scratch, groups, num_groups, w.down, down_rows, f_pad, down_splits,
+                        rows, "ffn_reduce_down", w.hidden, y);
+  }
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_mma_down"));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, groups, w.down, static_cast<cl_int>(f_pad),
+                                  static_cast<cl_int>(down_rows), static_cast<cl_int>(w.hidden),
+                                  y));
+  const size_t down_global[2] = {static_cast<size_t>(down_rows / kMmaBn * kMmaThreads),
+                                 static_cast<size_t>(num_groups)};
+  return Launch(rt, down, 2, down_global, local);
+}
+
+}  // namespace detail
+
 absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t n, Buffer& ids,
                    Buffer& weights) {
   const model::MoeLayerConfig& c = w.cfg;
@@ -222,23 +303,38 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
   EPSERVE_RETURN_IF_ERROR(NeedBytes(x, n * c.hidden_size * sizeof(float), "x"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(ids, n * c.top_k * sizeof(int32_t), "ids"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(weights, n * c.top_k * sizeof(float), "weights"));
-  // CPUs: one work-item per block of tokens; other devices: a work-group per block.
-  const bool cpu = rt.device_info().is_cpu;
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(cpu ? "route_tokens" : "route_tokens_wg"));
-  EPSERVE_RETURN_IF_ERROR(
-      SetArgs(kernel, x, w.router, w.bias, static_cast<cl_int>(n),
-              static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts}, cl_int{c.top_k},
-              static_cast<cl_int>(c.routing), cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group},
-              cl_int{c.topk_group}, cl_float{c.routed_scaling_factor}, ids, weights));
-  if (!cpu) {
-    const size_t local[1] = {static_cast<size_t>(detail::kRouterGroupSize)};
-    const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterGroupTokens)) *
-                              local[0]};
+  // CPUs: one work-item per block of tokens.
+  if (rt.device_info().is_cpu) {
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("route_tokens"));
+    EPSERVE_RETURN_IF_ERROR(
+        SetArgs(kernel, x, w.router, w.bias, static_cast<cl_int>(n),
+                static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts}, cl_int{c.top_k},
+                static_cast<cl_int>(c.routing), cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group},
+                cl_int{c.topk_group}, cl_float{c.routed_scaling_factor}, ids, weights));
+    const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterTokens))};
+    const size_t local[1] = {1};
     return Launch(rt, kernel, 1, global, local);
   }
-  const size_t global[1] = {static_cast<size_t>(detail::CeilDiv(n, detail::kRouterTokens))};
-  const size_t local[1] = {1};
-  return Launch(rt, kernel, 1, global, local);
+  // Other devices: the logits over work-groups of (experts, tokens), then the selection.
+  EPSERVE_ASSIGN_OR_RETURN(Buffer * logit_sums,
+                           rt.Scratch(Runtime::kRouterLogitsScratch,
+                                      static_cast<size_t>(n * c.num_experts) * sizeof(float)));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel logits, rt.Kernel("route_logits_wg"));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(logits, x, w.router, static_cast<cl_int>(n),
+                                  static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts},
+                                  *logit_sums));
+  const size_t local[2] = {static_cast<size_t>(detail::kRouterGroupSize), 1};
+  const size_t global[2] = {
+      static_cast<size_t>(detail::CeilDiv(c.num_experts, detail::kRouterLogitExperts)) * local[0],
+      static_cast<size_t>(detail::CeilDiv(n, detail::kRouterGroupTokens))};
+  EPSERVE_RETURN_IF_ERROR(Launch(rt, logits, 2, global, local));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel select, rt.Kernel("route_select"));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(
+      select, *logit_sums, w.bias, static_cast<cl_int>(n), cl_int{c.num_experts}, cl_int{c.top_k},
+      static_cast<cl_int>(c.routing), cl_int{c.norm_topk_prob ? 1 : 0}, cl_int{c.n_group},
+      cl_int{c.topk_group}, cl_float{c.routed_scaling_factor}, ids, weights));
+  const size_t select_global[1] = {static_cast<size_t>(n)};
+  return LaunchBounded(rt, select, 1, select_global, detail::kCpuRowsPerGroup);
 }
 
 int64_t ExpertFfnSecondFormRows(const ExpertWeights& w) {
@@ -314,6 +410,14 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
           ? RunFfnDot(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
           : RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, offsets, h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
+  if (!rt.device_info().is_cpu) {  // a work-group per row
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel scale, rt.Kernel("scale_rows_by_sigmoid_gate_wg"));
+    EPSERVE_RETURN_IF_ERROR(
+        SetArgs(scale, x, w.gate, static_cast<cl_int>(n), static_cast<cl_long>(w.hidden), y));
+    const size_t local[1] = {static_cast<size_t>(detail::kGateGroupSize)};
+    const size_t global[1] = {static_cast<size_t>(n) * local[0]};
+    return Launch(rt, scale, 1, global, local);
+  }
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel scale, rt.Kernel("scale_rows_by_sigmoid_gate"));
   EPSERVE_RETURN_IF_ERROR(
       SetArgs(scale, x, w.gate, static_cast<cl_int>(n), static_cast<cl_long>(w.hidden), y));

@@ -157,4 +157,45 @@ absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64
 // i < count: rows as a BF16 exchange payload delivers them. dst may be src.
 absl::Status RoundToBf16(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst);
 
+// ---- the pairs grouped by expert on the device ----
+
+// A batch's layout made on the device by GroupPairs, for up to max_pairs pairs of one
+// ExpertWeights' experts (AllocatePairGroups): what a worker's layout makes on the host, with no
+// wait for the router's results.
+struct PairGroups {
+  Buffer row_index;       // int32 [max_pairs]: the token of each expert-major position
+  Buffer pair_of_choice;  // int32 [max_pairs]: each choice's position (-1: a bad expert id)
+  Buffer groups;          // int4 [MaxPairGroups(max_pairs)]: the FFN's work tiles
+  Buffer counts;          // int32 [experts + 1]: pairs per local expert, then bad ids
+  int64_t max_pairs = 0;
+  int num_experts = 0;  // local experts
+  int64_t pairs = 0;    // of the last GroupPairs
+  int num_groups = 0;   // tiles of the last GroupPairs (the empty ones at the end included)
+};
+// The most pairs GroupPairs groups at the speed it is for (it keeps them in local memory);
+// larger batches (prefill) group faster on the host.
+inline constexpr int64_t kDeviceGroupingMaxPairs = 4096;
+// The most work tiles `pairs` pairs over `num_experts` experts need, in tiles of `chunk`.
+int64_t MaxPairGroups(int64_t pairs, int num_experts, int64_t chunk);
+absl::StatusOr<PairGroups> AllocatePairGroups(Runtime& rt, const ExpertWeights& w,
+                                              int64_t max_pairs);
+
+// ids [n, k] (global expert ids, as Route writes them) grouped by w's local experts on the
+// device: expert-major, in order of token * k + choice within an expert (the order of
+// worker::Worker::RunLocal's host layout, so that results are the same bits). local_of:
+// int32 [num_global], each global expert's local index (-1: not held here). Waits for nothing.
+absl::Status GroupPairs(Runtime& rt, const ExpertWeights& w, const Buffer& ids, int64_t n, int k,
+                        const Buffer& local_of, int num_global, PairGroups& g);
+
+// ExpertFfn over the pairs of the last GroupPairs: y[p, :] = FFN_e(x[row_index[p], :]). With
+// tensor-core weights the tiles come from the device and nothing waits; the other forms read
+// the counts first (one wait) and run ExpertFfn.
+absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer& x,
+                              const PairGroups& g, Buffer& h_scratch, Buffer& y,
+                              RowFormat x_format = {});
+
+// The last GroupPairs' pairs per local expert, read back (waits for the device); INTERNAL
+// naming the count when a pair's expert id was not one of w's.
+absl::StatusOr<std::vector<int64_t>> ReadPairCounts(Runtime& rt, const PairGroups& g);
+
 }  // namespace epserve::kernels

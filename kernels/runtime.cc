@@ -223,6 +223,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
 }
 
 Runtime::~Runtime() {
+  for (Buffer& b : scratch_) b = Buffer();
   programs_.reset();  // kernels and programs before the context
   if (queue_ != nullptr) {
     clFinish(queue_);
@@ -299,6 +300,16 @@ absl::StatusOr<Buffer> Runtime::ImportOpaqueFd(int fd, size_t bytes) {
   cl_mem mem = nullptr;
   CL_CHECK((mem = create(context_, properties, CL_MEM_READ_WRITE, bytes, nullptr, &err), err));
   return Buffer(mem, bytes);
+}
+
+absl::StatusOr<Buffer*> Runtime::Scratch(ScratchSlot slot, size_t bytes) {
+  Buffer& b = scratch_[slot];
+  if (b.bytes() < bytes) {
+    b = Buffer();  // the old one first: the device may be short of memory
+    // Twice what is asked, so that growing batches do not allocate each time.
+    EPSERVE_ASSIGN_OR_RETURN(b, Allocate(std::max<size_t>(2 * bytes, 1 << 16)));
+  }
+  return &b;
 }
 
 absl::StatusOr<Buffer> Runtime::AllocateCopy(const void* src, size_t bytes) {

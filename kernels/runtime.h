@@ -132,6 +132,12 @@ class Runtime {
   absl::StatusOr<Buffer> ImportOpaqueFd(int fd, size_t bytes);
   // A read-only buffer holding a copy of src[0, bytes), made before this returns.
   absl::StatusOr<Buffer> AllocateCopy(const void* src, size_t bytes);
+  // A device buffer of at least `bytes` that the kernels of this Runtime use between their
+  // launches (one per slot: the router's logits, the partial sums of split GEMMs), grown as
+  // batches need; valid until the next Scratch of the same slot. Like every call of a Runtime,
+  // from one thread.
+  enum ScratchSlot { kRouterLogitsScratch, kSplitKScratch, kNumScratchSlots };
+  absl::StatusOr<Buffer*> Scratch(ScratchSlot slot, size_t bytes);
   // Blocking copies between host memory and a buffer (staged through pinned memory where
   // RuntimeOptions::staging says, for blocks of at least kStagedTransferMin bytes).
   absl::Status Write(const Buffer& dst, size_t offset, const void* src, size_t bytes);
@@ -212,6 +218,7 @@ class Runtime {
   // The options every program is built with (detail::ProgramBuildOptions), fixed at Create.
   std::string program_options_;
   std::unique_ptr<Programs> programs_;
+  Buffer scratch_[kNumScratchSlots];
   // Pinned staging (RuntimeOptions::staging): two driver buffers made with
   // CL_MEM_ALLOC_HOST_PTR and mapped for the Runtime's life, and the event of each one's last
   // transfer.

@@ -260,6 +260,13 @@ inline __attribute__((always_inline)) int4 TileProduct(
   return grp;
 }
 
+// Whether this work-group's tile has no rows: the launch may cover more tiles than a batch
+// has (groups made on the device, kernels/moe_grouped.cc), the rest being (0, 0, 0, 0).
+inline bool EmptyTile(const __global int4* groups) {
+  const int4 grp = groups[ThisTile().y];
+  return grp.z <= grp.y;
+}
+
 // Where this work-item's accumulators lie in the tile: acc[(i * NJ + j) * 4 + hi * 2 + {0, 1}]
 // is row wm * 64 + i * 16 + g + hi * 8, columns wn * WARP_COLS + j * 8 + 2t + {0, 1}.
 typedef struct {
@@ -283,6 +290,7 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
                               __global ushort* restrict h) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
+  if (EmptyTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;  // first weight row of the tile
   float acc[4 * NJ * 4];
   const int4 grp = TileProduct(a, groups, w, 2 * f_pad, k_pad, n0, lds_a, lds_b, acc);
@@ -316,6 +324,7 @@ __kernel void ffn_mma_down(__global const ushort* restrict h, __global const int
                            __global float* restrict y) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
+  if (EmptyTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;
   float acc[4 * NJ * 4];
   const int4 grp = TileProduct(h, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
@@ -365,4 +374,83 @@ __kernel void gather_rows_to_bf16(__global const void* restrict x, int x_bf16, l
   }
   out[((size_t)p * k_pad + c) / 8] =
       (uint4)(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
+}
+
+// ---- split K: launches of few tiles ----
+// A launch of fewer tiles than the device has multiprocessors for (a shared expert, or a few
+// experts, at decode sizes) reads its weights through too few work-groups; these split K into
+// parts (kernels/moe_kernels.cc, LaunchSplitK): work-group (weight tile, row group, part s)
+// multiplies K slices [s * per_split, (s + 1) * per_split) of its tile into FP32 partial sums
+// partial[s][p][n] (rows p < rows of the launch, weight rows n < n_rows), and a reduce kernel
+// adds the parts in order of s, then finishes as ffn_mma_gate_up or ffn_mma_down does.
+__kernel void ffn_mma_partial(__global const ushort* restrict a,
+                              __global const int4* restrict groups,
+                              __global const ushort* restrict w, int n_rows, int k_pad,
+                              int per_split, int rows, __global float* restrict partial) {
+  __local uint4 lds_a[MMA_STAGES * STAGE_A];
+  __local uint4 lds_b[MMA_STAGES * STAGE_B];
+  if (EmptyTile(groups)) return;
+  const int n0 = ThisTile().x * MMA_BN;
+  const int s = get_group_id(2);
+  const int ks0 = s * per_split;
+  const int count = min(per_split, k_pad / MMA_BK - ks0);
+  const int4 grp = groups[ThisTile().y];
+  const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
+  StageCopies copies = TileCopies((const __global uint4*)a, grp.y, grp.z,
+                                  (const __global uint4*)wt, k_pad / 8);
+#pragma unroll
+  for (int l = 0; l < A_LOADS; ++l) copies.a[l] += ks0 * CPR;
+#pragma unroll
+  for (int l = 0; l < B_LOADS; ++l) copies.w[l] += ks0 * STAGE_B;
+  float acc[4 * NJ * 4];
+#pragma unroll
+  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
+  MmaTile(&copies, count * CPR, lds_a, lds_b, acc);
+
+  const AccPlace q = ThisAccPlace();
+  __global float* part = partial + (size_t)s * rows * n_rows;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int p = grp.y + q.wm * 64 + i * 16 + q.g + hi * 8;
+      if (p >= grp.z) continue;
+      __global float* out = part + (size_t)p * n_rows;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = n0 + q.wn * WARP_COLS + j * 8 + 2 * q.t;
+        const float* v = acc + (i * NJ + j) * 4 + hi * 2;
+        out[c] = v[0];
+        out[c + 1] = v[1];
+      }
+    }
+  }
+}
+
+// The parts' sum of weight row n for row p.
+inline float SumParts(const __global float* partial, int splits, int rows, int n_rows, int p,
+                      int n) {
+  float v = 0.0f;
+  for (int s = 0; s < splits; ++s) v += partial[((size_t)s * rows + p) * n_rows + n];
+  return v;
+}
+
+// h[p, f] = BF16(silu(gate) * up) for f < f_pad (n_rows = 2 * f_pad, blocks of 8 gate rows
+// then 8 up rows). Global (f_pad, rows).
+__kernel void ffn_reduce_gate_up(__global const float* restrict partial, int splits, int rows,
+                                 int n_rows, int f_pad, __global ushort* restrict h) {
+  const int f = get_global_id(0), p = get_global_id(1);
+  if (f >= f_pad || p >= rows) return;
+  const int n = (f / 8) * 16 + (f & 7);
+  const float g = SumParts(partial, splits, rows, n_rows, p, n);
+  const float u = SumParts(partial, splits, rows, n_rows, p, n + 8);
+  h[(size_t)p * f_pad + f] = (ushort)Bf16Bits(g / (1.0f + exp(-g)) * u);
+}
+
+// y[p, c] for c < hidden. Global (hidden, rows).
+__kernel void ffn_reduce_down(__global const float* restrict partial, int splits, int rows,
+                              int n_rows, int hidden, __global float* restrict y) {
+  const int c = get_global_id(0), p = get_global_id(1);
+  if (c >= hidden || p >= rows) return;
+  y[(size_t)p * hidden + c] = SumParts(partial, splits, rows, n_rows, p, c);
 }

@@ -211,14 +211,14 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
   }
 }
 
-// The same routing for GPUs: one work-group of ROUTER_WG work-items per ROUTER_WG_TOKENS
-// tokens. The work-items take the experts in passes of `chunk` (the expert count rounded up
-// to a power of two, at most ROUTER_WG) and split each router row's K among the
-// ROUTER_WG / chunk work-items left over, so that few experts or few tokens still keep every
-// work-item busy: work-item (expert el, slice s) sums k = 4 s + 4 * split * j (+ 0..3) for
-// all the group's tokens at once (each router row read once per group, the tokens' x rows at
-// the same addresses by all), the slices are added in a fixed order into local memory, then
-// one work-item per token selects its experts. Results are the same run to run.
+// The same routing for GPUs, in two launches: route_logits_wg computes logits [n, E] in
+// work-groups of ROUTER_WG items over (ROUTER_LG_EXPERTS experts, ROUTER_WG_TOKENS tokens)
+// each, so that a few tokens still spread over many multiprocessors: item (expert el, slice s)
+// sums k = 4 s + 4 * slices * j (+ 0..3) for the group's tokens at once (each router row read
+// once per group, the tokens' x rows at the same addresses by all), the slices are added in a
+// fixed order; route_select then selects each token's experts (one work-item per token).
+// Results are the same run to run. Global size of route_logits_wg: (ROUTER_WG *
+// ceil(E / ROUTER_LG_EXPERTS), ceil(n / ROUTER_WG_TOKENS)).
 #ifndef ROUTER_WG
 #define ROUTER_WG 256
 #endif
@@ -226,7 +226,7 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
 #define ROUTER_WG_TOKENS 8
 #endif
 #if ROUTER_WG_TOKENS != 8
-#error "route_tokens_wg is written for ROUTER_WG_TOKENS == 8"
+#error "route_logits_wg is written for ROUTER_WG_TOKENS == 8"
 #endif
 #define REP8(M) REP4(M) M(4) M(5) M(6) M(7)
 #define WG_X_PTR(t) const __global float* xr##t = x + (size_t)min(t0 + (t), n - 1) * hidden;
@@ -235,53 +235,162 @@ __kernel __attribute__((reqd_work_group_size(1, 1, 1))) void route_tokens(
   float tail##t = 0.0f;
 #define WG_ACC_FMA(t) acc##t = fma(vload4(0, xr##t + h), rv, acc##t);
 #define WG_TAIL_FMA(t) tail##t = fma(xr##t[h], rr[h], tail##t);
-#define WG_PART(t)                                      \
-  part[(s * ROUTER_WG_TOKENS + (t)) * chunk + el] = \
-      ((acc##t.x + acc##t.y) + (acc##t.z + acc##t.w)) + tail##t;
 
-__kernel __attribute__((reqd_work_group_size(ROUTER_WG, 1, 1))) void route_tokens_wg(
-    __global const float* restrict x, __global const float* restrict router,
-    __global const float* restrict bias, int n, int hidden, int num_experts, int k, int kind,
-    int norm_topk_prob, int n_group, int topk_group, float routed_scaling_factor,
-    __global int* restrict ids, __global float* restrict weights) {
-  __local float lg[ROUTER_WG_TOKENS * ROUTER_MAX_EXPERTS];
-  __local float part[ROUTER_WG * ROUTER_WG_TOKENS];  // [slice][token][expert of the pass]
+#define ROUTER_LG_EXPERTS 8
+#define LG_SLICES (ROUTER_WG / ROUTER_LG_EXPERTS)
+#define LG_PART(t) part[(t) * ROUTER_WG + lid] = ((acc##t.x + acc##t.y) + (acc##t.z + acc##t.w)) + tail##t;
+__kernel __attribute__((reqd_work_group_size(ROUTER_WG, 1, 1))) void route_logits_wg(
+    __global const float* restrict x, __global const float* restrict router, int n, int hidden,
+    int num_experts, __global float* restrict logits) {
+  __local float part[ROUTER_WG_TOKENS * ROUTER_WG];  // [token][expert of the group][slice]
   const int lid = get_local_id(0);
-  const int t0 = get_group_id(0) * ROUTER_WG_TOKENS;
-  int chunk = 1;
-  while (chunk < num_experts && chunk < ROUTER_WG) chunk *= 2;
-  const int split = ROUTER_WG / chunk;
-  const int el = lid / split;
-  const int s = lid % split;
+  const int el = lid / LG_SLICES, s = lid % LG_SLICES;
+  const int e0 = get_group_id(0) * ROUTER_LG_EXPERTS;
+  const int t0 = get_group_id(1) * ROUTER_WG_TOKENS;
+  const int e = min(e0 + el, num_experts - 1);  // past the last expert: computed, not kept
+  const __global float* rr = router + (size_t)e * hidden;
   const int hidden4 = hidden & ~3;
   REP8(WG_X_PTR)
-  for (int e0 = 0; e0 < num_experts; e0 += chunk) {
-    const int e = min(e0 + el, num_experts - 1);  // past the last expert: computed, not kept
-    const __global float* rr = router + (size_t)e * hidden;
-    REP8(WG_ACC_DECL)
-    for (int h = 4 * s; h < hidden4; h += 4 * split) {
-      const float4 rv = vload4(0, rr + h);
-      REP8(WG_ACC_FMA)
-    }
-    for (int h = hidden4 + s; h < hidden; h += split) {
-      REP8(WG_TAIL_FMA)
-    }
-    REP8(WG_PART)
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int i = lid; i < ROUTER_WG_TOKENS * chunk; i += ROUTER_WG) {
-      const int t = i / chunk, ei = i % chunk;
-      if (e0 + ei >= num_experts) continue;
-      float sum = 0.0f;
-      for (int q = 0; q < split; ++q) sum += part[(q * ROUTER_WG_TOKENS + t) * chunk + ei];
-      lg[t * ROUTER_MAX_EXPERTS + e0 + ei] = sum;
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
+  REP8(WG_ACC_DECL)
+  for (int h = 4 * s; h < hidden4; h += 4 * LG_SLICES) {
+    const float4 rv = vload4(0, rr + h);
+    REP8(WG_ACC_FMA)
   }
-  const int t = t0 + lid;
-  if (lid < ROUTER_WG_TOKENS && t < n) {
-    float logit[ROUTER_MAX_EXPERTS];
-    for (int e = 0; e < num_experts; ++e) logit[e] = lg[lid * ROUTER_MAX_EXPERTS + e];
-    SelectExperts(logit, bias, num_experts, k, kind, norm_topk_prob, n_group, topk_group,
-                  routed_scaling_factor, ids + (size_t)t * k, weights + (size_t)t * k);
+  for (int h = hidden4 + s; h < hidden; h += LG_SLICES) {
+    REP8(WG_TAIL_FMA)
+  }
+  REP8(LG_PART)
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (lid < ROUTER_WG_TOKENS * ROUTER_LG_EXPERTS) {
+    const int t = lid / ROUTER_LG_EXPERTS, ei = lid % ROUTER_LG_EXPERTS;
+    if (t0 + t < n && e0 + ei < num_experts) {
+      const __local float* p = part + t * ROUTER_WG + ei * LG_SLICES;
+      float sum = 0.0f;
+      for (int q = 0; q < LG_SLICES; ++q) sum += p[q];
+      logits[(size_t)(t0 + t) * num_experts + e0 + ei] = sum;
+    }
   }
 }
+
+__kernel void route_select(__global const float* restrict logits, __global const float* restrict bias,
+                           int n, int num_experts, int k, int kind, int norm_topk_prob,
+                           int n_group, int topk_group, float routed_scaling_factor,
+                           __global int* restrict ids, __global float* restrict weights) {
+  const int t = get_global_id(0);
+  if (t >= n) return;
+  float logit[ROUTER_MAX_EXPERTS];
+  for (int e = 0; e < num_experts; ++e) logit[e] = logits[(size_t)t * num_experts + e];
+  SelectExperts(logit, bias, num_experts, k, kind, norm_topk_prob, n_group, topk_group,
+                routed_scaling_factor, ids + (size_t)t * k, weights + (size_t)t * k);
+}
+
+// The routed pairs grouped by local expert on the device, as a worker's layout does on the host
+// (worker::Worker::RunLocal): expert-major, pairs in order of i = token * k + choice within
+// an expert. For i < pairs, e = local_of[ids[i]] (ids outside [0, num_global) or mapped
+// outside [0, num_local): `bad`, counted in counts[num_local]):
+//   row_index[offset(e) + r] = i / k   (r: how many earlier pairs share e)
+//   pair_of_choice[i]        = offset(e) + r   (-1 for a bad pair)
+//   counts[e] = pairs of e, counts[num_local] = bad pairs
+//   groups[g] = (e, first, end, 0): tiles of at most `chunk` rows of one expert, in order,
+//               then (0, 0, 0, 0) up to max_groups (the FFN's launch; empty tiles do nothing).
+// One work-group of any size up to GROUP_WG_MAX. Work-item (expert el, slice s) counts, then
+// places, the pairs of its slice of i for experts el, el + E2, ...: every expert's pairs are
+// placed in order of i with no atomics, so the result is the same run to run.
+#ifndef GROUP_WG_MAX
+#define GROUP_WG_MAX 1024
+#endif
+// Batches of up to this many pairs keep each pair's local expert in local memory for the scans.
+#define GROUP_LOCAL_PAIRS 4096  // kernels::kDeviceGroupingMaxPairs
+inline int LocalExpertOf(__global const int* ids, __global const int* local_of, int num_global,
+                         int num_local, int i) {
+  const int id = ids[i];
+  const int e = id >= 0 && id < num_global ? local_of[id] : -1;
+  return e >= 0 && e < num_local ? e : -1;
+}
+
+__kernel void group_pairs(__global const int* restrict ids, int pairs, int k,
+                          __global const int* restrict local_of, int num_global, int num_local,
+                          int chunk, int max_groups, __global int* restrict row_index,
+                          __global int* restrict pair_of_choice, __global int4* restrict groups,
+                          __global int* restrict counts) {
+  __local int before[GROUP_WG_MAX > ROUTER_MAX_EXPERTS ? GROUP_WG_MAX : ROUTER_MAX_EXPERTS];
+  __local int offset[ROUTER_MAX_EXPERTS + 1];
+  __local int staged[GROUP_LOCAL_PAIRS];  // each pair's local expert (-1: bad)
+  __local int bad;
+  __local int num_groups;
+  const int lid = get_local_id(0), wg = get_local_size(0);
+  const bool in_local = pairs <= GROUP_LOCAL_PAIRS;
+  if (in_local) {
+    for (int i = lid; i < pairs; i += wg) {
+      staged[i] = LocalExpertOf(ids, local_of, num_global, num_local, i);
+    }
+  }
+#define EXPERT_OF(i) \
+  (in_local ? staged[i] : LocalExpertOf(ids, local_of, num_global, num_local, (i)))
+  int e2 = 1;
+  while (e2 < num_local && e2 < wg) e2 *= 2;
+  const int slices = wg / e2;
+  const int el = lid % e2, s = lid / e2;
+  const int span = (pairs + slices - 1) / slices;
+  const int begin = min(s * span, pairs), end = min(begin + span, pairs);
+  if (lid == 0) bad = 0;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  // Each (expert, slice)'s count, at before[s * num_local + e]; bad pairs by the el == 0 items.
+  if (s < slices) {
+    for (int e = el; e < num_local; e += e2) {
+      int c = 0;
+      for (int i = begin; i < end; ++i) c += EXPERT_OF(i) == e;
+      before[s * num_local + e] = c;
+    }
+    if (el == 0) {
+      int b = 0;
+      for (int i = begin; i < end; ++i) b += EXPERT_OF(i) < 0;
+      if (b > 0) atomic_add(&bad, b);
+    }
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  // Per expert: the slices' counts become the pairs of e before each slice.
+  for (int e = lid; e < num_local; e += wg) {
+    int total = 0;
+    for (int q = 0; q < slices; ++q) {
+      const int c = before[q * num_local + e];
+      before[q * num_local + e] = total;
+      total += c;
+    }
+    offset[e + 1] = total;  // the count, until the prefix sum below
+    counts[e] = total;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (lid == 0) {
+    offset[0] = 0;
+    for (int e = 0; e < num_local; ++e) offset[e + 1] += offset[e];
+    int g = 0;
+    for (int e = 0; e < num_local; ++e) {
+      for (int first = offset[e]; first < offset[e + 1]; first += chunk) {
+        if (g < max_groups) groups[g] = (int4)(e, first, min(first + chunk, offset[e + 1]), 0);
+        ++g;
+      }
+    }
+    num_groups = min(g, max_groups);
+    counts[num_local] = bad;
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int g = num_groups + lid; g < max_groups; g += wg) groups[g] = (int4)(0);
+  if (s < slices) {
+    for (int e = el; e < num_local; e += e2) {
+      int at = offset[e] + before[s * num_local + e];
+      for (int i = begin; i < end; ++i) {
+        if (EXPERT_OF(i) != e) continue;
+        row_index[at] = i / k;
+        pair_of_choice[i] = at;
+        ++at;
+      }
+    }
+    if (el == 0) {
+      for (int i = begin; i < end; ++i) {
+        if (EXPERT_OF(i) < 0) pair_of_choice[i] = -1;
+      }
+    }
+  }
+}
+#undef EXPERT_OF

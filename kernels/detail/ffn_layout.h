@@ -36,9 +36,13 @@ namespace epserve::kernels::detail {
 inline constexpr int kRouterMaxExperts = 512;
 // Tokens one router work-item routes (it reads each router row once for all of them).
 inline constexpr int kRouterTokens = 4;
-// The work-group router (route_tokens_wg, GPUs): work-items per group and tokens per group.
+// The GPU router (route_logits_wg): work-items per group and tokens per group.
 inline constexpr int kRouterGroupSize = 256;
 inline constexpr int kRouterGroupTokens = 8;
+// Experts of one work-group of route_logits_wg (router.cl's ROUTER_LG_EXPERTS).
+inline constexpr int kRouterLogitExperts = 8;
+// Work-items per row of scale_rows_by_sigmoid_gate_wg (combine.cl's GATE_WG).
+inline constexpr int kGateGroupSize = 256;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
@@ -55,6 +59,8 @@ inline constexpr int kMmaMaxRegisters = 65536 / (2 * kMmaThreads) > 255 ? 255
 // Local-memory stages of the tensor-core kernels' K loop: 16 KiB each (a 128 x 32 slice of
 // both operands), so three fill the 48 KiB a work-group may declare.
 inline constexpr int kMmaStages = 3;
+// The most parts a tensor-core launch of few tiles splits K into (LaunchFfnMma).
+inline constexpr int64_t kMmaMaxKSplits = 16;
 // Element offset of (n, k) in a tensor-core weight matrix of k_pad columns, stored as tiles of
 // kMmaBn rows x kMmaBk columns (row tile major, then k slice), each tile the 16-byte chunks of
 // its rows in the order the kernels keep them in local memory (MmaSwizzle), so that one
