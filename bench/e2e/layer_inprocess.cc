@@ -32,6 +32,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "bench/bench_support.h"
 #include "common/element_type.h"
 #include "common/flags.h"
@@ -80,6 +83,11 @@ class InProcessLayer {
     l->ids_host_.resize(n * k);
     l->row_index_host_.resize(n * k);
     l->pair_index_host_.resize(n * k);
+    std::vector<int32_t> identity(l->cfg_.num_experts);
+    std::iota(identity.begin(), identity.end(), 0);
+    EPSERVE_ASSIGN_OR_RETURN(l->local_of_,
+                             rt.AllocateCopy(identity.data(), identity.size() * sizeof(int32_t)));
+    EPSERVE_ASSIGN_OR_RETURN(l->groups_, kernels::AllocatePairGroups(rt, l->experts_, n * k));
     return l;
   }
 
@@ -90,16 +98,72 @@ class InProcessLayer {
 
   // y [n, H] = the layer on x [n, H]. With resident, x is already on the device (an earlier
   // call uploaded it) and the output stays there (y is not written): the layer as a caller
-  // whose activations live on the same device sees it.
-  absl::Status Forward(const float* x, int64_t n, float* y, bool resident = false) {
+  // whose activations live on the same device sees it. With device_grouping (and at most
+  // kernels::kDeviceGroupingMaxPairs pairs) the pairs are grouped by expert on the device
+  // (kernels::GroupPairs) and nothing waits for the device until the output is read; else the
+  // router's ids come to the host, which groups them. With
+  // stages, each stage ends with a wait for the device and its seconds are added there.
+  enum Stage { kWrite, kRoute, kGroup, kShared, kExperts, kCombine, kRead, kNumStages };
+  static constexpr const char* kStageNames[kNumStages] = {"write",   "route",   "group", "shared",
+                                                          "experts", "combine", "read"};
+  absl::Status Forward(const float* x, int64_t n, float* y, bool resident, bool device_grouping,
+                       double* stages = nullptr) {
     const int64_t h = cfg_.hidden_size;
     const int k = cfg_.top_k;
     kernels::Runtime& rt = *rt_;
+    double t0 = NowSeconds();
+    auto stage = [&](Stage s) -> absl::Status {
+      if (stages == nullptr) return absl::OkStatus();
+      EPSERVE_RETURN_IF_ERROR(rt.Finish());
+      const double t1 = NowSeconds();
+      stages[s] += t1 - t0;
+      t0 = t1;
+      return absl::OkStatus();
+    };
+    // Batches of more pairs than the device groups quickly take the host's grouping.
+    device_grouping = device_grouping && n * k <= kernels::kDeviceGroupingMaxPairs;
     if (!resident) EPSERVE_RETURN_IF_ERROR(rt.Write(x_, 0, x, n * h * sizeof(float)));
+    EPSERVE_RETURN_IF_ERROR(stage(kWrite));
     EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
+    EPSERVE_RETURN_IF_ERROR(stage(kRoute));
+    if (device_grouping) {
+      EPSERVE_RETURN_IF_ERROR(
+          kernels::GroupPairs(rt, experts_, ids_, n, k, local_of_, cfg_.num_experts, groups_));
+    } else {
+      EPSERVE_RETURN_IF_ERROR(GroupOnHost(n));
+    }
+    EPSERVE_RETURN_IF_ERROR(stage(kGroup));
+    const bool shared = cfg_.shared_ffn_size > 0;
+    if (shared) {
+      EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, h_, shared_y_));
+    }
+    EPSERVE_RETURN_IF_ERROR(stage(kShared));
+    if (device_grouping) {
+      EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfnGrouped(rt, experts_, x_, groups_, h_, y_));
+    } else {
+      EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(rt, experts_, x_, row_index_, offsets_, h_, y_));
+    }
+    EPSERVE_RETURN_IF_ERROR(stage(kExperts));
+    const Buffer& pair_index = device_grouping ? groups_.pair_of_choice : pair_index_;
+    EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(rt, y_, pair_index, weights_, n, k, h, out_));
+    if (shared) EPSERVE_RETURN_IF_ERROR(kernels::AddInto(rt, shared_y_, n * h, out_));
+    EPSERVE_RETURN_IF_ERROR(stage(kCombine));
+    if (resident) {
+      EPSERVE_RETURN_IF_ERROR(rt.Finish());
+    } else {
+      EPSERVE_RETURN_IF_ERROR(rt.Read(out_, 0, y, n * h * sizeof(float)));
+    }
+    return stage(kRead);
+  }
+
+ private:
+  // The router's ids to the host, grouped there expert-major as the exchange's layout does
+  // (the combine weighs pair (t, j) by the router's weights_[t * k + j] where they are), and
+  // the layout back to the device.
+  absl::Status GroupOnHost(int64_t n) {
+    const int k = cfg_.top_k;
+    kernels::Runtime& rt = *rt_;
     EPSERVE_RETURN_IF_ERROR(rt.Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
-    // Group the (token, choice) pairs expert-major, as the exchange's layout does; the combine
-    // weighs pair (t, j) by the router's weights_[t * k + j] where they are.
     offsets_.assign(cfg_.num_experts + 1, 0);
     for (int64_t i = 0; i < n * k; ++i) ++offsets_[ids_host_[i] + 1];
     std::partial_sum(offsets_.begin(), offsets_.end(), offsets_.begin());
@@ -113,26 +177,17 @@ class InProcessLayer {
     }
     EPSERVE_RETURN_IF_ERROR(
         rt.Write(row_index_, 0, row_index_host_.data(), n * k * sizeof(int32_t)));
-    EPSERVE_RETURN_IF_ERROR(
-        rt.Write(pair_index_, 0, pair_index_host_.data(), n * k * sizeof(int32_t)));
-    const bool shared = cfg_.shared_ffn_size > 0;
-    if (shared) {
-      EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, h_, shared_y_));
-    }
-    EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfn(rt, experts_, x_, row_index_, offsets_, h_, y_));
-    EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(rt, y_, pair_index_, weights_, n, k, h, out_));
-    if (shared) EPSERVE_RETURN_IF_ERROR(kernels::AddInto(rt, shared_y_, n * h, out_));
-    if (resident) return rt.Finish();
-    return rt.Read(out_, 0, y, n * h * sizeof(float));
+    return rt.Write(pair_index_, 0, pair_index_host_.data(), n * k * sizeof(int32_t));
   }
 
- private:
   InProcessLayer() = default;
   model::MoeLayerConfig cfg_;
   std::unique_ptr<kernels::Runtime> rt_;
   kernels::RouterWeights router_;
   kernels::ExpertWeights experts_, shared_;
   Buffer x_, ids_, weights_, row_index_, pair_index_, h_, y_, out_, shared_y_;
+  Buffer local_of_;             // int32 [E]: every expert is local (0, 1, 2, ...)
+  kernels::PairGroups groups_;  // the device's grouping
   std::vector<int32_t> ids_host_, row_index_host_, pair_index_host_;
   std::vector<int64_t> offsets_, cursor_;
 };
@@ -175,6 +230,8 @@ int Run(int argc, char** argv) {
   double min_seconds = 2.0;
   int64_t check_tokens = 2;
   bool read_bandwidth = false;
+  std::string grouping = "auto";
+  bool stages = false;
   kernels::RuntimeOptions rto;
   common::FlagSet fs("bench_e2e_inprocess",
                      "One MoE layer through epserve's kernels in one process (no gRPC, no MPI).");
@@ -192,6 +249,11 @@ int Run(int argc, char** argv) {
          "Large host<->device copies through pinned staging (devices with their own memory)");
   fs.Add("transfer-threads", &rto.transfer_threads,
          "Host threads of the staged copies; 0: a quarter of the hardware threads, 1 to 8");
+  fs.Add("grouping", &grouping,
+         "Where the pairs are grouped by expert: auto (the device where the tensor-core FFN "
+         "runs, else the host), host, device, or a comma list of them, each timed");
+  fs.Add("stages", &stages,
+         "Also time each stage alone (each ended by a wait for the device), resident");
   fs.Add("read-bandwidth", &read_bandwidth,
          "Also measure the host's memory read bandwidth and the one-token floor it sets");
   const int code = ParseFlags(
@@ -222,9 +284,26 @@ int Run(int argc, char** argv) {
   std::vector<float> x(max_tokens * h), y(max_tokens * h);
   for (float& v : x) v = uniform(rng);
 
-  if (check_tokens > 0) {
+  // Which groupings run: the device's where the tensor-core FFN runs (GPUs), else the host's.
+  std::vector<bool> device_groupings;
+  const std::vector<std::string> grouping_names = absl::StrSplit(grouping, ',');
+  for (const std::string& g : grouping_names) {
+    if (g == "auto") {
+      device_groupings.push_back((*l)->tensor_cores());
+    } else if (g == "device" || g == "host") {
+      device_groupings.push_back(g == "device");
+    } else {
+      std::fprintf(stderr, "--grouping: auto, host or device (comma list), got '%s'\n", g.c_str());
+      return 1;
+    }
+  }
+  auto grouping_name = [](bool device) { return device ? "device" : "host"; };
+
+  for (const bool device_grouping : device_groupings) {
+    if (check_tokens <= 0) break;
     auto weights = model::LoadLayer(**source, layer);
-    if (!weights.ok() || !(*l)->Forward(x.data(), check_tokens, y.data()).ok()) {
+    if (!weights.ok() ||
+        !(*l)->Forward(x.data(), check_tokens, y.data(), false, device_grouping).ok()) {
       std::fprintf(stderr, "check failed to run\n");
       return 1;
     }
@@ -238,9 +317,10 @@ int Run(int argc, char** argv) {
     }
     std::printf(
         "{\"device\":\"%s\",\"tensor_cores\":%s,\"ffn_kernels\":\"%s\",\"check_tokens\":%lld,"
-        "\"max_rel_error\":%.3g}\n",
+        "\"grouping\":\"%s\",\"max_rel_error\":%.3g}\n",
         (*l)->runtime().device_info().device_name.c_str(), (*l)->tensor_cores() ? "true" : "false",
-        (*l)->ffn_kernels(), static_cast<long long>(check_tokens), diff / scale);
+        (*l)->ffn_kernels(), static_cast<long long>(check_tokens), grouping_name(device_grouping),
+        diff / scale);
     std::fflush(stdout);
   }
 
@@ -259,26 +339,44 @@ int Run(int argc, char** argv) {
   }
 
   for (int64_t n : token_counts) {
-    for (int i = 0; i < 2; ++i) {
-      if (absl::Status s = (*l)->Forward(x.data(), n, y.data()); !s.ok()) {
-        std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-        return 1;
+    for (const bool dg : device_groupings) {
+      for (int i = 0; i < 2; ++i) {
+        if (absl::Status s = (*l)->Forward(x.data(), n, y.data(), false, dg); !s.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+          return 1;
+        }
       }
+      int reps = 0;
+      const double median =
+          MedianSeconds([&] { (void)(*l)->Forward(x.data(), n, y.data(), false, dg); },
+                        /*warmup=*/0, /*min_reps=*/5, INT_MAX, min_seconds, &reps);
+      // The same with x already on the device (the runs above left it there) and the output
+      // left there.
+      const double resident =
+          MedianSeconds([&] { (void)(*l)->Forward(x.data(), n, y.data(), true, dg); },
+                        /*warmup=*/1, /*min_reps=*/5, INT_MAX, min_seconds / 2);
+      std::string stage_json;
+      if (stages) {
+        // Mean seconds of each stage, each ended by a wait, resident.
+        double sums[InProcessLayer::kNumStages] = {};
+        const int stage_reps = std::max(5, reps / 2);
+        for (int r = 0; r < stage_reps; ++r) {
+          (void)(*l)->Forward(x.data(), n, y.data(), true, dg, sums);
+        }
+        for (int s = 0; s < InProcessLayer::kNumStages; ++s) {
+          absl::StrAppendFormat(&stage_json, "%s\"%s\":%.4f", s == 0 ? "" : ",",
+                                InProcessLayer::kStageNames[s], sums[s] / stage_reps * 1e3);
+        }
+        stage_json = absl::StrCat(",\"stages_ms\":{", stage_json, "}");
+      }
+      std::printf(
+          "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%d,"
+          "\"weight_dtype\":\"%s\",\"resident_median_ms\":%.4f,\"grouping\":\"%s\"%s}\n",
+          static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, reps,
+          std::string(common::FlagName(*dtype)).c_str(), resident * 1e3, grouping_name(dg),
+          stage_json.c_str());
+      std::fflush(stdout);
     }
-    int reps = 0;
-    const double median = MedianSeconds([&] { (void)(*l)->Forward(x.data(), n, y.data()); },
-                                        /*warmup=*/0, /*min_reps=*/5, INT_MAX, min_seconds, &reps);
-    // The same with x already on the device (the runs above left it there) and the output
-    // left there.
-    const double resident =
-        MedianSeconds([&] { (void)(*l)->Forward(x.data(), n, y.data(), /*resident=*/true); },
-                      /*warmup=*/1, /*min_reps=*/5, INT_MAX, min_seconds / 2);
-    std::printf(
-        "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%d,"
-        "\"weight_dtype\":\"%s\",\"resident_median_ms\":%.4f}\n",
-        static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, reps,
-        std::string(common::FlagName(*dtype)).c_str(), resident * 1e3);
-    std::fflush(stdout);
   }
   return 0;
 }

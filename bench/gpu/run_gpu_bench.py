@@ -6,7 +6,7 @@ GPU workers with every answer checked against the reference, the exchange alone 
 GPUs against a device-to-device copy (bench_device_exchange), and the service sweep over
 request sizes, clients and wire dtypes with the stage breakdown, beside the in-process layer
 with host copies. Writes the table into BENCHMARKS.md (between the gpu-bench markers) and
-prints it. --parts picks some of tests,ffn,layer,e2e,exchange,sweep.
+prints it. --parts picks some of tests,ffn,layer,decode,e2e,exchange,sweep.
 
     python3 bench/gpu/run_gpu_bench.py --build build [--markdown BENCHMARKS.md]
         [--json results.json] [--quick]
@@ -209,28 +209,64 @@ def torch_layer_ms(shape, tokens):
         return cuda_median_ms(block, 1.0)
 
 
-def layer_part(build, env, shapes, tokens):
+def inprocess_runs(build, env, shape, tokens, stages=False):
+    """bench_e2e_inprocess on GPU 0, BF16, with the pairs grouped on the host and on the
+    device: {(tokens, grouping): figures} and the check lines."""
+    cmd = [os.path.join(build, "bench", "e2e", "bench_e2e_inprocess"),
+           f"--model=synthetic:{shape}", "--device=gpu", "--weight-dtype=bf16",
+           f"--tokens={','.join(map(str, tokens))}", "--min-seconds=1", "--check-tokens=4",
+           "--grouping=host,device"] + (["--stages"] if stages else [])
+    lines = json_lines(run(cmd, env, timeout=1800).stdout)
+    checks = [r for r in lines if "check_tokens" in r]
+    runs = {(r["tokens"], r["grouping"]): r for r in lines if "median_ms" in r}
+    return runs, checks
+
+
+def grouped_mm_baselines(shapes, tokens):
+    """The torch._grouped_mm MoE layer (bench/gpu/torch_baselines.py) per (shape, tokens)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch_baselines
+    return {(r["shape"], r["tokens"]): r
+            for r in torch_baselines.layer_figures(shapes, tokens)}
+
+
+def layer_rows(build, env, shapes, tokens, stages=False, hf_block=True):
+    base = grouped_mm_baselines(shapes, tokens)
     results = []
     for shape in shapes:
-        out = run([os.path.join(build, "bench", "e2e", "bench_e2e_inprocess"),
-                   f"--model=synthetic:{shape}", "--device=gpu", "--weight-dtype=bf16",
-                   f"--tokens={','.join(map(str, tokens))}", "--min-seconds=1",
-                   "--check-tokens=4"], env, timeout=1800).stdout
-        lines = json_lines(out)
-        check = [r for r in lines if "check_tokens" in r][0]
-        for r in lines:
-            if "median_ms" not in r:
-                continue
-            torch_ms = torch_layer_ms(shape, r["tokens"])
-            results.append({"shape": shape, "tokens": r["tokens"], "epserve_ms": r["median_ms"],
-                            "resident_ms": r["resident_median_ms"],
-                            "torch_ms": torch_ms, "speedup": torch_ms / r["resident_median_ms"],
-                            "speedup_with_copies": torch_ms / r["median_ms"],
-                            "tensor_cores": check["tensor_cores"],
-                            "max_rel_error": check["max_rel_error"]})
-            log(f"  layer {shape} tokens {r['tokens']}: epserve {r['resident_median_ms']:.3f} ms "
-                f"({r['median_ms']:.3f} with host copies), torch {torch_ms:.3f} ms")
+        runs, checks = inprocess_runs(build, env, shape, tokens, stages)
+        for t in tokens:
+            dev, host, g = runs[(t, "device")], runs[(t, "host")], base[(shape, t)]
+            r = {"shape": shape, "tokens": t, "resident_ms": dev["resident_median_ms"],
+                 "epserve_ms": dev["median_ms"], "host_grouping_ms": host["resident_median_ms"],
+                 "grouped_mm_graph_ms": g["graph_ms"], "grouped_mm_eager_ms": g["eager_ms"],
+                 "bound_ms": g["bound_ms"], "read_GBps": g["read_GBps"],
+                 "tensor_cores": checks[0]["tensor_cores"],
+                 "max_rel_error": max(c["max_rel_error"] for c in checks)}
+            r["over_grouped_mm"] = g["graph_ms"] / r["resident_ms"]
+            r["over_bound"] = r["resident_ms"] / g["bound_ms"]
+            if stages:
+                r["stages_device"], r["stages_host"] = dev.get("stages_ms"), host.get("stages_ms")
+            if hf_block:
+                r["torch_ms"] = torch_layer_ms(shape, t)
+                r["speedup"] = r["torch_ms"] / r["resident_ms"]
+                r["speedup_with_copies"] = r["torch_ms"] / r["epserve_ms"]
+            results.append(r)
+            log(f"  layer {shape} tokens {t}: epserve {r['resident_ms']:.3f} ms (host grouping "
+                f"{r['host_grouping_ms']:.3f}), grouped_mm graph {g['graph_ms']:.3f}, bound "
+                f"{g['bound_ms']:.3f}")
     return results
+
+
+def layer_part(build, env, shapes, tokens):
+    return layer_rows(build, env, shapes, tokens)
+
+
+def decode_part(build, env, shapes, tokens):
+    """Decode-sized layers on one GPU: the in-process layer (pairs grouped on the device and on
+    the host) with each stage timed alone, beside the grouped_mm layer and the weight-read
+    bound."""
+    return layer_rows(build, env, shapes, tokens, stages=True, hf_block=False)
 
 
 # ---- 4. end to end on two GPUs ----
@@ -288,22 +324,45 @@ def e2e_part(build, env, gpus):
     return result
 
 
+def nccl_all_to_all(env, gpus, byte_counts):
+    """NCCL's all-to-all of each byte count per rank to its peers (torch_baselines.py under
+    torchrun, one process per GPU): {bytes: figures}."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_baselines.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
+           "--master_port=29533", script, "all_to_all",
+           f"--bytes={','.join(str(int(b)) for b in byte_counts)}"]
+    r = run(cmd, env, timeout=300, check=False)
+    if r.returncode != 0:
+        log(r.stderr[-3000:])
+    return {x["bytes_per_rank_to_peers"]: x for x in json_lines(r.stdout)}
+
+
 def exchange_part(build, env, gpus):
     """The exchange alone between two GPUs (bench_device_exchange), against a device-to-device
-    copy of the same bytes, qwen1.5-moe-a2.7b's shape, 4096 tokens."""
+    copy of the same bytes and NCCL's all-to-all of the same bytes, qwen1.5-moe-a2.7b's shape,
+    4096 tokens and 128 per GPU."""
     if gpus < 2:
         return {"skipped": f"{gpus} GPU(s); the exchange needs 2"}
     out = []
-    for shared in ("split", "owner"):
-        cmd = ["mpirun", "-np", "2", "--bind-to", "none", "-x", "LD_LIBRARY_PATH",
-               os.path.join(build, "bench", "gpu", "bench_device_exchange"),
-               f"--shared-expert={shared}", "--tokens=4096", "--hidden=2048", "--experts=60",
-               "--top-k=4", "--reps=50"]
-        log("  $ " + " ".join(cmd))
-        r = run(cmd, env, timeout=300, check=False)
-        figures = {x["figure"]: x for x in json_lines(r.stdout) if "figure" in x}
-        out.append({"shared_expert": shared, "exit": r.returncode, "figures": figures,
-                    "stderr": r.stderr[-1500:]})
+    for tokens in (4096, 256):
+        for shared in ("split", "owner"):
+            cmd = ["mpirun", "-np", "2", "--bind-to", "none", "-x", "LD_LIBRARY_PATH",
+                   os.path.join(build, "bench", "gpu", "bench_device_exchange"),
+                   f"--shared-expert={shared}", f"--tokens={tokens}", "--hidden=2048",
+                   "--experts=60", "--top-k=4", "--reps=200" if tokens < 1024 else "--reps=50"]
+            log("  $ " + " ".join(cmd))
+            r = run(cmd, env, timeout=300, check=False)
+            figures = {x["figure"]: x for x in json_lines(r.stdout) if "figure" in x}
+            out.append({"shared_expert": shared, "tokens": tokens, "exit": r.returncode,
+                        "figures": figures, "stderr": r.stderr[-1500:]})
+    sizes = sorted({f[step]["bytes_per_rank"] for e in out for f in [e["figures"]]
+                    for step in ("dispatch", "combine_return") if step in f})
+    nccl = nccl_all_to_all(env, 2, [b for b in sizes if b > 0]) if sizes else {}
+    for e in out:
+        for step in ("dispatch", "combine_return"):
+            f = e["figures"].get(step)
+            if f and int(f["bytes_per_rank"]) in nccl:
+                e["figures"][f"nccl_of_{step}"] = nccl[int(f["bytes_per_rank"])]
     return out
 
 
@@ -370,21 +429,42 @@ def markdown(res):
     else:
         lines += ["", "Expert FFN against torch.matmul: not run (not asked for)."]
     if "layer" in asked:
-        lines += ["", "Whole MoE layer on one GPU (bench_e2e_inprocess: route, the token grouping "
-                  "on the host, expert FFN, combine, shared expert) against the PyTorch "
-                  "Hugging-Face-style block in BF16 (random weights of the same shapes). Like the "
-                  "PyTorch block, the first epserve column starts with x on the GPU and leaves the "
-                  "output there (target: ≥ 2× faster); the second adds copying x in and the "
-                  "output out, as a worker does with the host-memory heap:", "",
-                  "| shape | tokens | epserve ms | with host copies ms | PyTorch block ms | "
-                  "speedup | speedup with copies | max rel. error (4 tokens vs reference) |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["", "Whole MoE layer on one GPU (bench_e2e_inprocess: route, the pairs grouped "
+                  "by expert on the device, expert FFN, combine, shared expert; x on the GPU and "
+                  "the output left there) against the same layer in PyTorch through "
+                  "torch._grouped_mm replayed from a CUDA graph (bench/gpu/torch_baselines.py; "
+                  "target: faster) and the Hugging-Face-style block (a loop over experts, the "
+                  "naive reference); the weight-read bound is the bytes of the experts a batch "
+                  "touches plus the shared expert over torch.sum's read rate:", "",
+                  "| shape | tokens | epserve ms | host grouping ms | with host copies ms | "
+                  "grouped_mm graph ms | grouped_mm eager ms | HF block ms | vs grouped_mm | "
+                  "bound ms | max rel. error |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in res["layer"]:
             lines.append(f"| {r['shape']} | {r['tokens']} | {r['resident_ms']:.3f} | "
-                         f"{r['epserve_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}× | "
-                         f"{r['speedup_with_copies']:.2f}× | {r['max_rel_error']:.2e} |")
+                         f"{r['host_grouping_ms']:.3f} | {r['epserve_ms']:.3f} | "
+                         f"{r['grouped_mm_graph_ms']:.3f} | {r['grouped_mm_eager_ms']:.3f} | "
+                         f"{r.get('torch_ms', 0):.3f} | {r['over_grouped_mm']:.2f}× | "
+                         f"{r['bound_ms']:.3f} | {r['max_rel_error']:.2e} |")
     else:
         lines += ["", "Whole MoE layer against PyTorch: not run (not asked for)."]
+    if "decode" in asked:
+        lines += ["", "Decode-sized layers on one GPU, the same columns with the layer's stages "
+                  "each timed alone (each ended by a wait, so their sum exceeds the layer), pairs "
+                  "grouped on the device / on the host (target: faster than grouped_mm under a "
+                  "graph and ≤ 1.5× the bound):", "",
+                  "| shape | tokens | epserve ms | host grouping ms | grouped_mm graph ms | "
+                  "grouped_mm eager ms | vs grouped_mm | bound ms | × bound | stages ms, device "
+                  "grouping | stages ms, host grouping |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+        def st(d):
+            return " ".join(f"{k} {v:.3f}" for k, v in (d or {}).items() if v >= 0.0005)
+        for r in res["decode"]:
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['resident_ms']:.3f} | "
+                         f"{r['host_grouping_ms']:.3f} | {r['grouped_mm_graph_ms']:.3f} | "
+                         f"{r['grouped_mm_eager_ms']:.3f} | {r['over_grouped_mm']:.2f}× | "
+                         f"{r['bound_ms']:.3f} | {r['over_bound']:.2f}× | "
+                         f"{st(r.get('stages_device'))} | {st(r.get('stages_host'))} |")
     e2e = res["e2e"]
     lines.append("")
     if "skipped" in e2e:
@@ -411,24 +491,28 @@ def markdown(res):
         lines.append(f"The exchange alone between two GPUs: not run ({ex['skipped']}).")
     else:
         lines += ["The exchange alone between two GPUs (`mpirun -np 2 bench_device_exchange`, "
-                  "4096 tokens of H 2048, top-4 of 60 experts, rows device to device), GB/s per "
-                  "direction against a device-to-device copy of the same bytes "
-                  "(clEnqueueCopyBuffer into the peer's imported memory), same run "
-                  "(target: ≥ 0.5×):", "",
-                  "| shared expert | step | MB per GPU | ms | GB/s | copy GB/s | ratio |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+                  "H 2048, top-4 of 60 experts, rows device to device, tokens over both GPUs), "
+                  "GB/s per direction against a device-to-device copy of the same bytes "
+                  "(clEnqueueCopyBuffer into the peer's imported memory) and NCCL's all-to-all of "
+                  "the same bytes (torch.distributed.all_to_all_single), same run (targets: "
+                  "≥ 0.8× the copy, ≥ 1.0× NCCL):", "",
+                  "| tokens | shared expert | step | MB per GPU | ms | GB/s | copy GB/s | "
+                  "vs copy | NCCL ms | vs NCCL |",
+                  "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for e in ex:
             f = e["figures"]
             for step, copy in (("dispatch", "copy_of_dispatch_bytes"),
                                ("combine_return", "copy_of_combine_bytes")):
                 if step not in f or copy not in f:
-                    lines.append(f"| {e['shared_expert']} | {step} | failed (exit {e['exit']}) "
-                                 "| | | | |")
+                    lines.append(f"| {e.get('tokens', 4096)} | {e['shared_expert']} | {step} | "
+                                 f"failed (exit {e['exit']}) | | | | | | |")
                     continue
                 a, b = f[step], f[copy]
-                lines.append(f"| {e['shared_expert']} | {step} | {a['bytes_per_rank'] / 1e6:.1f} | "
-                             f"{a['ms']:.3f} | {a['gb_per_s']:.1f} | {b['gb_per_s']:.1f} | "
-                             f"{b['ms'] / a['ms']:.2f}× |")
+                n = f.get(f"nccl_of_{step}")
+                lines.append(f"| {e.get('tokens', 4096)} | {e['shared_expert']} | {step} | "
+                             f"{a['bytes_per_rank'] / 1e6:.2f} | {a['ms']:.3f} | "
+                             f"{a['gb_per_s']:.1f} | {b['gb_per_s']:.1f} | {b['ms'] / a['ms']:.2f}× | "
+                             + (f"{n['ms']:.3f} | {n['ms'] / a['ms']:.2f}× |" if n else "– | – |"))
     sw = res.get("sweep")
     if sw:
         lines.append("")
@@ -465,7 +549,9 @@ def main():
     ap.add_argument("--rows", default="128,512,2048,4096,8192")
     ap.add_argument("--layer-tokens", default="128,1024,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--parts", default="tests,ffn,layer,e2e,exchange,sweep")
+    ap.add_argument("--decode-tokens", default="1,16,128,512")
+    ap.add_argument("--parts", default="tests,ffn,layer,e2e,exchange,sweep",
+                    help="comma list of tests,ffn,layer,decode,e2e,exchange,sweep")
     a = ap.parse_args()
     try:
         import torch
@@ -483,7 +569,8 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
            "torch": torch.__version__, "kernel_tests": {"ok": False, "passed": 0, "failed": [],
                                                         "device": "not run"},
-           "parts": parts, "ffn": [], "layer": [], "e2e": {"skipped": "not asked for"}}
+           "parts": parts, "ffn": [], "layer": [], "decode": [],
+           "e2e": {"skipped": "not asked for"}}
 
     def save():
         if a.json:
@@ -497,6 +584,10 @@ def main():
         save()
     if "layer" in parts:
         res["layer"] = layer_part(build, env, shapes, [int(t) for t in a.layer_tokens.split(",")])
+        save()
+    if "decode" in parts:
+        res["decode"] = decode_part(build, env, shapes,
+                                    [int(t) for t in a.decode_tokens.split(",")])
         save()
     if "e2e" in parts:
         res["e2e"] = e2e_part(build, env, res["gpus"])

@@ -9,6 +9,12 @@
                the shared expert, over the read rate of torch.sum on this GPU, measured here).
 
     python3 bench/gpu/torch_baselines.py layer --tokens 16,128,1024,4096 [--shapes mixtral-8x7b]
+
+  all_to_all:  NCCL's all-to-all (torch.distributed.all_to_all_single, BF16, equal splits) of
+               the given bytes per rank to each peer, the baseline of the exchange between GPUs;
+               run under torchrun, one process per GPU; rank 0 prints the lines.
+
+    torchrun --nproc_per_node=2 bench/gpu/torch_baselines.py all_to_all --bytes 16777216,1048576
 """
 
 import argparse
@@ -88,14 +94,16 @@ class GroupedMmLayer:
         return 2 * (touched * 3 * self.h * self.f + 3 * self.h * self.fs + self.h * self.e)
 
 
-def layer(args):
-    rate = read_rate_bytes_per_s()
-    for shape in args.shapes.split(","):
+def layer_figures(shapes, token_counts, reps=50, rate=None):
+    """One dict per (shape, tokens): the grouped_mm layer eager and from a CUDA graph, and the
+    layer's weight-read bound at `rate` bytes/s (measured here when None)."""
+    rate = rate or read_rate_bytes_per_s()
+    for shape in shapes:
         model = GroupedMmLayer(shape)
-        for tokens in [int(t) for t in args.tokens.split(",")]:
+        for tokens in token_counts:
             x = torch.randn(tokens, model.h, device="cuda", dtype=torch.bfloat16)
             _, experts = model(x)
-            eager = cuda_ms(lambda: model(x), args.reps)
+            eager = cuda_ms(lambda: model(x), reps)
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -104,13 +112,53 @@ def layer(args):
             torch.cuda.current_stream().wait_stream(stream)
             with torch.cuda.graph(graph):
                 model(x)
-            replay = cuda_ms(graph.replay, args.reps)
+            replay = cuda_ms(graph.replay, reps)
             nbytes = model.bytes_read(experts)
-            print(json.dumps({"baseline": "grouped_mm_layer", "shape": shape, "tokens": tokens,
-                              "eager_ms": round(eager, 4), "graph_ms": round(replay, 4),
-                              "weight_bytes": nbytes, "read_GBps": round(rate / 1e9, 1),
-                              "bound_ms": round(nbytes / rate * 1e3, 4),
+            yield {"baseline": "grouped_mm_layer", "shape": shape, "tokens": tokens,
+                   "eager_ms": round(eager, 4), "graph_ms": round(replay, 4),
+                   "weight_bytes": nbytes, "read_GBps": round(rate / 1e9, 1),
+                   "bound_ms": round(nbytes / rate * 1e3, 4),
+                   "gpu": torch.cuda.get_device_name(0)}
+        del model
+        torch.cuda.empty_cache()
+
+
+def layer(args):
+    for figures in layer_figures(args.shapes.split(","),
+                                 [int(t) for t in args.tokens.split(",")], args.reps):
+        print(json.dumps(figures), flush=True)
+
+
+def all_to_all(args):
+    import torch.distributed as dist
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    for peer_bytes in [int(b) for b in args.bytes.split(",")]:
+        # Equal splits: each rank gets numel / world elements, (world - 1) parts go to peers.
+        per_rank = max(1, peer_bytes // 2)
+        x = torch.randn(per_rank * world, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(5):
+            dist.all_to_all_single(y, x)
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.reps):
+            dist.all_to_all_single(y, x)
+        end.record()
+        end.synchronize()
+        ms = torch.tensor([start.elapsed_time(end) / args.reps], device="cuda")
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank, as bench_device_exchange
+        moved = per_rank * 2 * (world - 1)
+        if rank == 0:
+            print(json.dumps({"baseline": "nccl_all_to_all", "ranks": world,
+                              "bytes_per_rank_to_peers": moved, "ms": round(ms.item(), 5),
+                              "gb_per_s": round(moved / (ms.item() / 1e3) / 1e9, 1),
+                              "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                               "gpu": torch.cuda.get_device_name(0)}), flush=True)
+    dist.destroy_process_group()
 
 
 def main():
@@ -120,8 +168,11 @@ def main():
     lp.add_argument("--shapes", default=",".join(SHAPES))
     lp.add_argument("--tokens", default="16,128,1024,4096")
     lp.add_argument("--reps", type=int, default=50)
+    ap = sub.add_parser("all_to_all")
+    ap.add_argument("--bytes", default="16777216")
+    ap.add_argument("--reps", type=int, default=50)
     args = p.parse_args()
-    {"layer": layer}[args.what](args)
+    {"layer": layer, "all_to_all": all_to_all}[args.what](args)
 
 
 if __name__ == "__main__":
