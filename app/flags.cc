@@ -2,7 +2,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/element_type.h"
 #include "kernels/dtype.h"
+#include "shmem/heap.h"
 
 namespace epserve::app {
 namespace {
@@ -228,28 +230,43 @@ void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
 
 // The exchange's flags (shmem/, worker/: heap backend, payload dtypes, capacity).
 void RegisterExchangeFlags(common::FlagSet& fs, Flags& flags) {
-  fs.Add("heap", &flags.exchange.heap,
-         "Symmetric heap backend: shm (shared-memory window, all ranks on one host), rma (MPI "
-         "one-sided RMA, any hosts) or auto (shm when every rank shares a host)");
-  fs.Add("dispatch-dtype", &flags.exchange.dispatch_dtype,
-         "Token rows sent to experts: fp32, bf16 or fp8 (e4m3, one fp32 scale per 128 values)");
-  fs.Add("combine-dtype", &flags.exchange.combine_dtype,
-         "Expert output rows sent back to their owners: fp32 or bf16");
-  fs.Add("max-recv-tokens-per-rank", &flags.exchange.max_recv_tokens_per_rank,
+  worker::ExchangeOptions& x = flags.exchange;
+  fs.AddTyped<shmem::HeapBackend>(
+      "heap", &x.heap,
+      "Symmetric heap backend: shm (shared-memory window, all ranks on one host), rma (MPI "
+      "one-sided RMA, any hosts) or auto (shm when every rank shares a host)",
+      shmem::ParseHeapBackend,
+      [](const shmem::HeapBackend& b) { return Quoted(shmem::HeapBackendName(b)); });
+  const auto dtype_name = [](const common::ElementType& t) { return Quoted(common::FlagName(t)); };
+  fs.AddTyped<common::ElementType>(
+      "dispatch-dtype", &x.dispatch_dtype,
+      "Token rows sent to experts: fp32, bf16 or fp8 (e4m3, one fp32 scale per 128 values)",
+      worker::ParseDispatchDtype, dtype_name);
+  fs.AddTyped<common::ElementType>("combine-dtype", &x.combine_dtype,
+                                   "Expert output rows sent back to their owners: fp32 or bf16",
+                                   worker::ParseCombineDtype, dtype_name);
+  fs.Add("max-recv-tokens-per-rank", &x.max_recv_tokens_per_rank,
          "Receive capacity of each worker in token rows per batch (bounds the heap); 0: "
          "--max-batch-tokens, which never overflows");
-  fs.Add("recv-overflow", &flags.exchange.recv_overflow,
-         "When a batch exceeds a receive capacity: fail (RESOURCE_EXHAUSTED) or split (run "
-         "it in rounds)");
-  fs.Add("exchange-timeout-ms", &flags.exchange.exchange_timeout_ms,
+  fs.AddTyped<worker::OverflowPolicy>(
+      "recv-overflow", &x.recv_overflow,
+      "When a batch exceeds a receive capacity: fail (RESOURCE_EXHAUSTED) or split (run "
+      "it in rounds)",
+      worker::ParseOverflowPolicy,
+      [](const worker::OverflowPolicy& p) { return Quoted(worker::OverflowPolicyName(p)); });
+  fs.Add("exchange-timeout-ms", &x.exchange_timeout_ms,
          "Every cross-rank wait of a batch ends within this many milliseconds (or "
          "--batch-timeout, if shorter); a peer that stops taking part fails the batch with "
          "UNAVAILABLE");
-  fs.Add("shared-expert", &flags.exchange.shared_expert,
-         "Where the shared expert runs: owner (each worker holds all of it and runs it on its "
-         "own tokens) or split (each worker holds 1/W of its intermediate columns and runs "
-         "them on every token of the batch, which then goes to every worker: balanced and "
-         "lighter on weight reads for small batches, more rows exchanged for large ones)");
+  fs.AddTyped<worker::SharedExpertPlacement>(
+      "shared-expert", &x.shared_expert,
+      "Where the shared expert runs: owner (each worker holds all of it and runs it on its "
+      "own tokens) or split (each worker holds 1/W of its intermediate columns and runs "
+      "them on every token of the batch, which then goes to every worker: balanced and "
+      "lighter on weight reads for small batches, more rows exchanged for large ones)",
+      worker::ParseSharedExpertPlacement, [](const worker::SharedExpertPlacement& p) {
+        return Quoted(worker::SharedExpertPlacementName(p));
+      });
   fs.Add("redundant-experts", &flags.redundant_experts,
          "Copies of experts beyond one each, per layer, spread over the workers (at most "
          "experts x (workers - 1)); which experts get them and where follows the load of "

@@ -8,44 +8,6 @@
 #include "worker/placement.h"
 
 namespace epserve::worker {
-namespace {
-
-// The options' spelled fields, parsed; INVALID_ARGUMENT naming the flag otherwise.
-struct ParsedOptions {
-  shmem::HeapBackend heap = shmem::HeapBackend::kAuto;
-  common::ElementType dispatch_dtype = common::ElementType::kFp32;
-  common::ElementType combine_dtype = common::ElementType::kFp32;
-  OverflowPolicy overflow = OverflowPolicy::kFail;
-  bool shared_expert_split = false;
-};
-
-absl::StatusOr<ParsedOptions> Parse(const ExchangeOptions& o) {
-  ParsedOptions p;
-  EPSERVE_ASSIGN_OR_RETURN(p.dispatch_dtype, ParsePayloadType(o.dispatch_dtype, "dispatch-dtype"));
-  EPSERVE_ASSIGN_OR_RETURN(p.combine_dtype, ParsePayloadType(o.combine_dtype, "combine-dtype"));
-  if (p.combine_dtype == common::ElementType::kFp8E4m3) {
-    return absl::InvalidArgumentError("--combine-dtype must be fp32 or bf16, got 'fp8'");
-  }
-  EPSERVE_ASSIGN_OR_RETURN(p.overflow, ParseOverflowPolicy(o.recv_overflow));
-  if (o.max_recv_tokens_per_rank < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-recv-tokens-per-rank must be >= 0 (0: --max-batch-tokens), got ",
-                     o.max_recv_tokens_per_rank));
-  }
-  if (o.exchange_timeout_ms < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--exchange-timeout-ms must be >= 1, got ", o.exchange_timeout_ms));
-  }
-  if (o.shared_expert != "owner" && o.shared_expert != "split") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--shared-expert must be owner or split, got '", o.shared_expert, "'"));
-  }
-  p.shared_expert_split = o.shared_expert == "split";
-  EPSERVE_ASSIGN_OR_RETURN(p.heap, shmem::ParseHeapBackend(o.heap));
-  return p;
-}
-
-}  // namespace
 
 absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name) {
   if (name == "fail") return OverflowPolicy::kFail;
@@ -58,11 +20,45 @@ const char* OverflowPolicyName(OverflowPolicy policy) {
   return policy == OverflowPolicy::kFail ? "fail" : "split";
 }
 
-absl::Status ExchangeOptions::Validate() const { return Parse(*this).status(); }
+absl::StatusOr<SharedExpertPlacement> ParseSharedExpertPlacement(absl::string_view name) {
+  if (name == "split") return SharedExpertPlacement::kSplit;
+  if (name == "owner") return SharedExpertPlacement::kOwner;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--shared-expert must be owner or split, got '", name, "'"));
+}
+
+const char* SharedExpertPlacementName(SharedExpertPlacement placement) {
+  return placement == SharedExpertPlacement::kSplit ? "split" : "owner";
+}
+
+absl::StatusOr<common::ElementType> ParseDispatchDtype(absl::string_view name) {
+  return common::ParseFlagName(name, "--dispatch-dtype", kPayloadTypes);
+}
+
+absl::StatusOr<common::ElementType> ParseCombineDtype(absl::string_view name) {
+  return common::ParseFlagName(name, "--combine-dtype", kCombineTypes);
+}
+
+absl::Status ExchangeOptions::Validate() const {
+  EPSERVE_RETURN_IF_ERROR(
+      common::CheckElementType(dispatch_dtype, "--dispatch-dtype", kPayloadTypes));
+  EPSERVE_RETURN_IF_ERROR(
+      common::CheckElementType(combine_dtype, "--combine-dtype", kCombineTypes));
+  if (max_recv_tokens_per_rank < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-recv-tokens-per-rank must be >= 0 (0: --max-batch-tokens), got ",
+                     max_recv_tokens_per_rank));
+  }
+  if (exchange_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--exchange-timeout-ms must be >= 1, got ", exchange_timeout_ms));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<ExchangePlan> ExchangePlan::Make(const ExchangeShape& shape,
                                                 const ExchangeOptions& options) {
-  EPSERVE_ASSIGN_OR_RETURN(ParsedOptions parsed, Parse(options));
+  EPSERVE_RETURN_IF_ERROR(options.Validate());
   const ExchangeShape& s = shape;
   if (s.num_workers < 1 || s.num_workers > s.num_experts || s.num_workers > kMaxWorkers) {
     return absl::InvalidArgumentError(absl::StrCat("the exchange needs 1 <= workers (",
@@ -87,13 +83,10 @@ absl::StatusOr<ExchangePlan> ExchangePlan::Make(const ExchangeShape& shape,
   ExchangePlan plan;
   plan.shape_ = shape;
   plan.options_ = options;
-  plan.heap_backend_ = parsed.heap;
-  plan.dispatch_dtype_ = parsed.dispatch_dtype;
-  plan.combine_dtype_ = parsed.combine_dtype;
-  plan.overflow_ = parsed.overflow;
-  plan.shared_expert_split_ = parsed.shared_expert_split && shape.has_shared_expert;
+  plan.shared_expert_split_ =
+      options.shared_expert == SharedExpertPlacement::kSplit && shape.has_shared_expert;
   // Split rounds carry capacity / W tokens per sender.
-  if (plan.overflow_ == OverflowPolicy::kSplit && plan.recv_capacity() < s.num_workers) {
+  if (plan.overflow() == OverflowPolicy::kSplit && plan.recv_capacity() < s.num_workers) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--recv-overflow=split needs --max-recv-tokens-per-rank >= the number of workers (",
         s.num_workers, "), got ", plan.recv_capacity()));

@@ -1,12 +1,12 @@
 // The exchange's settings and what follows from them, each in one place:
-//   ExchangeOptions  the settings, spelled as the flags take them (server/main.cc binds each
-//                    exchange flag straight to its field); checked once, by Validate.
+//   ExchangeOptions  the settings, typed (app/flags.cc binds each exchange flag straight to its
+//                    field with the parse function below); checked once, by Validate.
 //   ExchangeShape    the dimensions the exchange is sized for (model, workers, batch): not
 //                    settings, nothing to parse.
-//   ExchangePlan     both, checked against each other once (Make), the options parsed, and
-//                    what follows: per-worker rows, receive capacity, row bytes. The exchange,
-//                    the heap's regions (worker/heap_regions.h), rank 0's coordinator and the
-//                    workers read it, held whole; nothing copies its fields into another struct.
+//   ExchangePlan     both, checked against each other once (Make), and what follows:
+//                    per-worker rows, receive capacity, row bytes. The exchange, the heap's
+//                    regions (worker/heap_regions.h), rank 0's coordinator and the workers
+//                    read it, held whole; nothing copies its fields into another struct.
 //   ExchangeRegions  the offsets of the exchange's regions in the heap, laid out from a plan.
 // Code: worker/exchange_config.cc.
 #pragma once
@@ -27,33 +27,56 @@
 
 namespace epserve::worker {
 
-// What happens when a receiver would get more rows than its capacity.
+// --recv-overflow: what happens when a receiver would get more rows than its capacity.
 enum class OverflowPolicy {
   kFail,   // the batch fails with RESOURCE_EXHAUSTED on every worker; nothing is sent
   kSplit,  // the batch runs in rounds of at most capacity / W tokens per sender
 };
+// "fail" or "split"; INVALID_ARGUMENT "--recv-overflow must be fail or split, got '<name>'".
 absl::StatusOr<OverflowPolicy> ParseOverflowPolicy(absl::string_view name);
 const char* OverflowPolicyName(OverflowPolicy policy);
 
-// The exchange's settings as its flags spell them; tests and benchmarks set them alike.
+// --shared-expert: where a model's shared expert runs (nothing, on a model without one).
+enum class SharedExpertPlacement {
+  // Each worker holds 1/W of the shared expert's intermediate columns and runs them on every
+  // token, so every token goes to every worker.
+  kSplit,
+  // Each worker holds all of it and runs it on its own tokens.
+  kOwner,
+};
+// "split" or "owner"; INVALID_ARGUMENT "--shared-expert must be owner or split, got '<name>'".
+absl::StatusOr<SharedExpertPlacement> ParseSharedExpertPlacement(absl::string_view name);
+const char* SharedExpertPlacementName(SharedExpertPlacement placement);
+
+// The element types of the rows each way: --dispatch-dtype takes kPayloadTypes (fp32, bf16,
+// fp8), --combine-dtype these (expert output rows go back as fp32 or bf16).
+inline constexpr common::ElementType kCombineTypes[] = {common::ElementType::kFp32,
+                                                        common::ElementType::kBf16};
+// One of the flag's types by its spelling; INVALID_ARGUMENT "--dispatch-dtype must be fp32,
+// bf16 or fp8, got '<name>'" (--combine-dtype: "must be fp32 or bf16") otherwise.
+absl::StatusOr<common::ElementType> ParseDispatchDtype(absl::string_view name);
+absl::StatusOr<common::ElementType> ParseCombineDtype(absl::string_view name);
+
+// The exchange's settings, typed, each named by its flag; tests and benchmarks set them alike.
 // Every rank must hold the same.
 struct ExchangeOptions {
-  std::string heap = "auto";            // --heap: shm, rma or auto (shmem::ParseHeapBackend)
-  std::string dispatch_dtype = "fp32";  // --dispatch-dtype: token rows sent, fp32, bf16 or fp8
-  std::string combine_dtype = "fp32";   // --combine-dtype: expert output rows back, fp32 or bf16
+  shmem::HeapBackend heap = shmem::HeapBackend::kAuto;  // --heap: shm, rma or auto
+  // --dispatch-dtype: token rows sent to experts, one of kPayloadTypes.
+  common::ElementType dispatch_dtype = common::ElementType::kFp32;
+  // --combine-dtype: expert output rows sent back to their owners, one of kCombineTypes.
+  common::ElementType combine_dtype = common::ElementType::kFp32;
   // --max-recv-tokens-per-rank: most rows one worker receives in one pass; 0: a whole batch,
   // which never overflows (a receiver gets each token at most once).
   int64_t max_recv_tokens_per_rank = 0;
-  std::string recv_overflow = "fail";  // --recv-overflow: fail or split (OverflowPolicy)
+  OverflowPolicy recv_overflow = OverflowPolicy::kFail;  // --recv-overflow
   // --exchange-timeout-ms: every cross-rank wait of a batch ends within this (or the caller's
   // deadline, if earlier).
   int64_t exchange_timeout_ms = 60000;
-  // --shared-expert: split (each worker holds 1/W of the shared expert's intermediate columns
-  // and runs them on every token, so every token goes to every worker) or owner (each worker
-  // holds all of it and runs it on its own tokens).
-  std::string shared_expert = "split";
+  // --shared-expert: applies where the model has a shared expert (ExchangeShape).
+  SharedExpertPlacement shared_expert = SharedExpertPlacement::kSplit;
 
-  // Each field against its spelling or bound: INVALID_ARGUMENT naming the flag and the bound.
+  // Each field against its bound (the dtypes against their flag's types, the numbers against
+  // their ranges): INVALID_ARGUMENT naming the flag and the bound, as the flag would have.
   absl::Status Validate() const;
 };
 
@@ -86,11 +109,11 @@ class ExchangePlan {
   const ExchangeShape& shape() const { return shape_; }
   const ExchangeOptions& options() const { return options_; }
 
-  // The options, parsed by Make.
-  shmem::HeapBackend heap_backend() const { return heap_backend_; }
-  common::ElementType dispatch_dtype() const { return dispatch_dtype_; }
-  common::ElementType combine_dtype() const { return combine_dtype_; }
-  OverflowPolicy overflow() const { return overflow_; }
+  // The options, as the plan reads them.
+  shmem::HeapBackend heap_backend() const { return options_.heap; }
+  common::ElementType dispatch_dtype() const { return options_.dispatch_dtype; }
+  common::ElementType combine_dtype() const { return options_.combine_dtype; }
+  OverflowPolicy overflow() const { return options_.recv_overflow; }
   absl::Duration timeout() const { return absl::Milliseconds(options_.exchange_timeout_ms); }
   // --shared-expert=split on a model that has a shared expert: every token goes to every
   // worker, also to those that own none of its experts (which receive it with no pairs).
@@ -113,16 +136,12 @@ class ExchangePlan {
   int64_t combine_capacity() const {
     return recv_pair_capacity() + (shared_expert_split_ ? recv_capacity() : 0);
   }
-  size_t dispatch_row_bytes() const { return PayloadRowBytes(dispatch_dtype_, shape_.hidden); }
-  size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype_, shape_.hidden); }
+  size_t dispatch_row_bytes() const { return PayloadRowBytes(dispatch_dtype(), shape_.hidden); }
+  size_t combine_row_bytes() const { return PayloadRowBytes(combine_dtype(), shape_.hidden); }
 
  private:
   ExchangeShape shape_;
   ExchangeOptions options_;
-  shmem::HeapBackend heap_backend_ = shmem::HeapBackend::kAuto;
-  common::ElementType dispatch_dtype_ = common::ElementType::kFp32;
-  common::ElementType combine_dtype_ = common::ElementType::kFp32;
-  OverflowPolicy overflow_ = OverflowPolicy::kFail;
   bool shared_expert_split_ = false;
 };
 

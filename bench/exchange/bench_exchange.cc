@@ -99,8 +99,9 @@ float* IdentityExperts(worker::Exchange& ex) {
 Result RunOne(const Args& args, int ranks, int rank, int64_t tokens, int64_t hidden, int top_k) {
   // Every rank a worker, sending `tokens` rows; narrow payloads combine in bf16.
   worker::ExchangeOptions options;
-  options.dispatch_dtype = std::string(common::FlagName(args.dtype));
-  options.combine_dtype = args.dtype == common::ElementType::kFp32 ? "fp32" : "bf16";
+  options.dispatch_dtype = args.dtype;
+  options.combine_dtype =
+      args.dtype == common::ElementType::kFp32 ? args.dtype : common::ElementType::kBf16;
   absl::StatusOr<worker::ExchangePlan> plan =
       worker::ExchangePlan::Make({.num_workers = ranks,
                                   .first_rank = 0,

@@ -116,7 +116,8 @@ int Main(int argc, char** argv) {
   shape.max_batch_tokens = a.tokens;
   shape.has_shared_expert = a.shared_expert != "none";
   worker::ExchangeOptions options;
-  options.shared_expert = a.shared_expert == "split" ? "split" : "owner";
+  options.shared_expert = a.shared_expert == "split" ? worker::SharedExpertPlacement::kSplit
+                                                     : worker::SharedExpertPlacement::kOwner;
   absl::StatusOr<worker::ExchangePlan> plan = worker::ExchangePlan::Make(shape, options);
   if (!plan.ok()) return Fail(rank, plan.status());
   absl::StatusOr<std::unique_ptr<shmem::SymmetricHeap>> heap = shmem::SymmetricHeap::Create(

@@ -7,7 +7,10 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "model/reference.h"
@@ -256,6 +259,22 @@ TEST(Startup, MoreWorkersThanExpertsIsAClearError) {
   EXPECT_NE(r->first, 0);
   EXPECT_NE(r->second.find("9 workers but the model has only 8 experts"), std::string::npos)
       << r->second;
+}
+
+TEST(Startup, BadExchangeFlagValuesAreRefusedAtParsing) {
+  // Refused as the flags are parsed, before MPI starts, each naming its flag and what it takes.
+  for (const auto& [flag, said] : std::vector<std::pair<std::string, std::string>>{
+           {"--dispatch-dtype=fp16", "--dispatch-dtype must be fp32, bf16 or fp8, got 'fp16'"},
+           {"--combine-dtype=fp8", "--combine-dtype must be fp32 or bf16, got 'fp8'"},
+           {"--heap=gpu", "--heap must be auto, shm or rma, got 'gpu'"},
+           {"--recv-overflow=drop", "--recv-overflow must be fail or split, got 'drop'"},
+           {"--shared-expert=both", "--shared-expert must be owner or split, got 'both'"}}) {
+    absl::StatusOr<std::pair<int, std::string>> r =
+        ServerProcess::RunToExit(2, {flag}, absl::Seconds(60));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_NE(r->first, 0) << flag << "\n" << r->second;
+    EXPECT_NE(r->second.find("epserve: " + said), std::string::npos) << r->second;
+  }
 }
 
 void ExpectEveryRankLeftTheHeap(const std::string& log, int ranks) {

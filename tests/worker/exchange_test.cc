@@ -105,8 +105,8 @@ class ExchangeTest : public ::testing::TestWithParam<Case> {
   }
   ExchangeOptions Options() const {
     ExchangeOptions o;
-    o.dispatch_dtype = std::string(common::FlagName(GetParam().dispatch));
-    o.combine_dtype = std::string(common::FlagName(GetParam().combine));
+    o.dispatch_dtype = GetParam().dispatch;
+    o.combine_dtype = GetParam().combine;
     return o;
   }
   static ExchangePlan Plan(const ExchangeShape& shape, const ExchangeOptions& options) {
@@ -343,7 +343,7 @@ TEST_P(ExchangeTest, EveryTokenReachesEveryWorkerWhenAsked) {
   ExchangeShape shape = Shape();
   shape.has_shared_expert = true;
   ExchangeOptions options = Options();
-  options.shared_expert = "split";
+  options.shared_expert = SharedExpertPlacement::kSplit;
   Setup s = Make(Plan(shape, options));
   ASSERT_NE(s.exchange, nullptr);
   ASSERT_TRUE(s.exchange->plan().shared_expert_split());
@@ -362,7 +362,7 @@ TEST_P(ExchangeTest, ReplicatedPlacementsGiveBitIdenticalAnswers) {
     shape.redundant_experts = ranks_ + 1;
     shape.has_shared_expert = split;
     ExchangeOptions options = Options();
-    options.shared_expert = "split";
+    options.shared_expert = SharedExpertPlacement::kSplit;
     Setup s = Make(Plan(shape, options));
     ASSERT_NE(s.exchange, nullptr);
     const int experts = shape.num_experts;
@@ -456,7 +456,7 @@ TEST_P(ExchangeTest, APlacementThatDoesNotFitIsRefused) {
 TEST_P(ExchangeTest, OverflowFailsEverywhereThenLaterBatchesRun) {
   ExchangeOptions options = Options();
   options.max_recv_tokens_per_rank = kMaxSend;  // a skewed full batch needs ~W * kMaxSend
-  options.recv_overflow = "fail";
+  options.recv_overflow = OverflowPolicy::kFail;
   Setup s = Make(Plan(Shape(), options));
   ASSERT_NE(s.exchange, nullptr);
   const std::vector<int64_t> full(ranks_, kMaxSend), small(ranks_, 3);
@@ -471,7 +471,7 @@ TEST_P(ExchangeTest, OverflowFailsEverywhereThenLaterBatchesRun) {
 TEST_P(ExchangeTest, OverflowSplitServesEveryTokenInRounds) {
   ExchangeOptions options = Options();
   options.max_recv_tokens_per_rank = 2 * ranks_ + 1;  // rounds of 2 tokens per sender
-  options.recv_overflow = "split";
+  options.recv_overflow = OverflowPolicy::kSplit;
   Setup s = Make(Plan(Shape(), options));
   ASSERT_NE(s.exchange, nullptr);
   for (uint64_t batch = 1; batch <= 3; ++batch) {

@@ -147,7 +147,7 @@ class TypedRows : public ::testing::TestWithParam<shmem::HeapBackend> {};
 
 TEST_P(TypedRows, AreConvertedOnTheirWayInAndOut) {
   ClusterOptions o;
-  o.exchange.heap = shmem::HeapBackendName(GetParam());
+  o.exchange.heap = GetParam();
   RunCluster(o, [](Cluster& c, Coordinator& coord) {
     using common::ElementType;
     std::mt19937_64 rng(std::random_device{}());
@@ -326,12 +326,12 @@ TEST(WorkerPipeline, GroupedRoutingWithoutGateMatchesTheReference) {
 struct Variant {
   const char* name;
   shmem::HeapBackend backend;
-  const char* dispatch;
-  const char* combine;
+  common::ElementType dispatch;
+  common::ElementType combine;
   int64_t max_recv;
-  const char* overflow;
+  OverflowPolicy overflow;
   double tolerance;
-  const char* shared_expert = "owner";
+  SharedExpertPlacement shared_expert = SharedExpertPlacement::kOwner;
 };
 
 class PipelineVariants : public ::testing::TestWithParam<Variant> {};
@@ -340,7 +340,7 @@ TEST_P(PipelineVariants, MatchTheReference) {
   const Variant& v = GetParam();
   ClusterOptions o;
   o.max_batch_tokens = 48;
-  o.exchange.heap = shmem::HeapBackendName(v.backend);
+  o.exchange.heap = v.backend;
   o.exchange.dispatch_dtype = v.dispatch;
   o.exchange.combine_dtype = v.combine;
   o.exchange.max_recv_tokens_per_rank = v.max_recv;
@@ -362,17 +362,21 @@ TEST_P(PipelineVariants, MatchTheReference) {
   });
 }
 
+constexpr auto kRma = shmem::HeapBackend::kRma, kShm = shmem::HeapBackend::kShm;
+constexpr auto kFp32 = common::ElementType::kFp32, kBf16 = common::ElementType::kBf16,
+               kFp8 = common::ElementType::kFp8E4m3;
+constexpr auto kFail = OverflowPolicy::kFail, kRounds = OverflowPolicy::kSplit;
+constexpr auto kSplitShared = SharedExpertPlacement::kSplit;
+
 INSTANTIATE_TEST_SUITE_P(
     Exchange, PipelineVariants,
     ::testing::Values(
-        Variant{"rma", shmem::HeapBackend::kRma, "fp32", "fp32", 0, "fail", 1e-4},
-        Variant{"shm_bf16", shmem::HeapBackend::kShm, "bf16", "bf16", 0, "fail", 2e-2},
-        Variant{"rma_fp8_split", shmem::HeapBackend::kRma, "fp8", "fp32", 8, "split", 1.5e-1},
-        Variant{"shared_split", shmem::HeapBackend::kShm, "fp32", "fp32", 0, "fail", 1e-4, "split"},
-        Variant{"rma_bf16_shared_split", shmem::HeapBackend::kRma, "bf16", "fp32", 0, "fail", 2e-2,
-                "split"},
-        Variant{"fp8_rounds_shared_split", shmem::HeapBackend::kShm, "fp8", "bf16", 8, "split",
-                1.5e-1, "split"}),
+        Variant{"rma", kRma, kFp32, kFp32, 0, kFail, 1e-4},
+        Variant{"shm_bf16", kShm, kBf16, kBf16, 0, kFail, 2e-2},
+        Variant{"rma_fp8_split", kRma, kFp8, kFp32, 8, kRounds, 1.5e-1},
+        Variant{"shared_split", kShm, kFp32, kFp32, 0, kFail, 1e-4, kSplitShared},
+        Variant{"rma_bf16_shared_split", kRma, kBf16, kFp32, 0, kFail, 2e-2, kSplitShared},
+        Variant{"fp8_rounds_shared_split", kShm, kFp8, kBf16, 8, kRounds, 1.5e-1, kSplitShared}),
     [](const ::testing::TestParamInfo<Variant>& p) { return std::string(p.param.name); });
 
 TEST(WorkerPipeline, OverflowUnderFailPolicyIsResourceExhaustedAndNextBatchRuns) {

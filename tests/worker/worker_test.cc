@@ -1,8 +1,10 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "common/flags.h"
 #include "gtest/gtest.h"
 #include "worker/exchange.h"
 #include "worker/heap_regions.h"
@@ -184,8 +186,8 @@ TEST(HeapRegions, HeapSizeFollowsCapacityAndDtypes) {
   // A smaller capacity and narrower payloads shrink the heap.
   ExchangeOptions narrow;
   narrow.max_recv_tokens_per_rank = 20;
-  narrow.dispatch_dtype = "fp8";
-  narrow.combine_dtype = "bf16";
+  narrow.dispatch_dtype = common::ElementType::kFp8E4m3;
+  narrow.combine_dtype = common::ElementType::kBf16;
   absl::StatusOr<ExchangePlan> small = ExchangePlan::Make(TestShape(), narrow);
   ASSERT_TRUE(small.ok()) << small.status();
   EXPECT_EQ(small->recv_capacity(), 20);
@@ -208,39 +210,31 @@ TEST(ExchangeOptions, BadValuesNameTheFlag) {
     return std::string(o.Validate().message());
   };
   ExchangeOptions bad = good;
-  bad.dispatch_dtype = "fp16";
+  bad.dispatch_dtype = common::ElementType::kFp16;
   EXPECT_EQ(message(bad), "--dispatch-dtype must be fp32, bf16 or fp8, got 'fp16'");
   bad = good;
-  bad.combine_dtype = "fp8";
+  bad.combine_dtype = common::ElementType::kFp8E4m3;
   EXPECT_EQ(message(bad), "--combine-dtype must be fp32 or bf16, got 'fp8'");
-  bad = good;
-  bad.recv_overflow = "drop";
-  EXPECT_NE(message(bad).find("--recv-overflow"), std::string::npos);
   bad = good;
   bad.max_recv_tokens_per_rank = -1;
   EXPECT_NE(message(bad).find("--max-recv-tokens-per-rank"), std::string::npos);
   bad = good;
   bad.exchange_timeout_ms = 0;
   EXPECT_NE(message(bad).find("--exchange-timeout-ms"), std::string::npos);
-  bad = good;
-  bad.heap = "gpu";
-  EXPECT_NE(message(bad).find("--heap"), std::string::npos);
-  bad = good;
-  bad.shared_expert = "everywhere";
-  EXPECT_NE(message(bad).find("--shared-expert must be owner or split"), std::string::npos);
 
   // The shared expert is split only where the model has one.
-  bad.shared_expert = "split";
+  bad = good;
+  bad.shared_expert = SharedExpertPlacement::kSplit;
   EXPECT_FALSE(ExchangePlan::Make(s, bad)->shared_expert_split());
   s.has_shared_expert = true;
   EXPECT_TRUE(ExchangePlan::Make(s, bad)->shared_expert_split());
-  bad.shared_expert = "owner";
+  bad.shared_expert = SharedExpertPlacement::kOwner;
   EXPECT_FALSE(ExchangePlan::Make(s, bad)->shared_expert_split());
 
   // Split rounds carry capacity / W tokens per sender: the capacity must reach W, which only
   // the plan knows.
   bad = good;
-  bad.recv_overflow = "split";
+  bad.recv_overflow = OverflowPolicy::kSplit;
   bad.max_recv_tokens_per_rank = 3;
   EXPECT_TRUE(bad.Validate().ok());
   absl::StatusOr<ExchangePlan> plan = ExchangePlan::Make(s, bad);
@@ -251,6 +245,60 @@ TEST(ExchangeOptions, BadValuesNameTheFlag) {
   EXPECT_EQ(plan->overflow(), OverflowPolicy::kSplit);
   EXPECT_EQ(plan->timeout(), absl::Milliseconds(good.exchange_timeout_ms));
   EXPECT_EQ(plan->heap_backend(), shmem::HeapBackend::kAuto);
+}
+
+// The exchange flags' parse functions (app/flags.cc binds each with FlagSet::AddTyped): each
+// takes its flag's spellings, and refuses any other with the flag and what it takes.
+TEST(ExchangeOptions, FlagSpellingsParseOrNameTheFlag) {
+  EXPECT_EQ(*ParseDispatchDtype("fp8"), common::ElementType::kFp8E4m3);
+  EXPECT_EQ(*ParseCombineDtype("bf16"), common::ElementType::kBf16);
+  EXPECT_EQ(*ParseOverflowPolicy("split"), OverflowPolicy::kSplit);
+  EXPECT_EQ(*ParseSharedExpertPlacement("owner"), SharedExpertPlacement::kOwner);
+  EXPECT_EQ(*ParseSharedExpertPlacement("split"), SharedExpertPlacement::kSplit);
+  for (SharedExpertPlacement p : {SharedExpertPlacement::kSplit, SharedExpertPlacement::kOwner}) {
+    EXPECT_EQ(*ParseSharedExpertPlacement(SharedExpertPlacementName(p)), p);
+  }
+  for (OverflowPolicy p : {OverflowPolicy::kFail, OverflowPolicy::kSplit}) {
+    EXPECT_EQ(*ParseOverflowPolicy(OverflowPolicyName(p)), p);
+  }
+  EXPECT_EQ(ParseDispatchDtype("fp16").status().message(),
+            "--dispatch-dtype must be fp32, bf16 or fp8, got 'fp16'");
+  EXPECT_EQ(ParseCombineDtype("fp8").status().message(),
+            "--combine-dtype must be fp32 or bf16, got 'fp8'");
+  EXPECT_EQ(ParseOverflowPolicy("drop").status().message(),
+            "--recv-overflow must be fail or split, got 'drop'");
+  EXPECT_EQ(ParseSharedExpertPlacement("everywhere").status().message(),
+            "--shared-expert must be owner or split, got 'everywhere'");
+  EXPECT_EQ(shmem::ParseHeapBackend("gpu").status().message(),
+            "--heap must be auto, shm or rma, got 'gpu'");
+
+  // Bound as flags, a bad value is refused at parsing with that message, and a good one lands
+  // in the options typed.
+  ExchangeOptions o;
+  common::FlagSet fs("test", "");
+  const auto dtype = [](const common::ElementType& t) { return std::string(common::FlagName(t)); };
+  fs.AddTyped<common::ElementType>("dispatch-dtype", &o.dispatch_dtype, "", ParseDispatchDtype,
+                                   dtype);
+  fs.AddTyped<common::ElementType>("combine-dtype", &o.combine_dtype, "", ParseCombineDtype, dtype);
+  fs.AddTyped<SharedExpertPlacement>(
+      "shared-expert", &o.shared_expert, "", ParseSharedExpertPlacement,
+      [](const SharedExpertPlacement& p) { return SharedExpertPlacementName(p); });
+  auto parse = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), "test");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return fs.Parse(static_cast<int>(argv.size()), argv.data());
+  };
+  EXPECT_EQ(parse({"--combine-dtype=fp8"}).message(),
+            "--combine-dtype must be fp32 or bf16, got 'fp8'");
+  EXPECT_EQ(parse({"--shared-expert", "both"}).message(),
+            "--shared-expert must be owner or split, got 'both'");
+  ASSERT_TRUE(
+      parse({"--dispatch-dtype=bf16", "--combine-dtype", "bf16", "--shared-expert=owner"}).ok());
+  EXPECT_EQ(o.dispatch_dtype, common::ElementType::kBf16);
+  EXPECT_EQ(o.combine_dtype, common::ElementType::kBf16);
+  EXPECT_EQ(o.shared_expert, SharedExpertPlacement::kOwner);
+  EXPECT_TRUE(o.Validate().ok());
 }
 
 // ---- payload encodings ----
