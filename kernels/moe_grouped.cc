@@ -123,8 +123,10 @@ absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer&
   }
   EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, g.pairs * w.ffn * sizeof(float), "h_scratch"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(y, g.pairs * w.hidden * sizeof(float), "y"));
+  // Tiles of either form may be there, but none of 128 rows below that many pairs.
+  const detail::MmaForms forms{.large = g.pairs > detail::kMmaDecodeRows, .decode = true};
   return detail::LaunchFfnMma(rt, w, x, x_format, g.row_index, /*gather=*/true, g.pairs, g.groups,
-                              g.num_groups, h_scratch, y);
+                              g.num_groups, forms, h_scratch, y);
 }
 
 }  // namespace epserve::kernels

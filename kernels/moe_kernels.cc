@@ -136,8 +136,20 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
                        Buffer& h_scratch, Buffer& y) {
   int num_groups = 0;
   EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, detail::kMmaBm, &num_groups));
+  // Which forms have tiles: a tile of at most kMmaDecodeRows rows is an expert's last (or only).
+  detail::MmaForms forms{.large = false, .decode = false};
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    if (count == 0) continue;
+    if (count % detail::kMmaBm == 0 || count % detail::kMmaBm > detail::kMmaDecodeRows) {
+      forms.large = true;
+    } else {
+      forms.decode = true;
+    }
+    if (count > detail::kMmaBm) forms.large = true;
+  }
   return detail::LaunchFfnMma(rt, w, x, x_format, row_index, gather, offsets.back(), groups,
-                              num_groups, h_scratch, y);
+                              num_groups, forms, h_scratch, y);
 }
 
 // The BF16 dot-product FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows
@@ -210,26 +222,43 @@ int KSplits(const Runtime& rt, int64_t tiles, int64_t k_pad) {
   return static_cast<int>(CeilDiv(slices, CeilDiv(slices, parts)));
 }
 
-// One GEMM of the tensor-core FFN in `splits` parts of K: ffn_mma_partial writes each part's
-// products of a [rows, k_pad] (BF16) and the n_rows weight rows of w into FP32 partial sums,
-// then `reduce` (ffn_reduce_gate_up: h, BF16; ffn_reduce_down: y, FP32 columns < out_cols)
-// adds the parts in order and finishes as the unsplit kernel does.
-absl::Status LaunchSplitK(Runtime& rt, const Buffer& a, const Buffer& groups, int num_groups,
-                          const Buffer& w, int64_t n_rows, int64_t k_pad, int splits, int64_t rows,
-                          const char* reduce, int64_t out_cols, Buffer& out) {
+// Launches `large` (the 128-row tiles) and `decode` (tiles of at most kMmaDecodeRows rows),
+// which take the same arguments and each skip the other's tiles, over the global size `global`
+// (3 dimensions), each where `forms` says tiles of its kind may be.
+template <typename... Args>
+absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const char* large, const char* decode,
+                         const size_t* global, const Args&... args) {
+  const size_t local[3] = {static_cast<size_t>(kMmaThreads), 1, 1};
+  for (const auto& [name, wanted] :
+       {std::pair{large, forms.large}, std::pair{decode, forms.decode}}) {
+    if (!wanted) continue;
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(name));
+    EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, args...));
+    EPSERVE_RETURN_IF_ERROR(Launch(rt, kernel, 3, global, local));
+  }
+  return absl::OkStatus();
+}
+
+// One GEMM of the tensor-core FFN in `splits` parts of K: ffn_mma_partial (ffn_dec_partial for
+// the decode form's tiles) writes each part's products of a [rows, k_pad] (BF16) and the n_rows
+// weight rows of w into FP32 partial sums, then `reduce` (ffn_reduce_gate_up: h, BF16;
+// ffn_reduce_down: y, FP32 columns < out_cols) adds the parts in order and finishes as the
+// unsplit kernels do.
+absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Buffer& groups,
+                          int num_groups, const Buffer& w, int64_t n_rows, int64_t k_pad,
+                          int splits, int64_t rows, const char* reduce, int64_t out_cols,
+                          Buffer& out) {
   const int64_t slices = k_pad / kMmaBk;
   const int64_t per_split = CeilDiv(slices, splits);
   EPSERVE_ASSIGN_OR_RETURN(Buffer * partial,
                            rt.Scratch(Runtime::kSplitKScratch,
                                       static_cast<size_t>(splits * rows * n_rows) * sizeof(float)));
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel product, rt.Kernel("ffn_mma_partial"));
-  EPSERVE_RETURN_IF_ERROR(SetArgs(product, a, groups, w, static_cast<cl_int>(n_rows),
-                                  static_cast<cl_int>(k_pad), static_cast<cl_int>(per_split),
-                                  static_cast<cl_int>(rows), *partial));
-  const size_t local[3] = {static_cast<size_t>(kMmaThreads), 1, 1};
   const size_t global[3] = {static_cast<size_t>(n_rows / kMmaBn * kMmaThreads),
                             static_cast<size_t>(num_groups), static_cast<size_t>(splits)};
-  EPSERVE_RETURN_IF_ERROR(Launch(rt, product, 3, global, local));
+  EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, "ffn_mma_partial", "ffn_dec_partial", global, a,
+                                      groups, w, static_cast<cl_int>(n_rows),
+                                      static_cast<cl_int>(k_pad), static_cast<cl_int>(per_split),
+                                      static_cast<cl_int>(rows), *partial));
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel sum, rt.Kernel(reduce));
   EPSERVE_RETURN_IF_ERROR(SetArgs(sum, *partial, cl_int{splits}, static_cast<cl_int>(rows),
                                   static_cast<cl_int>(n_rows), static_cast<cl_int>(out_cols), out));
@@ -237,19 +266,10 @@ absl::Status LaunchSplitK(Runtime& rt, const Buffer& a, const Buffer& groups, in
   return Launch(rt, sum, 2, sum_global, nullptr);
 }
 
-}  // namespace
-
-absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
-                          const Buffer& row_index, bool gather, int64_t rows, const Buffer& groups,
-                          int num_groups, Buffer& h_scratch, Buffer& y) {
-  if (rows == 0 || num_groups == 0) return absl::OkStatus();
-  const int64_t k_pad = MmaKPad(w.hidden);
-  const int64_t f_pad = MmaFfnPad(w.ffn);
-  const int64_t down_rows = MmaDownRows(w.hidden);
-  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * k_pad * sizeof(uint16_t), "y (BF16 activations)"));
-  EPSERVE_RETURN_IF_ERROR(
-      NeedBytes(h_scratch, rows * f_pad * sizeof(uint16_t), "h_scratch (BF16 h)"));
-  EPSERVE_RETURN_IF_ERROR(NeedBytes(groups, num_groups * 4 * sizeof(cl_int), "groups"));
+// x's rows to BF16 activations in y (gather_rows_to_bf16).
+absl::Status GatherToBf16(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
+                          const Buffer& row_index, bool gather, int64_t rows, int64_t k_pad,
+                          Buffer& y) {
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel gather_kernel, rt.Kernel("gather_rows_to_bf16"));
   const cl_long x_rows =
       RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
@@ -260,7 +280,23 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   // One work-item per 8 values of a row (rows in dimension 1).
   static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
   const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
-  EPSERVE_RETURN_IF_ERROR(LaunchBounded(rt, gather_kernel, 2, gather_global, kCpuChunksPerGroup));
+  return LaunchBounded(rt, gather_kernel, 2, gather_global, kCpuChunksPerGroup);
+}
+
+}  // namespace
+
+absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
+                          const Buffer& row_index, bool gather, int64_t rows, const Buffer& groups,
+                          int num_groups, MmaForms forms, Buffer& h_scratch, Buffer& y) {
+  if (rows == 0 || num_groups == 0) return absl::OkStatus();
+  const int64_t k_pad = MmaKPad(w.hidden);
+  const int64_t f_pad = MmaFfnPad(w.ffn);
+  const int64_t down_rows = MmaDownRows(w.hidden);
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * k_pad * sizeof(uint16_t), "y (BF16 activations)"));
+  EPSERVE_RETURN_IF_ERROR(
+      NeedBytes(h_scratch, rows * f_pad * sizeof(uint16_t), "h_scratch (BF16 h)"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(groups, num_groups * 4 * sizeof(cl_int), "groups"));
+  EPSERVE_RETURN_IF_ERROR(GatherToBf16(rt, w, x, x_format, row_index, gather, rows, k_pad, y));
   // Launches of fewer tiles than twice the device's multiprocessors (a shared expert, or a few
   // experts, at decode sizes) split K, so that more work-groups stream the weights; the parts
   // are summed in a fixed order. How many parts follows from the rows and the device only, so
@@ -268,29 +304,26 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   const int64_t tile_bound = MaxPairGroups(rows, w.num_experts, kMmaBm);
   const int gu_splits = KSplits(rt, 2 * f_pad / kMmaBn * tile_bound, k_pad);
   const int down_splits = KSplits(rt, down_rows / kMmaBn * tile_bound, f_pad);
-  const size_t local[2] = {static_cast<size_t>(kMmaThreads), 1};
   if (gu_splits > 1) {
-    EPSERVE_RETURN_IF_ERROR(LaunchSplitK(rt, y, groups, num_groups, w.gate_up, 2 * f_pad, k_pad,
-                                         gu_splits, rows, "ffn_reduce_gate_up", f_pad, h_scratch));
+    EPSERVE_RETURN_IF_ERROR(LaunchSplitK(rt, forms, y, groups, num_groups, w.gate_up, 2 * f_pad,
+                                         k_pad, gu_splits, rows, "ffn_reduce_gate_up", f_pad,
+                                         h_scratch));
   } else {
-    EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up, rt.Kernel("ffn_mma_gate_up"));
-    EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, groups, w.gate_up, static_cast<cl_int>(k_pad),
-                                    static_cast<cl_int>(f_pad), h_scratch));
-    const size_t gu_global[2] = {static_cast<size_t>(2 * f_pad / kMmaBn * kMmaThreads),
-                                 static_cast<size_t>(num_groups)};
-    EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
+    const size_t gu_global[3] = {static_cast<size_t>(2 * f_pad / kMmaBn * kMmaThreads),
+                                 static_cast<size_t>(num_groups), 1};
+    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, "ffn_mma_gate_up", "ffn_dec_gate_up", gu_global,
+                                        y, groups, w.gate_up, static_cast<cl_int>(k_pad),
+                                        static_cast<cl_int>(f_pad), h_scratch));
   }
   if (down_splits > 1) {
-    return LaunchSplitK(rt, h_scratch, groups, num_groups, w.down, down_rows, f_pad, down_splits,
-                        rows, "ffn_reduce_down", w.hidden, y);
+    return LaunchSplitK(rt, forms, h_scratch, groups, num_groups, w.down, down_rows, f_pad,
+                        down_splits, rows, "ffn_reduce_down", w.hidden, y);
   }
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_mma_down"));
-  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, groups, w.down, static_cast<cl_int>(f_pad),
-                                  static_cast<cl_int>(down_rows), static_cast<cl_int>(w.hidden),
-                                  y));
-  const size_t down_global[2] = {static_cast<size_t>(down_rows / kMmaBn * kMmaThreads),
-                                 static_cast<size_t>(num_groups)};
-  return Launch(rt, down, 2, down_global, local);
+  const size_t down_global[3] = {static_cast<size_t>(down_rows / kMmaBn * kMmaThreads),
+                                 static_cast<size_t>(num_groups), 1};
+  return LaunchTiles(rt, forms, "ffn_mma_down", "ffn_dec_down", down_global, h_scratch, groups,
+                     w.down, static_cast<cl_int>(f_pad), static_cast<cl_int>(down_rows),
+                     static_cast<cl_int>(w.hidden), y);
 }
 
 }  // namespace detail

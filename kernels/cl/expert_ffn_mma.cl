@@ -260,11 +260,22 @@ inline __attribute__((always_inline)) int4 TileProduct(
   return grp;
 }
 
-// Whether this work-group's tile has no rows: the launch may cover more tiles than a batch
-// has (groups made on the device, kernels/moe_grouped.cc), the rest being (0, 0, 0, 0).
-inline bool EmptyTile(const __global int4* groups) {
+// Tiles of at most DEC_BM rows take the decode form below (ffn_dec_*): a multiple of 16, from
+// the build options (kernels/detail/ffn_layout.h, kMmaDecodeRows).
+#ifndef MMA_DEC_BM
+#define MMA_DEC_BM 32
+#endif
+#define DEC_BM MMA_DEC_BM
+#define DEC_MT (DEC_BM / 16)  // m16 row tiles
+#if DEC_BM % 16 != 0 || DEC_BM < 16 || DEC_BM > 64
+#error "MMA_DEC_BM must be 16, 32, 48 or 64"
+#endif
+// Whether the 128-row kernels skip this work-group's tile: it has no rows (the launch may
+// cover more tiles than a batch has: groups made on the device, kernels/moe_grouped.cc, the
+// rest being (0, 0, 0, 0)), or few enough for the decode form.
+inline bool SkipTile(const __global int4* groups) {
   const int4 grp = groups[ThisTile().y];
-  return grp.z <= grp.y;
+  return grp.z - grp.y <= DEC_BM;
 }
 
 // Where this work-item's accumulators lie in the tile: acc[(i * NJ + j) * 4 + hi * 2 + {0, 1}]
@@ -290,7 +301,7 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
                               __global ushort* restrict h) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
-  if (EmptyTile(groups)) return;
+  if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;  // first weight row of the tile
   float acc[4 * NJ * 4];
   const int4 grp = TileProduct(a, groups, w, 2 * f_pad, k_pad, n0, lds_a, lds_b, acc);
@@ -324,7 +335,7 @@ __kernel void ffn_mma_down(__global const ushort* restrict h, __global const int
                            __global float* restrict y) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
-  if (EmptyTile(groups)) return;
+  if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;
   float acc[4 * NJ * 4];
   const int4 grp = TileProduct(h, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
@@ -389,7 +400,7 @@ __kernel void ffn_mma_partial(__global const ushort* restrict a,
                               int per_split, int rows, __global float* restrict partial) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A];
   __local uint4 lds_b[MMA_STAGES * STAGE_B];
-  if (EmptyTile(groups)) return;
+  if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;
   const int s = get_group_id(2);
   const int ks0 = s * per_split;
@@ -453,4 +464,199 @@ __kernel void ffn_reduce_down(__global const float* restrict partial, int splits
   const int c = get_global_id(0), p = get_global_id(1);
   if (c >= hidden || p >= rows) return;
   y[(size_t)p * hidden + c] = SumParts(partial, splits, rows, n_rows, p, c);
+}
+
+// ---- the decode form: tiles of at most DEC_BM rows ----
+// At decode sizes a tile has a few rows, and the 128-row tiles above hold 48 KiB of local
+// memory and about 240 registers a work-item for them: two work-groups a multiprocessor, too
+// few weight bytes in flight to read the weights at the speed of memory. Tiles of at most
+// DEC_BM rows take these kernels instead: the same 128 weight rows of the same layout, DEC_MT
+// m16 row tiles (A stages of DEC_BM x 64 bytes), four warps of DEC_BM x 32 outputs, DEC_STAGES
+// stages in flight, so that several work-groups share a multiprocessor. Each output is still
+// summed by one work-item over k in ascending order. Launched over every tile beside the
+// 128-row kernels, each skipping the other's tiles (SkipTile skips tiles of at most DEC_BM
+// rows). Global size (weight rows / MMA_BN * MMA_THREADS, tiles, parts of K).
+#define DEC_STAGES 4
+#define DEC_STAGE_A (DEC_BM * CPR)
+#if MMA_BN != 128 || MMA_THREADS != 128
+#error "the decode form is written for 128 weight rows and 128 work-items"
+#endif
+
+// Whether the decode form runs this work-group's tile (1 to DEC_BM rows).
+inline bool DecodeTile(const __global int4* groups) {
+  const int4 grp = groups[ThisTile().y];
+  return grp.z > grp.y && grp.z - grp.y <= DEC_BM;
+}
+
+// Copies K slice `step` of the tile into local-memory stage `st`: the A rows' chunks (rows
+// [p0, end) of lda chunks from a, clamped to end - 1), MMA_THREADS apart over the work-items,
+// and 4 weight chunks a work-item (w_src: this work-item's first).
+inline __attribute__((always_inline)) void DecodeLoad(const __global uint4* a, int lda, int p0,
+                                                      int end, const __global uint4* w_src,
+                                                      int step, int st, __local uint4* lds_a,
+                                                      __local uint4* lds_b) {
+  const int tid = get_local_id(0);
+#pragma unroll
+  for (int l = 0; l < (DEC_STAGE_A + MMA_THREADS - 1) / MMA_THREADS; ++l) {
+    const int c = tid + l * MMA_THREADS;
+    if (c >= DEC_STAGE_A) break;
+    const int r = c / CPR;
+    CopyAsync16(lds_a + st * DEC_STAGE_A + Swz(r, c % CPR),
+                a + (size_t)min(p0 + r, end - 1) * lda + step * CPR + c % CPR);
+  }
+#pragma unroll
+  for (int l = 0; l < 4; ++l) {
+    CopyAsync16(lds_b + st * STAGE_B + tid + l * MMA_THREADS,
+                w_src + (size_t)step * STAGE_B + l * MMA_THREADS);
+  }
+}
+
+// acc[(i * 4 + j) * 4 + r] += A[DEC_BM rows] . W[128 rows]^T over K slices [ks0, ks0 + count)
+// for this warp's 32 weight rows (m16 tiles i, n8 tiles j): a rows [p0, end) of lda chunks
+// (clamped to end - 1), wt the tile's weight rows (slices of MMA_BN x MMA_BK in local-memory
+// order).
+inline __attribute__((always_inline)) void DecodeProduct(
+    const __global uint4* restrict a, int lda, int p0, int end,
+    const __global uint4* restrict wt, int ks0, int count, __local uint4* lds_a,
+    __local uint4* lds_b, float* acc) {
+  const int tid = get_local_id(0);
+  const int lane = tid & 31, warp = tid >> 5;
+  const __global uint4* a0 = a + ks0 * CPR;
+  const __global uint4* w_src = wt + (size_t)ks0 * STAGE_B + tid;
+  const int b_row = warp * 32 + (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+  for (int j = 0; j < DEC_MT * 16; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < DEC_STAGES - 1; ++s) {
+    if (s < count) DecodeLoad(a0, lda, p0, end, w_src, s, s, lds_a, lds_b);
+    CopyAsyncCommit();
+  }
+  for (int s = 0; s < count; ++s) {
+    __asm__ __volatile__("cp.async.wait_group %0;" ::"n"(DEC_STAGES - 2) : "memory");
+    barrier(CLK_LOCAL_MEM_FENCE);
+    // Every warp is past slice s - 1: its stage takes slice s + DEC_STAGES - 1.
+    const int next = s + DEC_STAGES - 1;
+    if (next < count) DecodeLoad(a0, lda, p0, end, w_src, next, next % DEC_STAGES, lds_a, lds_b);
+    CopyAsyncCommit();
+    const int st = s % DEC_STAGES;
+    const __local uint4* sa = lds_a + st * DEC_STAGE_A;
+    const __local uint4* sb = lds_b + st * STAGE_B;
+#pragma unroll
+    for (int kk = 0; kk < MMA_BK / 16; ++kk) {
+      uint af[DEC_MT][4], bf[2][4];
+#pragma unroll
+      for (int i = 0; i < DEC_MT; ++i) {
+        LoadMatrix4(sa + Swz(i * 16 + (lane & 15), kk * 2 + (lane >> 4)), af[i]);
+      }
+      LoadMatrix4(sb + Swz(b_row, kk * 2 + ((lane >> 3) & 1)), bf[0]);
+      LoadMatrix4(sb + Swz(b_row + 16, kk * 2 + ((lane >> 3) & 1)), bf[1]);
+#pragma unroll
+      for (int i = 0; i < DEC_MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) Mma(acc + (i * 4 + j) * 4, af[i], bf[j >> 1] + (j & 1) * 2);
+      }
+    }
+  }
+  __asm__ __volatile__("cp.async.wait_all;" ::: "memory");
+}
+
+// Parts of K of the launch: part get_group_id(2) of per_split slices (all of K with one part).
+inline int2 DecodeSlices(int k_slices, int per_split) {
+  const int ks0 = get_group_id(2) * per_split;
+  return (int2)(ks0, min(per_split, k_slices - ks0));
+}
+
+// ffn_mma_gate_up's tiles of at most DEC_BM rows (one part of K).
+__kernel void ffn_dec_gate_up(__global const ushort* restrict a,
+                              __global const int4* restrict groups,
+                              __global const ushort* restrict w, int k_pad, int f_pad,
+                              __global ushort* restrict h) {
+  __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
+  __local uint4 lds_b[DEC_STAGES * STAGE_B];
+  if (!DecodeTile(groups)) return;
+  const int4 grp = groups[ThisTile().y];
+  const int n0 = ThisTile().x * MMA_BN;
+  const __global ushort* wt = w + ((size_t)grp.x * 2 * f_pad + n0) * (size_t)k_pad;
+  float acc[DEC_MT * 16];
+  DecodeProduct((const __global uint4*)a, k_pad / 8, grp.y, grp.z, (const __global uint4*)wt, 0,
+                k_pad / MMA_BK, lds_a, lds_b, acc);
+  // Tiles j = 0, 2 of a warp are gate, j = 1, 3 up, of outputs
+  // f = n0 / 2 + warp * 16 + (j / 2) * 8 + 2t + {0, 1}; rows i * 16 + g and i * 16 + g + 8.
+  const int lane = get_local_id(0) & 31, warp = get_local_id(0) >> 5;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < DEC_MT; ++i) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int p = grp.y + i * 16 + g + hi * 8;
+      if (p >= grp.z) continue;
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const float* gate = acc + (i * 4 + 2 * jj) * 4 + hi * 2;
+        const float* up = acc + (i * 4 + 2 * jj + 1) * 4 + hi * 2;
+        const float v0 = gate[0] / (1.0f + exp(-gate[0])) * up[0];
+        const float v1 = gate[1] / (1.0f + exp(-gate[1])) * up[1];
+        const int f = n0 / 2 + warp * 16 + jj * 8 + 2 * t;
+        ((__global uint*)(h + (size_t)p * f_pad + f))[0] = Bf16Bits(v0) | (Bf16Bits(v1) << 16);
+      }
+    }
+  }
+}
+
+// Columns c = n0 + warp * 32 + j * 8 + 2t + {0, 1} of rows i * 16 + g (+ 8) from acc, for rows
+// below end: into out (rows of ld values, columns below cols).
+inline void DecodeStore(const float* acc, int p0, int end, int n0, __global float* out, int ld,
+                        int cols) {
+  const int lane = get_local_id(0) & 31, warp = get_local_id(0) >> 5;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < DEC_MT; ++i) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int p = p0 + i * 16 + g + hi * 8;
+      if (p >= end) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = n0 + warp * 32 + j * 8 + 2 * t;
+        const float* v = acc + (i * 4 + j) * 4 + hi * 2;
+        if (c < cols) out[(size_t)p * ld + c] = v[0];
+        if (c + 1 < cols) out[(size_t)p * ld + c + 1] = v[1];
+      }
+    }
+  }
+}
+
+// ffn_mma_down's tiles of at most DEC_BM rows (one part of K).
+__kernel void ffn_dec_down(__global const ushort* restrict h, __global const int4* restrict groups,
+                           __global const ushort* restrict w, int f_pad, int n_pad, int hidden,
+                           __global float* restrict y) {
+  __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
+  __local uint4 lds_b[DEC_STAGES * STAGE_B];
+  if (!DecodeTile(groups)) return;
+  const int4 grp = groups[ThisTile().y];
+  const int n0 = ThisTile().x * MMA_BN;
+  const __global ushort* wt = w + ((size_t)grp.x * n_pad + n0) * (size_t)f_pad;
+  float acc[DEC_MT * 16];
+  DecodeProduct((const __global uint4*)h, f_pad / 8, grp.y, grp.z, (const __global uint4*)wt, 0,
+                f_pad / MMA_BK, lds_a, lds_b, acc);
+  DecodeStore(acc, grp.y, grp.z, n0, y, hidden, hidden);
+}
+
+// ffn_mma_partial's tiles of at most DEC_BM rows.
+__kernel void ffn_dec_partial(__global const ushort* restrict a,
+                              __global const int4* restrict groups,
+                              __global const ushort* restrict w, int n_rows, int k_pad,
+                              int per_split, int rows, __global float* restrict partial) {
+  __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
+  __local uint4 lds_b[DEC_STAGES * STAGE_B];
+  if (!DecodeTile(groups)) return;
+  const int4 grp = groups[ThisTile().y];
+  const int n0 = ThisTile().x * MMA_BN;
+  const int2 part = DecodeSlices(k_pad / MMA_BK, per_split);
+  const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
+  float acc[DEC_MT * 16];
+  DecodeProduct((const __global uint4*)a, k_pad / 8, grp.y, grp.z, (const __global uint4*)wt,
+                part.x, part.y, lds_a, lds_b, acc);
+  DecodeStore(acc, grp.y, grp.z, n0, partial + (size_t)get_group_id(2) * rows * n_rows, n_rows,
+              n_rows);
 }

@@ -59,6 +59,9 @@ inline constexpr int kMmaMaxRegisters = 65536 / (2 * kMmaThreads) > 255 ? 255
 // Local-memory stages of the tensor-core kernels' K loop: 16 KiB each (a 128 x 32 slice of
 // both operands), so three fill the 48 KiB a work-group may declare.
 inline constexpr int kMmaStages = 3;
+// Tiles of the tensor-core FFN with at most this many rows take its decode form (ffn_dec_*,
+// expert_ffn_mma.cl's MMA_DEC_BM): a few m16 row tiles, several work-groups a multiprocessor.
+inline constexpr int64_t kMmaDecodeRows = 32;
 // The most parts a tensor-core launch of few tiles splits K into (LaunchFfnMma).
 inline constexpr int64_t kMmaMaxKSplits = 16;
 // Element offset of (n, k) in a tensor-core weight matrix of k_pad columns, stored as tiles of
@@ -146,7 +149,8 @@ inline std::string ProgramBuildOptions(bool cpu, DotForm dot, bool amx = false) 
                       " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
                       " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm,
                       " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads,
-                      " -DMMA_STAGES=", kMmaStages, " -DDOT_DIRECT_ROWS=", kDotDirectRows);
+                      " -DMMA_STAGES=", kMmaStages, " -DDOT_DIRECT_ROWS=", kDotDirectRows,
+                      " -DMMA_DEC_BM=", kMmaDecodeRows);
 }
 
 }  // namespace epserve::kernels::detail
