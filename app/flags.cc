@@ -76,6 +76,9 @@ void RegisterWorkerFlags(common::FlagSet& fs, Flags& flags) {
   fs.Add("worker-host-threads", &w.host_threads,
          "Each worker's host threads for its combine (summing its tokens' returned rows); 0: "
          "the host's hardware threads over its workers and rank 0, 1 to 8");
+  fs.Add("worker-idle-poll", &w.idle_poll,
+         "Longest sleep of an idle worker between two looks for the next batch, e.g. 20us; 0: "
+         "20us where the host has 4 hardware threads for each rank on it, else 200us");
   fs.Add("worker-local-pass", &w.local_pass,
          "A batch with one live worker (a one-worker job, or the last survivor) runs on that "
          "worker's device alone: its rows go up once, the output comes down once, the owner's "

@@ -39,6 +39,11 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   w->me_ = WorkerOfRank(heap.rank());
   w->live_ = WorkerSet::All(regions.plan.shape().num_workers);
   w->orphan_grace_ = options.orphan_grace;
+  const int ranks_on_host = std::max(options.workers_on_host, 1) + 1;
+  w->idle_poll_ = options.idle_poll > absl::ZeroDuration() ? options.idle_poll
+                  : static_cast<int>(std::thread::hardware_concurrency()) >= 4 * ranks_on_host
+                      ? absl::Microseconds(20)
+                      : absl::Microseconds(200);
   absl::StatusOr<std::unique_ptr<Exchange>> exchange =
       Exchange::Create(heap, regions.plan, regions.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();
@@ -230,7 +235,7 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
   uint64_t seq = 0;
   absl::Time stop_seen = absl::InfiniteFuture();
   shmem::WaitOptions idle;
-  idle.max_sleep = absl::Microseconds(200);
+  idle.max_sleep = idle_poll_;
   while (true) {
     absl::Status wait = heap_.WaitSignal(
         regions_.batch_seq, seq + 1, absl::Now() + absl::Milliseconds(250), "next batch", -1, idle);

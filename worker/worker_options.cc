@@ -52,6 +52,10 @@ absl::Status WorkerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--worker-host-threads must be in [0, 256], got ", host_threads));
   }
+  if (idle_poll < absl::ZeroDuration() || idle_poll > absl::Milliseconds(100)) {
+    return absl::InvalidArgumentError(absl::StrCat("--worker-idle-poll must be in [0, 100ms], got ",
+                                                   absl::FormatDuration(idle_poll)));
+  }
   return absl::OkStatus();
 }
 

@@ -33,6 +33,11 @@ struct WorkerOptions {
   // A stop request (e.g. SIGTERM) ends the loop once no batch has come for this long,
   // even if rank 0 never sends kStop (rank 0 gone).
   absl::Duration orphan_grace = absl::Seconds(3);
+  // The longest sleep of an idle worker between two looks for the next batch (what a batch
+  // that finds it asleep waits at most before it starts); 0: 20 us where the host has at
+  // least 4 hardware threads for each rank on it (its workers and rank 0), else 200 us, which
+  // leaves the cores to the ranks that compute (--worker-idle-poll).
+  absl::Duration idle_poll = absl::ZeroDuration();
   // Workers on this host (this one included): a weight swap stages a second copy of every
   // one's weights at once, so each checks that all those copies fit the host's memory.
   int workers_on_host = 1;

@@ -423,5 +423,18 @@ TEST(WorkerPipeline, StalledWorkerFailsTheBatchWithUnavailableByTheTimeout) {
   });
 }
 
+TEST(WorkerOptions, IdlePollOutsideItsBoundNamesTheFlag) {
+  WorkerOptions options;
+  EXPECT_TRUE(options.Validate().ok());  // 0: derived from the host
+  options.idle_poll = absl::Microseconds(20);
+  EXPECT_TRUE(options.Validate().ok());
+  for (const absl::Duration bad : {absl::Microseconds(-1), absl::Milliseconds(101)}) {
+    options.idle_poll = bad;
+    const absl::Status s = options.Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("--worker-idle-poll must be in [0, 100ms]"), std::string::npos) << s;
+  }
+}
+
 }  // namespace
 }  // namespace epserve::worker
