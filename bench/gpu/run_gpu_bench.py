@@ -18,6 +18,7 @@ PyTorch with CUDA and NVIDIA's OpenCL driver; the ICD entry
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -262,31 +263,39 @@ def layer_part(build, env, shapes, tokens):
     return layer_rows(build, env, shapes, tokens)
 
 
-def decode_part(build, env, shapes, tokens):
+def decode_part(build, env, shapes, tokens, gpus):
     """Decode-sized layers on one GPU: the in-process layer (pairs grouped on the device and on
     the host) with each stage timed alone, beside the grouped_mm layer and the weight-read
-    bound."""
-    return layer_rows(build, env, shapes, tokens, stages=True, hf_block=False)
+    bound; then one client's latency through the service (qwen1.5-moe-a2.7b) on one GPU, and
+    on two where there are two."""
+    rows = layer_rows(build, env, shapes, tokens, stages=True, hf_block=False)
+    service = []
+    for workers in (1, 2) if gpus >= 2 else (1,):
+        try:
+            service += service_latency(build, env, "synthetic:qwen1.5-moe-a2.7b", workers,
+                                       tokens)
+        except RuntimeError as e:
+            log(f"  the service with {workers} worker(s) did not run: {e}")
+    return {"layers": rows, "service": service}
 
 
 # ---- 4. end to end on two GPUs ----
 
-def e2e_part(build, env, gpus):
-    if gpus < 2:
-        return {"skipped": f"{gpus} GPU(s); the end-to-end run needs 2"}
-    model = "synthetic:qwen1.5-moe-a2.7b"
-    work = tempfile.mkdtemp(prefix="epserve-gpu-e2e-")
+@contextlib.contextmanager
+def served(build, env, model, workers, flags=(), device="gpu"):
+    """`mpirun -np 1+workers epserve` on `device` until the block ends; yields (address, log
+    path). The workers take one GPU each."""
+    work = tempfile.mkdtemp(prefix="epserve-gpu-serve-")
     ready = os.path.join(work, "ready.json")
-    cmd = ["mpirun", "-np", "3", "--bind-to", "none", "-x", "LD_LIBRARY_PATH",
+    cmd = ["mpirun", "-np", str(1 + workers), "--bind-to", "none", "-x", "LD_LIBRARY_PATH",
            "-x", "EPSERVE_KERNEL_CACHE", "-x", "NCCL_NVLS_ENABLE",
-           os.path.join(build, "server", "epserve"), f"--model={model}", "--device=gpu",
+           os.path.join(build, "server", "epserve"), f"--model={model}", f"--device={device}",
            "--weight-dtype=bf16", "--grpc-address=127.0.0.1:0", "--metrics-address=127.0.0.1:0",
-           "--max-batch-tokens=4096", f"--ready-file={ready}"]
+           "--max-batch-tokens=4096", f"--ready-file={ready}", *flags]
     log("  $ " + " ".join(cmd))
     logf = open(os.path.join(work, "log.txt"), "w")
     proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    result = {}
     try:
         deadline = time.time() + 600
         while not os.path.exists(ready) or os.path.getsize(ready) == 0:
@@ -294,7 +303,25 @@ def e2e_part(build, env, gpus):
                 raise RuntimeError("epserve did not start:\n" + open(logf.name).read()[-4000:])
             time.sleep(0.5)
         time.sleep(0.2)
-        address = json.load(open(ready))["grpc"]
+        yield json.load(open(ready))["grpc"], logf.name
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        logf.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def e2e_part(build, env, gpus):
+    if gpus < 2:
+        return {"skipped": f"{gpus} GPU(s); the end-to-end run needs 2"}
+    model = "synthetic:qwen1.5-moe-a2.7b"
+    result = {}
+    with served(build, env, model, 2) as (address, log_path):
         load = os.path.join(build, "client", "epserve-load")
         verify = run([load, f"--target={address}", f"--verify-model={model}",
                       "--verify-tolerance=1e-2", "--tokens=16", "--concurrency=4",
@@ -307,21 +334,31 @@ def e2e_part(build, env, gpus):
                     "--duration=10s", "--warmup=3s", "--json", "--progress=off"], env,
                    timeout=600, check=False)
         result["throughput"] = json_lines(tput.stdout)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        logf.close()
-        text = open(logf.name).read()
-        # "worker 0 on 1:0 NVIDIA CUDA / NVIDIA H200 (gpu, ...): N weight bytes, ..."
-        result["workers"] = re.findall(r"worker \d+ on .*?\)(?=:)", text)
-        result["log_tail"] = text[-3000:]
-        shutil.rmtree(work, ignore_errors=True)
+        text = open(log_path).read()
+    # "worker 0 on 1:0 NVIDIA CUDA / NVIDIA H200 (gpu, ...): N weight bytes, ..."
+    result["workers"] = re.findall(r"worker \d+ on .*?\)(?=:)", text)
+    result["log_tail"] = text[-3000:]
     return result
+
+
+def service_latency(build, env, model, workers, tokens, device="gpu"):
+    """One client's p50 and p99 through the service (1 front-end + `workers` workers), with
+    shared-memory and with inline requests, for each token count: [{tokens, shm, p50_ms,
+    p99_ms, tokens_per_s}]."""
+    rows = []
+    with served(build, env, model, workers, device=device) as (address, _):
+        load = os.path.join(build, "client", "epserve-load")
+        for t in tokens:
+            for shm in (True, False):
+                r = run([load, f"--target={address}", f"--tokens={t}", "--concurrency=1",
+                         "--duration=3s", "--warmup=1s", f"--shared-memory={str(shm).lower()}",
+                         "--json", "--progress=off"], env, timeout=120, check=False)
+                for step in json_lines(r.stdout):
+                    lat = step.get("latency_ms") or {}
+                    rows.append({"workers": workers, "tokens": t, "shm": shm,
+                                 "p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"),
+                                 "tokens_per_s": step.get("tokens_per_s")})
+    return rows
 
 
 def nccl_all_to_all(env, gpus, byte_counts):
@@ -459,12 +496,33 @@ def markdown(res):
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
         def st(d):
             return " ".join(f"{k} {v:.3f}" for k, v in (d or {}).items() if v >= 0.0005)
-        for r in res["decode"]:
+        decode = res["decode"]
+        if isinstance(decode, list):  # results of an older version: the layers alone
+            decode = {"layers": decode, "service": []}
+        for r in decode["layers"]:
             lines.append(f"| {r['shape']} | {r['tokens']} | {r['resident_ms']:.3f} | "
                          f"{r['host_grouping_ms']:.3f} | {r['grouped_mm_graph_ms']:.3f} | "
                          f"{r['grouped_mm_eager_ms']:.3f} | {r['over_grouped_mm']:.2f}× | "
                          f"{r['bound_ms']:.3f} | {r['over_bound']:.2f}× | "
                          f"{st(r.get('stages_device'))} | {st(r.get('stages_host'))} |")
+        if decode["service"]:
+            resident = {r["tokens"]: r["resident_ms"] for r in decode["layers"]
+                        if r["shape"] == "qwen1.5-moe-a2.7b"}
+            lines += ["", "One client through the service (qwen1.5-moe-a2.7b, BF16 weights, "
+                      "`epserve-load --concurrency=1`), shared-memory and inline requests, "
+                      "against the in-process layer above (target: shared memory ≤ that + "
+                      "0.25 ms):", "",
+                      "| workers (GPUs) | tokens | shm p50 ms | shm p99 ms | inline p50 ms | "
+                      "inline p99 ms | in-process + 0.25 ms |",
+                      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            by = {(r["workers"], r["tokens"], r["shm"]): r for r in decode["service"]}
+            for (w, t) in sorted({(r["workers"], r["tokens"]) for r in decode["service"]}):
+                s_, i_ = by.get((w, t, True), {}), by.get((w, t, False), {})
+                bound = resident.get(t)
+                lines.append(f"| {w} | {t} | {s_.get('p50_ms') or 0:.3f} | "
+                             f"{s_.get('p99_ms') or 0:.3f} | {i_.get('p50_ms') or 0:.3f} | "
+                             f"{i_.get('p99_ms') or 0:.3f} | "
+                             + (f"{bound + 0.25:.3f} |" if bound else "– |"))
     e2e = res["e2e"]
     lines.append("")
     if "skipped" in e2e:
@@ -587,7 +645,7 @@ def main():
         save()
     if "decode" in parts:
         res["decode"] = decode_part(build, env, shapes,
-                                    [int(t) for t in a.decode_tokens.split(",")])
+                                    [int(t) for t in a.decode_tokens.split(",")], res["gpus"])
         save()
     if "e2e" in parts:
         res["e2e"] = e2e_part(build, env, res["gpus"])
