@@ -337,7 +337,7 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
   EPSERVE_RETURN_IF_ERROR(NeedBytes(ids, n * c.top_k * sizeof(int32_t), "ids"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(weights, n * c.top_k * sizeof(float), "weights"));
   // CPUs: one work-item per block of tokens.
-  if (rt.device_info().is_cpu) {
+  if (!rt.work_group_forms()) {
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("route_tokens"));
     EPSERVE_RETURN_IF_ERROR(
         SetArgs(kernel, x, w.router, w.bias, static_cast<cl_int>(n),
@@ -348,7 +348,8 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
     const size_t local[1] = {1};
     return Launch(rt, kernel, 1, global, local);
   }
-  // Other devices: the logits over work-groups of (experts, tokens), then the selection.
+  // Other devices (RuntimeOptions::work_group_forms): the logits over work-groups of (experts,
+  // tokens), then the selection.
   EPSERVE_ASSIGN_OR_RETURN(Buffer * logit_sums,
                            rt.Scratch(Runtime::kRouterLogitsScratch,
                                       static_cast<size_t>(n * c.num_experts) * sizeof(float)));
@@ -443,7 +444,7 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
           ? RunFfnDot(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
           : RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, offsets, h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
-  if (!rt.device_info().is_cpu) {  // a work-group per row
+  if (rt.work_group_forms()) {  // a work-group per row
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel scale, rt.Kernel("scale_rows_by_sigmoid_gate_wg"));
     EPSERVE_RETURN_IF_ERROR(
         SetArgs(scale, x, w.gate, static_cast<cl_int>(n), static_cast<cl_long>(w.hidden), y));

@@ -106,6 +106,11 @@ class Runtime {
   cl_device_id device() const { return device_; }
   // Whether BF16 expert weights uploaded through this runtime use the tensor-core kernels.
   bool tensor_cores() const { return tensor_cores_; }
+  // Whether the router and the shared expert's gate take their work-group forms
+  // (RuntimeOptions::work_group_forms).
+  bool work_group_forms() const {
+    return !info_.is_cpu || options_.work_group_forms == RuntimeOptions::WorkGroupForms::kAlways;
+  }
   // Whether this runtime has the BF16 dot-product kernels: BF16 expert weights use them where
   // ChooseFfnBlocking picks "dot" for their shape.
   bool bf16_dot() const { return bf16_dot_; }

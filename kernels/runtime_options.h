@@ -57,6 +57,11 @@ struct RuntimeOptions {
   Staging staging = Staging::kAuto;
   // Threads of the staged copies' host side; 0: common::DefaultCopyThreads().
   int transfer_threads = 0;
+  // The router and the shared expert's gate in their work-group forms (many work-items per
+  // token or row, for GPUs). kAuto: on devices other than CPUs; kAlways: on every device (tests
+  // run them on CPUs with it).
+  enum class WorkGroupForms { kAuto, kAlways };
+  WorkGroupForms work_group_forms = WorkGroupForms::kAuto;
 };
 
 }  // namespace epserve::kernels

@@ -32,7 +32,8 @@ __kernel void scale_rows_by_sigmoid_gate(__global const float* restrict x,
 }
 
 // scale_rows_by_sigmoid_gate for devices of many work-items (GPUs): a work-group of GATE_WG
-// items per row, the dot product's slices added in a fixed tree order.
+// items per row, the dot product's slices added in a fixed tree order. Every work-item reaches
+// every barrier (PoCL, which the tests run it on too, crashed on a return before them).
 #define GATE_WG 256
 __kernel __attribute__((reqd_work_group_size(GATE_WG, 1, 1))) void scale_rows_by_sigmoid_gate_wg(
     __global const float* restrict x, __global const float* restrict gate, int n, long hidden,
@@ -40,10 +41,9 @@ __kernel __attribute__((reqd_work_group_size(GATE_WG, 1, 1))) void scale_rows_by
   __local float part[GATE_WG];
   const int i = get_group_id(0);
   const int lid = get_local_id(0);
-  if (i >= n) return;
-  const __global float* row = x + (size_t)i * hidden;
+  const __global float* row = x + (size_t)min(i, n - 1) * hidden;
   float s = 0.0f;
-  for (long h = lid; h < hidden; h += GATE_WG) s = fma(row[h], gate[h], s);
+  for (int h = lid; h < hidden; h += GATE_WG) s = fma(row[h], gate[h], s);
   part[lid] = s;
   barrier(CLK_LOCAL_MEM_FENCE);
   for (int w = GATE_WG / 2; w > 0; w >>= 1) {
@@ -51,8 +51,9 @@ __kernel __attribute__((reqd_work_group_size(GATE_WG, 1, 1))) void scale_rows_by
     barrier(CLK_LOCAL_MEM_FENCE);
   }
   const float g = 1.0f / (1.0f + exp(-part[0]));
+  if (i >= n) return;
   __global float* out = y + (size_t)i * hidden;
-  for (long h = lid; h < hidden; h += GATE_WG) out[h] *= g;
+  for (int h = lid; h < hidden; h += GATE_WG) out[h] *= g;
 }
 
 // dst[i] += src[i] for i < count: adds the shared expert's rows to the combined ones on the

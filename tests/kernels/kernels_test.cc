@@ -97,6 +97,18 @@ class Seeded : public epserve::tests::SeededTest {
     }();
     return *rt;
   }
+  // A runtime whose router and shared-expert gate take their work-group forms (the GPUs'
+  // kernels) on any device, CPUs included.
+  static Runtime& WorkGroupFormsRt() {
+    static std::unique_ptr<Runtime> rt = [] {
+      RuntimeOptions options = TestRuntimeOptions();
+      options.work_group_forms = RuntimeOptions::WorkGroupForms::kAlways;
+      absl::StatusOr<std::unique_ptr<Runtime>> r = Runtime::Create(options);
+      EXPECT_TRUE(r.ok()) << r.status();
+      return r.ok() ? *std::move(r) : nullptr;
+    }();
+    return *rt;
+  }
   // The runtime the helpers below use: rt_ where a test sets one, else the shared one.
   Runtime& R() { return rt_ != nullptr ? *rt_ : Rt(); }
   // A device buffer holding `v`.
@@ -422,51 +434,57 @@ TEST(DTypeTest, ParsesNames) {
 class RouteTest : public Seeded, public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(RouteTest, MatchesReference) {
-  const model::SyntheticWeights source = Preset(GetParam(), seed_);
-  const model::MoeLayerConfig& cfg = source.config().layer;
-  absl::StatusOr<model::LayerWeights> host = model::LoadLayer(source, 0);
-  ASSERT_TRUE(host.ok()) << host.status();
-  absl::StatusOr<RouterWeights> w = UploadRouter(Rt(), source, 0);
-  ASSERT_TRUE(w.ok()) << w.status();
-  const int k = cfg.top_k;
-  int skipped = 0;
-  int checked = 0;
-  for (int64_t n : {1, 7, 33, 300}) {
-    SCOPED_TRACE(absl::StrCat("n=", n));
-    // Wide inputs so that softmax/sigmoid scores spread and ties are rare.
-    const std::vector<float> x = Uniform(n * cfg.hidden_size, -3.0f, 3.0f);
-    const model::Routing ref = model::ReferenceRoute(cfg, *host, x.data(), n);
-    Buffer xb = Upload(x);
-    Buffer ids = Poisoned(n * k);
-    Buffer weights = Poisoned(n * k);
-    ASSERT_TRUE(Route(Rt(), *w, xb, n, ids, weights).ok());
-    const std::vector<int32_t> got_ids = Download<int32_t>(ids, n * k);
-    const std::vector<float> got_w = Download<float>(weights, n * k);
-    // A second run gives the same bits.
-    Buffer weights2 = Poisoned(n * k);
-    ASSERT_TRUE(Route(Rt(), *w, xb, n, ids, weights2).ok());
-    EXPECT_EQ(Download<int32_t>(ids, n * k), got_ids);
-    const std::vector<float> got_w2 = Download<float>(weights2, n * k);
-    EXPECT_EQ(std::memcmp(got_w.data(), got_w2.data(), n * k * sizeof(float)), 0);
-    for (int64_t t = 0; t < n; ++t) {
-      if (ref.margins[t] < kMarginWithinRounding) {
-        ++skipped;
-        continue;
+  // The device's forms, then the work-group forms of GPUs (on any device).
+  for (Runtime* forms : {static_cast<Runtime*>(nullptr), &WorkGroupFormsRt()}) {
+    rt_ = forms;
+    SCOPED_TRACE(forms == nullptr ? "the device's forms" : "the work-group forms");
+    const model::SyntheticWeights source = Preset(GetParam(), seed_);
+    const model::MoeLayerConfig& cfg = source.config().layer;
+    absl::StatusOr<model::LayerWeights> host = model::LoadLayer(source, 0);
+    ASSERT_TRUE(host.ok()) << host.status();
+    absl::StatusOr<RouterWeights> w = UploadRouter(R(), source, 0);
+    ASSERT_TRUE(w.ok()) << w.status();
+    const int k = cfg.top_k;
+    int skipped = 0;
+    int checked = 0;
+    for (int64_t n : {1, 7, 33, 300}) {
+      SCOPED_TRACE(absl::StrCat("n=", n));
+      // Wide inputs so that softmax/sigmoid scores spread and ties are rare.
+      const std::vector<float> x = Uniform(n * cfg.hidden_size, -3.0f, 3.0f);
+      const model::Routing ref = model::ReferenceRoute(cfg, *host, x.data(), n);
+      Buffer xb = Upload(x);
+      Buffer ids = Poisoned(n * k);
+      Buffer weights = Poisoned(n * k);
+      ASSERT_TRUE(Route(R(), *w, xb, n, ids, weights).ok());
+      const std::vector<int32_t> got_ids = Download<int32_t>(ids, n * k);
+      const std::vector<float> got_w = Download<float>(weights, n * k);
+      // A second run gives the same bits.
+      Buffer weights2 = Poisoned(n * k);
+      ASSERT_TRUE(Route(R(), *w, xb, n, ids, weights2).ok());
+      EXPECT_EQ(Download<int32_t>(ids, n * k), got_ids);
+      const std::vector<float> got_w2 = Download<float>(weights2, n * k);
+      EXPECT_EQ(std::memcmp(got_w.data(), got_w2.data(), n * k * sizeof(float)), 0);
+      for (int64_t t = 0; t < n; ++t) {
+        if (ref.margins[t] < kMarginWithinRounding) {
+          ++skipped;
+          continue;
+        }
+        ++checked;
+        std::vector<double> ref_w(k);
+        std::vector<float> tok_w(k);
+        for (int j = 0; j < k; ++j) {
+          EXPECT_EQ(got_ids[t * k + j], ref.ids[t * k + j]) << "token " << t << " choice " << j;
+          ref_w[j] = ref.weights[t * k + j];
+          tok_w[j] = got_w[t * k + j];
+        }
+        EXPECT_LE(RelError(tok_w, ref_w), kMaxRelErrorFp32) << "token " << t;
       }
-      ++checked;
-      std::vector<double> ref_w(k);
-      std::vector<float> tok_w(k);
-      for (int j = 0; j < k; ++j) {
-        EXPECT_EQ(got_ids[t * k + j], ref.ids[t * k + j]) << "token " << t << " choice " << j;
-        ref_w[j] = ref.weights[t * k + j];
-        tok_w[j] = got_w[t * k + j];
-      }
-      EXPECT_LE(RelError(tok_w, ref_w), kMaxRelErrorFp32) << "token " << t;
     }
+    std::cout << "[ route " << GetParam() << " ] checked " << checked << " tokens, skipped "
+              << skipped << " within rounding of a tie\n";
+    EXPECT_LT(skipped, checked / 20 + 1) << "too many near-ties to be a meaningful check";
   }
-  std::cout << "[ route " << GetParam() << " ] checked " << checked << " tokens, skipped "
-            << skipped << " within rounding of a tie\n";
-  EXPECT_LT(skipped, checked / 20 + 1) << "too many near-ties to be a meaningful check";
+  rt_ = nullptr;
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, RouteTest,
@@ -1156,40 +1174,46 @@ class SharedExpertTest : public Seeded, public ::testing::WithParamInterface<Pre
 
 // With BF16 weights: against the FP32 reference at the BF16 bound.
 TEST_P(SharedExpertTest, MatchesReference) {
-  const auto& [preset, dtype] = GetParam();
-  const model::SyntheticWeights source = Preset(preset, seed_);
-  const model::MoeLayerConfig& cfg = source.config().layer;
-  absl::StatusOr<model::LayerWeights> host = model::LoadLayer(source, 0);
-  ASSERT_TRUE(host.ok()) << host.status();
-  absl::StatusOr<ExpertWeights> w = UploadSharedExpert(Rt(), source, 0, dtype);
-  ASSERT_TRUE(w.ok()) << w.status();
-  EXPECT_EQ(w->gate.mem() != nullptr, cfg.shared_expert_gate);
-  const int64_t h = cfg.hidden_size;
-  for (int64_t n : {1, 7, 33, 300}) {
-    SCOPED_TRACE(absl::StrCat("n=", n));
-    const std::vector<float> x = Uniform(n * h);
-    Buffer xb = Upload(x);
-    Buffer hb = Poisoned(n * cfg.shared_ffn_size);
-    Buffer yb = Poisoned(n * h);
-    absl::Status s = SharedExpertFfn(Rt(), *w, xb, n, hb, yb);
-    ASSERT_TRUE(s.ok()) << s;
-    std::vector<double> ref(n * h, 0.0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = x.data() + i * h;
-      double scale = 1.0;
-      if (cfg.shared_expert_gate) {
-        double dot = 0.0;
-        for (int64_t c = 0; c < h; ++c)
-          dot += static_cast<double>(row[c]) * host->shared_expert_gate[c];
-        scale = 1.0 / (1.0 + std::exp(-dot));
+  // The device's forms, then the work-group forms of GPUs (on any device).
+  for (Runtime* forms : {static_cast<Runtime*>(nullptr), &WorkGroupFormsRt()}) {
+    rt_ = forms;
+    SCOPED_TRACE(forms == nullptr ? "the device's forms" : "the work-group forms");
+    const auto& [preset, dtype] = GetParam();
+    const model::SyntheticWeights source = Preset(preset, seed_);
+    const model::MoeLayerConfig& cfg = source.config().layer;
+    absl::StatusOr<model::LayerWeights> host = model::LoadLayer(source, 0);
+    ASSERT_TRUE(host.ok()) << host.status();
+    absl::StatusOr<ExpertWeights> w = UploadSharedExpert(R(), source, 0, dtype);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(w->gate.mem() != nullptr, cfg.shared_expert_gate);
+    const int64_t h = cfg.hidden_size;
+    for (int64_t n : {1, 7, 33, 300}) {
+      SCOPED_TRACE(absl::StrCat("n=", n));
+      const std::vector<float> x = Uniform(n * h);
+      Buffer xb = Upload(x);
+      Buffer hb = Poisoned(n * cfg.shared_ffn_size);
+      Buffer yb = Poisoned(n * h);
+      absl::Status s = SharedExpertFfn(R(), *w, xb, n, hb, yb);
+      ASSERT_TRUE(s.ok()) << s;
+      std::vector<double> ref(n * h, 0.0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = x.data() + i * h;
+        double scale = 1.0;
+        if (cfg.shared_expert_gate) {
+          double dot = 0.0;
+          for (int64_t c = 0; c < h; ++c)
+            dot += static_cast<double>(row[c]) * host->shared_expert_gate[c];
+          scale = 1.0 / (1.0 + std::exp(-dot));
+        }
+        model::ReferenceExpert(host->shared_gate.data(), host->shared_up.data(),
+                               host->shared_down.data(), h, cfg.shared_ffn_size, row,
+                               ref.data() + i * h, scale);
       }
-      model::ReferenceExpert(host->shared_gate.data(), host->shared_up.data(),
-                             host->shared_down.data(), h, cfg.shared_ffn_size, row,
-                             ref.data() + i * h, scale);
+      EXPECT_LE(RelError(Download<float>(yb, n * h), ref),
+                dtype == ElementType::kBf16 ? kMaxRelErrorBf16 : kMaxRelErrorFp32);
     }
-    EXPECT_LE(RelError(Download<float>(yb, n * h), ref),
-              dtype == ElementType::kBf16 ? kMaxRelErrorBf16 : kMaxRelErrorFp32);
   }
+  rt_ = nullptr;
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, SharedExpertTest,
