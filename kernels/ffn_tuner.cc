@@ -58,7 +58,7 @@ constexpr int kTuneRepeats = 4;
 // that the process keeps. Real models' experts are larger (qwen1.5-moe: 17 MiB in BF16).
 constexpr int64_t kMinTunedExpertBytes = int64_t{8} << 20;
 
-std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes) {
+std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes, std::string* log) {
   cl_ulong cache_bytes = 0;
   if (clGetDeviceInfo(rt.device(), CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof(cache_bytes),
                       &cache_bytes, nullptr) != CL_SUCCESS) {
@@ -68,6 +68,8 @@ std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes) {
   const int streamed = static_cast<int>(std::clamp<int64_t>(
       detail::CeilDiv(2 * static_cast<int64_t>(cache_bytes), std::max<int64_t>(expert_bytes, 1)),
       2, 8));
+  absl::StrAppendFormat(log, "# device cache %.1f MiB: few-row cases over %d experts\n",
+                        static_cast<double>(cache_bytes) / (1 << 20), streamed);
   std::vector<TuneCase> cases;
   for (int c = 0; c < kFfnRowClasses; ++c) {
     const int64_t rows = FfnRowClassSample(c);
@@ -76,13 +78,15 @@ std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes) {
   return cases;
 }
 
-// One run of the FFN through `form` on one case, in seconds (queue finished).
+// One run of the FFN through `form` on one case, its rows in experts [first, first +
+// c.experts), in seconds (queue finished).
 absl::StatusOr<double> RunCase(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form,
-                               const TuneCase& c, const Buffer& x, const Buffer& row_index,
-                               Buffer& h, Buffer& y) {
+                               const TuneCase& c, int first, const Buffer& x,
+                               const Buffer& row_index, Buffer& h, Buffer& y) {
   std::vector<int64_t> offsets(w.num_experts + 1, 0);
   for (int e = 0; e < w.num_experts; ++e) {
-    offsets[e + 1] = offsets[e] + (e < c.experts ? c.rows_per_expert : 0);
+    const bool used = e >= first && e < first + c.experts;
+    offsets[e + 1] = offsets[e] + (used ? c.rows_per_expert : 0);
   }
   const Clock::time_point start = Clock::now();
   EPSERVE_RETURN_IF_ERROR(ExpertFfnAs(rt, w, form, x, row_index, offsets, h, y));
@@ -125,12 +129,14 @@ using TimeTable = std::vector<std::vector<double>>;
 // drift in the machine's load hits every candidate alike; the fastest run of each counts.
 absl::StatusOr<TimeTable> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
                                          const std::vector<TuneCase>& cases, int64_t hidden,
-                                         int64_t ffn, common::ElementType dtype) {
+                                         int64_t ffn, common::ElementType dtype,
+                                         std::string* log) {
+  const Clock::time_point start = Clock::now();
   int64_t max_rows = 0;
   int experts = 1;
   for (const TuneCase& c : cases) {
     max_rows = std::max(max_rows, c.rows_per_expert * c.experts);
-    experts = std::max(experts, c.experts);
+    experts = std::max(experts, 2 * c.experts);
   }
   const uint32_t x_pattern = 0x3c23d70a;  // 0.01f
   EPSERVE_ASSIGN_OR_RETURN(Buffer x, Filled(rt, max_rows * hidden * sizeof(float), x_pattern));
@@ -156,16 +162,25 @@ absl::StatusOr<TimeTable> TimeCandidates(Runtime& rt, const std::vector<FfnBlock
   }
   TimeTable times(candidates.size(),
                   std::vector<double>(cases.size(), std::numeric_limits<double>::infinity()));
+  absl::StrAppendFormat(log, "# weights and buffers %.2f s", SecondsSince(start));
+  // Successive runs take alternate halves of the experts, so that no run finds in cache the
+  // weights the run before it streamed (the few-row cases' weights are twice the cache).
+  int runs = 0;
   for (int round = 0; round <= kTuneRepeats; ++round) {
+    const Clock::time_point round_start = Clock::now();
     for (size_t i = 0; i < candidates.size(); ++i) {
       for (size_t c = 0; c < cases.size(); ++c) {
         if (!FfnFormServes(candidates[i], FfnRowClass(cases[c].rows_per_expert))) continue;
+        const int first = (runs++ % 2) * (experts / 2);
         EPSERVE_ASSIGN_OR_RETURN(double t, RunCase(rt, layouts[layout_of[i]], candidates[i],
-                                                   cases[c], x, row_index, h, y));
+                                                   cases[c], first, x, row_index, h, y));
         if (round > 0) times[i][c] = std::min(times[i][c], t);
       }
     }
+    absl::StrAppendFormat(log, round == 0 ? "; first round (builds) %.2f s" : ", %.2f s",
+                          SecondsSince(round_start));
   }
+  absl::StrAppend(log, "\n");
   return times;
 }
 
@@ -286,12 +301,13 @@ std::string FfnChoice::Describe() const {
 }
 
 std::vector<FfnBlocking> Runtime::FfnFormCandidates(common::ElementType dtype) const {
-  std::vector<FfnBlocking> candidates = FfnBlockingCandidates(info_);
-  if (dtype == common::ElementType::kBf16 && bf16_dot_) {
-    const std::vector<FfnBlocking> dot = DotForms(bf16_amx_);
-    candidates.insert(candidates.end(), dot.begin(), dot.end());
-  }
-  return candidates;
+  // BF16 weights where the pair-panel kernels run: their forms only. Their FP32-FMA forms
+  // (pair-fma) do what the FMA blockings do on the other layout, the same multiply-adds per
+  // weight byte, and ran as fast from one row to 8 on the Zen 5 host, where the dot products
+  // were faster from 8 rows (BENCHMARKS.md, issue 39); timing both layouts cost a cold start
+  // 3-4 s of PoCL builds of the FMA blockings.
+  if (dtype == common::ElementType::kBf16 && bf16_dot_) return DotForms(bf16_amx_);
+  return FfnBlockingCandidates(info_);
 }
 
 namespace {
@@ -388,10 +404,10 @@ absl::StatusOr<FfnPlan> Runtime::ChooseFfnPlan(int64_t hidden, int64_t ffn,
       }
     }
     if (choice.origin != FfnBlockingOrigin::kCache) {
-      const std::vector<TuneCase> cases = TuneCases(*this, expert_bytes);
-      EPSERVE_ASSIGN_OR_RETURN(TimeTable times,
-                               TimeCandidates(*this, candidates, cases, hidden, ffn, dtype));
       std::string log;
+      const std::vector<TuneCase> cases = TuneCases(*this, expert_bytes, &log);
+      EPSERVE_ASSIGN_OR_RETURN(TimeTable times,
+                               TimeCandidates(*this, candidates, cases, hidden, ffn, dtype, &log));
       choice.plan = PlanFromTimes(candidates, cases, times, &log);
       choice.origin = FfnBlockingOrigin::kTuned;
       if (!cache_path.empty()) {

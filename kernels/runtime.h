@@ -174,8 +174,9 @@ class Runtime {
   // the candidate forms on the device for a few seconds), the same afterwards. A forced FMA
   // blocking applies to BF16 weights too.
   absl::StatusOr<FfnPlan> ChooseFfnPlan(int64_t hidden, int64_t ffn, common::ElementType dtype);
-  // The forms the tuner times for weights of `dtype` on this device (the FMA blockings, and
-  // for BF16 weights where bf16_dot() the pair-panel forms); the first is the untimed default.
+  // The forms the tuner times for weights of `dtype` on this device: the FMA blockings, or for
+  // BF16 weights where bf16_dot() the pair-panel forms (kernels/ffn_tuner.cc says why not
+  // both); the first is the untimed default's layout.
   std::vector<FfnBlocking> FfnFormCandidates(common::ElementType dtype) const;
   // Every choice made so far, for logs.
   const std::vector<FfnChoice>& ffn_choices() const;
