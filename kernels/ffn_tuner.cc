@@ -64,10 +64,11 @@ std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes, std::st
                       &cache_bytes, nullptr) != CL_SUCCESS) {
     cache_bytes = 0;
   }
-  // Twice the cache's bytes of weights, at least 2 experts and at most 8.
+  // Twice the cache's bytes of weights (at most 8 experts), in each of the two halves that
+  // successive runs alternate between.
   const int streamed = static_cast<int>(std::clamp<int64_t>(
       detail::CeilDiv(2 * static_cast<int64_t>(cache_bytes), std::max<int64_t>(expert_bytes, 1)),
-      2, 8));
+      1, 8));
   absl::StrAppendFormat(log, "# device cache %.1f MiB: few-row cases over %d experts\n",
                         static_cast<double>(cache_bytes) / (1 << 20), streamed);
   std::vector<TuneCase> cases;
