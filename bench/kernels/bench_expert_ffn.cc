@@ -569,7 +569,10 @@ int Run(int argc, char** argv) {
       "on the weights of each layout (BF16: the %s runtime's, and a second runtime's in the "
       "other layout where the pair-panel kernels run), timed in the same round-robin; * = the "
       "form the runtime's plan picks for the row count; weight GB/s = the weights' bytes per "
-      "call / median time.\n\n",
+      "call / median time. A call's time also depends on the call before it in the order, "
+      "even with the cache emptied between them (up to 30%% at 8 rows on the 2-core Zen 5 "
+      "host): compare the forms with each other here, and the plan's forms with the tables "
+      "above.\n\n",
       FfnKernelsName(r, *w16));
   std::printf("| rows/expert | weights | layout | form | ms | weight GB/s | best of its weights / this | max rel diff vs (b) |\n");
   std::printf("|---:|---|---|---|---:|---:|---:|---:|\n");
