@@ -7,8 +7,8 @@
 // or FP32 FMAs on the same pair panels; each of those either reads x's rows itself in gate_up
 // (few rows: "-direct") or after a gather launch. Which is fastest depends on the CPU and on
 // the rows per expert: vdpbf16ps doubles the multiply-adds per instruction on AMD Zen 4/5 but
-// runs slower than two FMAs on Intel Sapphire Rapids, and at one row, where the weights'
-// stream bounds every form, FMAs on the weights have run faster than the dot products on both.
+// runs slower than two FMAs on Intel Sapphire Rapids, where at one row, which the weights'
+// stream bounds, FMAs on the weights ran faster than the dot products (issue 39).
 // So the forms are timed per row class (FfnRowClass) and the fastest kept per class, among
 // forms of one weight layout (the weights are stored once): an FfnPlan.
 //
