@@ -7,6 +7,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "kernels/detail/ffn_layout.h"
 #include "kernels/runtime.h"
 
 namespace epserve::kernels {
@@ -23,6 +25,19 @@ constexpr Key kKeys[] = {{"vec", &FfnBlocking::vec, 8, 16},
                          {"prefetch", &FfnBlocking::prefetch_steps, 0, 1024},
                          {"chunk", &FfnBlocking::row_chunk, 2, 4096}};
 
+// The pair-panel forms' names, without "-direct".
+struct DotName {
+  const char* name;
+  FfnBlocking::DotOp op;
+};
+constexpr DotName kDotNames[] = {{"dot", FfnBlocking::DotOp::kDefault},
+                                 {"dot-vdp", FfnBlocking::DotOp::kVdp},
+                                 {"pair-fma", FfnBlocking::DotOp::kFma}};
+constexpr const char* kRowClassNames[kFfnRowClasses] = {"1", "2-8", "9-64", "65+"};
+constexpr int64_t kRowClassFirst[kFfnRowClasses] = {1, 2, detail::kDotDirectRows + 1, 65};
+constexpr int64_t kRowClassSample[kFfnRowClasses] = {1, detail::kDotDirectRows, 32, 128};
+static_assert(detail::kDotDirectRows == 8, "the class names say 2-8");
+
 FfnBlocking Make(int vec, int rows, int prefetch_steps, int row_chunk) {
   FfnBlocking b;
   b.vec = vec;
@@ -35,14 +50,22 @@ FfnBlocking Make(int vec, int rows, int prefetch_steps, int row_chunk) {
 }  // namespace
 
 std::string FfnBlocking::ToString() const {
-  if (dot) return "dot";
+  if (dot) {
+    for (const DotName& d : kDotNames) {
+      if (d.op == dot_op) return absl::StrCat(d.name, direct ? "-direct" : "");
+    }
+  }
   return absl::StrCat("vec=", vec, " rows=", rows, " prefetch=", prefetch_steps,
                       " chunk=", row_chunk);
 }
 
 absl::StatusOr<FfnBlocking> ParseFfnBlocking(absl::string_view text) {
   FfnBlocking b;
-  if (absl::StripAsciiWhitespace(text) == "dot") return DotKernels();
+  absl::string_view name = absl::StripAsciiWhitespace(text);
+  const bool direct = absl::ConsumeSuffix(&name, "-direct");
+  for (const DotName& d : kDotNames) {
+    if (name == d.name) return DotKernels(d.op, direct);
+  }
   for (absl::string_view item : absl::StrSplit(text, absl::ByAnyChar(" ,"), absl::SkipEmpty())) {
     const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, '=');
     const Key* key = nullptr;
@@ -52,7 +75,8 @@ absl::StatusOr<FfnBlocking> ParseFfnBlocking(absl::string_view text) {
     if (key == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "FFN blocking: unknown key '", kv.first.substr(0, 64),
-          "' (keys: vec, rows, prefetch, chunk, e.g. 'vec=8 rows=6'; or 'dot' alone)"));
+          "' (keys: vec, rows, prefetch, chunk, e.g. 'vec=8 rows=6'; or alone 'dot', "
+          "'dot-vdp' or 'pair-fma', each with '-direct' or not)"));
     }
     int value = 0;
     if (!absl::SimpleAtoi(kv.second, &value) || value < key->min || value > key->max) {
@@ -103,10 +127,100 @@ std::vector<FfnBlocking> FfnBlockingCandidates(const DeviceInfo& device) {
   return {Make(8, 6, 64, 96), Make(8, 6, 0, 96), Make(8, 4, 64, 192)};
 }
 
-FfnBlocking DotKernels() {
+FfnBlocking DotKernels(FfnBlocking::DotOp op, bool direct) {
   FfnBlocking b;
   b.dot = true;
+  b.dot_op = op;
+  b.direct = direct;
   return b;
+}
+
+std::vector<FfnBlocking> DotForms(bool amx) {
+  std::vector<FfnBlocking> forms;
+  for (const DotName& d : kDotNames) {
+    if (d.op == FfnBlocking::DotOp::kVdp && !amx) continue;  // "dot" is vdpbf16ps there
+    for (bool direct : {false, true}) forms.push_back(DotKernels(d.op, direct));
+  }
+  return forms;
+}
+
+bool SameFfnLayout(const FfnBlocking& a, const FfnBlocking& b) {
+  return a.dot == b.dot && (a.dot || a.panel_cols() == b.panel_cols());
+}
+
+int FfnRowClass(int64_t rows_per_expert) {
+  int c = 0;
+  while (c + 1 < kFfnRowClasses && rows_per_expert >= kRowClassFirst[c + 1]) ++c;
+  return c;
+}
+const char* FfnRowClassName(int row_class) { return kRowClassNames[row_class]; }
+int64_t FfnRowClassFirst(int row_class) { return kRowClassFirst[row_class]; }
+int64_t FfnRowClassSample(int row_class) { return kRowClassSample[row_class]; }
+bool FfnFormServes(const FfnBlocking& b, int row_class) {
+  return !(b.dot && b.direct) || FfnRowClass(detail::kDotDirectRows) >= row_class;
+}
+
+FfnPlan FfnPlan::Uniform(const FfnBlocking& b) {
+  FfnPlan plan;
+  for (int c = 0; c < kFfnRowClasses; ++c) {
+    plan.forms[c] = b;
+    if (b.dot) plan.forms[c].direct = FfnFormServes(DotKernels(b.dot_op, true), c);
+  }
+  return plan;
+}
+
+std::string FfnPlan::ToString() const {
+  FfnBlocking base = forms[0];
+  base.direct = false;  // a dot form's name says "staged above 8 rows" in a uniform plan
+  if (Uniform(base) == *this) return base.ToString();
+  std::string out;
+  for (int c = 0; c < kFfnRowClasses; ++c) {
+    absl::StrAppend(&out, c == 0 ? "" : "; ", kRowClassNames[c], ": ", forms[c].ToString());
+  }
+  return out;
+}
+
+absl::StatusOr<FfnPlan> ParseFfnPlan(absl::string_view text) {
+  if (text.find(':') == absl::string_view::npos) {
+    absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(text);
+    if (!b.ok()) return b.status();
+    return FfnPlan::Uniform(*b);
+  }
+  FfnPlan plan;
+  bool seen[kFfnRowClasses] = {};
+  for (absl::string_view item : absl::StrSplit(text, ';', absl::SkipWhitespace())) {
+    const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, ':');
+    const absl::string_view name = absl::StripAsciiWhitespace(kv.first);
+    int c = 0;
+    while (c < kFfnRowClasses && name != kRowClassNames[c]) ++c;
+    if (c == kFfnRowClasses) {
+      return absl::InvalidArgumentError(absl::StrCat("FFN plan: unknown row class '",
+                                                     name.substr(0, 16),
+                                                     "' (classes: 1, 2-8, 9-64, 65+)"));
+    }
+    absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(kv.second);
+    if (!b.ok()) return b.status();
+    if (!FfnFormServes(*b, c)) {
+      return absl::InvalidArgumentError(absl::StrCat("FFN plan: ", b->ToString(),
+                                                     " reads x directly, for at most ",
+                                                     detail::kDotDirectRows, " rows, not ",
+                                                     kRowClassNames[c]));
+    }
+    plan.forms[c] = *b;
+    seen[c] = true;
+  }
+  for (int c = 0; c < kFfnRowClasses; ++c) {
+    if (!seen[c]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("FFN plan: no form for the row class ", kRowClassNames[c]));
+    }
+    if (!SameFfnLayout(plan.forms[c], plan.forms[0])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "FFN plan: ", plan.forms[c].ToString(), " and ", plan.forms[0].ToString(),
+          " read different weight layouts"));
+    }
+  }
+  return plan;
 }
 
 std::vector<FfnBlocking> AllFfnBlockingCandidates() {

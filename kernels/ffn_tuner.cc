@@ -1,5 +1,5 @@
-// Runtime::ChooseFfnBlocking: the per-device, per-shape choice of the portable FFN kernels'
-// blocking (kernels/ffn_blocking.h), with its cache beside the program-binary cache.
+// Runtime::ChooseFfnPlan: the per-device, per-shape choice of the FFN kernels' form for each
+// row class (kernels/ffn_blocking.h), with its cache beside the program-binary cache.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -45,42 +45,66 @@ absl::StatusOr<Buffer> Filled(Runtime& rt, size_t bytes, uint32_t pattern) {
   return b;
 }
 
-// The shapes a candidate is timed on: few rows per expert (weight streaming) and many
-// (FMA throughput); each candidate's score is the sum of its times relative to the best.
+// The shapes the forms are timed on: one per row class (FfnRowClassSample rows per expert),
+// the few-row ones over enough experts that their weights stream from memory past the
+// device's cache, as they do when serving.
 struct TuneCase {
   int64_t rows_per_expert;
   int experts;
 };
-constexpr TuneCase kTuneCases[] = {{8, 2}, {128, 1}};
-constexpr int kTuneExperts = 2;
 constexpr int kTuneRepeats = 4;
 // Experts smaller than this (test and toy shapes) take the default blocking: their FFN costs
 // little, and building the candidates costs seconds and, while PoCL compiles, hundreds of MiB
 // that the process keeps. Real models' experts are larger (qwen1.5-moe: 17 MiB in BF16).
 constexpr int64_t kMinTunedExpertBytes = int64_t{8} << 20;
 
-// One run of the FFN on one case, in seconds (queue finished).
-absl::StatusOr<double> RunCase(Runtime& rt, const ExpertWeights& w, const TuneCase& c,
-                               const Buffer& x, const Buffer& row_index, Buffer& h, Buffer& y) {
+std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes, std::string* log) {
+  cl_ulong cache_bytes = 0;
+  if (clGetDeviceInfo(rt.device(), CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof(cache_bytes),
+                      &cache_bytes, nullptr) != CL_SUCCESS) {
+    cache_bytes = 0;
+  }
+  // Twice the cache's bytes of weights (at most 8 experts), in each of the two halves that
+  // successive runs alternate between.
+  const int streamed = static_cast<int>(std::clamp<int64_t>(
+      detail::CeilDiv(2 * static_cast<int64_t>(cache_bytes), std::max<int64_t>(expert_bytes, 1)),
+      1, 8));
+  absl::StrAppendFormat(log, "# device cache %.1f MiB: few-row cases over %d experts\n",
+                        static_cast<double>(cache_bytes) / (1 << 20), streamed);
+  std::vector<TuneCase> cases;
+  for (int c = 0; c < kFfnRowClasses; ++c) {
+    const int64_t rows = FfnRowClassSample(c);
+    cases.push_back({rows, rows <= detail::kDotDirectRows ? streamed : rows <= 64 ? 2 : 1});
+  }
+  return cases;
+}
+
+// One run of the FFN through `form` on one case, its rows in experts [first, first +
+// c.experts), in seconds (queue finished).
+absl::StatusOr<double> RunCase(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form,
+                               const TuneCase& c, int first, const Buffer& x,
+                               const Buffer& row_index, Buffer& h, Buffer& y) {
   std::vector<int64_t> offsets(w.num_experts + 1, 0);
   for (int e = 0; e < w.num_experts; ++e) {
-    offsets[e + 1] = offsets[e] + (e < c.experts ? c.rows_per_expert : 0);
+    const bool used = e >= first && e < first + c.experts;
+    offsets[e + 1] = offsets[e] + (used ? c.rows_per_expert : 0);
   }
   const Clock::time_point start = Clock::now();
-  EPSERVE_RETURN_IF_ERROR(ExpertFfn(rt, w, x, row_index, offsets, h, y));
+  EPSERVE_RETURN_IF_ERROR(ExpertFfnAs(rt, w, form, x, row_index, offsets, h, y));
   EPSERVE_RETURN_IF_ERROR(rt.Finish());
   return SecondsSince(start);
 }
 
-// Weights of kTuneExperts experts in candidate b's layout, every value small and finite.
-absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int64_t hidden,
-                                          int64_t ffn, common::ElementType dtype,
+// Weights of `experts` experts in form b's layout, every value small and finite.
+absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int experts,
+                                          int64_t hidden, int64_t ffn, common::ElementType dtype,
                                           uint32_t fp32_pattern) {
   ExpertWeights w;
-  w.num_experts = kTuneExperts;
+  w.num_experts = experts;
   w.hidden = hidden;
   w.ffn = ffn;
   w.dtype = dtype;
+  w.plan = FfnPlan::Uniform(b);
   w.blocking = b;
   w.bf16_dot = b.dot;
   const int64_t pw = b.panel_cols();
@@ -91,28 +115,30 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
                                        : detail::GateUpFloatsPerExpert(hidden, ffn, pw);
   const int64_t down_values = b.dot ? detail::DownDotValuesPerExpert(hidden, ffn)
                                     : detail::DownFloatsPerExpert(hidden, ffn, pw);
-  EPSERVE_ASSIGN_OR_RETURN(Buffer gate_up,
-                           Filled(rt, gate_up_values * kTuneExperts * elem, pattern));
-  EPSERVE_ASSIGN_OR_RETURN(Buffer down, Filled(rt, down_values * kTuneExperts * elem, pattern));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer gate_up, Filled(rt, gate_up_values * experts * elem, pattern));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer down, Filled(rt, down_values * experts * elem, pattern));
   w.gate_up = std::move(gate_up);
   w.down = std::move(down);
   return w;
 }
 
-// Whether weights laid out for blocking a serve blocking b as they are.
-bool SameLayout(const FfnBlocking& a, const FfnBlocking& b) {
-  return a.dot == b.dot && (a.dot || a.panel_cols() == b.panel_cols());
-}
+// times[i][c]: the fastest run of candidate i on case c (infinity where it does not serve it).
+using TimeTable = std::vector<std::vector<double>>;
 
-// Times every candidate on every case, round-robin (one run of each candidate and case per
-// round, after a warm-up round that also builds the candidates' programs), so that a drift
-// in the machine's load hits every candidate alike; the fastest run of each counts. Returns
-// the index of the candidate with the lowest score and writes the times to `log`.
-absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
-                                      int64_t hidden, int64_t ffn, common::ElementType dtype,
-                                      std::string* log) {
+// Times every candidate on every case it serves, round-robin (one run of each candidate and
+// case per round, after a warm-up round that also builds the candidates' programs), so that a
+// drift in the machine's load hits every candidate alike; the fastest run of each counts.
+absl::StatusOr<TimeTable> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
+                                         const std::vector<TuneCase>& cases, int64_t hidden,
+                                         int64_t ffn, common::ElementType dtype,
+                                         std::string* log) {
+  const Clock::time_point start = Clock::now();
   int64_t max_rows = 0;
-  for (const TuneCase& c : kTuneCases) max_rows = std::max(max_rows, c.rows_per_expert * c.experts);
+  int experts = 1;
+  for (const TuneCase& c : cases) {
+    max_rows = std::max(max_rows, c.rows_per_expert * c.experts);
+    experts = std::max(experts, 2 * c.experts);
+  }
   const uint32_t x_pattern = 0x3c23d70a;  // 0.01f
   EPSERVE_ASSIGN_OR_RETURN(Buffer x, Filled(rt, max_rows * hidden * sizeof(float), x_pattern));
   std::vector<int32_t> index(max_rows);
@@ -121,71 +147,106 @@ absl::StatusOr<size_t> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking
                            rt.AllocateCopy(index.data(), index.size() * sizeof(int32_t)));
   EPSERVE_ASSIGN_OR_RETURN(Buffer h, rt.Allocate(max_rows * ffn * sizeof(float)));
   EPSERVE_ASSIGN_OR_RETURN(Buffer y, rt.Allocate(max_rows * hidden * sizeof(float)));
-  // One set of weights per layout: candidates of one panel width lay their weights out alike
-  // (the rest of a blocking changes only how the kernels walk them), so they share a set, its
-  // blocking set before each run. Filling a set (tens of MiB of fresh pages) cost more than
-  // all the timed runs together.
+  // One set of weights per layout: forms of one layout read the same weights (filling a set,
+  // tens of MiB of fresh pages, cost more than all the timed runs of its forms together).
   std::vector<ExpertWeights> layouts;
   std::vector<size_t> layout_of(candidates.size());
   for (size_t i = 0; i < candidates.size(); ++i) {
-    const FfnBlocking& b = candidates[i];
     size_t j = 0;
-    while (j < layouts.size() && !SameLayout(layouts[j].blocking, b)) ++j;
+    while (j < layouts.size() && !SameFfnLayout(layouts[j].blocking, candidates[i])) ++j;
     if (j == layouts.size()) {
-      EPSERVE_ASSIGN_OR_RETURN(ExpertWeights w, TuneWeights(rt, b, hidden, ffn, dtype, x_pattern));
+      EPSERVE_ASSIGN_OR_RETURN(
+          ExpertWeights w, TuneWeights(rt, candidates[i], experts, hidden, ffn, dtype, x_pattern));
       layouts.push_back(std::move(w));
     }
     layout_of[i] = j;
   }
-
-  const size_t num_cases = std::size(kTuneCases);
-  std::vector<std::vector<double>> times(
-      candidates.size(), std::vector<double>(num_cases, std::numeric_limits<double>::infinity()));
+  TimeTable times(candidates.size(),
+                  std::vector<double>(cases.size(), std::numeric_limits<double>::infinity()));
+  absl::StrAppendFormat(log, "# weights and buffers %.2f s", SecondsSince(start));
+  // Successive runs take alternate halves of the experts, so that no run finds in cache the
+  // weights the run before it streamed (the few-row cases' weights are twice the cache).
+  int runs = 0;
   for (int round = 0; round <= kTuneRepeats; ++round) {
+    const Clock::time_point round_start = Clock::now();
     for (size_t i = 0; i < candidates.size(); ++i) {
-      for (size_t c = 0; c < num_cases; ++c) {
-        ExpertWeights& w = layouts[layout_of[i]];
-        w.blocking = candidates[i];
-        EPSERVE_ASSIGN_OR_RETURN(double t, RunCase(rt, w, kTuneCases[c], x, row_index, h, y));
+      for (size_t c = 0; c < cases.size(); ++c) {
+        if (!FfnFormServes(candidates[i], FfnRowClass(cases[c].rows_per_expert))) continue;
+        const int first = (runs++ % 2) * (experts / 2);
+        EPSERVE_ASSIGN_OR_RETURN(double t, RunCase(rt, layouts[layout_of[i]], candidates[i],
+                                                   cases[c], first, x, row_index, h, y));
         if (round > 0) times[i][c] = std::min(times[i][c], t);
       }
     }
+    absl::StrAppendFormat(log, round == 0 ? "; first round (builds) %.2f s" : ", %.2f s",
+                          SecondsSince(round_start));
   }
-  std::vector<double> best(num_cases, std::numeric_limits<double>::infinity());
+  absl::StrAppend(log, "\n");
+  return times;
+}
+
+// The plan of the layout whose fastest forms score lowest (each class's time relative to the
+// fastest form of any layout, summed over the classes): in it, each class's fastest form.
+// The times go to `log`.
+FfnPlan PlanFromTimes(const std::vector<FfnBlocking>& candidates,
+                      const std::vector<TuneCase>& cases, const TimeTable& times,
+                      std::string* log) {
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> best(cases.size(), inf);
   for (const std::vector<double>& t : times) {
-    for (size_t c = 0; c < num_cases; ++c) best[c] = std::min(best[c], t[c]);
+    for (size_t c = 0; c < cases.size(); ++c) best[c] = std::min(best[c], t[c]);
   }
-  size_t winner = 0;
-  double winner_score = std::numeric_limits<double>::infinity();
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    double score = 0;
-    for (size_t c = 0; c < num_cases; ++c) score += times[i][c] / best[c];
-    absl::StrAppendFormat(log, "# %s:", candidates[i].ToString());
-    for (size_t c = 0; c < num_cases; ++c) {
-      absl::StrAppendFormat(log, " %lldx%d rows %.3f ms;",
-                            static_cast<long long>(kTuneCases[c].rows_per_expert),
-                            kTuneCases[c].experts, times[i][c] * 1e3);
+  FfnPlan winner = FfnPlan::Uniform(candidates.front());
+  double winner_score = inf;
+  for (size_t first = 0; first < candidates.size(); ++first) {
+    bool scored = false;  // from an earlier candidate of its layout
+    for (size_t j = 0; j < first; ++j) scored = scored || SameFfnLayout(candidates[j], candidates[first]);
+    if (scored) continue;
+    FfnPlan plan;
+    std::vector<double> plan_time(cases.size(), inf);
+    for (size_t i = first; i < candidates.size(); ++i) {
+      if (!SameFfnLayout(candidates[i], candidates[first])) continue;
+      for (size_t c = 0; c < cases.size(); ++c) {
+        if (times[i][c] < plan_time[c]) {
+          plan_time[c] = times[i][c];
+          plan.forms[c] = candidates[i];
+        }
+      }
     }
-    absl::StrAppendFormat(log, " score %.3f\n", score);
+    double score = 0;
+    for (size_t c = 0; c < cases.size(); ++c) score += plan_time[c] / best[c];
     if (score < winner_score) {
       winner_score = score;
-      winner = i;
+      winner = plan;
     }
+  }
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    absl::StrAppendFormat(log, "# %s:", candidates[i].ToString());
+    for (size_t c = 0; c < cases.size(); ++c) {
+      if (times[i][c] == inf) continue;
+      absl::StrAppendFormat(log, " %lldx%d rows %.3f ms;",
+                            static_cast<long long>(cases[c].rows_per_expert), cases[c].experts,
+                            times[i][c] * 1e3);
+    }
+    absl::StrAppend(log, "\n");
   }
   return winner;
 }
 
-// The tuning entry at `path` when it names one of `candidates`.
-std::optional<FfnBlocking> ReadCachedChoice(const std::string& path,
-                                            const std::vector<FfnBlocking>& candidates) {
+// The tuning entry at `path` when its forms are all among `candidates`.
+std::optional<FfnPlan> ReadCachedPlan(const std::string& path,
+                                      const std::vector<FfnBlocking>& candidates) {
   absl::StatusOr<std::string> text = common::ReadWholeFile(path);
   if (!text.ok()) return std::nullopt;
   const std::string first_line(absl::string_view(*text).substr(0, text->find('\n')));
-  absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(first_line);
-  if (!b.ok() || std::find(candidates.begin(), candidates.end(), *b) == candidates.end()) {
-    return std::nullopt;
+  absl::StatusOr<FfnPlan> plan = ParseFfnPlan(first_line);
+  if (!plan.ok()) return std::nullopt;
+  for (const FfnBlocking& b : plan->forms) {
+    if (std::find(candidates.begin(), candidates.end(), b) == candidates.end()) {
+      return std::nullopt;
+    }
   }
-  return *b;
+  return *plan;
 }
 
 // An exclusive flock on a file, held until destruction, taken within kTuneLockWait or not at
@@ -235,48 +296,78 @@ std::string FfnChoice::Describe() const {
   if (origin == FfnBlockingOrigin::kTuned) {
     how = absl::StrFormat("tuned now in %.2f s", seconds);
   }
-  return absl::StrCat(blocking.ToString(), " (", how, ") for H=", hidden, " F=", ffn, " ",
-                      common::FlagName(dtype), " weights");
+  const std::string forms = plan.ToString();
+  return absl::StrCat(forms.find(':') == std::string::npos ? "" : "rows ", forms, " (", how,
+                      ") for H=", hidden, " F=", ffn, " ", common::FlagName(dtype), " weights");
+}
+
+std::vector<FfnBlocking> Runtime::FfnFormCandidates(common::ElementType dtype) const {
+  // BF16 weights where the pair-panel kernels run: their forms only. Their FP32-FMA forms
+  // (pair-fma) do what the FMA blockings do on the other layout, the same multiply-adds per
+  // weight byte, and ran as fast from one row to 8 on the Zen 5 host, where the dot products
+  // were faster from 8 rows (BENCHMARKS.md, issue 39); timing both layouts cost a cold start
+  // 3-4 s of PoCL builds of the FMA blockings.
+  if (dtype == common::ElementType::kBf16 && bf16_dot_) return DotForms(bf16_amx_);
+  return FfnBlockingCandidates(info_);
 }
 
 namespace {
 
-// A forced blocking (--ffn-blocking / EPSERVE_FFN_BLOCKING) checked against the device and
-// the weights: its blocking and origin into `choice` ("dot" names BF16 weights' kernels, so
+// A forced plan (--ffn-blocking / EPSERVE_FFN_BLOCKING) checked against the device and the
+// weights: its plan and origin into `choice` (pair-panel forms name BF16 weights' kernels, so
 // FP32 weights keep `device_default`), or INVALID_ARGUMENT quoting it and saying why.
-absl::Status ApplyForcedBlocking(const std::string& forced, common::ElementType dtype,
-                                 bool dot_runs, const DeviceInfo& info,
-                                 const FfnBlocking& device_default, FfnChoice& choice) {
-  absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(forced);
-  if (!b.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='",
-                                                   forced.substr(0, 128),
-                                                   "': ", b.status().message()));
-  }
-  if (b->dot && dtype == common::ElementType::kBf16 && !dot_runs) {
+absl::Status ApplyForcedPlan(const std::string& forced, common::ElementType dtype, bool dot_runs,
+                             bool amx, const DeviceInfo& info, const FfnBlocking& device_default,
+                             FfnChoice& choice) {
+  const std::string quoted =
+      absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128), "': ");
+  absl::StatusOr<FfnPlan> plan = ParseFfnPlan(forced);
+  if (!plan.ok()) return absl::InvalidArgumentError(absl::StrCat(quoted, plan.status().message()));
+  const FfnBlocking& b = plan->layout();
+  if (b.dot && dtype == common::ElementType::kBf16 && !dot_runs) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
-        "': this device runs no BF16 dot-product kernels (x86 AVX512-BF16 under PoCL)"));
+        quoted, "this device runs no BF16 dot-product kernels (x86 AVX512-BF16 under PoCL)"));
   }
-  if (!b->dot && b->vec == 16 && !info.target_isa.empty() && info.target_isa != "avx512f") {
+  for (const FfnBlocking& f : plan->forms) {
+    if (f.dot && f.dot_op == FfnBlocking::DotOp::kVdp && !amx && dot_runs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(quoted, "dot-vdp is for hosts that run AMX tiles; 'dot' is vdpbf16ps here"));
+    }
+  }
+  if (!b.dot && b.vec == 16 && !info.target_isa.empty() && info.target_isa != "avx512f") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--ffn-blocking / EPSERVE_FFN_BLOCKING='", forced.substr(0, 128),
-                     "': vec=16 needs 16-lane vectors, and this device's code is built for ",
+        absl::StrCat(quoted, "vec=16 needs 16-lane vectors, and this device's code is built for ",
                      info.target_isa, " (8 lanes): use vec=8"));
   }
-  const bool fp32_under_dot = b->dot && dtype != common::ElementType::kBf16;
-  choice.blocking = fp32_under_dot ? device_default : *b;
+  const bool fp32_under_dot = b.dot && dtype != common::ElementType::kBf16;
+  choice.plan = fp32_under_dot ? FfnPlan::Uniform(device_default) : *plan;
   choice.origin = fp32_under_dot ? FfnBlockingOrigin::kDefault : FfnBlockingOrigin::kForced;
   return absl::OkStatus();
 }
 
+// The tuning cache entry's path for the shape and candidates ("" without a cache folder).
+std::string TuneCachePath(const std::string& cache_dir, const std::string& key_source,
+                          const DeviceInfo& info, int64_t hidden, int64_t ffn,
+                          common::ElementType dtype, const std::vector<FfnBlocking>& candidates) {
+  if (cache_dir.empty()) return "";
+  // Keyed like the program binaries (source, options, device, driver) plus the shape, the row
+  // classes and the candidate list, so a changed kernel or candidate set tunes again.
+  std::string what = absl::StrCat("ffn-plan H=", hidden, " F=", ffn, " ", common::FlagName(dtype),
+                                  " ", JoinCandidates(candidates), " classes");
+  for (int c = 0; c < kFfnRowClasses; ++c) absl::StrAppend(&what, " ", FfnRowClassName(c));
+  std::string path = detail::ProgramCachePath(cache_dir, "ffn-blocking",
+                                              detail::ProgramCacheKey(key_source, what, info));
+  path.replace(path.size() - 4, 4, ".txt");  // ".bin" -> ".txt"
+  return path;
+}
+
 }  // namespace
 
-absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t ffn,
-                                                       common::ElementType dtype) {
+absl::StatusOr<FfnPlan> Runtime::ChooseFfnPlan(int64_t hidden, int64_t ffn,
+                                               common::ElementType dtype) {
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
   for (const FfnChoice& c : ffn_choices()) {
-    if (c.hidden == hidden && c.ffn == ffn && c.dtype == dtype) return c.blocking;
+    if (c.hidden == hidden && c.ffn == ffn && c.dtype == dtype) return c.plan;
   }
   const Clock::time_point start = Clock::now();
   FfnChoice choice;
@@ -288,56 +379,48 @@ absl::StatusOr<FfnBlocking> Runtime::ChooseFfnBlocking(int64_t hidden, int64_t f
     const char* env = std::getenv("EPSERVE_FFN_BLOCKING");
     if (env != nullptr) forced = env;
   }
-  // BF16 weights on a runtime with the dot-product kernels: those are a candidate too.
+  // BF16 weights on a runtime with the dot-product kernels: the pair-panel forms too.
   const bool dot_runs = dtype == common::ElementType::kBf16 && bf16_dot_;
-  std::vector<FfnBlocking> candidates = FfnBlockingCandidates(info_);
-  if (dot_runs) candidates.push_back(DotKernels());
+  const std::vector<FfnBlocking> candidates = FfnFormCandidates(dtype);
+  const int64_t expert_bytes = 3 * hidden * ffn * static_cast<int64_t>(common::ElementBytes(dtype));
   if (!forced.empty()) {
-    EPSERVE_RETURN_IF_ERROR(
-        ApplyForcedBlocking(forced, dtype, dot_runs, info_, default_ffn_blocking_, choice));
-  } else if (candidates.size() < 2 || !options_.tune_ffn ||
-             3 * hidden * ffn * static_cast<int64_t>(common::ElementBytes(dtype)) <
-                 kMinTunedExpertBytes) {
-    choice.blocking = dot_runs ? DotKernels() : default_ffn_blocking_;
+    EPSERVE_RETURN_IF_ERROR(ApplyForcedPlan(forced, dtype, dot_runs, bf16_amx_, info_,
+                                            default_ffn_blocking_, choice));
+  } else if (candidates.size() < 2 || !options_.tune_ffn || expert_bytes < kMinTunedExpertBytes) {
+    choice.plan = FfnPlan::Uniform(dot_runs ? DotKernels() : default_ffn_blocking_);
     choice.origin = FfnBlockingOrigin::kDefault;
   } else {
-    // Keyed like the program binaries (source, options, device, driver) plus the shape class
-    // and the candidate list, so a changed kernel or candidate set tunes again.
-    std::string cache_path;
+    const std::string cache_path = TuneCachePath(cache_dir_, FfnProgramKeySource(), info_, hidden,
+                                                 ffn, dtype, candidates);
     CacheLock lock;
-    if (!cache_dir_.empty()) {
-      const std::string what =
-          absl::StrCat("ffn-blocking H=", hidden, " F=", ffn, " ", common::FlagName(dtype), " ",
-                       JoinCandidates(candidates));
-      cache_path = detail::ProgramCachePath(
-          cache_dir_, "ffn-blocking", detail::ProgramCacheKey(FfnProgramKeySource(), what, info_));
-      cache_path.replace(cache_path.size() - 4, 4, ".txt");  // ".bin" -> ".txt"
+    if (!cache_path.empty()) {
       // Workers of one host share the device kind and the cache: one tunes while the others
       // wait for its entry (at most kTuneLockWait, then they time the candidates themselves).
       std::error_code ignored;  // a folder that cannot be made leaves the lock (and cache) off
       std::filesystem::create_directories(cache_dir_, ignored);
       lock = CacheLock(cache_path + ".lock");
-      if (std::optional<FfnBlocking> b = ReadCachedChoice(cache_path, candidates)) {
-        choice.blocking = *b;
+      if (std::optional<FfnPlan> plan = ReadCachedPlan(cache_path, candidates)) {
+        choice.plan = *plan;
         choice.origin = FfnBlockingOrigin::kCache;
       }
     }
     if (choice.origin != FfnBlockingOrigin::kCache) {
       std::string log;
-      EPSERVE_ASSIGN_OR_RETURN(size_t winner,
-                               TimeCandidates(*this, candidates, hidden, ffn, dtype, &log));
-      choice.blocking = candidates[winner];
+      const std::vector<TuneCase> cases = TuneCases(*this, expert_bytes, &log);
+      EPSERVE_ASSIGN_OR_RETURN(TimeTable times,
+                               TimeCandidates(*this, candidates, cases, hidden, ffn, dtype, &log));
+      choice.plan = PlanFromTimes(candidates, cases, times, &log);
       choice.origin = FfnBlockingOrigin::kTuned;
       if (!cache_path.empty()) {
         const absl::Status s = detail::WriteFileAtomically(
-            cache_path, absl::StrCat(choice.blocking.ToString(), "\n", log));
+            cache_path, absl::StrCat(choice.plan.ToString(), "\n", log));
         (void)s;  // a cache that cannot be written only costs the next start a tuning
       }
     }
   }
   choice.seconds = SecondsSince(start);
   mutable_ffn_choices().push_back(choice);
-  return choice.blocking;
+  return choice.plan;
 }
 
 }  // namespace epserve::kernels

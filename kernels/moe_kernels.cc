@@ -41,24 +41,22 @@ absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offset
   return rt.AllocateCopy(groups.data(), groups.size() * sizeof(cl_int4));
 }
 
-// gate_up then down over the expert-major rows of `offsets`, in tiles of at most
-// w.blocking.row_chunk rows of one expert: x FP32 rows x_stride values apart, row p reading
-// x[row_index[p]] (gather) or x[p].
-absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t x_stride,
-                    const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
-                    Buffer& h_scratch, Buffer& y) {
+// gate_up then down over the expert-major rows of `offsets` through the FMA blocking `form`,
+// in tiles of at most form.row_chunk rows of one expert: x FP32 rows x_stride values apart,
+// row p reading x[row_index[p]] (gather) or x[p].
+absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form, const Buffer& x,
+                    int64_t x_stride, const Buffer& row_index, bool gather,
+                    std::span<const int64_t> offsets, Buffer& h_scratch, Buffer& y) {
   int num_groups = 0;
-  EPSERVE_ASSIGN_OR_RETURN(Buffer groups,
-                           UploadGroups(rt, offsets, w.blocking.row_chunk, &num_groups));
+  EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, form.row_chunk, &num_groups));
   if (num_groups == 0) return absl::OkStatus();
   const char* w_name = w.dtype == common::ElementType::kBf16 ? "_wbf16" : "_wf32";
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up,
-                           rt.FfnKernel(absl::StrCat("ffn_gate_up", w_name), w.blocking));
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down,
-                           rt.FfnKernel(absl::StrCat("ffn_down", w_name), w.blocking));
+                           rt.FfnKernel(absl::StrCat("ffn_gate_up", w_name), form));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.FfnKernel(absl::StrCat("ffn_down", w_name), form));
   const cl_int hidden = static_cast<cl_int>(w.hidden);
   const cl_int ffn = static_cast<cl_int>(w.ffn);
-  const int64_t pw = w.blocking.panel_cols();
+  const int64_t pw = form.panel_cols();
   const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn, pw));
   const cl_int down_panels = static_cast<cl_int>(detail::DownPanels(w.hidden, pw));
   const cl_long x_rows = RowsInBuffer(x, sizeof(float), w.hidden, x_stride);
@@ -152,24 +150,21 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
                               num_groups, forms, h_scratch, y);
 }
 
-// The BF16 dot-product FFN over `rows` rows: x (FP32 or BF16 as x_format says, rows
-// x_stride apart, gathered through row_index when `gather`) -> BF16 activations in y -> BF16 h
-// in h_scratch -> FP32 y. Tiles of kDotRowChunk rows of one expert; where no expert has more
-// than kDotDirectRows rows, gate_up reads x itself (ffn_gate_up_x_dot) and the gather launch
-// is saved, the larger share of a few-row call on a many-core CPU.
-absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
-                       const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
-                       Buffer& h_scratch, Buffer& y) {
+// The pair-panel FFN through form `form` (its DotOp) over `rows` rows: x (FP32 or BF16 as
+// x_format says, rows x_stride apart, gathered through row_index when `gather`) -> BF16
+// activations in y -> BF16 h in h_scratch -> FP32 y. Tiles of kDotRowChunk rows of one
+// expert; a direct form (no expert of more than kDotDirectRows rows) has gate_up read x itself
+// (ffn_gate_up_x_dot) and saves the gather launch, the larger share of a few-row call on a
+// many-core CPU.
+absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form,
+                       const Buffer& x, RowFormat x_format, const Buffer& row_index, bool gather,
+                       std::span<const int64_t> offsets, Buffer& h_scratch, Buffer& y) {
   const int64_t kp_hidden = detail::DotKPairs(w.hidden);
   const int64_t kp_ffn = detail::DotKPairs(w.ffn);
   const cl_int gu_panels = static_cast<cl_int>(detail::GateUpPanels(w.ffn, detail::kDotPanelCols));
   const cl_int down_panels =
       static_cast<cl_int>(detail::DownPanels(w.hidden, detail::kDotPanelCols));
-  int64_t most_rows = 0;
-  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    most_rows = std::max(most_rows, offsets[e + 1] - offsets[e]);
-  }
-  const bool direct = most_rows <= detail::kDotDirectRows;
+  const bool direct = form.direct;
   const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
   EPSERVE_ASSIGN_OR_RETURN(
       Bf16Tiles tiles,
@@ -179,7 +174,7 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
   if (tiles.num_groups == 0) return absl::OkStatus();
   cl_kernel gate_up = nullptr;
   if (direct) {
-    EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.Kernel("ffn_gate_up_x_dot"));
+    EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.FfnKernel("ffn_gate_up_x_dot", form));
     const bool x_bf16 = x_format.dtype == common::ElementType::kBf16;
     const cl_long x_rows =
         RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
@@ -188,11 +183,11 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
         cl_int{gather ? 1 : 0}, static_cast<cl_int>(w.hidden), static_cast<cl_int>(kp_hidden),
         tiles.groups, w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
   } else {
-    EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.Kernel("ffn_gate_up_dot"));
+    EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.FfnKernel("ffn_gate_up_dot", form));
     EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, static_cast<cl_int>(kp_hidden), tiles.groups,
                                     w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
   }
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.Kernel("ffn_down_dot"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.FfnKernel("ffn_down_dot", form));
   const size_t local[2] = {1, 1};
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels),
                                static_cast<size_t>(tiles.num_groups)};
@@ -371,13 +366,23 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
   return LaunchBounded(rt, select, 1, select_global, detail::kCpuRowsPerGroup);
 }
 
-int64_t ExpertFfnSecondFormRows(const ExpertWeights& w) {
-  return w.bf16_dot && !w.tensor_cores ? detail::kDotDirectRows + 1 : 1;
+std::vector<int64_t> ExpertFfnWarmUpRows(const ExpertWeights& w) {
+  std::vector<int64_t> rows = {1};
+  if (w.tensor_cores) return rows;
+  for (int c = 1; c < kFfnRowClasses; ++c) {
+    bool seen = false;
+    for (int d = 0; d < c; ++d) seen = seen || w.plan.forms[d] == w.plan.forms[c];
+    if (!seen) rows.push_back(FfnRowClassFirst(c));
+  }
+  return rows;
 }
 
-absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
-                       const Buffer& row_index, std::span<const int64_t> expert_offsets,
-                       Buffer& h_scratch, Buffer& y, RowFormat x_format) {
+namespace {
+
+// ExpertFfn's checks of its arguments; the rows of the largest expert into *most_rows.
+absl::Status CheckFfnCall(const ExpertWeights& w, const Buffer& x, const Buffer& row_index,
+                          std::span<const int64_t> expert_offsets, const Buffer& h_scratch,
+                          const Buffer& y, RowFormat& x_format, int64_t* most_rows) {
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(x_format.dtype, "x's element type"));
   if (x_format.row_stride == 0) x_format.row_stride = w.hidden;
   if (x_format.row_stride < w.hidden) {
@@ -393,12 +398,14 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
     return absl::InvalidArgumentError(
         absl::StrCat("expert_offsets[0] must be 0, got ", expert_offsets[0]));
   }
+  *most_rows = 0;
   for (size_t e = 0; e + 1 < expert_offsets.size(); ++e) {
     if (expert_offsets[e + 1] < expert_offsets[e]) {
       return absl::InvalidArgumentError(absl::StrCat("expert_offsets must ascend; entry ", e + 1,
                                                      " = ", expert_offsets[e + 1], " < ",
                                                      expert_offsets[e]));
     }
+    *most_rows = std::max(*most_rows, expert_offsets[e + 1] - expert_offsets[e]);
   }
   const int64_t rows = expert_offsets.back();
   EPSERVE_RETURN_IF_ERROR(NeedIntRange(rows, "expert_offsets.back()"));
@@ -406,21 +413,66 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
   EPSERVE_RETURN_IF_ERROR(NeedBytes(x, w.hidden * common::ElementBytes(x_format.dtype), "x"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(row_index, rows * sizeof(int32_t), "row_index"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, rows * w.ffn * sizeof(float), "h_scratch"));
-  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * w.hidden * sizeof(float), "y"));
+  return NeedBytes(y, rows * w.hidden * sizeof(float), "y");
+}
+
+// The FFN over checked arguments through `form` (ignored on tensor cores).
+absl::Status RunFfnForm(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form,
+                        const Buffer& x, const Buffer& row_index,
+                        std::span<const int64_t> expert_offsets, Buffer& h_scratch, Buffer& y,
+                        RowFormat x_format) {
+  const int64_t rows = expert_offsets.back();
+  if (rows == 0) return absl::OkStatus();
   if (w.tensor_cores) {
     return RunFfnMma(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
   }
-  if (w.bf16_dot) {
-    return RunFfnDot(rt, w, x, x_format, row_index, /*gather=*/true, expert_offsets, h_scratch, y);
+  if (form.dot) {
+    return RunFfnDot(rt, w, form, x, x_format, row_index, /*gather=*/true, expert_offsets,
+                     h_scratch, y);
   }
   if (x_format.dtype == common::ElementType::kBf16) {
     // Widened and gathered into y, which gate_up reads before down overwrites it.
     EPSERVE_RETURN_IF_ERROR(
         GatherBf16Rows(rt, x, w.hidden, x_format.row_stride, row_index, rows, y));
-    return RunFfn(rt, w, y, w.hidden, row_index, /*gather=*/false, expert_offsets, h_scratch, y);
+    return RunFfn(rt, w, form, y, w.hidden, row_index, /*gather=*/false, expert_offsets,
+                  h_scratch, y);
   }
-  return RunFfn(rt, w, x, x_format.row_stride, row_index, /*gather=*/true, expert_offsets,
+  return RunFfn(rt, w, form, x, x_format.row_stride, row_index, /*gather=*/true, expert_offsets,
                 h_scratch, y);
+}
+
+}  // namespace
+
+absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
+                       const Buffer& row_index, std::span<const int64_t> expert_offsets,
+                       Buffer& h_scratch, Buffer& y, RowFormat x_format) {
+  int64_t most_rows = 0;
+  EPSERVE_RETURN_IF_ERROR(
+      CheckFfnCall(w, x, row_index, expert_offsets, h_scratch, y, x_format, &most_rows));
+  return RunFfnForm(rt, w, w.plan.For(most_rows), x, row_index, expert_offsets, h_scratch, y,
+                    x_format);
+}
+
+absl::Status ExpertFfnAs(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form,
+                         const Buffer& x, const Buffer& row_index,
+                         std::span<const int64_t> expert_offsets, Buffer& h_scratch, Buffer& y,
+                         RowFormat x_format) {
+  int64_t most_rows = 0;
+  EPSERVE_RETURN_IF_ERROR(
+      CheckFfnCall(w, x, row_index, expert_offsets, h_scratch, y, x_format, &most_rows));
+  if (w.tensor_cores || !SameFfnLayout(form, w.blocking)) {
+    return absl::InvalidArgumentError(absl::StrCat("the FFN form ", form.ToString(),
+                                                   " does not read these weights' layout (",
+                                                   w.tensor_cores ? "tensor cores"
+                                                                  : w.blocking.ToString(),
+                                                   ")"));
+  }
+  if (!FfnFormServes(form, FfnRowClass(most_rows))) {
+    return absl::InvalidArgumentError(absl::StrCat("the FFN form ", form.ToString(),
+                                                   " serves at most ", detail::kDotDirectRows,
+                                                   " rows per expert, not ", most_rows));
+  }
+  return RunFfnForm(rt, w, form, x, row_index, expert_offsets, h_scratch, y, x_format);
 }
 
 absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x, int64_t n,
@@ -437,12 +489,13 @@ absl::Status SharedExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& 
   const int64_t offsets[2] = {0, n};
   const Buffer no_index;
   const RowFormat x_format = {common::ElementType::kFp32, w.hidden};
+  const FfnBlocking& form = w.plan.For(n);
   EPSERVE_RETURN_IF_ERROR(
       w.tensor_cores
           ? RunFfnMma(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
-      : w.bf16_dot
-          ? RunFfnDot(rt, w, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
-          : RunFfn(rt, w, x, w.hidden, no_index, /*gather=*/false, offsets, h_scratch, y));
+      : form.dot
+          ? RunFfnDot(rt, w, form, x, x_format, no_index, /*gather=*/false, offsets, h_scratch, y)
+          : RunFfn(rt, w, form, x, w.hidden, no_index, /*gather=*/false, offsets, h_scratch, y));
   if (w.gate.mem() == nullptr) return absl::OkStatus();
   if (rt.work_group_forms()) {  // a work-group per row
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel scale, rt.Kernel("scale_rows_by_sigmoid_gate_wg"));

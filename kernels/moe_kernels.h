@@ -37,8 +37,8 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 // then also rounds its activations x and the intermediate h = silu(gate x) * up x to BF16 (nearest
 // even) before each GEMM, as BF16 GEMM libraries do; sums stay FP32. BF16 weights on a runtime with
 // bf16_dot() (x86 CPUs with AVX512-BF16) take the pair-panel layout and round x and h the
-// same way where Runtime::ChooseFfnBlocking picks the dot kernels for the shape ("dot":
-// always where it does not time them, else where they ran faster than the FMA kernels).
+// same way where Runtime::ChooseFfnPlan picks the pair-panel forms for the shape (always
+// where it does not time them, else where they ran faster than the FMA kernels' layout).
 struct ExpertWeights {
   std::vector<int> experts;  // the layer's expert id of each local expert
   int num_experts = 0;
@@ -47,8 +47,10 @@ struct ExpertWeights {
   common::ElementType dtype = common::ElementType::kFp32;  // of gate_up and down
   bool tensor_cores = false;  // the tensor-core layout and kernels (BF16 x and h)
   bool bf16_dot = false;      // the pair-panel layout and BF16 dot-product kernels (BF16 x, h)
-  // The portable kernels' blocking (neither tensor_cores nor bf16_dot), chosen at upload by
-  // Runtime::ChooseFfnBlocking; the panel layout follows it.
+  // The form of the FFN kernels per row class (neither tensor_cores), chosen at upload by
+  // Runtime::ChooseFfnPlan; `blocking` is its layout's form (plan.layout()), which the panel
+  // layout follows.
+  FfnPlan plan;
   FfnBlocking blocking;
   Buffer gate_up;                // layout private to kernels/
   Buffer down;                   // layout private to kernels/
@@ -104,10 +106,19 @@ absl::Status ExpertFfn(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                        const Buffer& row_index, std::span<const int64_t> expert_offsets,
                        Buffer& h_scratch, Buffer& y, RowFormat x_format = {});
 
-// The rows of one expert from which ExpertFfn runs `w` through other kernels than at one row
-// (the BF16 dot products stage rows through a gather launch above a few rows; 1 where one
-// form serves every count): a warm-up runs both counts, so that no request builds a kernel.
-int64_t ExpertFfnSecondFormRows(const ExpertWeights& w);
+// ExpertFfn through form `form` rather than the one w.plan picks for the rows: a form of
+// w's layout (SameFfnLayout with w.blocking) that serves the call's largest expert's rows
+// (FfnFormServes), else INVALID_ARGUMENT; not on tensor-core weights. For the tuner, tests
+// and benchmarks.
+absl::Status ExpertFfnAs(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form,
+                         const Buffer& x, const Buffer& row_index,
+                         std::span<const int64_t> expert_offsets, Buffer& h_scratch, Buffer& y,
+                         RowFormat x_format = {});
+
+// Rows of one expert at which ExpertFfn runs each distinct form of w.plan (the first row count
+// of each row class whose form no earlier class has; {1} on tensor cores): a warm-up runs
+// every count, so that no request builds a kernel.
+std::vector<int64_t> ExpertFfnWarmUpRows(const ExpertWeights& w);
 
 // The shared expert on x [n, H]: y[i, :] = g_i * FFN(x[i, :]), with g_i = sigmoid(x[i] . gate)
 // when w.gate is set, else 1. h_scratch holds at least n * w.ffn floats; x and y must not

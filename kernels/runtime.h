@@ -56,15 +56,16 @@ struct DeviceInfo {
 // Every OpenCL device of every platform.
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices();
 
-// The FFN blocking chosen for one expert shape on a runtime, and how.
+// The FFN plan (a form per row class) chosen for one expert shape on a runtime, and how.
 struct FfnChoice {
   int64_t hidden = 0;
   int64_t ffn = 0;
   common::ElementType dtype = common::ElementType::kFp32;
-  FfnBlocking blocking;
+  FfnPlan plan;
   FfnBlockingOrigin origin = FfnBlockingOrigin::kDefault;
   double seconds = 0;  // spent choosing (tuning, or reading the cache)
-  // "vec=8 rows=6 prefetch=64 chunk=96 (tuned now in 1.9 s, 5 candidates)".
+  // "rows 1: pair-fma-direct; 2-8: dot-direct; 9-64: dot; 65+: dot (tuned now in 3.10 s) for
+  // H=2048 F=1408 bf16 weights".
   std::string Describe() const;
 };
 
@@ -111,8 +112,8 @@ class Runtime {
   bool work_group_forms() const {
     return !info_.is_cpu || options_.work_group_forms == RuntimeOptions::WorkGroupForms::kAlways;
   }
-  // Whether this runtime has the BF16 dot-product kernels: BF16 expert weights use them where
-  // ChooseFfnBlocking picks "dot" for their shape.
+  // Whether this runtime has the BF16 dot-product kernels: BF16 expert weights take the
+  // pair-panel layout where ChooseFfnPlan picks its forms for their shape.
   bool bf16_dot() const { return bf16_dot_; }
   // Whether the dot-product kernels run on AMX tiles (RuntimeOptions::bf16_amx), and if not,
   // why (empty where AMX was not asked for).
@@ -168,16 +169,20 @@ class Runtime {
   // The cl_kernel stays owned by the Runtime; its arguments are whatever the last caller set.
   absl::StatusOr<cl_kernel> Kernel(std::string_view name);
 
-  // The expert FFN kernel `name` (kernels/cl/expert_ffn.cl) built for `blocking`: the part of
-  // the program that holds it, built on first use of that part and blocking (the dot-product
-  // kernels' part ignores the blocking). Kernel(name) gives the device default blocking's.
+  // The expert FFN kernel `name` (kernels/cl/expert_ffn.cl) built for form `blocking`: the
+  // part of the program that holds it, built on first use of that part and form (the
+  // pair-panel kernels' part follows only the form's DotOp). Kernel(name) gives the device
+  // default blocking's.
   absl::StatusOr<cl_kernel> FfnKernel(std::string_view name, const FfnBlocking& blocking);
-  // The blocking of the portable FFN kernels for experts of this shape and weight dtype on
-  // this device, or for BF16 weights where bf16_dot() the dot kernels ("dot"): made on first
-  // use of the shape as kernels/ffn_blocking.h says (which may time kernels on the device for
-  // a second or two), the same afterwards. A forced FMA blocking applies to BF16 weights too.
-  absl::StatusOr<FfnBlocking> ChooseFfnBlocking(int64_t hidden, int64_t ffn,
-                                                common::ElementType dtype);
+  // The forms of the FFN kernels for experts of this shape and weight dtype on this device,
+  // one per row class (kernels/ffn_blocking.h): made on first use of the shape (which may time
+  // the candidate forms on the device for a few seconds), the same afterwards. A forced FMA
+  // blocking applies to BF16 weights too.
+  absl::StatusOr<FfnPlan> ChooseFfnPlan(int64_t hidden, int64_t ffn, common::ElementType dtype);
+  // The forms the tuner times for weights of `dtype` on this device: the FMA blockings, or for
+  // BF16 weights where bf16_dot() the pair-panel forms (kernels/ffn_tuner.cc says why not
+  // both); the first is the untimed default's layout.
+  std::vector<FfnBlocking> FfnFormCandidates(common::ElementType dtype) const;
   // Every choice made so far, for logs.
   const std::vector<FfnChoice>& ffn_choices() const;
   // The blocking taken without tuning (the first of FfnBlockingCandidates(device_info())).
@@ -203,7 +208,7 @@ class Runtime {
   absl::StatusOr<cl_program> BuildProgramWithOptions(std::string_view name, std::string_view source,
                                                      const std::string& options);
   struct Programs;
-  // The text ChooseFfnBlocking's cache key hashes for the expert_ffn program: its source and
+  // The text ChooseFfnPlan's cache key hashes for the expert_ffn program: its source and
   // the options every variant shares.
   std::string FfnProgramKeySource();
   std::vector<FfnChoice>& mutable_ffn_choices();

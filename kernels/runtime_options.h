@@ -40,9 +40,9 @@ struct RuntimeOptions {
   // embedded at build time, so that a kernel can be changed and timed without rebuilding;
   // "" means $EPSERVE_KERNEL_SOURCES, else the embedded sources.
   std::string source_dir;
-  // The portable FFN kernels' blocking (kernels/ffn_blocking.h): "" means
-  // $EPSERVE_FFN_BLOCKING, else chosen per shape (cache, or timed now when tune_ffn); a
-  // ParseFfnBlocking form forces it.
+  // The FFN kernels' forms (kernels/ffn_blocking.h): "" means $EPSERVE_FFN_BLOCKING, else
+  // chosen per shape and row class (cache, or timed now when tune_ffn); a ParseFfnPlan form
+  // (one form for every row class, or one per class) forces them.
   std::string ffn_blocking;
   // Time the candidates on the device when the tuning cache has no entry for a shape; false
   // takes the device default instead.

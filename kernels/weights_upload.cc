@@ -234,10 +234,10 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.tensor_cores = dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
                    detail::MmaFitsCallerBuffers(hidden, ffn);
   if (!w.tensor_cores) {
-    // The blocking of the FMA kernels, or (BF16 weights where they run) the dot kernels.
-    EPSERVE_ASSIGN_OR_RETURN(FfnBlocking blocking, rt.ChooseFfnBlocking(hidden, ffn, dtype));
-    w.bf16_dot = blocking.dot;
-    if (!blocking.dot) w.blocking = blocking;
+    // The forms per row class: FMA blockings, or (BF16 weights where they run) pair-panel forms.
+    EPSERVE_ASSIGN_OR_RETURN(w.plan, rt.ChooseFfnPlan(hidden, ffn, dtype));
+    w.blocking = w.plan.layout();
+    w.bf16_dot = w.blocking.dot;
   }
   const int64_t pw = w.blocking.panel_cols();
   const int64_t gate_up_values = w.tensor_cores ? detail::MmaGateUpValuesPerExpert(hidden, ffn)
@@ -253,7 +253,8 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.down = std::move(down);
   // Experts another upload of the same layer holds in the same layout are copied from it.
   if (reuse != nullptr && reuse->dtype == w.dtype && reuse->tensor_cores == w.tensor_cores &&
-      reuse->bf16_dot == w.bf16_dot && reuse->blocking == w.blocking && reuse->hidden == w.hidden &&
+      reuse->bf16_dot == w.bf16_dot && SameFfnLayout(reuse->blocking, w.blocking) &&
+      reuse->hidden == w.hidden &&
       reuse->ffn == w.ffn) {
     kinds.reuse = reuse;
   }

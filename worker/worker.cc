@@ -94,7 +94,7 @@ std::string Worker::ffn_blocking() const {
   std::vector<std::string> parts;
   for (const kernels::FfnChoice& c : rt_->ffn_choices()) parts.push_back(c.Describe());
   return parts.empty() ? std::string("none (no portable FFN kernels in use)")
-                       : absl::StrJoin(parts, "; ");
+                       : absl::StrJoin(parts, " | ");  // a plan's classes are "; " apart
 }
 
 const char* Worker::ffn_kernels() const {

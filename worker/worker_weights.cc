@@ -187,13 +187,15 @@ absl::Status Worker::EndStage(bool use_new) {
 absl::Status Worker::WarmUp() {
   const int64_t hidden = cfg_.hidden_size;
   const std::vector<float> zeros(static_cast<size_t>(hidden), 0.0f);
-  // The FFN runs on 1 row of the first expert, then, where its kernels change with the rows,
-  // on as many as take the other form, if the buffers hold them; every row reads row 0 of x.
+  // The FFN runs on 1 row of the first expert, then, where its form changes with the row
+  // class, on as many rows as take each other form, if the buffers hold them; every row reads
+  // row 0 of x.
   const int64_t capacity = static_cast<int64_t>(row_index_.bytes() / sizeof(int32_t));
   auto row_counts = [&](const Layer& layer) {
-    std::vector<int64_t> counts = {1};
-    const int64_t second = kernels::ExpertFfnSecondFormRows(layer.experts);
-    if (second > 1 && second <= capacity) counts.push_back(second);
+    std::vector<int64_t> counts;
+    for (int64_t rows : kernels::ExpertFfnWarmUpRows(layer.experts)) {
+      if (rows <= capacity) counts.push_back(rows);
+    }
     return counts;
   };
   int64_t most_rows = 1;
@@ -220,9 +222,15 @@ absl::Status Worker::WarmUp() {
             kernels::ExpertFfn(*rt_, layer.experts, x_recv_, row_index_, offsets, h_, y_, bf16));
       }
     }
-    if (layer.shared.num_experts > 0) {
+    if (layer.shared.num_experts == 0) continue;
+    // The shared expert (its slice) on as many rows of x_local_ as take each of its forms.
+    const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+    const int64_t shared_capacity = static_cast<int64_t>(
+        std::min(x_local_.bytes(), shared_y_.bytes()) / row_bytes);
+    for (const int64_t rows : kernels::ExpertFfnWarmUpRows(layer.shared)) {
+      if (rows > shared_capacity) break;
       EPSERVE_RETURN_IF_ERROR(
-          kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, 1, shared_h_, shared_y_));
+          kernels::SharedExpertFfn(*rt_, layer.shared, x_local_, rows, shared_h_, shared_y_));
     }
   }
   if (device_exchange_ != nullptr) EPSERVE_RETURN_IF_ERROR(device_exchange_->WarmUp());

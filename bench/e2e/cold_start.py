@@ -57,8 +57,10 @@ def one_start(build, env, model, tokens, requests, extra):
 def chosen_blockings(startup):
     """The blockings the workers' startup lines name as tuned now or read from the cache, in
     order ("vec=16 rows=12 prefetch=64 chunk=192", "dot")."""
-    return re.findall(r"(?:FFN blocking: |; )((?:vec=\S+ rows=\S+ prefetch=\S+ chunk=\d+)|dot)"
-                      r" \((?:tuned now|cache)", " ".join(startup))
+    # Each choice: a plan ("rows 1: <form>; 2-8: <form>; ...") or one form, then how it came.
+    found = re.findall(r"(?:FFN blocking: | \| )(?:rows )?(.+?) \((?:tuned now|cache)",
+                       " ".join(startup))
+    return found
 
 
 def main():

@@ -8,6 +8,7 @@
 //
 //   bench_expert_ffn [--experts=4] [--rows=1,8,32,128,512,2048] [--threads=2]
 #include <cblas.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -90,6 +91,79 @@ void ParallelRead(const float* src, size_t bytes, int threads) {
   for (std::thread& th : pool) th.join();
 }
 
+// The plain read of the BF16 weights' bytes: a buffer of that size in transparent huge pages
+// (as the runtime allocates weights on CPU devices), summed by `threads` threads (the kernels'
+// pool: PoCL runs a thread per compute unit) 64 bytes a load with four independent vector
+// sums. What the FFN's few-row forms, which only stream their weights, could reach.
+using Vec16 = float __attribute__((vector_size(64)));
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+float SumVectors(const Vec16* p, size_t n) {
+  Vec16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+  for (size_t i = 0; i + 4 <= n; i += 4) {
+    s0 += p[i];
+    s1 += p[i + 1];
+    s2 += p[i + 2];
+    s3 += p[i + 3];
+  }
+  const Vec16 sum = s0 + s1 + s2 + s3;
+  float r = 0;
+  for (int j = 0; j < 16; ++j) r += sum[j];
+  return r;
+}
+class PlainRead {
+ public:
+  explicit PlainRead(size_t bytes) : bytes_(bytes / 256 * 256) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    const size_t rounded = (bytes_ + kHuge - 1) / kHuge * kHuge;
+    data_ = static_cast<Vec16*>(std::aligned_alloc(kHuge, rounded));
+    madvise(data_, rounded, MADV_HUGEPAGE);
+    const size_t n = bytes_ / sizeof(Vec16);
+    for (size_t i = 0; i < n; ++i) data_[i] = Vec16{} + 1e-3f;
+  }
+  ~PlainRead() { std::free(data_); }
+  PlainRead(const PlainRead&) = delete;
+  PlainRead& operator=(const PlainRead&) = delete;
+  size_t bytes() const { return bytes_; }
+  void Run(int threads) {
+    std::vector<std::thread> pool;
+    const size_t n = bytes_ / sizeof(Vec16);
+    const size_t slice = n / threads / 4 * 4;
+    for (int t = 0; t < threads; ++t) {
+      const size_t count = t + 1 == threads ? n - t * slice : slice;
+      pool.emplace_back([=, this] { sink_ = sink_ + SumVectors(data_ + t * slice, count); });
+    }
+    for (std::thread& th : pool) th.join();
+  }
+
+ private:
+  size_t bytes_;
+  Vec16* data_ = nullptr;
+  static inline volatile float sink_ = 0;
+};
+
+// One form of the FFN timed on the weights of one runtime (kernels/ffn_blocking.h).
+struct FormRun {
+  Runtime* rt;
+  const ExpertWeights* w;
+  FfnBlocking form;
+  bool chosen;  // the form the runtime's plan picks for the row count
+  double t = 0;
+};
+
+// The forms of the weights' layout that `rt` could pick for `rows` rows per expert.
+// `main`: rt is the runtime whose choices the benchmark reports (the other serves the other
+// layout only).
+void AddForms(Runtime& rt, const ExpertWeights& w, int64_t rows, bool main,
+              std::vector<FormRun>& out) {
+  if (w.tensor_cores) return;
+  for (const FfnBlocking& b : rt.FfnFormCandidates(w.dtype)) {
+    if (!SameFfnLayout(b, w.blocking) || !FfnFormServes(b, FfnRowClass(rows))) continue;
+    out.push_back({&rt, &w, b, main && w.plan.For(rows) == b});
+  }
+}
+
 // max |a - ref| / max |ref|.
 double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& ref) {
   double diff = 0.0;
@@ -139,6 +213,8 @@ struct Result {
   double diff_fp32 = 0, diff_bf16 = 0, diff_bf16_x = 0;  // against (b)
   double memcpy_bps = 0;  // read + write bytes/s, small row counts only
   double read_bps = 0;    // a plain read-only stream of the FP32 weights' size, likewise
+  double plain_bf16_bps = 0;  // PlainRead of the BF16 weights' bytes, kernels' threads
+  std::vector<FormRun> forms;
 };
 
 int Run(int argc, char** argv) {
@@ -194,9 +270,10 @@ int Run(int argc, char** argv) {
   for (const FfnChoice& c : r.ffn_choices()) {
     std::printf("FFN blocking: %s (%.2f s to choose)\n", c.Describe().c_str(), c.seconds);
   }
-  // Where the runtime has the BF16 dot-product kernels, the same BF16 weights on the path it
+  // Where the runtime has the BF16 dot-product kernels, the same BF16 weights in the layout it
   // did not choose (a second runtime: without the dot kernels, or with "dot" forced) are
-  // timed in the same run, so that the choice is seen against the alternative.
+  // timed in the same run, every form of both layouts, so that the choice is seen against the
+  // alternatives.
   std::unique_ptr<Runtime> other_rt;
   absl::StatusOr<ExpertWeights> w16_other = absl::UnavailableError("not used");
   if (r.bf16_dot()) {
@@ -231,7 +308,20 @@ int Run(int argc, char** argv) {
               weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
   bench::PrintLoadAverage("before");
 
+  // The kernels' threads: PoCL runs one per compute unit (POCL_MAX_PTHREAD_COUNT caps both).
+  const int kernel_threads = std::max(1, r.device_info().compute_units);
+  PlainRead plain_read(static_cast<size_t>(weight_bytes_bf16));
+  cl_ulong cache_bytes = 0;
+  if (clGetDeviceInfo(r.device(), CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof(cache_bytes),
+                      &cache_bytes, nullptr) != CL_SUCCESS ||
+      cache_bytes == 0) {
+    cache_bytes = cl_ulong{64} << 20;
+  }
+  PlainRead evict(2 * static_cast<size_t>(cache_bytes));
+  std::printf("between timed calls: a read of %.0f MiB (twice the device's cache)\n",
+              evict.bytes() / double(1 << 20));
   std::vector<Result> results;
+  std::vector<std::vector<double>> form_diffs_all;  // per result, per form
   bench::IdleThreadsWait idle_threads;
   std::mt19937_64 rng(42);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -337,10 +427,32 @@ int Run(int argc, char** argv) {
       run_other();
       res.diff_bf16_other = MaxRelDiff(read_y(*other_rt, *other_bufs), y_blas);
     }
+    // Every form the runtimes could pick for m rows per expert, checked like the rest.
+    AddForms(r, *w32, m, true, res.forms);
+    AddForms(r, *w16, m, true, res.forms);
+    if (other_rt != nullptr) AddForms(*other_rt, *w16_other, m, false, res.forms);
+    std::vector<double> form_diffs;
+    auto run_form = [&](const FormRun& f) {
+      FfnBuffers& b = f.rt == &r ? *bufs : *other_bufs;
+      absl::Status st = ExpertFfnAs(*f.rt, *f.w, f.form, b.x, b.row_index, offsets, b.h, b.y);
+      if (st.ok()) st = f.rt->Finish();
+      if (!st.ok() && !failed) {
+        std::fprintf(stderr, "%s: %s\n", f.form.ToString().c_str(), std::string(st.message()).c_str());
+        failed = true;
+      }
+    };
+    for (const FormRun& f : res.forms) {
+      run_form(f);
+      form_diffs.push_back(MaxRelDiff(read_y(*f.rt, f.rt == &r ? *bufs : *other_bufs), y_blas));
+    }
 
-    std::vector<std::function<void()>> fns = {[&] { run_epserve(*w32, bufs->x, fp32_rows); },
-                                              [&] { run_epserve(*w16, bufs->x, fp32_rows); },
-                                              [&] { run_epserve(*w16, *xb16, bf16_rows); }};
+    std::vector<std::function<void()>> fns;
+    const size_t first_form = fns.size();
+    for (const FormRun& f : res.forms) fns.push_back([&, f] { run_form(f); });
+    const size_t first_epserve = fns.size();
+    fns.push_back([&] { run_epserve(*w32, bufs->x, fp32_rows); });
+    fns.push_back([&] { run_epserve(*w16, bufs->x, fp32_rows); });
+    fns.push_back([&] { run_epserve(*w16, *xb16, bf16_rows); });
     const size_t other_index = fns.size();
     if (other_rt != nullptr) fns.push_back(run_other);
     const size_t first_openblas = fns.size();
@@ -366,19 +478,28 @@ int Run(int argc, char** argv) {
         fns.push_back(
             [&, t] { ParallelRead(read_src.data(), read_src.size() * sizeof(float), t); });
       }
+      fns.push_back([&] { plain_read.Run(kernel_threads); });
     }
     // OpenBLAS's idle workers keep spinning on sched_yield for about 0.1 s after each call, so
     // before each timed call of epserve's kernels (and of memcpy) the benchmark waits for them
     // to stop; otherwise they would share the two cores with what is timed next. The OpenBLAS
     // variants run back to back, their workers warm, as in their own use.
+    // Before each of the others, the cache is emptied of what the call before left there
+    // (a read of twice the device's cache size): a call that streams weights found a fifth
+    // of its time's worth of them in the 32 MiB L3 of the Zen 5 host when the call before it
+    // read the same weights, so that the order of the variants decided their times. Serving
+    // a model, each call's weights are out of cache (the other layers' stream between).
     std::vector<bool> settle_before(fns.size(), true);
     for (size_t i = first_openblas; i < first_memcpy; ++i) settle_before[i] = false;
-    const std::vector<double> med =
-        RoundRobinMedianSeconds(fns, idle_threads.Before(std::move(settle_before)));
+    std::function<void(size_t)> idle = idle_threads.Before(settle_before);
+    const std::vector<double> med = RoundRobinMedianSeconds(fns, [&](size_t i) {
+      if (settle_before[i]) evict.Run(kernel_threads);
+      idle(i);
+    });
     if (failed) return 1;
-    res.t_fp32 = med[0];
-    res.t_bf16 = med[1];
-    res.t_bf16_x = med[2];
+    res.t_fp32 = med[first_epserve];
+    res.t_bf16 = med[first_epserve + 1];
+    res.t_bf16_x = med[first_epserve + 2];
     if (other_rt != nullptr) res.t_bf16_other = med[other_index];
     res.t_composite = med[first_openblas];
     res.t_sgemm = med[first_openblas + 1];
@@ -393,9 +514,14 @@ int Run(int argc, char** argv) {
       // Counted as bytes read plus bytes written per second (twice the bytes copied).
       res.memcpy_bps = std::max(res.memcpy_bps, 2.0 * kMemcpyBytes / med[i]);
     }
-    for (size_t i = first_read; i < med.size(); ++i) {
-      res.read_bps = std::max(res.read_bps, weight_bytes_fp32 / med[i]);
+    if (m <= kStreamingRows) {
+      for (size_t i = first_read; i + 1 < med.size(); ++i) {
+        res.read_bps = std::max(res.read_bps, weight_bytes_fp32 / med[i]);
+      }
+      res.plain_bf16_bps = plain_read.bytes() / med.back();
     }
+    for (size_t i = 0; i < res.forms.size(); ++i) res.forms[i].t = med[first_form + i];
+    form_diffs_all.push_back(std::move(form_diffs));
     results.push_back(res);
   }
   openblas_set_num_threads(threads);
@@ -438,23 +564,32 @@ int Run(int argc, char** argv) {
                 res.t_fp32 / res.t_bf16, res.diff_bf16, res.t_bf16_x * 1e3,
                 gflops(res, res.t_bf16_x), res.diff_bf16_x);
   }
-  if (other_rt != nullptr) {
-    std::printf(
-        "\nBF16 weights: the dot-product kernels against the same weights through the FP32-FMA "
-        "kernels (widened to FP32, FP32 activations), same run; the runtime chose the %s "
-        "(above), the other ran on a second runtime.\n\n",
-        w16->bf16_dot ? "dot products" : "FMA kernels");
-    std::printf(
-        "| rows/expert | dot ms | dot GFLOP/s | fma ms | fma GFLOP/s | dot / fma | %s max rel "
-        "diff vs (b) |\n",
-        w16->bf16_dot ? "fma" : "dot");
-    std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (const Result& res : results) {
-      const double t_dot = w16->bf16_dot ? res.t_bf16 : res.t_bf16_other;
-      const double t_fma = w16->bf16_dot ? res.t_bf16_other : res.t_bf16;
-      std::printf("| %lld | %.3f | %.1f | %.3f | %.1f | %.2f | %.1e |\n",
-                  static_cast<long long>(res.rows), t_dot * 1e3, gflops(res, t_dot), t_fma * 1e3,
-                  gflops(res, t_fma), t_fma / t_dot, res.diff_bf16_other);
+  std::printf(
+      "\nEvery form of the kernels the runtime could pick per row count (kernels/ffn_blocking.h), "
+      "on the weights of each layout (BF16: the %s runtime's, and a second runtime's in the "
+      "other layout where the pair-panel kernels run), timed in the same round-robin; * = the "
+      "form the runtime's plan picks for the row count; weight GB/s = the weights' bytes per "
+      "call / median time. A call's time also depends on the call before it in the order, "
+      "even with the cache emptied between them (up to 30%% at 8 rows on the 2-core Zen 5 "
+      "host): compare the forms with each other here, and the plan's forms with the tables "
+      "above.\n\n",
+      FfnKernelsName(r, *w16));
+  std::printf("| rows/expert | weights | layout | form | ms | weight GB/s | best of its weights / this | max rel diff vs (b) |\n");
+  std::printf("|---:|---|---|---|---:|---:|---:|---:|\n");
+  for (size_t k = 0; k < results.size(); ++k) {
+    const Result& res = results[k];
+    for (size_t i = 0; i < res.forms.size(); ++i) {
+      const FormRun& f = res.forms[i];
+      double best = f.t;
+      for (const FormRun& g : res.forms) {
+        if (g.w->dtype == f.w->dtype) best = std::min(best, g.t);
+      }
+      const double bytes = f.w->dtype == ElementType::kBf16 ? weight_bytes_bf16 : weight_bytes_fp32;
+      std::printf("| %lld | %s | %s | %s%s | %.3f | %.1f | %.2f | %.1e |\n",
+                  static_cast<long long>(res.rows), std::string(common::FlagName(f.w->dtype)).c_str(),
+                  f.w->blocking.dot ? "pair panels" : "fma panels", f.form.ToString().c_str(),
+                  f.chosen ? " *" : "", f.t * 1e3, bytes / f.t / 1e9, best / f.t,
+                  form_diffs_all[k][i]);
     }
   }
   std::printf(
@@ -463,23 +598,30 @@ int Run(int argc, char** argv) {
       "--threads threads over 512 MiB, bytes read + bytes written per second = 2x the bytes "
       "copied), timed round-robin with the kernels; and against the read floor: a plain "
       "read-only stream of the FP32 weights' bytes (the best of the same thread counts), what a "
-      "kernel that only reads them could reach at best on this machine.\n\n",
-      weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20));
+      "kernel that only reads them could reach at best on this machine; and against a plain "
+      "read of the BF16 weights' bytes (%.0f MiB in huge pages, 64-byte vector loads, four "
+      "sums) on the kernels' %d threads. BF16 / FP32 = routed rows/s of BF16 weights over "
+      "FP32's.\n\n",
+      weight_bytes_fp32 / (1 << 20), weight_bytes_bf16 / (1 << 20),
+      plain_read.bytes() / double(1 << 20), kernel_threads);
   std::printf(
-      "| rows/expert | memcpy GB/s | read floor GB/s | fp32 weight GB/s | fp32 / memcpy | "
-      "fp32 / read | bf16 weight GB/s | bf16 / memcpy | bf16 / read | (a) sgemm weight GB/s | "
-      "(a) / memcpy |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| rows/expert | memcpy GB/s | read floor GB/s | plain read bf16 GB/s | fp32 weight GB/s | "
+      "fp32 / memcpy | fp32 / read | bf16 weight GB/s | bf16 / memcpy | bf16 / read | "
+      "bf16 / plain read | bf16 / fp32 | (a) sgemm weight GB/s | (a) / memcpy |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Result& res : results) {
     if (res.memcpy_bps == 0) continue;
     const double fp32_bw = weight_bytes_fp32 / res.t_fp32;
     const double bf16_bw = weight_bytes_bf16 / res.t_bf16;
     const double sgemm_bw = weight_bytes_fp32 / res.t_sgemm;
-    std::printf("| %lld | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.2f | %.2f | %.1f | %.2f |\n",
-                static_cast<long long>(res.rows), res.memcpy_bps / 1e9, res.read_bps / 1e9,
-                fp32_bw / 1e9, fp32_bw / res.memcpy_bps, fp32_bw / res.read_bps, bf16_bw / 1e9,
-                bf16_bw / res.memcpy_bps, bf16_bw / res.read_bps, sgemm_bw / 1e9,
-                sgemm_bw / res.memcpy_bps);
+    std::printf(
+        "| %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.2f | %.2f | %.2f | %.2f | "
+        "%.1f | %.2f |\n",
+        static_cast<long long>(res.rows), res.memcpy_bps / 1e9, res.read_bps / 1e9,
+        res.plain_bf16_bps / 1e9, fp32_bw / 1e9, fp32_bw / res.memcpy_bps, fp32_bw / res.read_bps,
+        bf16_bw / 1e9, bf16_bw / res.memcpy_bps, bf16_bw / res.read_bps,
+        bf16_bw / res.plain_bf16_bps, res.t_fp32 / res.t_bf16, sgemm_bw / 1e9,
+        sgemm_bw / res.memcpy_bps);
   }
   std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down).\n");
   idle_threads.PrintWarningIfAny();

@@ -419,7 +419,20 @@ __kernel void gather_bf16_rows(__global const ushort* restrict x, long x_rows, l
 // The block functions carry the target feature and are called from the kernels (a function
 // built for a feature the caller lacks is not inlined into it); each call runs a whole
 // K loop, so the call costs nothing that shows.
+//
+// FFN_DOT_OP says how the products of a pair are made (kernels/ffn_blocking.h, DotOp): 0 as
+// the program's options say (AMX tiles under FFN_BF16_AMX, else vdpbf16ps), 1 vdpbf16ps, 2
+// FP32 FMAs on the pair's two values widened (a shift and a mask each), the same weights and
+// BF16 activations: at one row, where the weights' stream bounds every form, FMAs have run
+// faster than the dot products on some CPUs. The runtime times the three per row class.
 #if FFN_BF16_DOT && FFN_HAS(3)
+#ifndef FFN_DOT_OP
+#define FFN_DOT_OP 0
+#endif
+#if FFN_DOT_OP != 0
+#undef FFN_BF16_AMX
+#define FFN_BF16_AMX 0
+#endif
 #define DOT_TARGET __attribute__((target("avx512bf16")))
 
 inline uint16 Bf16Round16(float16 v) {
@@ -439,7 +452,12 @@ inline uint Bf16Round(float v) {
 // take the builtin's operands as 32 __bf16 rather than 16 ints; for them the instruction is
 // written out (FFN_BF16_DOT_ASM, chosen by the runtime's probe, kernels/device.cc).
 DOT_TARGET inline float16 Dpbf16(float16 acc, int16 a, int16 b) {
-#if FFN_BF16_DOT_ASM
+#if FFN_DOT_OP == 2
+  const uint16 ua = as_uint16(a), ub = as_uint16(b);
+  const uint16 high = (uint16)(0xffff0000u);
+  acc = fma(as_float16(ua << 16), as_float16(ub << 16), acc);
+  return fma(as_float16(ua & high), as_float16(ub & high), acc);
+#elif FFN_BF16_DOT_ASM
   __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 #else

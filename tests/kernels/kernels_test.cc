@@ -624,13 +624,12 @@ class ExpertFfnTest : public Seeded {
     // Elsewhere the runtime's choice for the shape: the BF16 dot products (only for BF16
     // weights on a runtime that has them), or the portable kernels with the chosen blocking.
     if (!w->tensor_cores) {
-      absl::StatusOr<FfnBlocking> chosen = R().ChooseFfnBlocking(h, f, types.weights);
+      absl::StatusOr<FfnPlan> chosen = R().ChooseFfnPlan(h, f, types.weights);
       EXPECT_TRUE(chosen.ok()) << chosen.status();
       if (chosen.ok()) {
-        EXPECT_EQ(w->bf16_dot, chosen->dot);
-        if (!chosen->dot) {
-          EXPECT_EQ(w->blocking, *chosen);
-        }
+        EXPECT_EQ(w->bf16_dot, chosen->layout().dot);
+        EXPECT_EQ(w->plan, *chosen);
+        EXPECT_EQ(w->blocking, chosen->layout());
       }
     }
     EXPECT_TRUE(!w->bf16_dot || (types.weights == ElementType::kBf16 && R().bf16_dot()));
@@ -839,7 +838,7 @@ TEST_F(ExpertFfnTest, EveryBlockingCandidate) {
     const std::string& isa = R().device_info().target_isa;
     if (b.vec == 16 && !isa.empty() && isa != "avx512f") {
       // Such a device refuses the choice with the reason instead of failing to build it.
-      absl::StatusOr<FfnBlocking> refused = R().ChooseFfnBlocking(72, 40, ElementType::kFp32);
+      absl::StatusOr<FfnPlan> refused = R().ChooseFfnPlan(72, 40, ElementType::kFp32);
       ASSERT_FALSE(refused.ok());
       EXPECT_NE(refused.status().message().find("vec=16 needs 16-lane"), std::string::npos)
           << refused.status();
@@ -855,9 +854,93 @@ TEST_F(ExpertFfnTest, EveryBlockingCandidate) {
     EXPECT_EQ(rt_->ffn_choices().size(), 2 + portable_bf16);
     for (const FfnChoice& c : rt_->ffn_choices()) {
       EXPECT_EQ(c.origin, FfnBlockingOrigin::kForced);
-      EXPECT_EQ(c.blocking, b);
+      EXPECT_EQ(c.plan, FfnPlan::Uniform(b));
     }
     rt_ = nullptr;
+  }
+}
+
+// Every form the tuner may pick for a row class (each FMA blocking of any device, each
+// pair-panel form this runtime runs) on every row class it may serve, against the reference:
+// the form forced for all four classes (a direct form staged above kDotDirectRows rows), the
+// experts' rows at both ends of each class (and an empty expert), fresh random inputs and
+// poisoned outputs each run (Check). ExpertFfnAs refuses a form of another layout or a
+// direct form above its rows.
+TEST_F(ExpertFfnTest, EveryFormOnEveryRowClass) {
+  std::vector<FfnBlocking> forms = AllFfnBlockingCandidates();
+  const bool dot = Rt().bf16_dot();
+  if (dot) {
+    for (const FfnBlocking& b : DotForms(Rt().bf16_amx())) forms.push_back(b);
+  }
+  // Rows of the three experts of each class's case (offsets are their running sums).
+  constexpr int64_t kRows[kFfnRowClasses][3] = {{1, 0, 1}, {2, 8, 5}, {9, 64, 0}, {65, 130, 1}};
+  const FfnTypes bf16_types[] = {{ElementType::kBf16, ElementType::kFp32, 5},
+                                 {ElementType::kBf16, ElementType::kBf16, 0}};
+  for (const FfnBlocking& b : forms) {
+    SCOPED_TRACE(b.ToString());
+    std::string plan;
+    for (int c = 0; c < kFfnRowClasses; ++c) {
+      FfnBlocking f = b;
+      if (!FfnFormServes(f, c)) f.direct = false;
+      absl::StrAppend(&plan, c == 0 ? "" : "; ", FfnRowClassName(c), ": ", f.ToString());
+    }
+    RuntimeOptions options = TestRuntimeOptions();
+    options.ffn_blocking = plan;
+    absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(options);
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    rt_ = rt->get();
+    const std::string& isa = R().device_info().target_isa;
+    if ((!b.dot && b.vec == 16 && !isa.empty() && isa != "avx512f") || R().tensor_cores()) {
+      rt_ = nullptr;  // refused with the reason (EveryBlockingCandidate), or not these kernels
+      continue;
+    }
+    absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+    ASSERT_TRUE(cfg.ok());
+    cfg->layer.hidden_size = 71;
+    cfg->layer.expert_ffn_size = 37;
+    cfg->layer.num_experts = 3;
+    const model::SyntheticWeights source(*cfg, seed_);
+    for (int c = 0; c < kFfnRowClasses; ++c) {
+      const std::vector<int64_t> offsets = {0, kRows[c][0], kRows[c][0] + kRows[c][1],
+                                            kRows[c][0] + kRows[c][1] + kRows[c][2]};
+      for (const FfnTypes& t : b.dot ? std::span<const FfnTypes>(bf16_types)
+                                     : std::span<const FfnTypes>(kAllTypes)) {
+        SCOPED_TRACE(absl::StrCat("rows class ", FfnRowClassName(c), " ", Describe(t)));
+        Check(source, 0, 3, /*tokens=*/40, offsets.back(), t, offsets);
+        absl::StatusOr<FfnPlan> chosen = R().ChooseFfnPlan(71, 37, t.weights);
+        ASSERT_TRUE(chosen.ok()) << chosen.status();
+        if (t.weights == ElementType::kBf16 || !b.dot) {
+          EXPECT_EQ(chosen->forms[c].dot_op, b.dot_op);
+          EXPECT_EQ(chosen->forms[c].ToString().substr(0, 3), b.ToString().substr(0, 3));
+        }
+      }
+    }
+    rt_ = nullptr;
+  }
+}
+
+TEST_F(ExpertFfnTest, ExpertFfnAsRefusesAFormItCannotRun) {
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+  ASSERT_TRUE(cfg.ok());
+  const model::SyntheticWeights source(*cfg, seed_);
+  const model::MoeLayerConfig& l = cfg->layer;
+  absl::StatusOr<ExpertWeights> w = UploadExperts(Rt(), source, 0, 0, 2, ElementType::kBf16);
+  ASSERT_TRUE(w.ok()) << w.status();
+  if (w->tensor_cores) GTEST_SKIP() << "tensor-core weights take no forms";
+  const std::vector<int64_t> offsets = {0, 9, 9};
+  Buffer x = Upload(Uniform(9 * l.hidden_size));
+  Buffer index = Upload(std::vector<int32_t>(9, 0));
+  Buffer h = Poisoned(9 * l.expert_ffn_size);
+  Buffer y = Poisoned(9 * l.hidden_size);
+  // Another layout's form.
+  const FfnBlocking other = w->bf16_dot ? FfnBlocking() : DotKernels();
+  absl::Status s = ExpertFfnAs(Rt(), *w, other, x, index, offsets, h, y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  if (w->bf16_dot) {
+    s = ExpertFfnAs(Rt(), *w, DotKernels(FfnBlocking::DotOp::kDefault, true), x, index, offsets,
+                    h, y);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("at most 8 rows"), std::string::npos) << s;
   }
 }
 
@@ -883,6 +966,44 @@ TEST(FfnBlockingTest, ParsesAndRejectsWithTheBound) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
   EXPECT_NE(ParseFfnBlocking("rows=17").status().message().find("[2, 16]"), std::string::npos);
+}
+
+TEST(FfnBlockingTest, PlansPerRowClass) {
+  EXPECT_EQ(FfnRowClass(1), 0);
+  EXPECT_EQ(FfnRowClass(2), 1);
+  EXPECT_EQ(FfnRowClass(8), 1);
+  EXPECT_EQ(FfnRowClass(9), 2);
+  EXPECT_EQ(FfnRowClass(64), 2);
+  EXPECT_EQ(FfnRowClass(65), 3);
+  EXPECT_EQ(FfnRowClass(100000), 3);
+  for (int c = 0; c < kFfnRowClasses; ++c) {
+    EXPECT_EQ(FfnRowClass(FfnRowClassFirst(c)), c);
+    EXPECT_EQ(FfnRowClass(FfnRowClassSample(c)), c);
+  }
+  for (const FfnBlocking& b : DotForms(/*amx=*/true)) {
+    absl::StatusOr<FfnBlocking> again = ParseFfnBlocking(b.ToString());
+    ASSERT_TRUE(again.ok()) << b.ToString() << ": " << again.status();
+    EXPECT_EQ(*again, b);
+  }
+  EXPECT_EQ(DotForms(/*amx=*/false).size(), 4u);  // "dot" is vdpbf16ps there
+  const std::string text = "1: pair-fma-direct; 2-8: dot-direct; 9-64: dot; 65+: dot";
+  absl::StatusOr<FfnPlan> plan = ParseFfnPlan(text);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->ToString(), text);
+  EXPECT_EQ(plan->For(1), DotKernels(FfnBlocking::DotOp::kFma, true));
+  EXPECT_EQ(plan->For(200), DotKernels());
+  // One form: the same for every class (a dot form direct up to 8 rows).
+  absl::StatusOr<FfnPlan> uniform = ParseFfnPlan("dot");
+  ASSERT_TRUE(uniform.ok());
+  EXPECT_EQ(uniform->ToString(), "dot");
+  EXPECT_EQ(uniform->For(8), DotKernels(FfnBlocking::DotOp::kDefault, true));
+  EXPECT_EQ(uniform->For(9), DotKernels());
+  for (const char* bad : {"1: dot; 2-8: dot; 9-64: dot",                      // 65+ missing
+                          "1: dot; 2-8: dot; 9-64: dot-direct; 65+: dot",     // direct at 9+
+                          "1: dot; 2-8: vec=16; 9-64: dot; 65+: dot",         // two layouts
+                          "1: dot; 2-9: dot; 9-64: dot; 65+: dot"}) {         // no such class
+    EXPECT_EQ(ParseFfnPlan(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 TEST(FfnBlockingTest, CandidatesFitTheDevicesRegisters) {
@@ -914,12 +1035,12 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   if (FfnBlockingCandidates((*cold)->device_info()).size() < 2) {
     GTEST_SKIP() << "the device has one candidate: nothing to tune";
   }
-  absl::StatusOr<FfnBlocking> first = (*cold)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
+  absl::StatusOr<FfnPlan> first = (*cold)->ChooseFfnPlan(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_EQ((*cold)->ffn_choices().size(), 1u);
   EXPECT_EQ((*cold)->ffn_choices()[0].origin, FfnBlockingOrigin::kTuned);
   // The same shape again on the same runtime: no second choice.
-  ASSERT_TRUE((*cold)->ChooseFfnBlocking(2048, 768, ElementType::kFp32).ok());
+  ASSERT_TRUE((*cold)->ChooseFfnPlan(2048, 768, ElementType::kFp32).ok());
   EXPECT_EQ((*cold)->ffn_choices().size(), 1u);
   int txt = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -929,22 +1050,29 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
 
   absl::StatusOr<std::unique_ptr<Runtime>> warm = Runtime::Create(options);
   ASSERT_TRUE(warm.ok()) << warm.status();
-  absl::StatusOr<FfnBlocking> second = (*warm)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
+  absl::StatusOr<FfnPlan> second = (*warm)->ChooseFfnPlan(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(second.ok());
   EXPECT_EQ(*second, *first);
   EXPECT_EQ((*warm)->ffn_choices()[0].origin, FfnBlockingOrigin::kCache);
   // Another dtype is another shape class: tuned on its own.
-  ASSERT_TRUE((*warm)->ChooseFfnBlocking(2048, 768, ElementType::kBf16).ok());
+  absl::StatusOr<FfnPlan> bf16 = (*warm)->ChooseFfnPlan(2048, 768, ElementType::kBf16);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  // Each class's form serves it, and the plan's forms share one layout.
+  for (int c = 0; c < kFfnRowClasses; ++c) {
+    EXPECT_TRUE(FfnFormServes(bf16->forms[c], c)) << bf16->ToString();
+    EXPECT_TRUE(SameFfnLayout(bf16->forms[c], bf16->layout())) << bf16->ToString();
+  }
   EXPECT_EQ((*warm)->ffn_choices()[1].origin, FfnBlockingOrigin::kTuned);
   if ((*warm)->bf16_dot()) {
-    // The dot-product kernels were timed beside the FMA candidates (the entry lists them).
+    // The pair-panel forms were timed beside the FMA candidates (the entry lists them).
     int with_dot = 0;
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       if (entry.path().extension() != ".txt") continue;
       std::ifstream in(entry.path());
       const std::string text((std::istreambuf_iterator<char>(in)),
                              std::istreambuf_iterator<char>());
-      with_dot += text.find("\n# dot:") != std::string::npos;
+      with_dot += text.find("\n# dot:") != std::string::npos &&
+                  text.find("\n# pair-fma-direct:") != std::string::npos;
     }
     EXPECT_EQ(with_dot, 1);
   }
@@ -954,31 +1082,33 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   no_tune.cache_dir = (dir / "other").string();
   absl::StatusOr<std::unique_ptr<Runtime>> plain = Runtime::Create(no_tune);
   ASSERT_TRUE(plain.ok());
-  absl::StatusOr<FfnBlocking> d = (*plain)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
+  absl::StatusOr<FfnPlan> d = (*plain)->ChooseFfnPlan(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(d.ok());
-  EXPECT_EQ(*d, (*plain)->default_ffn_blocking());
+  EXPECT_EQ(*d, FfnPlan::Uniform((*plain)->default_ffn_blocking()));
   EXPECT_EQ((*plain)->ffn_choices()[0].origin, FfnBlockingOrigin::kDefault);
 
   RuntimeOptions forced = no_tune;
   forced.ffn_blocking = "vec=8 rows=5 chunk=10";
   absl::StatusOr<std::unique_ptr<Runtime>> f = Runtime::Create(forced);
   ASSERT_TRUE(f.ok());
-  absl::StatusOr<FfnBlocking> fb = (*f)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
+  absl::StatusOr<FfnPlan> fb = (*f)->ChooseFfnPlan(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(fb.ok());
-  EXPECT_EQ(fb->rows, 5);
+  EXPECT_EQ(fb->layout().rows, 5);
   EXPECT_EQ((*f)->ffn_choices()[0].origin, FfnBlockingOrigin::kForced);
   // "dot" names BF16 weights' kernels: FP32 weights keep the default; BF16 ones take the dot
   // kernels where the runtime has them, and are refused with the reason elsewhere.
   forced.ffn_blocking = "dot";
   absl::StatusOr<std::unique_ptr<Runtime>> fd = Runtime::Create(forced);
   ASSERT_TRUE(fd.ok());
-  absl::StatusOr<FfnBlocking> fd32 = (*fd)->ChooseFfnBlocking(2048, 768, ElementType::kFp32);
+  absl::StatusOr<FfnPlan> fd32 = (*fd)->ChooseFfnPlan(2048, 768, ElementType::kFp32);
   ASSERT_TRUE(fd32.ok()) << fd32.status();
-  EXPECT_EQ(*fd32, (*fd)->default_ffn_blocking());
-  absl::StatusOr<FfnBlocking> fd16 = (*fd)->ChooseFfnBlocking(2048, 768, ElementType::kBf16);
+  EXPECT_EQ(*fd32, FfnPlan::Uniform((*fd)->default_ffn_blocking()));
+  absl::StatusOr<FfnPlan> fd16 = (*fd)->ChooseFfnPlan(2048, 768, ElementType::kBf16);
   if ((*fd)->bf16_dot()) {
     ASSERT_TRUE(fd16.ok()) << fd16.status();
-    EXPECT_TRUE(fd16->dot);
+    EXPECT_EQ(*fd16, FfnPlan::Uniform(DotKernels()));
+    EXPECT_TRUE(fd16->forms[0].direct);
+    EXPECT_FALSE(fd16->forms[3].direct);
   } else {
     EXPECT_EQ(fd16.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(fd16.status().message().find("no BF16 dot-product kernels"), std::string::npos)
@@ -987,12 +1117,12 @@ TEST(FfnBlockingTest, TunedOnceThenReadFromTheCache) {
   // A shape too small to be worth timing takes the default, with tuning on.
   absl::StatusOr<std::unique_ptr<Runtime>> small = Runtime::Create(options);
   ASSERT_TRUE(small.ok());
-  ASSERT_TRUE((*small)->ChooseFfnBlocking(64, 32, ElementType::kFp32).ok());
+  ASSERT_TRUE((*small)->ChooseFfnPlan(64, 32, ElementType::kFp32).ok());
   EXPECT_EQ((*small)->ffn_choices()[0].origin, FfnBlockingOrigin::kDefault);
   forced.ffn_blocking = "rows=99";
   absl::StatusOr<std::unique_ptr<Runtime>> bad = Runtime::Create(forced);
   ASSERT_TRUE(bad.ok());
-  EXPECT_EQ((*bad)->ChooseFfnBlocking(2048, 768, ElementType::kFp32).status().code(),
+  EXPECT_EQ((*bad)->ChooseFfnPlan(2048, 768, ElementType::kFp32).status().code(),
             absl::StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
