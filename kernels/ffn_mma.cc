@@ -1,0 +1,140 @@
+// The tensor-core FFN's launches over work tiles already on the device (kernels/detail/ffn_mma.h):
+// the 128-row tiles and the decode form, each K split into parts where a launch has few tiles.
+#include "kernels/detail/ffn_mma.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/detail/cl_check.h"
+#include "kernels/detail/ffn_layout.h"
+#include "kernels/detail/launch.h"
+#include "kernels/dtype.h"
+
+namespace epserve::kernels {
+
+namespace detail {
+
+namespace {
+
+// Parts of K (k_pad values) for a tensor-core launch of `tiles` work-groups: enough that about
+// two work-groups per multiprocessor stream the weights, each part at least 4 slices of kMmaBk;
+// 1 where the launch has that many tiles already.
+int KSplits(const Runtime& rt, int64_t tiles, int64_t k_pad) {
+  const int64_t want = 2 * static_cast<int64_t>(rt.device_info().compute_units);
+  if (tiles >= want) return 1;
+  const int64_t slices = k_pad / kMmaBk;
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMmaMaxKSplits, slices / 4));
+  const int64_t parts = std::min(most, CeilDiv(want, std::max<int64_t>(tiles, 1)));
+  // Parts of equal slices: the last one is not empty.
+  return static_cast<int>(CeilDiv(slices, CeilDiv(slices, parts)));
+}
+
+// Launches `large` (the 128-row tiles) and `decode` (tiles of at most kMmaDecodeRows rows),
+// which take the same arguments and each skip the other's tiles, over the global size `global`
+// (3 dimensions), each where `forms` says tiles of its kind may be.
+template <typename... Args>
+absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const char* large, const char* decode,
+                         const size_t* global, const Args&... args) {
+  const size_t local[3] = {static_cast<size_t>(kMmaThreads), 1, 1};
+  for (const auto& [name, wanted] :
+       {std::pair{large, forms.large}, std::pair{decode, forms.decode}}) {
+    if (!wanted) continue;
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(name));
+    EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, args...));
+    EPSERVE_RETURN_IF_ERROR(Launch(rt, kernel, 3, global, local));
+  }
+  return absl::OkStatus();
+}
+
+// One GEMM of the tensor-core FFN in `splits` parts of K: ffn_mma_partial (ffn_dec_partial for
+// the decode form's tiles) writes each part's products of a [rows, k_pad] (BF16) and the n_rows
+// weight rows of w into FP32 partial sums, then `reduce` (ffn_reduce_gate_up: h, BF16;
+// ffn_reduce_down: y, FP32 columns < out_cols) adds the parts in order and finishes as the
+// unsplit kernels do.
+absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Buffer& groups,
+                          int num_groups, const Buffer& w, int64_t n_rows, int64_t k_pad,
+                          int splits, int64_t rows, const char* reduce, int64_t out_cols,
+                          Buffer& out) {
+  const int64_t slices = k_pad / kMmaBk;
+  const int64_t per_split = CeilDiv(slices, splits);
+  EPSERVE_ASSIGN_OR_RETURN(Buffer * partial,
+                           rt.Scratch(Runtime::kSplitKScratch,
+                                      static_cast<size_t>(splits * rows * n_rows) * sizeof(float)));
+  const size_t global[3] = {static_cast<size_t>(n_rows / kMmaBn * kMmaThreads),
+                            static_cast<size_t>(num_groups), static_cast<size_t>(splits)};
+  EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, "ffn_mma_partial", "ffn_dec_partial", global, a,
+                                      groups, w, static_cast<cl_int>(n_rows),
+                                      static_cast<cl_int>(k_pad), static_cast<cl_int>(per_split),
+                                      static_cast<cl_int>(rows), *partial));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel sum, rt.Kernel(reduce));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(sum, *partial, cl_int{splits}, static_cast<cl_int>(rows),
+                                  static_cast<cl_int>(n_rows), static_cast<cl_int>(out_cols), out));
+  const size_t sum_global[2] = {static_cast<size_t>(out_cols), static_cast<size_t>(rows)};
+  return Launch(rt, sum, 2, sum_global, nullptr);
+}
+
+// x's rows to BF16 activations in y (gather_rows_to_bf16).
+absl::Status GatherToBf16(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
+                          const Buffer& row_index, bool gather, int64_t rows, int64_t k_pad,
+                          Buffer& y) {
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gather_kernel, rt.Kernel("gather_rows_to_bf16"));
+  const cl_long x_rows =
+      RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
+  EPSERVE_RETURN_IF_ERROR(SetArgs(
+      gather_kernel, x, cl_int{x_format.dtype == common::ElementType::kBf16 ? 1 : 0}, x_rows,
+      cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0}, static_cast<cl_int>(rows),
+      static_cast<cl_int>(w.hidden), static_cast<cl_int>(k_pad), y));
+  // One work-item per 8 values of a row (rows in dimension 1).
+  static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
+  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
+  return LaunchBounded(rt, gather_kernel, 2, gather_global, kCpuChunksPerGroup);
+}
+
+}  // namespace
+
+absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
+                          const Buffer& row_index, bool gather, int64_t rows, const Buffer& groups,
+                          int num_groups, MmaForms forms, Buffer& h_scratch, Buffer& y) {
+  if (rows == 0 || num_groups == 0) return absl::OkStatus();
+  const int64_t k_pad = MmaKPad(w.hidden);
+  const int64_t f_pad = MmaFfnPad(w.ffn);
+  const int64_t down_rows = MmaDownRows(w.hidden);
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(y, rows * k_pad * sizeof(uint16_t), "y (BF16 activations)"));
+  EPSERVE_RETURN_IF_ERROR(
+      NeedBytes(h_scratch, rows * f_pad * sizeof(uint16_t), "h_scratch (BF16 h)"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(groups, num_groups * 4 * sizeof(cl_int), "groups"));
+  EPSERVE_RETURN_IF_ERROR(GatherToBf16(rt, w, x, x_format, row_index, gather, rows, k_pad, y));
+  // Launches of fewer tiles than twice the device's multiprocessors (a shared expert, or a few
+  // experts, at decode sizes) split K, so that more work-groups stream the weights; the parts
+  // are summed in a fixed order. How many parts follows from the rows and the device only, so
+  // the device's grouping and the host's give the same bits.
+  const int64_t tile_bound = MaxPairGroups(rows, w.num_experts, kMmaBm);
+  const int gu_splits = KSplits(rt, 2 * f_pad / kMmaBn * tile_bound, k_pad);
+  const int down_splits = KSplits(rt, down_rows / kMmaBn * tile_bound, f_pad);
+  if (gu_splits > 1) {
+    EPSERVE_RETURN_IF_ERROR(LaunchSplitK(rt, forms, y, groups, num_groups, w.gate_up, 2 * f_pad,
+                                         k_pad, gu_splits, rows, "ffn_reduce_gate_up", f_pad,
+                                         h_scratch));
+  } else {
+    const size_t gu_global[3] = {static_cast<size_t>(2 * f_pad / kMmaBn * kMmaThreads),
+                                 static_cast<size_t>(num_groups), 1};
+    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, "ffn_mma_gate_up", "ffn_dec_gate_up", gu_global,
+                                        y, groups, w.gate_up, static_cast<cl_int>(k_pad),
+                                        static_cast<cl_int>(f_pad), h_scratch));
+  }
+  if (down_splits > 1) {
+    return LaunchSplitK(rt, forms, h_scratch, groups, num_groups, w.down, down_rows, f_pad,
+                        down_splits, rows, "ffn_reduce_down", w.hidden, y);
+  }
+  const size_t down_global[3] = {static_cast<size_t>(down_rows / kMmaBn * kMmaThreads),
+                                 static_cast<size_t>(num_groups), 1};
+  return LaunchTiles(rt, forms, "ffn_mma_down", "ffn_dec_down", down_global, h_scratch, groups,
+                     w.down, static_cast<cl_int>(f_pad), static_cast<cl_int>(down_rows),
+                     static_cast<cl_int>(w.hidden), y);
+}
+
+}  // namespace detail
+
+}  // namespace epserve::kernels
