@@ -163,6 +163,7 @@ absl::StatusOr<TimeTable> TimeCandidates(Runtime& rt, const std::vector<FfnBlock
   }
   TimeTable times(candidates.size(),
                   std::vector<double>(cases.size(), std::numeric_limits<double>::infinity()));
+  EPSERVE_RETURN_IF_ERROR(rt.Finish());  // the fills, so that the first round times no fill
   absl::StrAppendFormat(log, "# weights and buffers %.2f s", SecondsSince(start));
   // Successive runs take alternate halves of the experts, so that no run finds in cache the
   // weights the run before it streamed (the few-row cases' weights are twice the cache).
