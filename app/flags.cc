@@ -207,11 +207,13 @@ void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
          "and later), run their rows through AMX tiles (tdpbf16ps); --no-bf16-amx keeps "
          "vdpbf16ps");
   fs.Add("ffn-blocking", &runtime.ffn_blocking,
-         "Force the portable expert FFN kernels' blocking, e.g. 'vec=8 rows=6 prefetch=64 "
-         "chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk rows), for fp32 "
-         "and bf16 weights, or 'dot': bf16 weights on the bf16 dot products; default: chosen "
-         "per device and expert shape, from the tuning cache beside the kernel cache or timed "
-         "on the device at first start (also $EPSERVE_FFN_BLOCKING)");
+         "Force the CPU expert FFN's form: one for every row class, e.g. 'vec=8 rows=6 "
+         "prefetch=64 chunk=96' (keys: vec 8|16, rows 2-16, prefetch k-steps 0-1024, chunk "
+         "rows) or 'dot' (bf16 weights on the bf16 dot products; also dot-vdp, pair-fma, "
+         "-direct forms), or one per class of rows per expert, e.g. '1: pair-fma-direct; 2-8: "
+         "dot-direct; 9-64: dot; 65+: dot' (forms of one weight layout); default: chosen per "
+         "device, expert shape and row class, from the tuning cache beside the kernel cache or "
+         "timed on the device at first start (also $EPSERVE_FFN_BLOCKING)");
   using Staging = kernels::RuntimeOptions::Staging;
   fs.AddTyped<Staging>(
       "pinned-transfers", &runtime.staging,
