@@ -73,10 +73,10 @@ absl::StatusOr<FfnBlocking> ParseFfnBlocking(absl::string_view text) {
       if (kv.first == k.name) key = &k;
     }
     if (key == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "FFN blocking: unknown key '", kv.first.substr(0, 64),
-          "' (keys: vec, rows, prefetch, chunk, e.g. 'vec=8 rows=6'; or alone 'dot', "
-          "'dot-vdp' or 'pair-fma', each with '-direct' or not)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("FFN blocking: unknown key '", kv.first.substr(0, 64),
+                       "' (keys: vec, rows, prefetch, chunk, e.g. 'vec=8 rows=6'; or alone 'dot', "
+                       "'dot-vdp' or 'pair-fma', each with '-direct' or not)"));
     }
     int value = 0;
     if (!absl::SimpleAtoi(kv.second, &value) || value < key->min || value > key->max) {
@@ -194,17 +194,15 @@ absl::StatusOr<FfnPlan> ParseFfnPlan(absl::string_view text) {
     int c = 0;
     while (c < kFfnRowClasses && name != kRowClassNames[c]) ++c;
     if (c == kFfnRowClasses) {
-      return absl::InvalidArgumentError(absl::StrCat("FFN plan: unknown row class '",
-                                                     name.substr(0, 16),
-                                                     "' (classes: 1, 2-8, 9-64, 65+)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "FFN plan: unknown row class '", name.substr(0, 16), "' (classes: 1, 2-8, 9-64, 65+)"));
     }
     absl::StatusOr<FfnBlocking> b = ParseFfnBlocking(kv.second);
     if (!b.ok()) return b.status();
     if (!FfnFormServes(*b, c)) {
-      return absl::InvalidArgumentError(absl::StrCat("FFN plan: ", b->ToString(),
-                                                     " reads x directly, for at most ",
-                                                     detail::kDotDirectRows, " rows, not ",
-                                                     kRowClassNames[c]));
+      return absl::InvalidArgumentError(
+          absl::StrCat("FFN plan: ", b->ToString(), " reads x directly, for at most ",
+                       detail::kDotDirectRows, " rows, not ", kRowClassNames[c]));
     }
     plan.forms[c] = *b;
     seen[c] = true;
@@ -215,9 +213,9 @@ absl::StatusOr<FfnPlan> ParseFfnPlan(absl::string_view text) {
           absl::StrCat("FFN plan: no form for the row class ", kRowClassNames[c]));
     }
     if (!SameFfnLayout(plan.forms[c], plan.forms[0])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "FFN plan: ", plan.forms[c].ToString(), " and ", plan.forms[0].ToString(),
-          " read different weight layouts"));
+      return absl::InvalidArgumentError(absl::StrCat("FFN plan: ", plan.forms[c].ToString(),
+                                                     " and ", plan.forms[0].ToString(),
+                                                     " read different weight layouts"));
     }
   }
   return plan;

@@ -67,8 +67,8 @@ std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes, std::st
   // Twice the cache's bytes of weights (at most 8 experts), in each of the two halves that
   // successive runs alternate between.
   const int streamed = static_cast<int>(std::clamp<int64_t>(
-      detail::CeilDiv(2 * static_cast<int64_t>(cache_bytes), std::max<int64_t>(expert_bytes, 1)),
-      1, 8));
+      detail::CeilDiv(2 * static_cast<int64_t>(cache_bytes), std::max<int64_t>(expert_bytes, 1)), 1,
+      8));
   absl::StrAppendFormat(log, "# device cache %.1f MiB: few-row cases over %d experts\n",
                         static_cast<double>(cache_bytes) / (1 << 20), streamed);
   std::vector<TuneCase> cases;
@@ -130,8 +130,7 @@ using TimeTable = std::vector<std::vector<double>>;
 // drift in the machine's load hits every candidate alike; the fastest run of each counts.
 absl::StatusOr<TimeTable> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
                                          const std::vector<TuneCase>& cases, int64_t hidden,
-                                         int64_t ffn, common::ElementType dtype,
-                                         std::string* log) {
+                                         int64_t ffn, common::ElementType dtype, std::string* log) {
   const Clock::time_point start = Clock::now();
   int64_t max_rows = 0;
   int experts = 1;
@@ -201,7 +200,8 @@ FfnPlan PlanFromTimes(const std::vector<FfnBlocking>& candidates,
   double winner_score = inf;
   for (size_t first = 0; first < candidates.size(); ++first) {
     bool scored = false;  // from an earlier candidate of its layout
-    for (size_t j = 0; j < first; ++j) scored = scored || SameFfnLayout(candidates[j], candidates[first]);
+    for (size_t j = 0; j < first; ++j)
+      scored = scored || SameFfnLayout(candidates[j], candidates[first]);
     if (scored) continue;
     FfnPlan plan;
     std::vector<double> plan_time(cases.size(), inf);
@@ -385,14 +385,14 @@ absl::StatusOr<FfnPlan> Runtime::ChooseFfnPlan(int64_t hidden, int64_t ffn,
   const std::vector<FfnBlocking> candidates = FfnFormCandidates(dtype);
   const int64_t expert_bytes = 3 * hidden * ffn * static_cast<int64_t>(common::ElementBytes(dtype));
   if (!forced.empty()) {
-    EPSERVE_RETURN_IF_ERROR(ApplyForcedPlan(forced, dtype, dot_runs, bf16_amx_, info_,
-                                            default_ffn_blocking_, choice));
+    EPSERVE_RETURN_IF_ERROR(
+        ApplyForcedPlan(forced, dtype, dot_runs, bf16_amx_, info_, default_ffn_blocking_, choice));
   } else if (candidates.size() < 2 || !options_.tune_ffn || expert_bytes < kMinTunedExpertBytes) {
     choice.plan = FfnPlan::Uniform(dot_runs ? DotKernels() : default_ffn_blocking_);
     choice.origin = FfnBlockingOrigin::kDefault;
   } else {
-    const std::string cache_path = TuneCachePath(cache_dir_, FfnProgramKeySource(), info_, hidden,
-                                                 ffn, dtype, candidates);
+    const std::string cache_path =
+        TuneCachePath(cache_dir_, FfnProgramKeySource(), info_, hidden, ffn, dtype, candidates);
     CacheLock lock;
     if (!cache_path.empty()) {
       // Workers of one host share the device kind and the cache: one tunes while the others

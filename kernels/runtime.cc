@@ -480,11 +480,10 @@ absl::StatusOr<cl_kernel> Runtime::FfnKernel(std::string_view name, const FfnBlo
   // The dot kernels' blocking is their own: one part per DotOp (the default blocking's, an
   // FMA one, builds the default op).
   const std::string variant =
-      family == 3
-          ? absl::StrCat("-DFFN_FAMILY=3 -DFFN_DOT_OP=",
-                         static_cast<int>(blocking.dot ? blocking.dot_op
-                                                       : FfnBlocking::DotOp::kDefault))
-          : absl::StrCat(FfnBlockingOptions(blocking), " -DFFN_FAMILY=", family);
+      family == 3 ? absl::StrCat("-DFFN_FAMILY=3 -DFFN_DOT_OP=",
+                                 static_cast<int>(blocking.dot ? blocking.dot_op
+                                                               : FfnBlocking::DotOp::kDefault))
+                  : absl::StrCat(FfnBlockingOptions(blocking), " -DFFN_FAMILY=", family);
   const std::string key = absl::StrCat(variant, "|", Sv(name));
   if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   Programs::Program& p = programs_->ffn;

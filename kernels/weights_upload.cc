@@ -254,8 +254,7 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   // Experts another upload of the same layer holds in the same layout are copied from it.
   if (reuse != nullptr && reuse->dtype == w.dtype && reuse->tensor_cores == w.tensor_cores &&
       reuse->bf16_dot == w.bf16_dot && SameFfnLayout(reuse->blocking, w.blocking) &&
-      reuse->hidden == w.hidden &&
-      reuse->ffn == w.ffn) {
+      reuse->hidden == w.hidden && reuse->ffn == w.ffn) {
     kinds.reuse = reuse;
   }
   if (w.tensor_cores) {

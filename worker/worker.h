@@ -183,7 +183,7 @@ class Worker {
 
   // Device buffers, sized for the largest batch.
   absl::Duration orphan_grace_ = absl::Seconds(3);  // WorkerOptions::orphan_grace
-  absl::Duration idle_poll_;  // WorkerOptions::idle_poll, derived where 0
+  absl::Duration idle_poll_;                        // WorkerOptions::idle_poll, derived where 0
   kernels::Buffer x_local_, ids_, weights_, shared_h_, shared_y_;
   // The next batch's rows, uploaded ahead by the uploader thread: copy ahead_copy_ of
   // ahead_rows_ rows, being uploaded or there (ahead_state_); RowsOnDevice swaps them into

@@ -225,8 +225,8 @@ absl::Status Worker::WarmUp() {
     if (layer.shared.num_experts == 0) continue;
     // The shared expert (its slice) on as many rows of x_local_ as take each of its forms.
     const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
-    const int64_t shared_capacity = static_cast<int64_t>(
-        std::min(x_local_.bytes(), shared_y_.bytes()) / row_bytes);
+    const int64_t shared_capacity =
+        static_cast<int64_t>(std::min(x_local_.bytes(), shared_y_.bytes()) / row_bytes);
     for (const int64_t rows : kernels::ExpertFfnWarmUpRows(layer.shared)) {
       if (rows > shared_capacity) break;
       EPSERVE_RETURN_IF_ERROR(

@@ -211,8 +211,8 @@ struct Result {
   int sgemm_threads = 0;
   double t_composite = 0;                                // (b) gather + 3 sgemm + SwiGLU loop
   double diff_fp32 = 0, diff_bf16 = 0, diff_bf16_x = 0;  // against (b)
-  double memcpy_bps = 0;  // read + write bytes/s, small row counts only
-  double read_bps = 0;    // a plain read-only stream of the FP32 weights' size, likewise
+  double memcpy_bps = 0;      // read + write bytes/s, small row counts only
+  double read_bps = 0;        // a plain read-only stream of the FP32 weights' size, likewise
   double plain_bf16_bps = 0;  // PlainRead of the BF16 weights' bytes, kernels' threads
   std::vector<FormRun> forms;
 };
@@ -437,7 +437,8 @@ int Run(int argc, char** argv) {
       absl::Status st = ExpertFfnAs(*f.rt, *f.w, f.form, b.x, b.row_index, offsets, b.h, b.y);
       if (st.ok()) st = f.rt->Finish();
       if (!st.ok() && !failed) {
-        std::fprintf(stderr, "%s: %s\n", f.form.ToString().c_str(), std::string(st.message()).c_str());
+        std::fprintf(stderr, "%s: %s\n", f.form.ToString().c_str(),
+                     std::string(st.message()).c_str());
         failed = true;
       }
     };
@@ -574,7 +575,9 @@ int Run(int argc, char** argv) {
       "host): compare the forms with each other here, and the plan's forms with the tables "
       "above.\n\n",
       FfnKernelsName(r, *w16));
-  std::printf("| rows/expert | weights | layout | form | ms | weight GB/s | best of its weights / this | max rel diff vs (b) |\n");
+  std::printf(
+      "| rows/expert | weights | layout | form | ms | weight GB/s | best of its weights / this | "
+      "max rel diff vs (b) |\n");
   std::printf("|---:|---|---|---|---:|---:|---:|---:|\n");
   for (size_t k = 0; k < results.size(); ++k) {
     const Result& res = results[k];
@@ -585,11 +588,11 @@ int Run(int argc, char** argv) {
         if (g.w->dtype == f.w->dtype) best = std::min(best, g.t);
       }
       const double bytes = f.w->dtype == ElementType::kBf16 ? weight_bytes_bf16 : weight_bytes_fp32;
-      std::printf("| %lld | %s | %s | %s%s | %.3f | %.1f | %.2f | %.1e |\n",
-                  static_cast<long long>(res.rows), std::string(common::FlagName(f.w->dtype)).c_str(),
-                  f.w->blocking.dot ? "pair panels" : "fma panels", f.form.ToString().c_str(),
-                  f.chosen ? " *" : "", f.t * 1e3, bytes / f.t / 1e9, best / f.t,
-                  form_diffs_all[k][i]);
+      std::printf(
+          "| %lld | %s | %s | %s%s | %.3f | %.1f | %.2f | %.1e |\n",
+          static_cast<long long>(res.rows), std::string(common::FlagName(f.w->dtype)).c_str(),
+          f.w->blocking.dot ? "pair panels" : "fma panels", f.form.ToString().c_str(),
+          f.chosen ? " *" : "", f.t * 1e3, bytes / f.t / 1e9, best / f.t, form_diffs_all[k][i]);
     }
   }
   std::printf(

@@ -903,8 +903,8 @@ TEST_F(ExpertFfnTest, EveryFormOnEveryRowClass) {
     for (int c = 0; c < kFfnRowClasses; ++c) {
       const std::vector<int64_t> offsets = {0, kRows[c][0], kRows[c][0] + kRows[c][1],
                                             kRows[c][0] + kRows[c][1] + kRows[c][2]};
-      for (const FfnTypes& t : b.dot ? std::span<const FfnTypes>(bf16_types)
-                                     : std::span<const FfnTypes>(kAllTypes)) {
+      for (const FfnTypes& t :
+           b.dot ? std::span<const FfnTypes>(bf16_types) : std::span<const FfnTypes>(kAllTypes)) {
         SCOPED_TRACE(absl::StrCat("rows class ", FfnRowClassName(c), " ", Describe(t)));
         Check(source, 0, 3, /*tokens=*/40, offsets.back(), t, offsets);
         absl::StatusOr<FfnPlan> chosen = R().ChooseFfnPlan(71, 37, t.weights);
@@ -937,8 +937,8 @@ TEST_F(ExpertFfnTest, ExpertFfnAsRefusesAFormItCannotRun) {
   absl::Status s = ExpertFfnAs(Rt(), *w, other, x, index, offsets, h, y);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   if (w->bf16_dot) {
-    s = ExpertFfnAs(Rt(), *w, DotKernels(FfnBlocking::DotOp::kDefault, true), x, index, offsets,
-                    h, y);
+    s = ExpertFfnAs(Rt(), *w, DotKernels(FfnBlocking::DotOp::kDefault, true), x, index, offsets, h,
+                    y);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find("at most 8 rows"), std::string::npos) << s;
   }
@@ -998,10 +998,10 @@ TEST(FfnBlockingTest, PlansPerRowClass) {
   EXPECT_EQ(uniform->ToString(), "dot");
   EXPECT_EQ(uniform->For(8), DotKernels(FfnBlocking::DotOp::kDefault, true));
   EXPECT_EQ(uniform->For(9), DotKernels());
-  for (const char* bad : {"1: dot; 2-8: dot; 9-64: dot",                      // 65+ missing
-                          "1: dot; 2-8: dot; 9-64: dot-direct; 65+: dot",     // direct at 9+
-                          "1: dot; 2-8: vec=16; 9-64: dot; 65+: dot",         // two layouts
-                          "1: dot; 2-9: dot; 9-64: dot; 65+: dot"}) {         // no such class
+  for (const char* bad : {"1: dot; 2-8: dot; 9-64: dot",                   // 65+ missing
+                          "1: dot; 2-8: dot; 9-64: dot-direct; 65+: dot",  // direct at 9+
+                          "1: dot; 2-8: vec=16; 9-64: dot; 65+: dot",      // two layouts
+                          "1: dot; 2-9: dot; 9-64: dot; 65+: dot"}) {      // no such class
     EXPECT_EQ(ParseFfnPlan(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
 }
