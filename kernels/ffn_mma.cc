@@ -75,24 +75,24 @@ absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Bu
   return Launch(rt, sum, 2, sum_global, nullptr);
 }
 
-// x's rows to BF16 activations in y (gather_rows_to_bf16).
-absl::Status GatherToBf16(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
-                          const Buffer& row_index, bool gather, int64_t rows, int64_t k_pad,
-                          Buffer& y) {
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel gather_kernel, rt.Kernel("gather_rows_to_bf16"));
-  const cl_long x_rows =
-      RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
-  EPSERVE_RETURN_IF_ERROR(SetArgs(
-      gather_kernel, x, cl_int{x_format.dtype == common::ElementType::kBf16 ? 1 : 0}, x_rows,
-      cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0}, static_cast<cl_int>(rows),
-      static_cast<cl_int>(w.hidden), static_cast<cl_int>(k_pad), y));
-  // One work-item per 8 values of a row (rows in dimension 1).
-  static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
-  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
-  return LaunchBounded(rt, gather_kernel, 2, gather_global, kCpuChunksPerGroup);
-}
-
 }  // namespace
+
+absl::Status GatherBf16Activations(Runtime& rt, const char* kernel_name, int64_t hidden,
+                                   const Buffer& x, RowFormat x_format, const Buffer& row_index,
+                                   bool gather, int64_t rows, int64_t x_values,
+                                   std::span<const size_t> global, Buffer& y) {
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(kernel_name));
+  const cl_long x_rows =
+      RowsInBuffer(x, common::ElementBytes(x_format.dtype), hidden, x_format.row_stride);
+  EPSERVE_RETURN_IF_ERROR(SetArgs(
+      kernel, x, cl_int{x_format.dtype == common::ElementType::kBf16 ? 1 : 0}, x_rows,
+      cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0}, static_cast<cl_int>(rows),
+      static_cast<cl_int>(hidden), static_cast<cl_int>(x_values), y));
+  // One work-item per row (1-D), or per 8 values of a row (2-D, rows in dimension 1).
+  static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
+  return LaunchBounded(rt, kernel, static_cast<cl_uint>(global.size()), global.data(),
+                       global.size() == 1 ? kCpuRowsPerGroup : kCpuChunksPerGroup);
+}
 
 absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                           const Buffer& row_index, bool gather, int64_t rows, const Buffer& groups,
@@ -105,7 +105,9 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   EPSERVE_RETURN_IF_ERROR(
       NeedBytes(h_scratch, rows * f_pad * sizeof(uint16_t), "h_scratch (BF16 h)"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(groups, num_groups * 4 * sizeof(cl_int), "groups"));
-  EPSERVE_RETURN_IF_ERROR(GatherToBf16(rt, w, x, x_format, row_index, gather, rows, k_pad, y));
+  const size_t gather_global[2] = {static_cast<size_t>(k_pad / 8), static_cast<size_t>(rows)};
+  EPSERVE_RETURN_IF_ERROR(GatherBf16Activations(rt, "gather_rows_to_bf16", w.hidden, x, x_format,
+                                                row_index, gather, rows, k_pad, gather_global, y));
   // Launches of fewer tiles than twice the device's multiprocessors (a shared expert, or a few
   // experts, at decode sizes) split K, so that more work-groups stream the weights; the parts
   // are summed in a fixed order. How many parts follows from the rows and the device only, so

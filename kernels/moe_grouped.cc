@@ -62,6 +62,8 @@ absl::StatusOr<PairGroups> AllocatePairGroups(Runtime& rt, const ExpertWeights& 
   EPSERVE_ASSIGN_OR_RETURN(g.groups, rt.Allocate(tiles * sizeof(cl_int4)));
   EPSERVE_ASSIGN_OR_RETURN(g.counts,
                            rt.Allocate(static_cast<size_t>(w.num_experts + 1) * sizeof(cl_int)));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("group_pairs"));
+  EPSERVE_ASSIGN_OR_RETURN(g.work_group, GroupWorkGroup(rt, kernel));
   return g;
 }
 
@@ -83,9 +85,8 @@ absl::Status GroupPairs(Runtime& rt, const ExpertWeights& w, const Buffer& ids, 
                                   cl_int{num_global}, cl_int{w.num_experts},
                                   static_cast<cl_int>(TileRows(w)), cl_int{g.num_groups},
                                   g.row_index, g.pair_of_choice, g.groups, g.counts));
-  EPSERVE_ASSIGN_OR_RETURN(const size_t wg, GroupWorkGroup(rt, kernel));
-  const size_t global[1] = {wg};
-  const size_t local[1] = {wg};
+  const size_t global[1] = {g.work_group};
+  const size_t local[1] = {g.work_group};
   return detail::Launch(rt, kernel, 1, global, local);
 }
 
@@ -115,12 +116,7 @@ absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer&
     for (size_t e = 0; e < counts.size(); ++e) offsets[e + 1] = offsets[e] + counts[e];
     return ExpertFfn(rt, w, x, g.row_index, offsets, h_scratch, y, x_format);
   }
-  EPSERVE_RETURN_IF_ERROR(CheckKernelType(x_format.dtype, "x's element type"));
-  if (x_format.row_stride == 0) x_format.row_stride = w.hidden;
-  if (x_format.row_stride < w.hidden) {
-    return absl::InvalidArgumentError(absl::StrCat("x row stride ", x_format.row_stride,
-                                                   " is shorter than a row (", w.hidden, ")"));
-  }
+  EPSERVE_RETURN_IF_ERROR(detail::CheckRowFormat(w, x_format));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, g.pairs * w.ffn * sizeof(float), "h_scratch"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(y, g.pairs * w.hidden * sizeof(float), "y"));
   // Tiles of either form may be there, but none of 128 rows below that many pairs.

@@ -111,18 +111,9 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
   EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, chunk, &tiles.num_groups));
   tiles.groups = std::move(groups);
   if (tiles.num_groups == 0 || gather_kernel == nullptr) return tiles;
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(gather_kernel));
-  const cl_long x_rows =
-      RowsInBuffer(x, common::ElementBytes(x_format.dtype), w.hidden, x_format.row_stride);
-  EPSERVE_RETURN_IF_ERROR(SetArgs(
-      kernel, x, cl_int{x_format.dtype == common::ElementType::kBf16 ? 1 : 0}, x_rows,
-      cl_long{x_format.row_stride}, row_index, cl_int{gather ? 1 : 0}, static_cast<cl_int>(rows),
-      static_cast<cl_int>(w.hidden), static_cast<cl_int>(x_values), y));
-  // One work-item per row (1-D), or per 8 values of a row (2-D, rows in dimension 1).
-  static constexpr size_t kCpuChunksPerGroup[2] = {64, 1};
-  EPSERVE_RETURN_IF_ERROR(
-      LaunchBounded(rt, kernel, static_cast<cl_uint>(gather_global.size()), gather_global.data(),
-                    gather_global.size() == 1 ? detail::kCpuRowsPerGroup : kCpuChunksPerGroup));
+  EPSERVE_RETURN_IF_ERROR(detail::GatherBf16Activations(rt, gather_kernel, w.hidden, x, x_format,
+                                                        row_index, gather, rows, x_values,
+                                                        gather_global, y));
   return tiles;
 }
 
@@ -254,18 +245,27 @@ std::vector<int64_t> ExpertFfnWarmUpRows(const ExpertWeights& w) {
   return rows;
 }
 
-namespace {
+namespace detail {
 
-// ExpertFfn's checks of its arguments; the rows of the largest expert into *most_rows.
-absl::Status CheckFfnCall(const ExpertWeights& w, const Buffer& x, const Buffer& row_index,
-                          std::span<const int64_t> expert_offsets, const Buffer& h_scratch,
-                          const Buffer& y, RowFormat& x_format, int64_t* most_rows) {
+absl::Status CheckRowFormat(const ExpertWeights& w, RowFormat& x_format) {
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(x_format.dtype, "x's element type"));
   if (x_format.row_stride == 0) x_format.row_stride = w.hidden;
   if (x_format.row_stride < w.hidden) {
     return absl::InvalidArgumentError(absl::StrCat("x row stride ", x_format.row_stride,
                                                    " is shorter than a row (", w.hidden, ")"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace detail
+
+namespace {
+
+// ExpertFfn's checks of its arguments; the rows of the largest expert into *most_rows.
+absl::Status CheckFfnCall(const ExpertWeights& w, const Buffer& x, const Buffer& row_index,
+                          std::span<const int64_t> expert_offsets, const Buffer& h_scratch,
+                          const Buffer& y, RowFormat& x_format, int64_t* most_rows) {
+  EPSERVE_RETURN_IF_ERROR(detail::CheckRowFormat(w, x_format));
   if (expert_offsets.size() != static_cast<size_t>(w.num_experts) + 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("expert_offsets has ", expert_offsets.size(),

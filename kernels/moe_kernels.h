@@ -179,9 +179,10 @@ struct PairGroups {
   Buffer groups;          // int4 [MaxPairGroups(max_pairs)]: the FFN's work tiles
   Buffer counts;          // int32 [experts + 1]: pairs per local expert, then bad ids
   int64_t max_pairs = 0;
-  int num_experts = 0;  // local experts
-  int64_t pairs = 0;    // of the last GroupPairs
-  int num_groups = 0;   // tiles of the last GroupPairs (the empty ones at the end included)
+  int num_experts = 0;    // local experts
+  size_t work_group = 1;  // group_pairs' work-items on this device
+  int64_t pairs = 0;      // of the last GroupPairs
+  int num_groups = 0;     // tiles of the last GroupPairs (the empty ones at the end included)
 };
 // The most pairs GroupPairs groups at the speed it is for (it keeps them in local memory);
 // larger batches (prefill) group faster on the host.

@@ -66,6 +66,14 @@ inline uint Bf16Bits(float v) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
+// silu(gate) * up of two neighbouring outputs (gate[0..1], up[0..1]) as two BF16 values in one
+// word, the first in the low half: h as the gate_up kernels store it.
+inline uint SwiGluBf16Pair(const float* gate, const float* up) {
+  const float v0 = gate[0] / (1.0f + exp(-gate[0])) * up[0];
+  const float v1 = gate[1] / (1.0f + exp(-gate[1])) * up[1];
+  return Bf16Bits(v0) | (Bf16Bits(v1) << 16);
+}
+
 inline __attribute__((always_inline)) void Mma(float* c, const uint* a, const uint* b) {
   __asm__ __volatile__(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -289,6 +297,29 @@ inline AccPlace ThisAccPlace(void) {
   return q;
 }
 
+// This work-item's outputs of the tile (rows [p0, end), columns from n0) from acc, as FP32 into
+// out (rows of ld values, columns below cols).
+inline void MmaStore(const float* acc, int p0, int end, int n0, __global float* out, int ld,
+                     int cols) {
+  const AccPlace q = ThisAccPlace();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int p = p0 + q.wm * 64 + i * 16 + q.g + hi * 8;
+      if (p >= end) continue;
+      __global float* row = out + (size_t)p * ld;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = n0 + q.wn * WARP_COLS + j * 8 + 2 * q.t;
+        const float* v = acc + (i * NJ + j) * 4 + hi * 2;
+        if (c < cols) row[c] = v[0];
+        if (c + 1 < cols) row[c + 1] = v[1];
+      }
+    }
+  }
+}
+
 // Both GEMM kernels run in work-groups of MMA_THREADS work-items. They do not declare it
 // (reqd_work_group_size): with it NVIDIA's assembler ignores the register cap the runtime
 // passes (kernels/runtime.cc).
@@ -319,10 +350,8 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
       for (int jj = 0; jj < NJ / 2; ++jj) {
         const float* gate = acc + (i * NJ + 2 * jj) * 4 + hi * 2;
         const float* up = acc + (i * NJ + 2 * jj + 1) * 4 + hi * 2;
-        const float v0 = gate[0] / (1.0f + exp(-gate[0])) * up[0];
-        const float v1 = gate[1] / (1.0f + exp(-gate[1])) * up[1];
         const int f = n0 / 2 + q.wn * (WARP_COLS / 2) + jj * 8 + 2 * q.t;
-        ((__global uint*)(h + (size_t)p * f_pad + f))[0] = Bf16Bits(v0) | (Bf16Bits(v1) << 16);
+        ((__global uint*)(h + (size_t)p * f_pad + f))[0] = SwiGluBf16Pair(gate, up);
       }
     }
   }
@@ -340,23 +369,7 @@ __kernel void ffn_mma_down(__global const ushort* restrict h, __global const int
   float acc[4 * NJ * 4];
   const int4 grp = TileProduct(h, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
 
-  const AccPlace q = ThisAccPlace();
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int p = grp.y + q.wm * 64 + i * 16 + q.g + hi * 8;
-      if (p >= grp.z) continue;
-      __global float* out = y + (size_t)p * hidden;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int c = n0 + q.wn * WARP_COLS + j * 8 + 2 * q.t;
-        const float* v = acc + (i * NJ + j) * 4 + hi * 2;
-        if (c < hidden) out[c] = v[0];
-        if (c + 1 < hidden) out[c + 1] = v[1];
-      }
-    }
-  }
+  MmaStore(acc, grp.y, grp.z, n0, y, hidden, hidden);
 }
 
 // out[p, 0 .. k_pad) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond
@@ -418,24 +431,7 @@ __kernel void ffn_mma_partial(__global const ushort* restrict a,
   for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
   MmaTile(&copies, count * CPR, lds_a, lds_b, acc);
 
-  const AccPlace q = ThisAccPlace();
-  __global float* part = partial + (size_t)s * rows * n_rows;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int p = grp.y + q.wm * 64 + i * 16 + q.g + hi * 8;
-      if (p >= grp.z) continue;
-      __global float* out = part + (size_t)p * n_rows;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int c = n0 + q.wn * WARP_COLS + j * 8 + 2 * q.t;
-        const float* v = acc + (i * NJ + j) * 4 + hi * 2;
-        out[c] = v[0];
-        out[c + 1] = v[1];
-      }
-    }
-  }
+  MmaStore(acc, grp.y, grp.z, n0, partial + (size_t)s * rows * n_rows, n_rows, n_rows);
 }
 
 // The parts' sum of weight row n for row p.
@@ -594,10 +590,8 @@ __kernel void ffn_dec_gate_up(__global const ushort* restrict a,
       for (int jj = 0; jj < 2; ++jj) {
         const float* gate = acc + (i * 4 + 2 * jj) * 4 + hi * 2;
         const float* up = acc + (i * 4 + 2 * jj + 1) * 4 + hi * 2;
-        const float v0 = gate[0] / (1.0f + exp(-gate[0])) * up[0];
-        const float v1 = gate[1] / (1.0f + exp(-gate[1])) * up[1];
         const int f = n0 / 2 + warp * 16 + jj * 8 + 2 * t;
-        ((__global uint*)(h + (size_t)p * f_pad + f))[0] = Bf16Bits(v0) | (Bf16Bits(v1) << 16);
+        ((__global uint*)(h + (size_t)p * f_pad + f))[0] = SwiGluBf16Pair(gate, up);
       }
     }
   }

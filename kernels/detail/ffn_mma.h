@@ -1,15 +1,30 @@
 // The tensor-core FFN's launches over work tiles already on the device, shared by the FFN
 // over host offsets (moe_kernels.cc) and the one over pairs grouped on the device
-// (moe_grouped.cc). Private to kernels/.
+// (moe_grouped.cc), and the BF16 gather of their activations, which the dot-product FFN shares
+// too. Private to kernels/.
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "absl/status/status.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 
 namespace epserve::kernels::detail {
+
+// The checks of an FFN call's activations every entry point makes: x's dtype one the kernels
+// take, its row stride (0: packed rows, set to w.hidden) at least a row.
+absl::Status CheckRowFormat(const ExpertWeights& w, RowFormat& x_format);
+
+// Launches `kernel_name` (gather_rows_to_bf16, or a kernel of its arguments) over `global`
+// (1-D: a work-item per row; 2-D: per 8 values of a row, rows in dimension 1): the rows of x
+// (hidden values, FP32 or BF16 as x_format says, read through row_index when `gather`) into y
+// as zero-padded BF16 rows of x_values values, for rows < `rows`.
+absl::Status GatherBf16Activations(Runtime& rt, const char* kernel_name, int64_t hidden,
+                                   const Buffer& x, RowFormat x_format, const Buffer& row_index,
+                                   bool gather, int64_t rows, int64_t x_values,
+                                   std::span<const size_t> global, Buffer& y);
 
 // Which tensor-core kernels a launch runs: the 128-row tiles (ffn_mma_*) and those of at most
 // kMmaDecodeRows rows (ffn_dec_*). Each skips the other's tiles; a form may be left out only

@@ -19,48 +19,22 @@
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "model/synthetic.h"
-#include "tests/common/seeded.h"
+#include "tests/kernels/kernel_fixture.h"
 
 namespace epserve::kernels {
 namespace {
 
-class GroupingTest : public epserve::tests::SeededTest {
+class GroupingTest : public Seeded {
  protected:
-  static Runtime& Rt() {
-    static std::unique_ptr<Runtime> rt = [] {
-      RuntimeOptions options;
-      if (const char* d = std::getenv("EPSERVE_TEST_DEVICE"); d != nullptr && *d != '\0') {
-        options.device = d;
-      }
-      absl::StatusOr<std::unique_ptr<Runtime>> r = Runtime::Create(options);
-      EXPECT_TRUE(r.ok()) << r.status();
-      return r.ok() ? *std::move(r) : nullptr;
-    }();
-    return *rt;
-  }
-  template <typename T>
-  Buffer Upload(const std::vector<T>& v) {
-    absl::StatusOr<Buffer> b = Rt().Allocate(std::max<size_t>(v.size(), 1) * sizeof(T));
-    EXPECT_TRUE(b.ok()) << b.status();
-    EXPECT_TRUE(Rt().Write(*b, 0, v.data(), v.size() * sizeof(T)).ok());
-    return *std::move(b);
-  }
-  template <typename T>
-  std::vector<T> Download(const Buffer& b, size_t count) {
-    std::vector<T> v(count);
-    absl::Status s = Rt().Read(b, 0, v.data(), count * sizeof(T));
-    EXPECT_TRUE(s.ok()) << s;
-    return v;
-  }
   // Poisons every buffer of g (0x7fffffff in each int).
   void Poison(const PairGroups& g) {
     for (const Buffer* b : {&g.row_index, &g.pair_of_choice, &g.groups, &g.counts}) {
       const std::vector<int32_t> bits(b->bytes() / sizeof(int32_t),
                                       std::numeric_limits<int32_t>::max());
-      EXPECT_TRUE(Rt().Write(*b, 0, bits.data(), b->bytes()).ok());
+      EXPECT_TRUE(R().Write(*b, 0, bits.data(), b->bytes()).ok());
     }
   }
-  // n tokens' k distinct global experts of num_global, drawn from `held` (global ids) mostly.
+  // n tokens' k distinct experts each, drawn from `held` (global ids).
   std::vector<int32_t> RandomIds(int64_t n, int k, const std::vector<int32_t>& held) {
     std::vector<int32_t> ids(static_cast<size_t>(n * k));
     std::vector<int32_t> pool = held;
@@ -117,12 +91,12 @@ TEST_F(GroupingTest, MatchesTheHostLayout) {
     ExpertWeights w;
     w.num_experts = c.num_local;
     w.tensor_cores = c.tensor_cores;
-    absl::StatusOr<PairGroups> g = AllocatePairGroups(Rt(), w, c.n * c.k + 5);
+    absl::StatusOr<PairGroups> g = AllocatePairGroups(R(), w, c.n * c.k + 5);
     ASSERT_TRUE(g.ok()) << g.status();
     Poison(*g);
     const Buffer idb = Upload(ids), mapb = Upload(local_of);
-    ASSERT_TRUE(GroupPairs(Rt(), w, idb, c.n, c.k, mapb, c.num_global, *g).ok());
-    absl::StatusOr<std::vector<int64_t>> counts = ReadPairCounts(Rt(), *g);
+    ASSERT_TRUE(GroupPairs(R(), w, idb, c.n, c.k, mapb, c.num_global, *g).ok());
+    absl::StatusOr<std::vector<int64_t>> counts = ReadPairCounts(R(), *g);
     ASSERT_TRUE(counts.ok()) << counts.status();
     const HostLayout want = Layout(ids, c.k, local_of, c.num_local);
     for (int e = 0; e < c.num_local; ++e) {
@@ -161,11 +135,11 @@ TEST_F(GroupingTest, ExpertsNotHeldAreCountedAndLeftOut) {
   ids[b] = num_global;  // no expert at all
   ExpertWeights w;
   w.num_experts = 8;
-  absl::StatusOr<PairGroups> g = AllocatePairGroups(Rt(), w, static_cast<int64_t>(ids.size()));
+  absl::StatusOr<PairGroups> g = AllocatePairGroups(R(), w, static_cast<int64_t>(ids.size()));
   ASSERT_TRUE(g.ok()) << g.status();
   Poison(*g);
-  ASSERT_TRUE(GroupPairs(Rt(), w, Upload(ids), 40, k, Upload(local_of), num_global, *g).ok());
-  absl::StatusOr<std::vector<int64_t>> counts = ReadPairCounts(Rt(), *g);
+  ASSERT_TRUE(GroupPairs(R(), w, Upload(ids), 40, k, Upload(local_of), num_global, *g).ok());
+  absl::StatusOr<std::vector<int64_t>> counts = ReadPairCounts(R(), *g);
   ASSERT_FALSE(counts.ok());
   EXPECT_EQ(counts.status().code(), absl::StatusCode::kInternal);
   EXPECT_NE(counts.status().message().find("2 of 80 routed pairs"), std::string::npos)
@@ -187,10 +161,10 @@ TEST_F(GroupingTest, ExpertsNotHeldAreCountedAndLeftOut) {
 TEST_F(GroupingTest, RefusesMorePairsThanAllocated) {
   ExpertWeights w;
   w.num_experts = 4;
-  absl::StatusOr<PairGroups> g = AllocatePairGroups(Rt(), w, 8);
+  absl::StatusOr<PairGroups> g = AllocatePairGroups(R(), w, 8);
   ASSERT_TRUE(g.ok()) << g.status();
   const Buffer ids = Upload(std::vector<int32_t>(10, 0)), map = Upload(std::vector<int32_t>(4, 0));
-  const absl::Status s = GroupPairs(Rt(), w, ids, 5, 2, map, 4, *g);
+  const absl::Status s = GroupPairs(R(), w, ids, 5, 2, map, 4, *g);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("n * k <= 8"), std::string::npos) << s;
 }
@@ -204,7 +178,7 @@ TEST_F(GroupingTest, FfnFromDeviceGroupsHasTheHostOffsetsBits) {
   const model::MoeLayerConfig& c = cfg->layer;
   for (const common::ElementType dtype : {common::ElementType::kFp32, common::ElementType::kBf16}) {
     SCOPED_TRACE(std::string(common::FlagName(dtype)));
-    absl::StatusOr<ExpertWeights> w = UploadExperts(Rt(), source, 0, 0, c.num_experts, dtype);
+    absl::StatusOr<ExpertWeights> w = UploadExperts(R(), source, 0, 0, c.num_experts, dtype);
     ASSERT_TRUE(w.ok()) << w.status();
     for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{150}}) {
       std::vector<int32_t> held(c.num_experts), local_of(c.num_experts);
@@ -212,22 +186,20 @@ TEST_F(GroupingTest, FfnFromDeviceGroupsHasTheHostOffsetsBits) {
       std::iota(local_of.begin(), local_of.end(), 0);
       const std::vector<int32_t> ids = RandomIds(n, c.top_k, held);
       const int64_t pairs = n * c.top_k;
-      std::uniform_real_distribution<float> value(-1.0f, 1.0f);
-      std::vector<float> x(static_cast<size_t>(n * c.hidden_size));
-      for (float& v : x) v = value(rng_);
+      const std::vector<float> x = Uniform(static_cast<size_t>(n * c.hidden_size));
       const Buffer xb = Upload(x);
-      const std::vector<float> nan(
-          static_cast<size_t>(pairs * std::max(c.hidden_size, c.expert_ffn_size)),
-          std::numeric_limits<float>::quiet_NaN());
-      Buffer h1 = Upload(nan), y1 = Upload(nan), h2 = Upload(nan), y2 = Upload(nan);
+      const size_t scratch =
+          static_cast<size_t>(pairs * std::max(c.hidden_size, c.expert_ffn_size));
+      Buffer h1 = Poisoned(scratch), y1 = Poisoned(scratch), h2 = Poisoned(scratch),
+             y2 = Poisoned(scratch);
       const HostLayout want = Layout(ids, c.top_k, local_of, c.num_experts);
-      ASSERT_TRUE(ExpertFfn(Rt(), *w, xb, Upload(want.row_index), want.offsets, h1, y1).ok());
-      absl::StatusOr<PairGroups> g = AllocatePairGroups(Rt(), *w, pairs);
+      ASSERT_TRUE(ExpertFfn(R(), *w, xb, Upload(want.row_index), want.offsets, h1, y1).ok());
+      absl::StatusOr<PairGroups> g = AllocatePairGroups(R(), *w, pairs);
       ASSERT_TRUE(g.ok()) << g.status();
       Poison(*g);
       ASSERT_TRUE(
-          GroupPairs(Rt(), *w, Upload(ids), n, c.top_k, Upload(local_of), c.num_experts, *g).ok());
-      ASSERT_TRUE(ExpertFfnGrouped(Rt(), *w, xb, *g, h2, y2).ok());
+          GroupPairs(R(), *w, Upload(ids), n, c.top_k, Upload(local_of), c.num_experts, *g).ok());
+      ASSERT_TRUE(ExpertFfnGrouped(R(), *w, xb, *g, h2, y2).ok());
       const size_t values = static_cast<size_t>(pairs * c.hidden_size);
       const std::vector<float> a = Download<float>(y1, values), b = Download<float>(y2, values);
       EXPECT_EQ(0, std::memcmp(a.data(), b.data(), values * sizeof(float))) << "n=" << n;

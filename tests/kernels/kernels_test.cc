@@ -41,6 +41,7 @@
 #include "model/synthetic.h"
 #include "model/weights.h"
 #include "tests/common/seeded.h"
+#include "tests/kernels/kernel_fixture.h"
 
 namespace epserve::kernels {
 namespace {
@@ -71,69 +72,6 @@ double RelError(const std::vector<float>& a, const std::vector<double>& ref) {
 }
 
 // The options of the device the tests run on (EPSERVE_TEST_DEVICE, default "cpu").
-RuntimeOptions TestRuntimeOptions() {
-  RuntimeOptions options;
-  if (const char* d = std::getenv("EPSERVE_TEST_DEVICE"); d != nullptr && *d != '\0') {
-    options.device = d;
-  }
-  return options;
-}
-
-// One random seed per test, printed with every failure (tests/common/seeded.h).
-class Seeded : public epserve::tests::SeededTest {
- protected:
-  std::vector<float> Uniform(size_t count, float lo = -1.0f, float hi = 1.0f) {
-    std::uniform_real_distribution<float> dist(lo, hi);
-    std::vector<float> v(count);
-    for (float& f : v) f = dist(rng_);
-    return v;
-  }
-  static Runtime& Rt() {
-    static std::unique_ptr<Runtime> rt = [] {
-      absl::StatusOr<std::unique_ptr<Runtime>> r = Runtime::Create(TestRuntimeOptions());
-      EXPECT_TRUE(r.ok()) << r.status();
-      if (r.ok()) std::cout << "[ device ] " << (*r)->device_info().Describe() << "\n";
-      return r.ok() ? *std::move(r) : nullptr;
-    }();
-    return *rt;
-  }
-  // A runtime whose router and shared-expert gate take their work-group forms (the GPUs'
-  // kernels) on any device, CPUs included.
-  static Runtime& WorkGroupFormsRt() {
-    static std::unique_ptr<Runtime> rt = [] {
-      RuntimeOptions options = TestRuntimeOptions();
-      options.work_group_forms = RuntimeOptions::WorkGroupForms::kAlways;
-      absl::StatusOr<std::unique_ptr<Runtime>> r = Runtime::Create(options);
-      EXPECT_TRUE(r.ok()) << r.status();
-      return r.ok() ? *std::move(r) : nullptr;
-    }();
-    return *rt;
-  }
-  // The runtime the helpers below use: rt_ where a test sets one, else the shared one.
-  Runtime& R() { return rt_ != nullptr ? *rt_ : Rt(); }
-  // A device buffer holding `v`.
-  template <typename T>
-  Buffer Upload(const std::vector<T>& v) {
-    absl::StatusOr<Buffer> b = R().Allocate(std::max<size_t>(v.size(), 1) * sizeof(T));
-    EXPECT_TRUE(b.ok()) << b.status();
-    EXPECT_TRUE(R().Write(*b, 0, v.data(), v.size() * sizeof(T)).ok());
-    return *std::move(b);
-  }
-  // A device buffer of `count` floats (or ints) filled with NaN bits.
-  Buffer Poisoned(size_t count) {
-    return Upload(std::vector<float>(count, std::numeric_limits<float>::quiet_NaN()));
-  }
-  template <typename T>
-  std::vector<T> Download(const Buffer& b, size_t count) {
-    std::vector<T> v(count);
-    absl::Status s = R().Read(b, 0, v.data(), count * sizeof(T));
-    EXPECT_TRUE(s.ok()) << s;
-    return v;
-  }
-
-  Runtime* rt_ = nullptr;
-};
-
 // A synthetic preset, or "tiny-odd": tiny with H = 72 and 10 experts, top-3 (shapes that are
 // not multiples of the kernels' vectors and blocks).
 model::SyntheticWeights Preset(const std::string& name, uint64_t seed) {
