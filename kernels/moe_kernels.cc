@@ -452,6 +452,54 @@ absl::Status RoundToBf16(Runtime& rt, const Buffer& src, int64_t count, Buffer& 
   return LaunchBounded(rt, kernel, 1, global, detail::kCpuValuesPerGroup);
 }
 
+namespace {
+// widen_to_fp32 / narrow_from_fp32's code for `type`, or why not.
+absl::StatusOr<cl_int> RowTypeCode(common::ElementType type, int64_t src_at, int64_t dst_at,
+                                   int64_t count) {
+  if (src_at < 0 || dst_at < 0 || count < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("row conversion: offsets ", src_at, " and ",
+                                                   dst_at, ", count ", count, " (need >= 0)"));
+  }
+  switch (type) {
+    case common::ElementType::kFp32:
+      return 0;
+    case common::ElementType::kBf16:
+      return 1;
+    case common::ElementType::kFp16:
+      return 2;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row conversion: element type ", common::FlagName(type), " is not FP32, BF16 or FP16"));
+  }
+}
+}  // namespace
+
+absl::Status WidenToFp32(Runtime& rt, const Buffer& src, int64_t src_at,
+                         common::ElementType src_type, int64_t count, Buffer& dst, int64_t dst_at) {
+  EPSERVE_ASSIGN_OR_RETURN(const cl_int type, RowTypeCode(src_type, src_at, dst_at, count));
+  if (count == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(src, (src_at + count) * common::ElementBytes(src_type), "src"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(dst, (dst_at + count) * sizeof(float), "dst"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("widen_to_fp32"));
+  EPSERVE_RETURN_IF_ERROR(
+      SetArgs(kernel, src, cl_long{src_at}, type, cl_long{count}, dst, cl_long{dst_at}));
+  const size_t global[1] = {static_cast<size_t>(count)};
+  return LaunchBounded(rt, kernel, 1, global, detail::kCpuValuesPerGroup);
+}
+
+absl::Status NarrowFromFp32(Runtime& rt, const Buffer& src, int64_t src_at, int64_t count,
+                            common::ElementType dst_type, Buffer& dst, int64_t dst_at) {
+  EPSERVE_ASSIGN_OR_RETURN(const cl_int type, RowTypeCode(dst_type, src_at, dst_at, count));
+  if (count == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(src, (src_at + count) * sizeof(float), "src"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(dst, (dst_at + count) * common::ElementBytes(dst_type), "dst"));
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("narrow_from_fp32"));
+  EPSERVE_RETURN_IF_ERROR(
+      SetArgs(kernel, src, cl_long{src_at}, cl_long{count}, type, dst, cl_long{dst_at}));
+  const size_t global[1] = {static_cast<size_t>(count)};
+  return LaunchBounded(rt, kernel, 1, global, detail::kCpuValuesPerGroup);
+}
+
 absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
                       int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst) {
   if (first < 0 || count < 0 || hidden < 1) {

@@ -168,6 +168,14 @@ absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64
 // i < count: rows as a BF16 exchange payload delivers them. dst may be src.
 absl::Status RoundToBf16(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst);
 
+// Values between FP32 and a request's element type (FP32, BF16 or FP16; the host's
+// conversions, common/half.h, bit for bit): `count` values of src from element src_at into
+// dst from element dst_at. src and dst must be distinct.
+absl::Status WidenToFp32(Runtime& rt, const Buffer& src, int64_t src_at,
+                         common::ElementType src_type, int64_t count, Buffer& dst, int64_t dst_at);
+absl::Status NarrowFromFp32(Runtime& rt, const Buffer& src, int64_t src_at, int64_t count,
+                            common::ElementType dst_type, Buffer& dst, int64_t dst_at);
+
 // ---- the pairs grouped by expert on the device ----
 
 // A batch's layout made on the device by GroupPairs, for up to max_pairs pairs of one

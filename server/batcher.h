@@ -51,6 +51,9 @@ struct InferTask {
   common::ElementType input_type = common::ElementType::kFp32;
   char* output = nullptr;  // num_tokens * H elements of output_type
   common::ElementType output_type = common::ElementType::kFp32;
+  // Or rows in a client's CUDA memory (input or output null): the workers read and write
+  // them there (worker::RowChunk::device_input / device_output); valid() when set.
+  worker::DeviceRows device_input{}, device_output{};
   // Optional routing outputs, num_tokens * k each, owned like `output`.
   int32_t* topk_ids = nullptr;
   float* topk_weights = nullptr;

@@ -189,6 +189,7 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(
                      .top_k = shape.top_k,
                      .device = device};
   served.placements = coordinator.placements();
+  served.workers_read_cuda = coordinator.workers_read_cuda();
   std::unique_ptr<FrontEnd> fe(new FrontEnd(options, std::move(served), &coordinator));
   fe->model_ = model;
   fe->open_model_ = std::move(open_model);

@@ -18,6 +18,8 @@ struct ServedModel {
   int num_experts = 1;
   int top_k = 1;               // routed experts per token: the width of topk_ids, topk_weights
   std::string device = "cpu";  // the workers' OpenCL device (--device), reported in ModelConfig
+  // Whether every worker reads and writes rows in clients' CUDA memory (CUDA shared memory).
+  bool workers_read_cuda = false;
   // Per served layer, which workers hold which experts (--redundant-experts); empty: one copy
   // of each.
   std::vector<worker::ExpertPlacement> placements = {};

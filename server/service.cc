@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "common/parallel.h"
 #include "server/clip.h"
 #include "server/grpc_status.h"
+#include "shmem/cuda_device.h"
 
 namespace epserve::server {
 namespace {
@@ -37,6 +39,7 @@ char* AddOutput(const char* name, absl::string_view datatype, int64_t num_tokens
   out->add_shape(num_tokens);
   out->add_shape(width);
   std::string* raw = resp->add_raw_output_contents();
+  if (shm.cuda != nullptr) return nullptr;  // the workers write it (InferTask::device_output)
   if (shm.region != nullptr) {
     used->push_back(shm.region);
     return shm.data;
@@ -69,6 +72,32 @@ void AddOutputs(const ParsedInfer& parsed, int64_t hidden, int64_t top_k,
   }
 }
 
+// Where a tensor placed in CUDA shared memory is, for the workers.
+worker::DeviceRows DeviceRowsOf(const ShmPlace& place, common::ElementType type) {
+  worker::DeviceRows rows;
+  rows.region_id = place.cuda->id();
+  rows.offset = place.cuda_offset;
+  rows.device = static_cast<int32_t>(place.cuda->device_id());
+  rows.type = type;
+  std::memcpy(rows.handle, place.cuda->handle().data(), sizeof(rows.handle));
+  return rows;
+}
+
+// Why CUDA shared memory cannot be served with these workers; empty where it can.
+std::string CudaUnavailableReason(const ServedModel& model) {
+  if (!shmem::CudaDevice::Built()) {
+    return "this build has no CUDA driver API (built without the CUDA toolkit's cuda.h); "
+           "register system shared memory instead (SystemSharedMemoryRegister)";
+  }
+  if (!model.workers_read_cuda) {
+    return absl::StrCat("the workers' devices (--device=", model.device,
+                        ") cannot reach CUDA memory: only workers on CUDA GPUs read a client's "
+                        "rows from its GPU; register system shared memory instead "
+                        "(SystemSharedMemoryRegister)");
+  }
+  return "";
+}
+
 }  // namespace
 
 InferenceService::InferenceService(const ServiceOptions& options, const ServedModel& model,
@@ -82,7 +111,11 @@ InferenceService::InferenceService(const ServiceOptions& options, const ServedMo
       metrics_(metrics),
       statistics_(statistics),
       auth_(auth ? std::move(auth) : std::make_shared<const Authenticator>("")),
-      budget_(budget_bytes) {
+      budget_(budget_bytes),
+      cuda_shm_(CudaUnavailableReason(model)) {
+  if (CudaUnavailableReason(model).empty()) {
+    cuda_shm_.set_available(DriverCudaMemoryOpener());
+  }
   BuildModelConfig();
   if (metrics_ != nullptr) metrics_->SetHeldBytesLimit(budget_.limit());
   reaper_ = std::thread([this] {
@@ -193,7 +226,7 @@ void InferenceService::Reap() {
 absl::StatusOr<ParsedInfer> InferenceService::Admit(const inference::ModelInferRequest& req,
                                                     int64_t* cost) {
   admitted_.fetch_add(1, std::memory_order_relaxed);  // a request arrived (the reaper's trims)
-  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, signature_, &shm_);
+  absl::StatusOr<ParsedInfer> parsed = ParseInfer(req, signature_, &shm_, &cuda_shm_);
   if (!parsed.ok()) return parsed.status();
   if (!ready()) {
     return absl::UnavailableError("the server is not ready (starting, stopping or unhealthy)");
@@ -206,7 +239,7 @@ absl::StatusOr<ParsedInfer> InferenceService::Admit(const inference::ModelInferR
   // The request's message and its answer (the outputs it asks for, or the layer output held
   // for the routing alone) are charged until the answer is sent.
   const int64_t k = signature_.top_k;
-  const bool shm_out = parsed->want_output && parsed->output_shm.region != nullptr;
+  const bool shm_out = parsed->want_output && parsed->output_shm.placed();
   const int64_t bytes = static_cast<int64_t>(req.ByteSizeLong()) +
                         parsed->num_tokens * ((shm_out ? 0 : signature_.hidden_size * 4) + 8 * k);
   if (!budget_.TryCharge(bytes)) {
@@ -251,6 +284,17 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   std::vector<std::shared_ptr<const SharedMemoryRegion>> used;
   AddOutputs(*parsed, signature_.hidden_size, signature_.top_k, resp, task.get(), &used);
   if (parsed->input_region != nullptr) used.push_back(parsed->input_region);
+  // CUDA regions (kept registered, and so open, while the task lives): the workers move the
+  // rows, rank 0 holds no address of them.
+  std::vector<std::shared_ptr<const CudaSharedMemoryRegion>> cuda_used;
+  if (parsed->input_cuda.cuda != nullptr) {
+    task->device_input = DeviceRowsOf(parsed->input_cuda, parsed->input_type);
+    cuda_used.push_back(parsed->input_cuda.cuda);
+  }
+  if (parsed->want_output && parsed->output_shm.cuda != nullptr) {
+    task->device_output = DeviceRowsOf(parsed->output_shm, parsed->output_type);
+    cuda_used.push_back(parsed->output_shm.cuda);
+  }
 
   task->layer_pos = parsed->layer_pos;
   task->num_tokens = parsed->num_tokens;
@@ -262,6 +306,7 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   task->deadline = std::min(deadline, start + parsed->timeout);
   task->cancelled = std::move(cancelled);
   task->done = [this, start, tokens = parsed->num_tokens, used = std::move(used),
+                cuda_used = std::move(cuda_used),
                 done = std::move(done)](absl::Status s, const TaskTimes& times) {
     // The task holds this callback until it is destroyed, so `used` keeps the regions the
     // input and outputs point into mapped while the batcher uses them. A region its owner

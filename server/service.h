@@ -19,6 +19,7 @@
 #include "grpc_service.grpc.pb.h"
 #include "server/auth.h"
 #include "server/batcher.h"
+#include "server/cuda_shared_memory.h"
 #include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/shared_memory.h"
@@ -149,7 +150,8 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   grpc::ServerUnaryReactor* RepositoryModelUnload(
       grpc::CallbackServerContext* ctx, const inference::RepositoryModelUnloadRequest* req,
       inference::RepositoryModelUnloadResponse* resp) override;
-  // CUDA shared memory: UNIMPLEMENTED with the reason (kCudaSharedMemoryUnsupported).
+  // Triton's CUDA shared-memory extension (server/cuda_shared_memory.h): served where every
+  // worker reaches CUDA memory (ServedModel::workers_read_cuda), else UNIMPLEMENTED with why.
   grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
       grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest* req,
       inference::CudaSharedMemoryStatusResponse* resp) override;
@@ -205,6 +207,7 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   std::thread load_thread_;
   MemoryBudget budget_;
   SharedMemoryRegistry shm_;
+  CudaSharedMemoryRegistry cuda_shm_;
   // Registered calls. A recursive mutex: the reaper cancels calls while holding it, and gRPC
   // may run the cancelled call's callbacks (OnDone -> Forget) inline on the reaper's thread.
   std::recursive_mutex calls_mu_;

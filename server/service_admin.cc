@@ -200,35 +200,40 @@ grpc::ServerUnaryReactor* InferenceService::RepositoryModelUnload(
   return Reply(ctx, absl::OkStatus());
 }
 
-namespace {
-constexpr char kCudaSharedMemoryUnsupported[] =
-    " is not supported by epserve: the workers run their kernels through OpenCL and take "
-    "rows from rank 0's host memory, so a CUDA IPC handle could not be read without a copy "
-    "through the host; register system shared memory instead (SystemSharedMemoryRegister)";
-}  // namespace
-
 grpc::ServerUnaryReactor* InferenceService::CudaSharedMemoryStatus(
-    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest*,
-    inference::CudaSharedMemoryStatusResponse*) {
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest* req,
+    inference::CudaSharedMemoryStatusResponse* resp) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
-  return Reply(ctx, absl::UnimplementedError(
-                        absl::StrCat("CUDA shared memory", kCudaSharedMemoryUnsupported)));
+  absl::StatusOr<std::vector<CudaRegionStatus>> regions = cuda_shm_.Status(req->name());
+  if (!regions.ok()) return Reply(ctx, regions.status());
+  for (const CudaRegionStatus& r : *regions) {
+    auto& out = (*resp->mutable_regions())[r.name];
+    out.set_name(r.name);
+    out.set_device_id(static_cast<uint64_t>(r.device_id));
+    out.set_byte_size(r.byte_size);
+  }
+  return Reply(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* InferenceService::CudaSharedMemoryRegister(
-    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest*,
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest* req,
     inference::CudaSharedMemoryRegisterResponse*) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
-  return Reply(ctx, absl::UnimplementedError(
-                        absl::StrCat("CUDA shared memory", kCudaSharedMemoryUnsupported)));
+  // One name space for both kinds of region, as in Triton.
+  if (cuda_shm_.available() && shm_.Find(req->name()).ok()) {
+    return Reply(ctx, absl::AlreadyExistsError(
+                          absl::StrCat("a shared memory region '", Clip(req->name()),
+                                       "' is registered already (system shared memory)")));
+  }
+  return Reply(
+      ctx, cuda_shm_.Register(req->name(), req->raw_handle(), req->device_id(), req->byte_size()));
 }
 
 grpc::ServerUnaryReactor* InferenceService::CudaSharedMemoryUnregister(
-    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest*,
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest* req,
     inference::CudaSharedMemoryUnregisterResponse*) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
-  return Reply(ctx, absl::UnimplementedError(
-                        absl::StrCat("CUDA shared memory", kCudaSharedMemoryUnsupported)));
+  return Reply(ctx, cuda_shm_.Unregister(req->name()));
 }
 
 grpc::ServerUnaryReactor* InferenceService::Unimplemented(grpc::CallbackServerContext* ctx,
@@ -272,6 +277,7 @@ grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
                           "schedule_policy", "system_shared_memory"}) {
     resp->add_extensions(ext);
   }
+  if (cuda_shm_.available()) resp->add_extensions("cuda_shared_memory");
   return Reply(ctx, absl::OkStatus());
 }
 
@@ -295,6 +301,11 @@ grpc::ServerUnaryReactor* InferenceService::SystemSharedMemoryRegister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* req,
     inference::SystemSharedMemoryRegisterResponse*) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  if (cuda_shm_.Find(req->name()).ok()) {
+    return Reply(ctx, absl::AlreadyExistsError(
+                          absl::StrCat("a shared memory region '", Clip(req->name()),
+                                       "' is registered already (CUDA shared memory)")));
+  }
   return Reply(ctx, shm_.Register(req->name(), req->key(), req->offset(), req->byte_size()));
 }
 

@@ -33,13 +33,18 @@ absl::StatusOr<int64_t> NonNegativeInt(const inference::InferParameter& p, const
   return v;
 }
 
+// The registries a request's shared memory parameters are looked up in (either may be null).
+struct Registries {
+  const SharedMemoryRegistry* system = nullptr;
+  const CudaSharedMemoryRegistry* cuda = nullptr;
+};
+
 // The bytes [offset, offset + byte_size) of a registered region that the tensor `what` names
 // with Triton's shared-memory parameters; nullopt-like (region null) when it names none.
 // `bytes` is what the tensor needs: the size given must equal it (`exact`, inputs) or be at
 // least it (outputs).
 absl::StatusOr<ShmPlace> SharedMemoryPlace(const Parameters& params, const std::string& what,
-                                           int64_t bytes, bool exact,
-                                           const SharedMemoryRegistry* shm) {
+                                           int64_t bytes, bool exact, const Registries& shm) {
   auto region = params.find(kShmRegionParameter);
   if (region == params.end()) {
     for (const char* p : {kShmOffsetParameter, kShmByteSizeParameter}) {
@@ -52,7 +57,7 @@ absl::StatusOr<ShmPlace> SharedMemoryPlace(const Parameters& params, const std::
   if (region->second.parameter_choice_case() != inference::InferParameter::kStringParam) {
     return Invalid(what, ": parameter '", kShmRegionParameter, "' must be a string_param");
   }
-  if (shm == nullptr) return Invalid(what, ": shared memory is not served here");
+  if (shm.system == nullptr) return Invalid(what, ": shared memory is not served here");
   auto size_it = params.find(kShmByteSizeParameter);
   if (size_it == params.end()) {
     return Invalid(what, ": parameter '", kShmByteSizeParameter, "' is missing");
@@ -69,14 +74,28 @@ absl::StatusOr<ShmPlace> SharedMemoryPlace(const Parameters& params, const std::
     return Invalid(what, ": ", kShmByteSizeParameter, " must be ", exact ? "" : "at least ", bytes,
                    ", got ", *size);
   }
-  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> r =
-      shm->Find(region->second.string_param());
+  const std::string& name = region->second.string_param();
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> r = shm.system->Find(name);
+  if (!r.ok() && absl::IsNotFound(r.status()) && shm.cuda != nullptr) {
+    if (absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> c = shm.cuda->Find(name);
+        c.ok()) {
+      EPSERVE_RETURN_IF_ERROR(
+          (*c)->CheckSpan(static_cast<uint64_t>(offset), static_cast<uint64_t>(bytes), what));
+      ShmPlace place;
+      place.cuda = *std::move(c);
+      place.cuda_offset = static_cast<uint64_t>(offset);
+      return place;
+    }
+  }
   if (!r.ok())
     return absl::Status(r.status().code(), absl::StrCat(what, ": ", r.status().message()));
   absl::StatusOr<char*> data =
       (*r)->Span(static_cast<uint64_t>(offset), static_cast<uint64_t>(bytes), what);
   if (!data.ok()) return data.status();
-  return ShmPlace{*std::move(r), *data};
+  ShmPlace place;
+  place.region = *std::move(r);
+  place.data = *data;
+  return place;
 }
 
 // NOT_FOUND unless the request names the served model, in version "1" or none.
@@ -170,7 +189,7 @@ absl::Status ReadInputShape(const inference::ModelInferRequest& req, const Model
 // region (also out->input_region), raw_input_contents, or contents.fp32_contents (FP32 only);
 // each must hold exactly the shape's size. Runs after ReadInputShape.
 absl::Status ReadInputContents(const inference::ModelInferRequest& req, const ModelSignature& sig,
-                               const SharedMemoryRegistry* shm, ParsedInfer* out) {
+                               const Registries& shm, ParsedInfer* out) {
   const auto& input = req.inputs(0);
   const int64_t tokens = out->num_tokens;
   const int64_t elements = tokens * sig.hidden_size;
@@ -180,14 +199,15 @@ absl::Status ReadInputContents(const inference::ModelInferRequest& req, const Mo
   absl::StatusOr<ShmPlace> in_shm = SharedMemoryPlace(
       input.parameters(), absl::StrCat("input '", kInputName, "'"), bytes, true, shm);
   if (!in_shm.ok()) return in_shm.status();
-  if (in_shm->region != nullptr) {
+  if (in_shm->placed()) {
     if (has_typed || has_raw) {
       return Invalid("input '", kInputName,
                      "' is in shared memory and must not also carry contents or "
                      "raw_input_contents");
     }
-    out->input = in_shm->data;
+    out->input = in_shm->data;  // null for a CUDA region (out->input_cuda)
     out->input_region = std::move(in_shm->region);
+    if (in_shm->cuda != nullptr) out->input_cuda = *std::move(in_shm);
     return absl::OkStatus();
   }
   if (has_typed && has_raw) {
@@ -226,7 +246,7 @@ absl::Status ReadInputContents(const inference::ModelInferRequest& req, const Mo
 // The requested output topk_ids (`ids`) or topk_weights, of `bytes` bytes: named once, with
 // no parameter but its shared memory placement (out->topk_ids_shm or topk_weights_shm).
 absl::Status ReadTopkOutput(const RequestedOutput& output, bool ids, int64_t bytes,
-                            const SharedMemoryRegistry* shm, ParsedInfer* out) {
+                            const Registries& shm, ParsedInfer* out) {
   bool& want = ids ? out->want_topk_ids : out->want_topk_weights;
   if (want) return Invalid("output '", Clip(output.name()), "' requested twice");
   want = true;
@@ -240,6 +260,11 @@ absl::Status ReadTopkOutput(const RequestedOutput& output, bool ids, int64_t byt
   absl::StatusOr<ShmPlace> place = SharedMemoryPlace(
       output.parameters(), absl::StrCat("output '", output.name(), "'"), bytes, false, shm);
   if (!place.ok()) return place.status();
+  if (place->cuda != nullptr) {
+    return Invalid("output '", output.name(),
+                   "' cannot go to CUDA shared memory (only moe_output can): place it in "
+                   "system shared memory or the response");
+  }
   (ids ? out->topk_ids_shm : out->topk_weights_shm) = *std::move(place);
   return absl::OkStatus();
 }
@@ -272,7 +297,7 @@ absl::Status ReadOutputParameters(const Parameters& params, ParsedInfer* out) {
 // The requested outputs: without any the answer is moe_output; with some, exactly those
 // (Triton's rule), each named once, with its datatype and shared memory placement.
 absl::Status ReadRequestedOutputs(const inference::ModelInferRequest& req,
-                                  const ModelSignature& sig, const SharedMemoryRegistry* shm,
+                                  const ModelSignature& sig, const Registries& shm,
                                   ParsedInfer* out) {
   if (req.outputs_size() > 0) out->want_output = false;
   for (const auto& output : req.outputs()) {
@@ -307,7 +332,10 @@ absl::Status ReadRequestedOutputs(const inference::ModelInferRequest& req,
 }  // namespace
 
 absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& req,
-                                       const ModelSignature& sig, const SharedMemoryRegistry* shm) {
+                                       const ModelSignature& sig,
+                                       const SharedMemoryRegistry* system_shm,
+                                       const CudaSharedMemoryRegistry* cuda_shm) {
+  const Registries shm{system_shm, cuda_shm};
   EPSERVE_RETURN_IF_ERROR(CheckModel(req, sig));
   if (req.id().size() > kMaxRequestIdBytes) {
     return Invalid("id is ", req.id().size(), " bytes; at most ", kMaxRequestIdBytes);

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpc_service.pb.h"
+#include "server/cuda_shared_memory.h"
 #include "server/dtype.h"
 #include "server/served_model.h"
 #include "server/shared_memory.h"
@@ -72,6 +73,11 @@ inline constexpr char kShmByteSizeParameter[] = "shared_memory_byte_size";
 struct ShmPlace {
   std::shared_ptr<const SharedMemoryRegion> region;
   char* data = nullptr;
+  // Or a CUDA region (server/cuda_shared_memory.h), at byte cuda_offset: no host address.
+  std::shared_ptr<const CudaSharedMemoryRegion> cuda;
+  uint64_t cuda_offset = 0;
+
+  bool placed() const { return region != nullptr || cuda != nullptr; }
 };
 
 // A validated request. `input` points into the request (raw or typed contents) or into a
@@ -93,7 +99,8 @@ struct ParsedInfer {
   bool want_topk_ids = false;
   bool want_topk_weights = false;
   std::shared_ptr<const SharedMemoryRegion> input_region;  // set when the input is in one
-  // Set (region non-null) for each output the request placed in shared memory.
+  ShmPlace input_cuda;  // cuda set when the input is in CUDA shared memory (input null)
+  // Set (placed()) for each output the request placed in shared memory.
   ShmPlace output_shm, topk_ids_shm, topk_weights_shm;
 };
 
@@ -101,10 +108,12 @@ struct ParsedInfer {
 // `timeout` parameters, exactly one input named hidden_states, datatype FP32, BF16 or FP16,
 // shape [T, H] with 1 <= T <= max_request_tokens, contents (raw, or fp32_contents for FP32;
 // not both; sizes matching the shape; or a shared memory region, offset and size, looked up
-// in `shm`, which may be null: no shared memory), requested outputs, their datatype and
-// shared memory placement.
+// in `shm`, which may be null: no shared memory, then in `cuda_shm` where it is not null),
+// requested outputs, their datatype and shared memory placement (topk outputs not in CUDA
+// shared memory).
 absl::StatusOr<ParsedInfer> ParseInfer(const inference::ModelInferRequest& request,
                                        const ModelSignature& signature,
-                                       const SharedMemoryRegistry* shm = nullptr);
+                                       const SharedMemoryRegistry* shm = nullptr,
+                                       const CudaSharedMemoryRegistry* cuda_shm = nullptr);
 
 }  // namespace epserve::server

@@ -1,6 +1,5 @@
 #include "shmem/peer_memory.h"
 
-#include <dlfcn.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -15,14 +14,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-
-// Set by shmem/CMakeLists.txt where the CUDA toolkit's cuda.h is found.
-#ifndef EPSERVE_HAVE_CUDA_DRIVER_API
-#define EPSERVE_HAVE_CUDA_DRIVER_API 0
-#endif
-#if EPSERVE_HAVE_CUDA_DRIVER_API
-#include <cuda.h>
-#endif
 
 namespace epserve::shmem {
 namespace {
@@ -95,126 +86,8 @@ const char* PeerMemoryKindName(PeerMemoryKind kind) {
 }
 
 bool PeerMemoryKindBuilt(PeerMemoryKind kind) {
-  return kind == PeerMemoryKind::kHost || EPSERVE_HAVE_CUDA_DRIVER_API;
+  return kind == PeerMemoryKind::kHost || CudaDevice::Built();
 }
-
-// ---- the CUDA driver, loaded at run time ----
-
-#if EPSERVE_HAVE_CUDA_DRIVER_API
-struct PeerMemory::Cuda {
-#define EPSERVE_CUDA_STR2(x) #x
-#define EPSERVE_CUDA_STR(x) EPSERVE_CUDA_STR2(x)
-#define EPSERVE_CUDA_FN(fn) decltype(&::fn) fn = nullptr;
-  EPSERVE_CUDA_FN(cuInit)
-  EPSERVE_CUDA_FN(cuGetErrorName)
-  EPSERVE_CUDA_FN(cuDeviceGetCount)
-  EPSERVE_CUDA_FN(cuDeviceGet)
-  EPSERVE_CUDA_FN(cuDeviceGetUuid)
-  EPSERVE_CUDA_FN(cuDevicePrimaryCtxRetain)
-  EPSERVE_CUDA_FN(cuDevicePrimaryCtxRelease)
-  EPSERVE_CUDA_FN(cuCtxSetCurrent)
-  EPSERVE_CUDA_FN(cuMemGetAllocationGranularity)
-  EPSERVE_CUDA_FN(cuMemCreate)
-  EPSERVE_CUDA_FN(cuMemExportToShareableHandle)
-  EPSERVE_CUDA_FN(cuMemRelease)
-#undef EPSERVE_CUDA_FN
-  void* lib = nullptr;
-  CUdevice device = 0;
-  CUcontext context = nullptr;
-  std::vector<CUmemGenericAllocationHandle> handles;
-
-  ~Cuda() {
-    if (cuMemRelease != nullptr) {
-      for (CUmemGenericAllocationHandle h : handles) cuMemRelease(h);
-    }
-    if (context != nullptr) cuDevicePrimaryCtxRelease(device);
-    // libcuda stays loaded: drivers do not expect to be unloaded while the process runs.
-  }
-
-  absl::Status Check(CUresult r, const char* call) const {
-    if (r == CUDA_SUCCESS) return absl::OkStatus();
-    const char* name = nullptr;
-    if (cuGetErrorName != nullptr) cuGetErrorName(r, &name);
-    return absl::FailedPreconditionError(
-        absl::StrCat(call, " failed: ", name != nullptr ? name : "CUDA error ", int{r}));
-  }
-
-  absl::Status Load() {
-    lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the CUDA driver (libcuda.so.1) could not be loaded: ", dlerror()));
-    }
-#define EPSERVE_CUDA_LOAD(fn)                                                                 \
-  fn = reinterpret_cast<decltype(fn)>(dlsym(lib, EPSERVE_CUDA_STR(fn)));                      \
-  if (fn == nullptr) {                                                                        \
-    return absl::FailedPreconditionError(                                                     \
-        absl::StrCat("the CUDA driver has no ", EPSERVE_CUDA_STR(fn), " (too old for VMM)")); \
-  }
-    EPSERVE_CUDA_LOAD(cuInit)
-    EPSERVE_CUDA_LOAD(cuGetErrorName)
-    EPSERVE_CUDA_LOAD(cuDeviceGetCount)
-    EPSERVE_CUDA_LOAD(cuDeviceGet)
-    EPSERVE_CUDA_LOAD(cuDeviceGetUuid)
-    EPSERVE_CUDA_LOAD(cuDevicePrimaryCtxRetain)
-    EPSERVE_CUDA_LOAD(cuDevicePrimaryCtxRelease)
-    EPSERVE_CUDA_LOAD(cuCtxSetCurrent)
-    EPSERVE_CUDA_LOAD(cuMemGetAllocationGranularity)
-    EPSERVE_CUDA_LOAD(cuMemCreate)
-    EPSERVE_CUDA_LOAD(cuMemExportToShareableHandle)
-    EPSERVE_CUDA_LOAD(cuMemRelease)
-#undef EPSERVE_CUDA_LOAD
-    return absl::OkStatus();
-  }
-
-  // The CUDA device with this UUID, its primary context current.
-  absl::Status OpenDevice(absl::string_view uuid) {
-    EPSERVE_RETURN_IF_ERROR(Check(cuInit(0), "cuInit"));
-    int count = 0;
-    EPSERVE_RETURN_IF_ERROR(Check(cuDeviceGetCount(&count), "cuDeviceGetCount"));
-    for (int i = 0; i < count; ++i) {
-      CUdevice d = 0;
-      CUuuid id = {};
-      EPSERVE_RETURN_IF_ERROR(Check(cuDeviceGet(&d, i), "cuDeviceGet"));
-      EPSERVE_RETURN_IF_ERROR(Check(cuDeviceGetUuid(&id, d), "cuDeviceGetUuid"));
-      if (uuid.size() != sizeof(id.bytes) || std::memcmp(id.bytes, uuid.data(), uuid.size()) != 0) {
-        continue;
-      }
-      device = d;
-      EPSERVE_RETURN_IF_ERROR(
-          Check(cuDevicePrimaryCtxRetain(&context, d), "cuDevicePrimaryCtxRetain"));
-      return Check(cuCtxSetCurrent(context), "cuCtxSetCurrent");
-    }
-    return absl::FailedPreconditionError(
-        absl::StrCat("none of the ", count, " CUDA devices has the OpenCL device's UUID"));
-  }
-
-  // One allocation of at least `bytes` on the device, exported as a descriptor.
-  absl::StatusOr<int> Make(size_t* bytes) {
-    CUmemAllocationProp prop = {};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    size_t granularity = 0;
-    EPSERVE_RETURN_IF_ERROR(Check(
-        cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-        "cuMemGetAllocationGranularity"));
-    granularity = std::max<size_t>(granularity, 1);
-    *bytes = (*bytes + granularity - 1) / granularity * granularity;
-    CUmemGenericAllocationHandle handle = 0;
-    EPSERVE_RETURN_IF_ERROR(Check(cuMemCreate(&handle, *bytes, &prop, 0), "cuMemCreate"));
-    handles.push_back(handle);
-    int fd = -1;
-    EPSERVE_RETURN_IF_ERROR(Check(
-        cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-        "cuMemExportToShareableHandle"));
-    return fd;
-  }
-};
-#else
-struct PeerMemory::Cuda {};
-#endif
 
 // ---- PeerMemory ----
 
@@ -240,19 +113,18 @@ absl::Status PeerMemory::MakeOwnPieces(int me, absl::string_view cuda_uuid) {
     }
     return absl::OkStatus();
   }
-#if EPSERVE_HAVE_CUDA_DRIVER_API
-  cuda_ = std::make_unique<Cuda>();
-  EPSERVE_RETURN_IF_ERROR(cuda_->Load());
-  EPSERVE_RETURN_IF_ERROR(cuda_->OpenDevice(cuda_uuid));
+  if (!CudaDevice::Built()) {
+    return absl::UnimplementedError(
+        "this build has no CUDA device memory (built without the CUDA toolkit's cuda.h)");
+  }
+  EPSERVE_ASSIGN_OR_RETURN(cuda_, CudaDevice::ByUuid(cuda_uuid));
   for (size_t p = 0; p < bytes_.size(); ++p) {
-    EPSERVE_ASSIGN_OR_RETURN(fds_[Index(me, static_cast<int>(p))], cuda_->Make(&bytes_[p]));
+    // The descriptor is the device object's: this member's entry is a duplicate of its own.
+    EPSERVE_ASSIGN_OR_RETURN(const int fd, cuda_->MakeExportable(&bytes_[p], /*map=*/false));
+    fds_[Index(me, static_cast<int>(p))] = dup(fd);
+    if (fds_[Index(me, static_cast<int>(p))] < 0) return absl::InternalError(Errno("dup"));
   }
   return absl::OkStatus();
-#else
-  (void)cuda_uuid;
-  return absl::UnimplementedError(
-      "this build has no CUDA device memory (built without the CUDA toolkit's cuda.h)");
-#endif
 }
 
 absl::Status PeerMemory::Decline(const PeerGroup& group) {

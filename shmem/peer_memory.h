@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "shmem/cuda_device.h"
 #include "shmem/heap.h"
 
 namespace epserve::shmem {
@@ -94,10 +95,9 @@ class PeerMemory {
   PeerMemoryKind kind_ = PeerMemoryKind::kHost;
   int members_ = 0;
   std::vector<size_t> bytes_;
-  std::vector<int> fds_;     // [member][piece]
-  std::vector<void*> maps_;  // kHost: [member][piece]
-  struct Cuda;               // kCuda: the driver, the context and this member's allocations
-  std::unique_ptr<Cuda> cuda_;
+  std::vector<int> fds_;              // [member][piece]
+  std::vector<void*> maps_;           // kHost: [member][piece]
+  std::unique_ptr<CudaDevice> cuda_;  // kCuda: the device and this member's allocations
 };
 
 }  // namespace epserve::shmem

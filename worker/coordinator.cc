@@ -48,10 +48,21 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   }
   const ExchangeShape& shape = regions_.plan.shape();
   int64_t total = 0;
-  for (const RowChunk& c : chunks) total += c.rows;
+  bool device_rows = false;
+  for (const RowChunk& c : chunks) {
+    total += c.rows;
+    device_rows = device_rows || c.device_input.valid() || c.device_output.valid();
+  }
   if (total < 1 || total > shape.max_batch_tokens) {
     return absl::InternalError(
         absl::StrCat("batch of ", total, " rows outside [1, ", shape.max_batch_tokens, "]"));
+  }
+  // Refused before any worker sees it: one worker failing alone would leave its peers
+  // waiting for it in the exchange.
+  if (device_rows && !workers_read_cuda_) {
+    return absl::FailedPreconditionError(
+        "rows in CUDA shared memory, which not every worker can reach (their devices are not "
+        "CUDA GPUs)");
   }
   if (flight_.size() >= HeapRegions::kSlots) {
     return absl::FailedPreconditionError(
@@ -77,8 +88,11 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   const bool busy = std::any_of(flight_.begin(), flight_.end(), [](const InFlight& f) {
     return f.state != InFlight::State::kDone;
   });
-  if (busy && !b.slices) {
-    // The workers may upload these rows while they compute the batch before.
+  const bool device_input = std::any_of(b.chunks.begin(), b.chunks.end(),
+                                        [](const RowChunk& c) { return c.device_input.valid(); });
+  if (busy && !b.slices && !device_input) {
+    // The workers may upload these rows while they compute the batch before (not where some
+    // are in CUDA memory: the workers take only the others from the heap).
     b.copy_id = ++copies_announced_;
     if (absl::Status s = AnnounceRows(b.total, b.live, b.slot, b.copy_id); !s.ok()) {
       return Fail(s.ToString());
@@ -286,10 +300,16 @@ void Coordinator::Slice(std::span<const RowChunk> chunks, int64_t begin, int64_t
       const int64_t skip = from - at;
       RowChunk part = c;
       part.rows = to - from;
-      part.input =
-          static_cast<const char*>(c.input) + skip * hidden * common::ElementBytes(c.input_type);
-      part.output =
-          static_cast<char*>(c.output) + skip * hidden * common::ElementBytes(c.output_type);
+      if (c.input != nullptr) {
+        part.input =
+            static_cast<const char*>(c.input) + skip * hidden * common::ElementBytes(c.input_type);
+      }
+      if (c.output != nullptr) {
+        part.output =
+            static_cast<char*>(c.output) + skip * hidden * common::ElementBytes(c.output_type);
+      }
+      if (c.device_input.valid()) part.device_input = c.device_input.Advanced(skip, hidden);
+      if (c.device_output.valid()) part.device_output = c.device_output.Advanced(skip, hidden);
       if (part.topk_ids != nullptr) part.topk_ids += skip * k;
       if (part.topk_weights != nullptr) part.topk_weights += skip * k;
       out.push_back(part);
@@ -352,6 +372,8 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
   // is load/store (shm), the copies (converting to FP32 on the way) run on copy_threads_
   // threads; else as Puts, of rows converted here first where they are not FP32.
   copies_.clear();
+  for (std::vector<DeviceRowSegment>& t : device_rows_) t.clear();
+  device_rows_.resize(num_workers);
   bool direct = true;
   int64_t row = 0;
   int w = 0;
@@ -362,6 +384,17 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
       const int64_t begin = RowSplit(total, w, num_workers, live);
       const int64_t end = RowSplit(total, w + 1, num_workers, live);
       const int64_t take = std::min(c.rows - done, end - row);
+      if (c.device_output.valid()) {
+        device_rows_[w].push_back(
+            {row - begin, take, 1, 0, c.device_output.Advanced(done, shape.hidden)});
+      }
+      if (c.device_input.valid()) {  // the worker reads these rows itself
+        device_rows_[w].push_back(
+            {row - begin, take, 0, 0, c.device_input.Advanced(done, shape.hidden)});
+        row += take;
+        done += take;
+        continue;
+      }
       const size_t offset = regions_.Input(slot) + (row - begin) * row_bytes;
       const char* src = static_cast<const char*>(c.input) + done * src_row_bytes;
       const size_t count = static_cast<size_t>(take * shape.hidden);
@@ -386,6 +419,24 @@ absl::Status Coordinator::Scatter(std::span<const RowChunk> chunks, int64_t tota
     }
   }
   common::ParallelConvert(copy_threads_, copies_);
+  return PutDeviceRowTables(live, slot);
+}
+
+absl::Status Coordinator::PutDeviceRowTables(const WorkerSet& live, int slot) {
+  for (int w = 0; w < regions_.plan.shape().num_workers; ++w) {
+    if (!live.Has(w)) continue;
+    const std::vector<DeviceRowSegment>& segments = device_rows_[w];
+    const int64_t header[2] = {static_cast<int64_t>(segments.size()), 0};
+    const size_t at = regions_.DeviceRowTables(slot);
+    EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), at, header, sizeof(header)));
+    if (!segments.empty()) {
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), at + offsetof(DeviceRowTable, segments),
+                                        segments.data(),
+                                        segments.size() * sizeof(DeviceRowSegment)));
+    }
+    // The Puts read `header` and device_rows_, which the next Scatter reuses.
+    EPSERVE_RETURN_IF_ERROR(heap_.Flush(RankOfWorker(w)));
+  }
   return absl::OkStatus();
 }
 
@@ -459,8 +510,10 @@ void Coordinator::Gather(std::span<const RowChunk> chunks, int slot) {
   const float* weights = heap_.LocalAs<float>(regions_.TopkWeights(slot));
   copies_.clear();
   for (const RowChunk& c : chunks) {
-    copies_.push_back({c.output, c.output_type, out, common::ElementType::kFp32,
-                       static_cast<size_t>(c.rows * shape.hidden)});
+    if (!c.device_output.valid()) {  // else the workers wrote the rows into the client's memory
+      copies_.push_back({c.output, c.output_type, out, common::ElementType::kFp32,
+                         static_cast<size_t>(c.rows * shape.hidden)});
+    }
     out += c.rows * shape.hidden;
     if (c.topk_ids != nullptr) std::memcpy(c.topk_ids, ids, c.rows * k * sizeof(int32_t));
     if (c.topk_weights != nullptr) std::memcpy(c.topk_weights, weights, c.rows * k * sizeof(float));

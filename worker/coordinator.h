@@ -52,6 +52,10 @@ struct RowChunk {
   float* topk_weights = nullptr;
   common::ElementType input_type = common::ElementType::kFp32;   // FP32, BF16 or FP16
   common::ElementType output_type = common::ElementType::kFp32;  // FP32, BF16 or FP16
+  // Rows in a client's CUDA memory instead (input null, or output null): the workers read
+  // them from it, or write them into it, device to device; rank 0 never holds them. Their
+  // element types are these' own (input_type and output_type are not used for them).
+  DeviceRows device_input{}, device_output{};
 
   // The rows as FP32, for those whose types are FP32 (an executor that takes no other).
   const float* fp32_input() const { return static_cast<const float*>(input); }
@@ -77,6 +81,10 @@ class Coordinator {
   // host) it then watches each worker's process (a pidfd per worker, from the pid it stored
   // in the heap) for the rest of the job: see "A worker's death" below.
   absl::Status WaitForWorkers(absl::Time deadline);
+  // Once WaitForWorkers returned: whether every worker can read and write rows in clients'
+  // CUDA memory (RowChunk::device_input / device_output), i.e. runs on a CUDA GPU with the
+  // driver API (a worker's ready word says so: kReadyReadsCuda).
+  bool workers_read_cuda() const { return workers_read_cuda_; }
 
   // ---- A worker's death (shm heap; launched with `mpirun --enable-recovery`, so that the
   // MPI job outlives a rank) ----
@@ -238,6 +246,8 @@ class Coordinator {
   // the output rows and their routing out of rank 0's segment into `chunks`.
   absl::Status Scatter(std::span<const RowChunk> chunks, int64_t total, const WorkerSet& live,
                        int slot);
+  // Scatter's last step: each live worker's DeviceRowTable of slot `slot` (device_rows_).
+  absl::Status PutDeviceRowTables(const WorkerSet& live, int slot);
   absl::Status FailBatch(const absl::Status& wait, const WorkerSet& posted);
   absl::Status CollectReports(BatchTrace& trace, const WorkerSet& posted);
   // Rows [begin, begin + rows) of the batch `chunks`, as chunks of their own, into `out`.
@@ -266,8 +276,10 @@ class Coordinator {
   const HeapRegions regions_;
   std::vector<ExpertPlacement> placements_;
   int copy_threads_ = 1;
-  std::vector<common::ConvertJob> copies_;          // Scatter's and Gather's, reused
-  std::vector<float> put_rows_;                     // Scatter's converted rows for a Put
+  std::vector<common::ConvertJob> copies_;                  // Scatter's and Gather's, reused
+  std::vector<float> put_rows_;                             // Scatter's converted rows for a Put
+  std::vector<std::vector<DeviceRowSegment>> device_rows_;  // Scatter's, per worker, reused
+  bool workers_read_cuda_ = false;                          // WaitForWorkers's finding
   std::vector<ExpertPlacement> staged_placements_;  // of the stage under way, if it brings any
   // The live set batches run over, and placements_ OnlyOn it (empty while all live).
   WorkerSet serving_live_;

@@ -19,6 +19,7 @@
 // payloads, and a batch that fits one pass; others take the heap exchange.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -77,6 +78,12 @@ class DeviceExchange final : public DeviceMover {
   size_t bytes_sent_to_peers() const { return bytes_sent_to_peers_; }
   size_t bytes_returned_to_peers() const { return bytes_returned_to_peers_; }
 
+  // How Sum hands over the owner's output rows (the device buffer, [n][H] FP32, and y): the
+  // worker's own delivery (some rows may go to clients' CUDA memory); unset: all into y.
+  void set_deliver(std::function<absl::Status(const kernels::Buffer&, float*)> deliver) {
+    deliver_ = std::move(deliver);
+  }
+
   // Runs CopyRows once (one row into this worker's own receive rows), so that its build is
   // not paid by the first batch.
   absl::Status WarmUp();
@@ -100,6 +107,7 @@ class DeviceExchange final : public DeviceMover {
   absl::Status RunMoves(bool round_bf16);
 
   kernels::Runtime& rt_;
+  std::function<absl::Status(const kernels::Buffer&, float*)> deliver_;
   const HeapRegions& regions_;
   const int me_;
   const Own own_;

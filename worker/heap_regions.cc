@@ -45,6 +45,7 @@ absl::Status Reserve(const ExchangePlan& plan, HeapRegions& l, Alloc alloc) {
       {&l.rows_ahead, 2 * sizeof(RowsAhead), 64},
       {&l.rows_ahead_seq, sig, 64},
       {&l.input, slots * rows_per_worker * row_bytes, 4096},
+      {&l.device_rows, slots * DeviceRowTable::BytesFor(plan.max_rows_per_worker()), 64},
       {&l.output, slots * static_cast<size_t>(s.max_batch_tokens) * row_bytes, 4096},
       {&l.topk_ids, slots * static_cast<size_t>(s.max_batch_tokens * s.top_k) * sizeof(int32_t),
        64},

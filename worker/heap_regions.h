@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "shmem/heap.h"
+#include "worker/device_rows.h"
 #include "worker/exchange.h"
 #include "worker/payload.h"
 
@@ -109,7 +110,9 @@ struct HeapRegions {
   size_t descriptor;  // BatchDescriptor
   size_t control;     // ControlMessage (kStage)
   // worker -> rank 0 (meaningful on rank 0's segment)
-  size_t ready;          // uint64[W]: worker w stored 1 once its weights are loaded
+  // uint64[W]: worker w stored kReady once its weights are loaded, with kReadyReadsCuda set
+  // where it reads and writes rows in clients' CUDA memory (worker/cuda_rows.h)
+  size_t ready;
   size_t done_seq;       // uint64[W] signals, 64 bytes apart
   size_t reports;        // WorkerReport[W]
   size_t expert_tokens;  // int64[W][E]: pairs per expert each worker computed in the last batch
@@ -137,7 +140,10 @@ struct HeapRegions {
   size_t rows_ahead_seq;
   // data, kSlots of each (Input(slot) and so on): two batches in flight, one being computed
   // while rank 0 copies the next one's rows in and the last one's output out
-  size_t input;         // float[max_rows_per_worker][H] (worker segments), written by rank 0
+  size_t input;  // float[max_rows_per_worker][H] (worker segments), written by rank 0
+  // DeviceRowTable (worker segments), written by rank 0 with the input slot's rows: which of
+  // them come from, and go to, clients' CUDA memory (worker/device_rows.h)
+  size_t device_rows;
   size_t output;        // float[max_batch_tokens][H] (rank 0's segment), written by owners
   size_t topk_ids;      // int32[max_batch_tokens][k] (rank 0's segment): the routing, by owners
   size_t topk_weights;  // float[max_batch_tokens][k] (rank 0's segment)
@@ -151,6 +157,7 @@ struct HeapRegions {
   // Bytes per rank the regions need, for sizing the heap.
   static size_t BytesNeeded(const ExchangePlan& plan);
 
+  static constexpr uint64_t kReady = 1, kReadyReadsCuda = 2;
   static constexpr int kSlots = 2;
   // Bytes of one slot of a worker's `input` region.
   size_t InputBytes() const {
@@ -158,6 +165,10 @@ struct HeapRegions {
   }
   // The regions of slot `slot` (0 <= slot < kSlots).
   size_t Input(int slot) const { return input + static_cast<size_t>(slot) * InputBytes(); }
+  size_t DeviceRowTables(int slot) const {
+    return device_rows +
+           static_cast<size_t>(slot) * DeviceRowTable::BytesFor(plan.max_rows_per_worker());
+  }
   size_t Output(int slot) const {
     return output + static_cast<size_t>(slot) * BatchRows() * plan.shape().hidden * sizeof(float);
   }

@@ -67,6 +67,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   w->rt_ = *std::move(rt);
   EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source, w->placements_));
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
+  EPSERVE_RETURN_IF_ERROR(w->StartCudaRows());
   EPSERVE_RETURN_IF_ERROR(w->StartDeviceExchange());
   const absl::Time warm_start = absl::Now();
   EPSERVE_RETURN_IF_ERROR(w->WarmUp());
@@ -212,7 +213,9 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
                         : nullptr);
   EPSERVE_RETURN_IF_ERROR(
       heap_.SignalSet(0, HeapRegions::Signal(regions_.pids, me_), static_cast<uint64_t>(getpid())));
-  EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(0, HeapRegions::Signal(regions_.ready, me_), 1));
+  EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(
+      0, HeapRegions::Signal(regions_.ready, me_),
+      HeapRegions::kReady | (cuda_rows_ != nullptr ? HeapRegions::kReadyReadsCuda : 0)));
   // The uploader, from now until Serve returns.
   std::atomic<bool> uploader_stop{false};
   std::thread uploader;
@@ -292,10 +295,11 @@ void Worker::RunPosted(uint64_t seq, const BatchDescriptor& desc, WorkerReport& 
 
 // The route stage (n > 0 rows): this worker's rows through the router; the routing goes to
 // rank 0 too (outputs topk_ids, topk_weights).
-absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, const float* x_in) {
+absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, float* x_in) {
   const int k = cfg_.top_k;
   const int64_t n = desc.num_rows;
   EPSERVE_RETURN_IF_ERROR(RowsOnDevice(desc, x_in));
+  EPSERVE_RETURN_IF_ERROR(DeviceRowsIn(desc, x_in));
   EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, n, ids_, weights_));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
@@ -405,7 +409,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   }
   const Layer& layer = layers_[desc.layer_pos];
   const absl::Time deadline = absl::FromUnixMicros(desc.deadline_unix_us);
-  const float* x_in = heap_.LocalAs<float>(regions_.Input(desc.slot));
+  cuda_rows_error_ = absl::OkStatus();
+  float* x_in = heap_.LocalAs<float>(regions_.Input(desc.slot));
   ++batches_served_;
 
   absl::Time t0 = absl::Now();
@@ -447,14 +452,21 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
     DeviceExchange* mover = device_exchange_ != nullptr && device_exchange_->Serves(desc)
                                 ? device_exchange_.get()
                                 : nullptr;
+    if (mover != nullptr) {
+      device_exchange_->set_deliver([this, desc](const kernels::Buffer& out, float* rows) {
+        return DeliverRows(desc, out, rows);
+      });
+    }
     EPSERVE_RETURN_IF_ERROR(exchange_->Run(x_in, n, ids_host_.data(), weights_host_.data(), y,
                                            owner_shared, experts, deadline, &stats, shared, mover));
+    if (mover == nullptr && n > 0) EPSERVE_RETURN_IF_ERROR(DeliverHostRows(desc, y));
   }
   if (y == y_host_.data() && n > 0) {
     EPSERVE_RETURN_IF_ERROR(
         heap_.Put(0, regions_.Output(desc.slot) + static_cast<size_t>(desc.row_start) * row_bytes,
                   y, n * row_bytes));
   }
+  if (!cuda_rows_error_.ok()) return std::exchange(cuda_rows_error_, absl::OkStatus());
   EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(*placement, stats));
   report.stage_ns[kLayout] = stats.layout_ns;
   report.stage_ns[kDispatch] = stats.dispatch_ns;

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -18,6 +19,7 @@
 #include "kernels/runtime.h"
 #include "model/weights.h"
 #include "shmem/heap.h"
+#include "worker/cuda_rows.h"
 #include "worker/device_exchange.h"
 #include "worker/exchange.h"
 #include "worker/heap_regions.h"
@@ -25,6 +27,11 @@
 #include "worker/worker_options.h"
 
 namespace epserve::worker {
+
+// The runs [begin, end) of rows 0..n that `table` (null: none) does not place in CUDA memory,
+// for its input (output false) or output segments: the rows that travel through the heap.
+std::vector<std::pair<int64_t, int64_t>> HostRowRanges(const DeviceRowTable* table, int64_t n,
+                                                       bool output);
 
 class Worker {
  public:
@@ -110,7 +117,7 @@ class Worker {
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
   // RunBatch's parts: the route stage, the expert step the exchange calls, and the expert
   // load report to rank 0.
-  absl::Status Route(const Layer& layer, const BatchDescriptor& desc, const float* x_in);
+  absl::Status Route(const Layer& layer, const BatchDescriptor& desc, float* x_in);
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
                           float* pair_out, float* row_out);
   absl::Status PublishExpertLoad(const ExpertPlacement& placement, const ExchangeStats& stats);
@@ -137,6 +144,21 @@ class Worker {
   absl::StatusOr<const ExpertPlacement*> PlacementFor(const BatchDescriptor& desc,
                                                       const Layer& layer);
   absl::Status AllocateBuffers();
+  // ---- rows in clients' CUDA memory (worker_cuda_rows.cc) ----
+  // cuda_rows_ where the device can reach CUDA memory, else why not in cuda_rows_why_.
+  absl::Status StartCudaRows();
+  // Batch `desc`'s DeviceRowTable, or null when none of its rows is in CUDA memory;
+  // FAILED_PRECONDITION where some are and this worker cannot reach them.
+  absl::StatusOr<const DeviceRowTable*> DeviceRowsOf(const BatchDescriptor& desc) const;
+  // After the rows rank 0 copied are in x_local_: the rows in clients' memory into x_local_
+  // (and into x_in, the input slot, where the exchange sends from the host).
+  absl::Status DeviceRowsIn(const BatchDescriptor& desc, float* x_in);
+  // The batch's output rows from the device buffer `out` ([n][H] FP32): into y (rank 0's
+  // segment) for rows rank 0 answers, into the clients' memory for the others.
+  absl::Status DeliverRows(const BatchDescriptor& desc, const kernels::Buffer& out, float* y);
+  // The same where the output rows were summed on the host into y: the rows that go to
+  // clients' memory from there.
+  absl::Status DeliverHostRows(const BatchDescriptor& desc, const float* y);
   // The device exchange, as options_.device_exchange says (device_exchange_, or why not in
   // exchange_path_).
   absl::Status StartDeviceExchange();
@@ -170,6 +192,11 @@ class Worker {
   int me_ = 0;    // worker index
   int rank_ = 0;  // heap rank, RankOfWorker(me_)
   std::unique_ptr<kernels::Runtime> rt_;
+  std::unique_ptr<CudaRows> cuda_rows_;  // null: no CUDA memory reachable (cuda_rows_why_)
+  std::string cuda_rows_why_;
+  // The first error reading or writing clients' CUDA memory in the running batch, returned
+  // once the batch has run its exchange (RunBatch).
+  absl::Status cuda_rows_error_;
   std::vector<Layer> layers_;
   // A weight swap's new layers: loaded by loader_ (which alone touches staged_ while it
   // runs), made serving by kSwitch.

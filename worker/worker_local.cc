@@ -96,8 +96,7 @@ absl::Status Worker::RunLocal(const Layer& layer, const ExpertPlacement& placeme
   EPSERVE_RETURN_IF_ERROR(
       kernels::SumPairRows(*rt_, y_, ids_, weights_, n, k, hidden, &shared_y_, start,
                            plan.combine_dtype() == common::ElementType::kBf16, shared_y_));
-  EPSERVE_RETURN_IF_ERROR(
-      rt_->Read(shared_y_, 0, y, static_cast<size_t>(n * hidden) * sizeof(float)));
+  EPSERVE_RETURN_IF_ERROR(DeliverRows(desc, shared_y_, y));
   stats.combine_ns = NanosSince(t0);
   return absl::OkStatus();
 }

@@ -6,7 +6,7 @@ GPU workers with every answer checked against the reference, the exchange alone 
 GPUs against a device-to-device copy (bench_device_exchange), and the service sweep over
 request sizes, clients and wire dtypes with the stage breakdown, beside the in-process layer
 with host copies. Writes the table into BENCHMARKS.md (between the gpu-bench markers) and
-prints it. --parts picks some of tests,ffn,layer,decode,e2e,exchange,sweep.
+prints it. --parts picks some of tests,ffn,layer,decode,e2e,exchange,sweep,cudashm.
 
     python3 bench/gpu/run_gpu_bench.py --build build [--markdown BENCHMARKS.md]
         [--json results.json] [--quick]
@@ -361,6 +361,62 @@ def service_latency(build, env, model, workers, tokens, device="gpu"):
     return rows
 
 
+def cudashm_part(build, env, gpus, tokens=4096):
+    """KServe CUDA shared memory: tests/e2e/cuda_shm_test.py (the unmodified tritonclient) with
+    one GPU worker and, where there are two GPUs, two; then qwen1.5-moe-a2.7b BF16 at `tokens`
+    tokens a request through the service with CUDA shared-memory clients
+    (cuda_shm_bench.py) and with system shared memory (epserve-load), beside the resident
+    in-process layer summed over the workers' GPUs, all in this call."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    result = {"tests": [], "service": []}
+    counts = (1, 2) if gpus >= 2 else (1,)
+    for workers in counts:
+        tenv = dict(env, EPSERVE_BINARY=os.path.join(build, "server", "epserve"),
+                    EPSERVE_MPIEXEC="mpirun", EPSERVE_GPU_WORKERS=str(workers),
+                    PYTHONPATH=os.pathsep.join(
+                        [os.path.join(root, "client", "python"),
+                         os.path.join(root, "tests", "e2e"), env.get("PYTHONPATH", "")]))
+        r = run([sys.executable, os.path.join(root, "tests", "e2e", "cuda_shm_test.py")], tenv,
+                timeout=900, check=False)
+        result["tests"].append({"workers": workers, "exit": r.returncode,
+                                "tail": (r.stdout + r.stderr)[-4000:]})
+        log(f"  cuda_shm_test, {workers} worker(s): exit {r.returncode}")
+        log((r.stdout + r.stderr)[-2500:])
+    runs, _ = inprocess_runs(build, env, "qwen1.5-moe-a2.7b", [tokens])
+    resident = min(v["resident_median_ms"] for v in runs.values())
+    result["resident_ms"] = resident
+    model = "synthetic:qwen1.5-moe-a2.7b"
+    for workers in counts:
+        bound = workers * tokens / resident * 1e3  # tokens/s of the resident layer, each GPU
+        with served(build, env, model, workers) as (address, _):
+            r = run([sys.executable, os.path.join(here, "cuda_shm_bench.py"),
+                     f"--address={address}", "--hidden=2048", f"--tokens={tokens}",
+                     "--concurrency=2,4", "--duration=5"], env, timeout=300, check=False)
+            if r.returncode != 0:
+                log(f"  cuda_shm_bench.py exit {r.returncode}:\n{r.stdout[-2000:]}\n"
+                    f"{r.stderr[-3000:]}")
+            rows = [dict(x, path="cuda shm") for x in json_lines(r.stdout)]
+            load = os.path.join(build, "client", "epserve-load")
+            r = run([load, f"--target={address}", f"--tokens={tokens}", "--dtype=BF16",
+                     "--concurrency=2,4", "--duration=5s", "--warmup=1s",
+                     "--shared-memory=true", "--json", "--progress=off"], env, timeout=300,
+                    check=False)
+            for step in json_lines(r.stdout):
+                lat = step.get("latency_ms") or {}
+                rows.append({"path": "system shm", "concurrency": step.get("concurrency"),
+                             "tokens_per_s": step.get("tokens_per_s"), "p50_ms": lat.get("p50"),
+                             "p99_ms": lat.get("p99")})
+        for x in rows:
+            x.update(workers=workers, resident_tokens_per_s=bound,
+                     over_resident=(x.get("tokens_per_s") or 0) / bound)
+            log(f"  {workers} worker(s), {x['path']}, concurrency {x.get('concurrency')}: "
+                f"{x.get('tokens_per_s') or 0:.0f} tokens/s = {x['over_resident']:.2f}x the "
+                f"resident layer ({bound:.0f}), p50 {x.get('p50_ms')}")
+        result["service"] += rows
+    return result
+
+
 def nccl_all_to_all(env, gpus, byte_counts):
     """NCCL's all-to-all of each byte count per rank to its peers (torch_baselines.py under
     torchrun, one process per GPU): {bytes: figures}."""
@@ -609,7 +665,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--decode-tokens", default="1,16,128,512")
     ap.add_argument("--parts", default="tests,ffn,layer,e2e,exchange,sweep",
-                    help="comma list of tests,ffn,layer,decode,e2e,exchange,sweep")
+                    help="comma list of tests,ffn,layer,decode,e2e,exchange,sweep,cudashm")
     a = ap.parse_args()
     try:
         import torch
@@ -655,6 +711,9 @@ def main():
         save()
     if "sweep" in parts:
         res["sweep"] = sweep_part(build, env, res["gpus"])
+        save()
+    if "cudashm" in parts:
+        res["cudashm"] = cudashm_part(build, env, res["gpus"])
         save()
     table = markdown(res)
     print(table)

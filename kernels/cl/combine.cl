@@ -161,3 +161,59 @@ __kernel void copy_rows4(__global const float4* restrict src, long src_rows,
   }
   dst[(size_t)d * quarter + c] = v;
 }
+
+// FP32 <-> IEEE FP16 with common/half.h's arithmetic (FloatToFp16, Fp16ToFloat), bit for bit.
+inline ushort fp32_to_fp16_bits(float value) {
+  const uint bits = as_uint(value);
+  const ushort sign = (ushort)((bits >> 16) & 0x8000u);
+  const uint a = bits & 0x7FFFFFFFu;
+  if (a >= 0x7F800000u) return (ushort)(sign | 0x7C00u | (a > 0x7F800000u ? 0x200u : 0u));
+  if (a >= 0x477FF000u) return (ushort)(sign | 0x7C00u);
+  if (a < 0x38800000u) return (ushort)(sign | (ushort)rint(as_float(a) * 16777216.0f));
+  uint h = a - 0x38000000u;
+  h += 0xFFFu + ((h >> 13) & 1u);
+  return (ushort)(sign | (h >> 13));
+}
+
+inline float fp16_bits_to_fp32(ushort h) {
+  const uint sign = (uint)(h & 0x8000u) << 16;
+  const uint e = (h >> 10) & 0x1Fu;
+  const uint mant = h & 0x3FFu;
+  if (e == 0) return as_float(as_uint((float)mant * (1.0f / 16777216.0f)) | sign);
+  if (e == 31) return as_float(sign | 0x7F800000u | (mant << 13));
+  return as_float(sign | ((e + 112) << 23) | (mant << 13));
+}
+
+// Row values between FP32 and a request's element type (`type`: 0 FP32, 1 BF16, 2 FP16,
+// little-endian), as the host converts them (common/half.h), bit for bit: values
+// [src_at, src_at + count) of src into dst from dst_at. One work-item per value; src and dst are distinct buffers.
+__kernel void widen_to_fp32(__global const uchar* restrict src, long src_at, int type, long count,
+                            __global float* restrict dst, long dst_at) {
+  const size_t i = get_global_id(0);
+  if (i >= (size_t)count) return;
+  const size_t at = (size_t)src_at + i;
+  float v;
+  if (type == 1) {
+    v = as_float((uint)((__global const ushort*)src)[at] << 16);
+  } else if (type == 2) {
+    v = fp16_bits_to_fp32(((__global const ushort*)src)[at]);
+  } else {
+    v = ((__global const float*)src)[at];
+  }
+  dst[(size_t)dst_at + i] = v;
+}
+
+__kernel void narrow_from_fp32(__global const float* restrict src, long src_at, long count,
+                               int type, __global uchar* restrict dst, long dst_at) {
+  const size_t i = get_global_id(0);
+  if (i >= (size_t)count) return;
+  const float v = src[(size_t)src_at + i];
+  const size_t at = (size_t)dst_at + i;
+  if (type == 1) {
+    ((__global ushort*)dst)[at] = (ushort)(as_uint(round_to_bf16_value(v)) >> 16);
+  } else if (type == 2) {
+    ((__global ushort*)dst)[at] = fp32_to_fp16_bits(v);
+  } else {
+    ((__global float*)dst)[at] = v;
+  }
+}

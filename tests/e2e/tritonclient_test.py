@@ -155,12 +155,18 @@ class TritonClient(unittest.TestCase):
         np.testing.assert_array_equal(self.infer(x, "FP32").as_numpy("moe_output"), before)
 
     def test_cuda_shared_memory_is_refused_with_the_reason(self):
+        # CPU workers (and a build without the CUDA driver API) cannot reach CUDA memory.
+        import base64
+        handle = base64.b64encode(bytes(64))
         for call in (self.client.get_cuda_shared_memory_status,
+                     lambda: self.client.register_cuda_shared_memory("r", handle, 0, 64),
                      lambda: self.client.unregister_cuda_shared_memory("r")):
             with self.assertRaises(InferenceServerException) as e:
                 call()
             self.assertEqual(e.exception.status(), "StatusCode.UNIMPLEMENTED")
+            self.assertIn("CUDA shared memory is not served here", e.exception.message())
             self.assertIn("register system shared memory instead", e.exception.message())
+        self.assertNotIn("cuda_shared_memory", self.client.get_server_metadata().extensions)
 
 
 class SharedMemory(unittest.TestCase):

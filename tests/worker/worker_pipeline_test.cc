@@ -396,6 +396,29 @@ TEST(WorkerPipeline, OverflowUnderFailPolicyIsResourceExhaustedAndNextBatchRuns)
   });
 }
 
+// Rows in a client's CUDA memory (worker/device_rows.h) on CPU workers, which cannot reach
+// them: rank 0 refuses the batch before any worker sees it (one worker failing alone would
+// leave its peers waiting in the exchange), the exchange stays healthy and the next batch
+// runs. (The service refuses to register CUDA regions with such workers in the first place.)
+TEST(WorkerPipeline, RowsInCudaMemoryOnCpuWorkersAreAnErrorNamingWhy) {
+  RunCluster({}, [&](Cluster& c, Coordinator& coord) {
+    EXPECT_FALSE(coord.workers_read_cuda());
+    const int64_t h = c.source->config().layer.hidden_size;
+    std::vector<float> x(9 * h, 0.25f), out(9 * h, NAN);
+    RowChunk chunks[2] = {{x.data(), out.data(), 4}, {nullptr, nullptr, 5}};
+    chunks[1].device_input.region_id = 1;
+    chunks[1].device_output.region_id = 1;
+    absl::StatusOr<BatchTrace> trace = coord.Run(0, chunks, absl::Now() + absl::Seconds(60));
+    EXPECT_EQ(trace.status().code(), absl::StatusCode::kFailedPrecondition) << trace.status();
+    EXPECT_NE(trace.status().message().find("CUDA shared memory"), std::string::npos)
+        << trace.status();
+    EXPECT_TRUE(coord.healthy());
+    trace = coord.Run(0, {chunks, 1}, absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(trace.ok()) << trace.status();
+    ExpectMatchesReference(*c.source, c.source->config().moe_layers[0], x, out, 4);
+  });
+}
+
 // A worker that stops taking part: rank 0's batch fails with UNAVAILABLE by the exchange
 // timeout (plus a small margin), naming the worker; the exchange then stays unhealthy.
 TEST(WorkerPipeline, StalledWorkerFailsTheBatchWithUnavailableByTheTimeout) {
