@@ -322,6 +322,9 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   };
   *charged = cost;  // before the batcher may answer
   absl::Status status = batcher_.Enqueue(task);
+  // epserve_queue_tokens, refreshed as batches start and end, and here, so that it also shows
+  // rows waiting while no batch runs (for a fuller batch, up to --max-queue-delay-us).
+  if (status.ok() && metrics_ != nullptr) metrics_->SetQueueTokens(batcher_.queued_tokens());
   if (!status.ok()) {
     *charged = 0;
     ReleaseHeld(cost);

@@ -169,12 +169,14 @@ class TritonClient(unittest.TestCase):
         self.assertNotIn("cuda_shared_memory", self.client.get_server_metadata().extensions)
 
 
-class SharedMemory(unittest.TestCase):
-    """Triton's system shared-memory extension through tritonclient.utils.shared_memory."""
+class SharedMemoryCluster(unittest.TestCase):
+    """A cluster started with ARGS, and regions made through tritonclient.utils.shared_memory,
+    destroyed at the end."""
+    ARGS = []
 
     @classmethod
     def setUpClass(cls):
-        cls.cluster = Cluster(2, ["--max-batch-tokens=16"])
+        cls.cluster = Cluster(2, cls.ARGS)
         cls.client = triton.InferenceServerClient(cls.cluster.address)
         cls.rng = np.random.default_rng()
         cls.handles = []
@@ -203,6 +205,11 @@ class SharedMemory(unittest.TestCase):
         out = triton.InferRequestedOutput("moe_output")
         out.set_shared_memory(out_name, out_size, out_offset)
         return self.client.infer("moe", [inp], outputs=[out])
+
+
+class SharedMemory(SharedMemoryCluster):
+    """Triton's system shared-memory extension through tritonclient.utils.shared_memory."""
+    ARGS = ["--max-batch-tokens=16"]
 
     def infer_inline(self, raw, tokens, datatype):
         """The same request with the input inline, raw bytes in and out."""
@@ -296,99 +303,93 @@ class SharedMemory(unittest.TestCase):
         self.assertEqual(got, self.infer_inline(x.tobytes(), tokens, "FP32"))
         self.client.unregister_system_shared_memory("unlinked")
 
-    def queued_behind_work(self, tokens, in_name, out_name, n, change):
-        """Sends a shared-memory request behind 8 inline requests of 8192 tokens (4096 batches
-        of 16 rows), calls `change()` once the server has accepted all nine (answered plus in
-        flight, from /metrics; a fixed 0.2 s lost the race on a loaded host, where the 512 MiB
-        ahead of it had not all arrived by then), while it is still queued, and returns its
-        result or its error; None when it was answered before the change."""
-        big = self.rng.uniform(-1, 1, size=(8192, H)).astype(np.float32)
-        accepted_before = self.cluster.accepted()
-        done = []
-        for _ in range(8):
-            inp = triton.InferInput("hidden_states", [8192, H], "FP32")
-            inp.set_data_from_numpy(big)
-            self.client.async_infer("moe", [inp], lambda result, error: done.append(error))
+
+
+class HeldInTheQueue(SharedMemoryCluster):
+    """Regions changed while a request that uses them waits in rank 0's queue. This cluster
+    forms a batch only once BATCH rows of a layer are queued, or once the oldest request has
+    waited --max-queue-delay-us (HOLD_S, the bound of a hold): a smaller request waits in the
+    queue until the test sends the rows that fill its batch."""
+    BATCH = 128
+    HOLD_S = 120
+    ARGS = [f"--max-batch-tokens={BATCH}", f"--max-queue-delay-us={HOLD_S * 1_000_000}"]
+
+    def held(self, tokens, name, n, change, x):
+        """Sends a request of `tokens` rows (in and out through region `name`, its first `n`
+        bytes), calls `change()` once /metrics shows its rows queued, then sends `x` inline, the
+        BATCH - tokens rows that fill its batch; returns the held request's (result, error) and
+        the inline answer's rows, computed in the same batch."""
+        self.assertEqual(len(x), self.BATCH - tokens)
         inp = triton.InferInput("hidden_states", [tokens, H], "FP32")
-        inp.set_shared_memory(in_name, n)
+        inp.set_shared_memory(name, n)
         out = triton.InferRequestedOutput("moe_output")
-        out.set_shared_memory(out_name, n)
-        answer = []
+        out.set_shared_memory(name, n)
+        answer = []  # (tritonclient calls back with keywords result= and error=)
         self.client.async_infer("moe", [inp], lambda result, error: answer.append((result, error)),
                                 outputs=[out])
-        t0 = time.time()
-        accepted_by = t0 + 30
-        while (self.cluster.accepted() < accepted_before + 9 and not answer
-               and time.time() < accepted_by):
+        # (the gauge is set as the request is queued: nothing else is queued or runs meanwhile)
+        queued_by = time.time() + 30
+        while (self.cluster.metric_sum("epserve_queue_tokens") != tokens and not answer
+               and time.time() < queued_by):
             time.sleep(0.01)
-        too_late = bool(answer)
+        self.assertFalse(answer, "answered while it should have waited for a full batch")
+        self.assertEqual(self.cluster.metric_sum("epserve_queue_tokens"), tokens,
+                         "the request's rows were not queued within 30 s")
         change()
-        deadline = time.time() + 60
-        while (not answer or len(done) < 8) and time.time() < deadline:
+        filler = triton.InferInput("hidden_states", list(x.shape), "FP32")
+        filler.set_data_from_numpy(x)
+        inline = self.client.infer("moe", [filler]).as_numpy("moe_output")
+        answered_by = time.time() + 60
+        while not answer and time.time() < answered_by:
             time.sleep(0.01)
-        print(f"(queued request answered {time.time() - t0:.2f} s after it was sent)",
-              flush=True)
-        self.assertEqual(done, [None] * 8, "the inline requests ahead")
-        self.assertTrue(answer, "no answer within 60 s")
-        return None if too_late else answer[0]
+        self.assertTrue(answer, "the held request was not answered within 60 s of its batch")
+        return answer[0], inline
 
     def test_unregistered_and_unlinked_while_queued_still_answers(self):
         tokens, n = 5, 5 * H * 4
-        for attempt in range(3):
-            name = f"queued_{attempt}"
-            h, key = self.region(name, 2 * n)
-            x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
-            shm.set_shared_memory_region(h, [x, np.full(tokens * H, np.nan, np.float32)])
-            self.client.register_system_shared_memory(name, key, 2 * n)
+        h, key = self.region("queued", 2 * n)
+        x = self.rng.uniform(-1, 1, size=(self.BATCH - tokens, H)).astype(np.float32)
+        shm.set_shared_memory_region(h, [x[:tokens], np.full(tokens * H, np.nan, np.float32)])
+        self.client.register_system_shared_memory("queued", key, 2 * n)
 
-            def change():
-                self.client.unregister_system_shared_memory(name)
-                os.unlink("/dev/shm" + key)
-            answered = self.queued_behind_work(tokens, name, name, n, change)
-            if answered is None:
-                continue  # answered before the change: try again
-            result, error = answered
-            if error is not None and error.status() == "StatusCode.NOT_FOUND":
-                continue  # unregistered before the server had the request: try again
-            self.assertIsNone(error)
-            # (the output went to the region's first n bytes, over the input: read it back)
-            got = shm.get_contents_as_numpy(h, np.uint8, [n]).tobytes()
-            self.assertEqual(got, self.infer_inline(x.tobytes(), tokens, "FP32"))
-            return
-        self.fail("3 tries: the request was never still queued when its region was unregistered")
+        def change():
+            self.client.unregister_system_shared_memory("queued")
+            os.unlink("/dev/shm" + key)
+        (result, error), inline = self.held(tokens, "queued", n, change, x)
+        self.assertIsNone(error)
+        # (the output went to the region's first n bytes, over the input: read it back, and
+        # compare it with the same rows sent inline in the same batch)
+        got = shm.get_contents_as_numpy(h, np.float32, [tokens, H])
+        np.testing.assert_array_equal(got, inline[:tokens])
 
     def test_a_region_shrunk_while_queued_is_an_error_not_a_crash(self):
         # 4 pages: the accesses past the new end of the object fault (SIGBUS but for the
         # server's handler), except within its first page (zeros, no fault)
         tokens, n = 64, 64 * H * 4
-        for attempt in range(3):
-            name = f"shrinking_{attempt}"
-            h, key = self.region(name, n)
-            shm.set_shared_memory_region(h, [self.rng.uniform(-1, 1, size=(tokens, H))
-                                             .astype(np.float32)])
-            self.client.register_system_shared_memory(name, key, n)
+        h, key = self.region("shrinking", n)
+        shm.set_shared_memory_region(h, [self.rng.uniform(-1, 1, size=(tokens, H))
+                                         .astype(np.float32)])
+        self.client.register_system_shared_memory("shrinking", key, n)
 
-            def change():
-                fd = os.open("/dev/shm" + key, os.O_RDWR)
-                os.ftruncate(fd, 16)
-                os.close(fd)
-            answered = self.queued_behind_work(tokens, name, name, n, change)
-            if answered is not None:
-                break
-            self.client.unregister_system_shared_memory(name)  # answered first: try again
-        else:
-            self.fail("3 tries: the request was never still queued when its region shrank")
-        result, error = answered
+        def change():
+            fd = os.open("/dev/shm" + key, os.O_RDWR)
+            os.ftruncate(fd, 16)
+            os.close(fd)
+        x = self.rng.uniform(-1, 1, size=(self.BATCH - tokens, H)).astype(np.float32)
+        (result, error), inline = self.held(tokens, "shrinking", n, change, x)
         self.assertIsNotNone(error, "an answer from a region its owner had shrunk")
         self.assertEqual(error.status(), "StatusCode.INVALID_ARGUMENT")
         self.assertIn("shrunk by its owner while in use", error.message())
+        self.assertTrue(np.isfinite(inline).all(), "the request in the same batch")
         # Rank 0 lives on: the region is refused from now on, other requests are answered.
         with self.assertRaises(InferenceServerException) as e:
-            self.infer_shm(tokens, "FP32", name, n, name, n)
+            self.infer_shm(tokens, "FP32", "shrinking", n, "shrinking", n)
         self.assertIn("shrunk", e.exception.message())
-        self.client.unregister_system_shared_memory(name)
-        x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
-        self.assertEqual(len(self.infer_inline(x.tobytes(), tokens, "FP32")), n)
+        self.client.unregister_system_shared_memory("shrinking")
+        full = self.rng.uniform(-1, 1, size=(self.BATCH, H)).astype(np.float32)
+        inp = triton.InferInput("hidden_states", list(full.shape), "FP32")
+        inp.set_data_from_numpy(full)
+        self.assertEqual(self.client.infer("moe", [inp]).as_numpy("moe_output").shape, full.shape)
         self.assertTrue(self.client.is_server_ready())
 
 
