@@ -294,13 +294,21 @@ void Worker::RunPosted(uint64_t seq, const BatchDescriptor& desc, WorkerReport& 
 }
 
 // The route stage (n > 0 rows): this worker's rows through the router; the routing goes to
-// rank 0 too (outputs topk_ids, topk_weights).
-absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, float* x_in) {
-  const int k = cfg_.top_k;
+// rank 0 too (outputs topk_ids, topk_weights), now, or with to_host false once the layer has
+// run on the device (RunLocalOnDevice, SendRouting).
+absl::Status Worker::Route(const Layer& layer, const BatchDescriptor& desc, float* x_in,
+                           bool to_host) {
   const int64_t n = desc.num_rows;
   EPSERVE_RETURN_IF_ERROR(RowsOnDevice(desc, x_in));
   EPSERVE_RETURN_IF_ERROR(DeviceRowsIn(desc, x_in));
   EPSERVE_RETURN_IF_ERROR(kernels::Route(*rt_, layer.router, x_local_, n, ids_, weights_));
+  return to_host ? SendRouting(desc) : absl::OkStatus();
+}
+
+// The router's ids and weights to the host and on to rank 0.
+absl::Status Worker::SendRouting(const BatchDescriptor& desc) {
+  const int k = cfg_.top_k;
+  const int64_t n = desc.num_rows;
   EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
   // The done signal completes these Puts.
@@ -414,7 +422,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   ++batches_served_;
 
   absl::Time t0 = absl::Now();
-  if (n > 0) EPSERVE_RETURN_IF_ERROR(Route(layer, desc, x_in));
+  const bool on_device = RunsLocally(desc) && GroupsOnDevice(layer, n);
+  if (n > 0) EPSERVE_RETURN_IF_ERROR(Route(layer, desc, x_in, /*to_host=*/!on_device));
   report.stage_ns[kRoute] = NanosSince(t0);
 
   // ---- exchange: count/notify (the `layout` stage), dispatch, expert FFN, combine ----
@@ -446,7 +455,9 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   exchange_->CancelWhen(heap_.LocalAs<uint64_t>(regions_.cancel), desc.generation);
   EPSERVE_RETURN_IF_ERROR(exchange_->UsePlacement(*placement));
   ExchangeStats stats;
-  if (RunsLocally(desc)) {
+  if (on_device) {
+    EPSERVE_RETURN_IF_ERROR(RunLocalOnDevice(layer, *placement, desc, y, stats));
+  } else if (RunsLocally(desc)) {
     EPSERVE_RETURN_IF_ERROR(RunLocal(layer, *placement, desc, y, stats));
   } else {
     DeviceExchange* mover = device_exchange_ != nullptr && device_exchange_->Serves(desc)

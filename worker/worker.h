@@ -117,7 +117,9 @@ class Worker {
   absl::Status RunBatch(const BatchDescriptor& desc, WorkerReport& report);
   // RunBatch's parts: the route stage, the expert step the exchange calls, and the expert
   // load report to rank 0.
-  absl::Status Route(const Layer& layer, const BatchDescriptor& desc, float* x_in);
+  absl::Status Route(const Layer& layer, const BatchDescriptor& desc, float* x_in,
+                     bool to_host = true);
+  absl::Status SendRouting(const BatchDescriptor& desc);
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
                           float* pair_out, float* row_out);
   absl::Status PublishExpertLoad(const ExpertPlacement& placement, const ExchangeStats& stats);
@@ -138,6 +140,20 @@ class Worker {
   // (kernels::SumPairRows) and the output rows into y, with the exchange's stats.
   absl::Status RunLocal(const Layer& layer, const ExpertPlacement& placement,
                         const BatchDescriptor& desc, float* y, ExchangeStats& stats);
+  // Whether a local run of `n` rows of `layer` groups its pairs on the device
+  // (RunLocalOnDevice): tensor-core weights on a device other than a CPU, and at most
+  // kernels::kDeviceGroupingMaxPairs pairs.
+  bool GroupsOnDevice(const Layer& layer, int64_t n) const;
+  // RunLocal with the pairs grouped on the device (kernels::GroupPairs) and nothing waited
+  // for until the output is read: the route's results reach the host (and rank 0) after the
+  // layer. Its stages are enqueued without waits, so the layer's device time shows in the
+  // combine stage.
+  absl::Status RunLocalOnDevice(const Layer& layer, const ExpertPlacement& placement,
+                                const BatchDescriptor& desc, float* y, ExchangeStats& stats);
+  // local_of_expert_ for `placement` into local_of_device_ (uploaded when it changed), and
+  // pair_groups_ made for `experts`' count.
+  absl::Status PrepareDeviceGrouping(const ExpertPlacement& placement,
+                                     const kernels::ExpertWeights& experts);
   // The placement batch `desc` runs `layer` with: the layer's own while every worker lives,
   // else the layer's placement OnlyOn the live workers (computed once per set of survivors
   // and serving placements).
@@ -239,6 +255,11 @@ class Worker {
   std::vector<int32_t> local_of_expert_;
   std::vector<int64_t> local_offsets_;
   std::vector<int32_t> local_pair_row_, local_pair_of_choice_;
+  // RunLocalOnDevice's: the local expert of each global one on the device (and the host copy
+  // it was uploaded from), the pairs' grouping.
+  kernels::Buffer local_of_device_;
+  std::vector<int32_t> local_of_uploaded_;
+  kernels::PairGroups pair_groups_;
   double warmup_seconds_ = 0;
 };
 

@@ -102,3 +102,82 @@ absl::Status Worker::RunLocal(const Layer& layer, const ExpertPlacement& placeme
 }
 
 }  // namespace epserve::worker
+
+namespace epserve::worker {
+
+bool Worker::GroupsOnDevice(const Layer& layer, int64_t n) const {
+  return !rt_->device_info().is_cpu && layer.experts.tensor_cores &&
+         n * cfg_.top_k <= kernels::kDeviceGroupingMaxPairs;
+}
+
+absl::Status Worker::PrepareDeviceGrouping(const ExpertPlacement& placement,
+                                           const kernels::ExpertWeights& experts) {
+  local_of_expert_.assign(cfg_.num_experts, -1);
+  for (int e = 0; e < placement.count(me_); ++e) local_of_expert_[placement.expert(me_, e)] = e;
+  if (local_of_expert_ != local_of_uploaded_) {
+    if (local_of_device_.bytes() == 0) {
+      EPSERVE_ASSIGN_OR_RETURN(local_of_device_,
+                               rt_->Allocate(local_of_expert_.size() * sizeof(int32_t)));
+    }
+    EPSERVE_RETURN_IF_ERROR(rt_->Write(local_of_device_, 0, local_of_expert_.data(),
+                                       local_of_expert_.size() * sizeof(int32_t)));
+    local_of_uploaded_ = local_of_expert_;
+  }
+  if (pair_groups_.num_experts != experts.num_experts) {
+    pair_groups_ = kernels::PairGroups();  // the old one's memory first
+    const int64_t most = std::min<int64_t>(regions_.plan.max_rows_per_worker() * cfg_.top_k,
+                                           kernels::kDeviceGroupingMaxPairs);
+    EPSERVE_ASSIGN_OR_RETURN(pair_groups_, kernels::AllocatePairGroups(*rt_, experts, most));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Worker::RunLocalOnDevice(const Layer& layer, const ExpertPlacement& placement,
+                                      const BatchDescriptor& desc, float* y, ExchangeStats& stats) {
+  const int64_t n = desc.num_rows;
+  const int k = cfg_.top_k;
+  const int64_t hidden = cfg_.hidden_size;
+  const ExchangePlan& plan = regions_.plan;
+  stats.rounds = 1;
+  stats.expert_pairs.assign(layer.experts.num_experts, 0);
+  if (n == 0) return absl::OkStatus();
+
+  absl::Time t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(PrepareDeviceGrouping(placement, layer.experts));
+  EPSERVE_RETURN_IF_ERROR(kernels::GroupPairs(*rt_, layer.experts, ids_, n, k, local_of_device_,
+                                              cfg_.num_experts, pair_groups_));
+  stats.layout_ns = NanosSince(t0);
+
+  t0 = absl::Now();
+  const bool bf16_rows = plan.dispatch_dtype() == common::ElementType::kBf16;
+  const kernels::Buffer& x = bf16_rows ? x_recv_ : x_local_;
+  if (bf16_rows) EPSERVE_RETURN_IF_ERROR(kernels::RoundToBf16(*rt_, x_local_, n * hidden, x_recv_));
+  stats.rows_received = n;
+  stats.pairs = n * k;
+  stats.dispatch_ns = NanosSince(t0);
+
+  t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfnGrouped(*rt_, layer.experts, x, pair_groups_, h_, y_));
+  kernels::SumStart start = kernels::SumStart::kZero;
+  if (layer.shared.num_experts > 0) {
+    const bool split = plan.shared_expert_split();
+    EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(*rt_, layer.shared, split ? x : x_local_, n,
+                                                     shared_h_, shared_y_));
+    start = split ? kernels::SumStart::kAsPart : kernels::SumStart::kOnto;
+  }
+  stats.expert_ns = NanosSince(t0);
+
+  t0 = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(kernels::SumPairRows(
+      *rt_, y_, pair_groups_.pair_of_choice, weights_, n, k, hidden, &shared_y_, start,
+      plan.combine_dtype() == common::ElementType::kBf16, shared_y_));
+  EPSERVE_RETURN_IF_ERROR(DeliverRows(desc, shared_y_, y));
+  EPSERVE_ASSIGN_OR_RETURN(std::vector<int64_t> counts,
+                           kernels::ReadPairCounts(*rt_, pair_groups_));
+  stats.expert_pairs = std::move(counts);
+  EPSERVE_RETURN_IF_ERROR(SendRouting(desc));
+  stats.combine_ns = NanosSince(t0);
+  return absl::OkStatus();
+}
+
+}  // namespace epserve::worker
