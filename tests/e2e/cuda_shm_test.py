@@ -3,7 +3,9 @@ its GPU memory (tritonclient.utils.cuda_shared_memory, which needs cuda-python's
 cuda.bindings), the GPU workers read them and write the answer there.
 
 Needs a CUDA GPU, GPU workers and cuda.bindings: run by bench/gpu/run_gpu_bench.py on a GPU host
-(EPSERVE_BINARY, and EPSERVE_GPU_WORKERS for the number of workers, one per GPU). Anywhere
+(EPSERVE_BINARY, EPSERVE_GPU_WORKERS for the number of workers, one per GPU, and
+EPSERVE_CUDA_SHM_ARGS for more server flags, such as --weight-dtype=bf16 for the tensor-core
+path). Anywhere
 else it prints why and exits 77 (skipped). On CPU workers the extension answers UNIMPLEMENTED,
 which tritonclient_test checks.
 """
@@ -53,7 +55,8 @@ def raw_rows(x, datatype):
 class CudaSharedMemory(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.cluster = Cluster(1 + WORKERS, ["--device=gpu", "--max-batch-tokens=64"])
+        extra = os.environ.get("EPSERVE_CUDA_SHM_ARGS", "").split()  # e.g. --weight-dtype=bf16
+        cls.cluster = Cluster(1 + WORKERS, ["--device=gpu", "--max-batch-tokens=64", *extra])
         cls.client = triton.InferenceServerClient(cls.cluster.address)
         cls.rng = np.random.default_rng()
         cls.handles = {}
