@@ -10,6 +10,7 @@
 #include "worker/heap_regions.h"
 #include "worker/payload.h"
 #include "worker/placement.h"
+#include "worker/worker.h"
 
 namespace epserve::worker {
 namespace {
@@ -456,6 +457,29 @@ TEST(Payload, Fp8BlockWithInfinitySaturatesInsteadOfPoisoningTheBlock) {
   EXPECT_EQ(y[0], 1.0f);
   EXPECT_EQ(y[5], 1.0f);
   EXPECT_EQ(y[6], -1.0f);
+}
+
+}  // namespace
+}  // namespace epserve::worker
+
+namespace epserve::worker {
+namespace {
+
+// The rows a worker takes from (and gives back through) the heap around the segments a batch
+// places in clients' CUDA memory: the gaps between one direction's segments, the other's
+// ignored.
+TEST(HostRowRanges, AreTheGapsBetweenOneDirectionsSegments) {
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(HostRowRanges(nullptr, 7, false), (Ranges{{0, 7}}));
+  EXPECT_EQ(HostRowRanges(nullptr, 0, true), Ranges{});
+  std::vector<char> bytes(DeviceRowTable::BytesFor(16));
+  auto* t = reinterpret_cast<DeviceRowTable*>(bytes.data());
+  const DeviceRowSegment segments[] = {
+      {2, 3, 0, 0, {}}, {0, 4, 1, 0, {}}, {9, 1, 0, 0, {}}, {12, 4, 0, 0, {}}, {10, 6, 1, 0, {}}};
+  t->count = std::size(segments);
+  std::copy(std::begin(segments), std::end(segments), t->segments);
+  EXPECT_EQ(HostRowRanges(t, 16, false), (Ranges{{0, 2}, {5, 9}, {10, 12}}));
+  EXPECT_EQ(HostRowRanges(t, 16, true), (Ranges{{4, 10}}));
 }
 
 }  // namespace
