@@ -397,6 +397,21 @@ def cudashm_part(build, env, gpus, tokens=4096):
                 log(f"  cuda_shm_bench.py exit {r.returncode}:\n{r.stdout[-2000:]}\n"
                     f"{r.stderr[-3000:]}")
             rows = [dict(x, path="cuda shm") for x in json_lines(r.stdout)]
+            # Decode sizes, one client: CUDA shared memory beside system shared memory.
+            for t in (16, 128):
+                r = run([sys.executable, os.path.join(here, "cuda_shm_bench.py"),
+                         f"--address={address}", "--hidden=2048", f"--tokens={t}",
+                         "--concurrency=1", "--duration=3"], env, timeout=120, check=False)
+                rows += [dict(x, path="cuda shm, decode") for x in json_lines(r.stdout)]
+                r = run([os.path.join(build, "client", "epserve-load"), f"--target={address}",
+                         f"--tokens={t}", "--dtype=BF16", "--concurrency=1", "--duration=3s",
+                         "--warmup=1s", "--shared-memory=true", "--json", "--progress=off"], env,
+                        timeout=120, check=False)
+                for step in json_lines(r.stdout):
+                    lat = step.get("latency_ms") or {}
+                    rows.append({"path": "system shm, decode", "tokens": t, "concurrency": 1,
+                                 "tokens_per_s": step.get("tokens_per_s"),
+                                 "p50_ms": lat.get("p50"), "p99_ms": lat.get("p99")})
             load = os.path.join(build, "client", "epserve-load")
             r = run([load, f"--target={address}", f"--tokens={tokens}", "--dtype=BF16",
                      "--concurrency=2,4", "--duration=5s", "--warmup=1s",
@@ -410,7 +425,8 @@ def cudashm_part(build, env, gpus, tokens=4096):
         for x in rows:
             x.update(workers=workers, resident_tokens_per_s=bound,
                      over_resident=(x.get("tokens_per_s") or 0) / bound)
-            log(f"  {workers} worker(s), {x['path']}, concurrency {x.get('concurrency')}: "
+            log(f"  {workers} worker(s), {x['path']}, {x.get('tokens', tokens)} tokens, "
+                f"concurrency {x.get('concurrency')}: "
                 f"{x.get('tokens_per_s') or 0:.0f} tokens/s = {x['over_resident']:.2f}x the "
                 f"resident layer ({bound:.0f}), p50 {x.get('p50_ms')}")
         result["service"] += rows
