@@ -405,6 +405,18 @@ absl::StatusOr<const ExpertPlacement*> Worker::PlacementFor(const BatchDescripto
   return &survivor_placements_[desc.layer_pos];
 }
 
+namespace {
+// The exchange's stages and counts of a batch into the worker's report to rank 0.
+void ReportStats(const ExchangeStats& stats, WorkerReport& report) {
+  report.stage_ns[kLayout] = stats.layout_ns;
+  report.stage_ns[kDispatch] = stats.dispatch_ns;
+  report.stage_ns[kExpertFfn] = stats.expert_ns;
+  report.stage_ns[kCombine] = stats.combine_ns;
+  report.rows_received = stats.rows_received;
+  report.pairs = stats.pairs;
+}
+}  // namespace
+
 absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report) {
   const int64_t hidden = cfg_.hidden_size;
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
@@ -479,12 +491,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   }
   if (!cuda_rows_error_.ok()) return std::exchange(cuda_rows_error_, absl::OkStatus());
   EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(*placement, stats));
-  report.stage_ns[kLayout] = stats.layout_ns;
-  report.stage_ns[kDispatch] = stats.dispatch_ns;
-  report.stage_ns[kExpertFfn] = stats.expert_ns;
-  report.stage_ns[kCombine] = stats.combine_ns;
-  report.rows_received = stats.rows_received;
-  report.pairs = stats.pairs;
+  ReportStats(stats, report);
   return absl::OkStatus();
 }
 
