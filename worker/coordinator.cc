@@ -430,7 +430,7 @@ absl::Status Coordinator::PutDeviceRowTables(const WorkerSet& live, int slot) {
     const size_t at = regions_.DeviceRowTables(slot);
     EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), at, header, sizeof(header)));
     if (!segments.empty()) {
-      EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), at + offsetof(DeviceRowTable, segments),
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(RankOfWorker(w), at + DeviceRowTable::kSegmentsAt,
                                         segments.data(),
                                         segments.size() * sizeof(DeviceRowSegment)));
     }

@@ -97,7 +97,7 @@ absl::Status CudaRows::ReadInputs(const DeviceRowTable& table, int64_t n, kernel
   // The staging buffer is free once the device has done what was queued before.
   EPSERVE_RETURN_IF_ERROR(rt_.Finish());
   for (int64_t i = 0; i < table.count; ++i) {
-    const DeviceRowSegment& s = table.segments[i];
+    const DeviceRowSegment& s = table.segment(i);
     if (s.output != 0) continue;
     EPSERVE_ASSIGN_OR_RETURN(const size_t bytes, SegmentBytes(s, n));
     EPSERVE_ASSIGN_OR_RETURN(const uint64_t from, Address(s.where, bytes));
@@ -105,7 +105,7 @@ absl::Status CudaRows::ReadInputs(const DeviceRowTable& table, int64_t n, kernel
     EPSERVE_RETURN_IF_ERROR(cuda_->Copy(staging_address_ + s.first_row * row_bytes, from, bytes));
   }
   for (int64_t i = 0; i < table.count; ++i) {
-    const DeviceRowSegment& s = table.segments[i];
+    const DeviceRowSegment& s = table.segment(i);
     if (s.output != 0) continue;
     const int64_t per_float =
         static_cast<int64_t>(sizeof(float) / common::ElementBytes(s.where.type));
@@ -122,7 +122,7 @@ absl::Status CudaRows::WriteOutputs(const DeviceRowTable& table, int64_t n,
   first_use_of_step_ = uses_ + 1;
   bool any = false;
   for (int64_t i = 0; i < table.count; ++i) {
-    const DeviceRowSegment& s = table.segments[i];
+    const DeviceRowSegment& s = table.segment(i);
     if (s.output == 0) continue;
     EPSERVE_RETURN_IF_ERROR(SegmentBytes(s, n).status());
     const int64_t per_float =
@@ -135,7 +135,7 @@ absl::Status CudaRows::WriteOutputs(const DeviceRowTable& table, int64_t n,
   if (!any) return absl::OkStatus();
   EPSERVE_RETURN_IF_ERROR(rt_.Finish());
   for (int64_t i = 0; i < table.count; ++i) {
-    const DeviceRowSegment& s = table.segments[i];
+    const DeviceRowSegment& s = table.segment(i);
     if (s.output == 0) continue;
     EPSERVE_ASSIGN_OR_RETURN(const size_t bytes, SegmentBytes(s, n));
     EPSERVE_ASSIGN_OR_RETURN(const uint64_t to, Address(s.where, bytes));

@@ -47,17 +47,26 @@ struct DeviceRowSegment {
 };
 
 // A worker's segments of one batch, in its segment (HeapRegions::DeviceRowTables, one per
-// input slot), written by rank 0 with the batch's rows. Capacity: two per row (an input and
-// an output segment), so that any batch fits.
+// input slot), written by rank 0 with the batch's rows: this header, then `count` segments
+// (segment(i)). Capacity: two per row (an input and an output segment), so that any batch fits.
 struct DeviceRowTable {
   int64_t count;
   int64_t pad;
-  DeviceRowSegment segments[1];  // [count], the region holds 2 x max rows per worker
 
   static size_t BytesFor(int64_t max_rows) {
-    return offsetof(DeviceRowTable, segments) +
-           static_cast<size_t>(2 * max_rows) * sizeof(DeviceRowSegment);
+    return sizeof(DeviceRowTable) + static_cast<size_t>(2 * max_rows) * sizeof(DeviceRowSegment);
+  }
+  // Byte offset of the segments from the table's start.
+  static constexpr size_t kSegmentsAt = sizeof(int64_t) * 2;
+  const DeviceRowSegment& segment(int64_t i) const {
+    return reinterpret_cast<const DeviceRowSegment*>(reinterpret_cast<const char*>(this) +
+                                                     kSegmentsAt)[i];
+  }
+  DeviceRowSegment* segments() {
+    return reinterpret_cast<DeviceRowSegment*>(reinterpret_cast<char*>(this) + kSegmentsAt);
   }
 };
+static_assert(sizeof(DeviceRowTable) == DeviceRowTable::kSegmentsAt);
+static_assert(DeviceRowTable::kSegmentsAt % alignof(DeviceRowSegment) == 0);
 
 }  // namespace epserve::worker

@@ -43,7 +43,7 @@ std::vector<std::pair<int64_t, int64_t>> HostRowRanges(const DeviceRowTable* tab
   std::vector<std::pair<int64_t, int64_t>> ranges;
   int64_t row = 0;  // rank 0 writes each direction's segments in row order
   for (int64_t i = 0; table != nullptr && i < table->count; ++i) {
-    const DeviceRowSegment& s = table->segments[i];
+    const DeviceRowSegment& s = table->segment(i);
     if ((s.output != 0) != output || s.first_row < row) continue;
     if (s.first_row > row) ranges.emplace_back(row, s.first_row);
     row = s.first_row + s.rows;
@@ -68,7 +68,7 @@ absl::Status Worker::DeviceRowsIn(const BatchDescriptor& desc, float* x_in) {
   // The exchange through the heap sends rows from the input slot: the segments' rows there too.
   const int64_t hidden = cfg_.hidden_size;
   for (int64_t i = 0; i < table->count; ++i) {
-    const DeviceRowSegment& s = table->segments[i];
+    const DeviceRowSegment& s = table->segment(i);
     if (s.output != 0) continue;
     EPSERVE_RETURN_IF_ERROR(rt_->Read(x_local_, s.first_row * hidden * sizeof(float),
                                       x_in + s.first_row * hidden,

@@ -477,7 +477,7 @@ TEST(HostRowRanges, AreTheGapsBetweenOneDirectionsSegments) {
   const DeviceRowSegment segments[] = {
       {2, 3, 0, 0, {}}, {0, 4, 1, 0, {}}, {9, 1, 0, 0, {}}, {12, 4, 0, 0, {}}, {10, 6, 1, 0, {}}};
   t->count = std::size(segments);
-  std::copy(std::begin(segments), std::end(segments), t->segments);
+  std::copy(std::begin(segments), std::end(segments), t->segments());
   EXPECT_EQ(HostRowRanges(t, 16, false), (Ranges{{0, 2}, {5, 9}, {10, 12}}));
   EXPECT_EQ(HostRowRanges(t, 16, true), (Ranges{{4, 10}}));
 }
