@@ -336,6 +336,19 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
   return UploadExperts(rt, source, layer, ids, dtype);
 }
 
+absl::Status ChooseExpertFfnPlans(Runtime& rt, int64_t hidden, std::span<const int64_t> ffn_sizes,
+                                  common::ElementType dtype) {
+  EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
+  std::vector<FfnShape> shapes;
+  for (int64_t ffn : ffn_sizes) {
+    // As UploadFfn decides: the tensor-core kernels take no plan.
+    const bool tensor_cores = dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
+                              detail::MmaFitsCallerBuffers(hidden, ffn);
+    if (!tensor_cores && hidden > 0 && ffn > 0) shapes.push_back({hidden, ffn, dtype});
+  }
+  return rt.ChooseFfnPlans(shapes);
+}
+
 absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,
                                                  int layer, common::ElementType dtype) {
   const model::MoeLayerConfig& cfg = source.config().layer;
