@@ -214,6 +214,12 @@ absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int laye
       });
 }
 
+// Whether experts of this shape and dtype take the tensor-core kernels (and so no FFN plan).
+bool OnTensorCores(const Runtime& rt, int64_t hidden, int64_t ffn, common::ElementType dtype) {
+  return dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
+         detail::MmaFitsCallerBuffers(hidden, ffn);
+}
+
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
                                         FfnKinds kinds, std::span<const int> experts, int64_t ffn,
                                         common::ElementType dtype,
@@ -231,8 +237,7 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.ffn = ffn;
   w.dtype = dtype;
   // The layout, hence the element counts, follows from the dtype and the device.
-  w.tensor_cores = dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
-                   detail::MmaFitsCallerBuffers(hidden, ffn);
+  w.tensor_cores = OnTensorCores(rt, hidden, ffn, dtype);
   if (!w.tensor_cores) {
     // The forms per row class: FMA blockings, or (BF16 weights where they run) pair-panel forms.
     EPSERVE_ASSIGN_OR_RETURN(w.plan, rt.ChooseFfnPlan(hidden, ffn, dtype));
@@ -341,10 +346,9 @@ absl::Status ChooseExpertFfnPlans(Runtime& rt, int64_t hidden, std::span<const i
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
   std::vector<FfnShape> shapes;
   for (int64_t ffn : ffn_sizes) {
-    // As UploadFfn decides: the tensor-core kernels take no plan.
-    const bool tensor_cores = dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
-                              detail::MmaFitsCallerBuffers(hidden, ffn);
-    if (!tensor_cores && hidden > 0 && ffn > 0) shapes.push_back({hidden, ffn, dtype});
+    if (hidden > 0 && ffn > 0 && !OnTensorCores(rt, hidden, ffn, dtype)) {
+      shapes.push_back({hidden, ffn, dtype});
+    }
   }
   return rt.ChooseFfnPlans(shapes);
 }
