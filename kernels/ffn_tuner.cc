@@ -1,9 +1,5 @@
 // Runtime::ChooseFfnPlan: the per-device, per-shape choice of the FFN kernels' form for each
 // row class (kernels/ffn_blocking.h), with its cache beside the program-binary cache.
-#include <fcntl.h>
-#include <sys/file.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -11,7 +7,6 @@
 #include <limits>
 #include <numeric>
 #include <optional>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -22,6 +17,7 @@
 #include "common/status.h"
 #include "kernels/detail/cl_check.h"
 #include "kernels/detail/ffn_layout.h"
+#include "kernels/detail/file_lock.h"
 #include "kernels/detail/program_cache.h"
 #include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
@@ -51,6 +47,11 @@ absl::StatusOr<Buffer> Filled(Runtime& rt, size_t bytes, uint32_t pattern) {
 struct TuneCase {
   int64_t rows_per_expert;
   int experts;
+  // Whether successive runs of the case take alternate halves of the tuning weights' experts,
+  // so that none finds in cache the weights the run before it read: the few-row cases, and
+  // any other whose weights are under twice the device's cache (larger ones leave no
+  // earlier run's weights in cache to find, and need not double the weights filled).
+  bool alternate;
 };
 constexpr int kTuneRepeats = 4;
 // Experts smaller than this (test and toy shapes) take the default blocking: their FFN costs
@@ -74,7 +75,10 @@ std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes, std::st
   std::vector<TuneCase> cases;
   for (int c = 0; c < kFfnRowClasses; ++c) {
     const int64_t rows = FfnRowClassSample(c);
-    cases.push_back({rows, rows <= detail::kDotDirectRows ? streamed : rows <= 64 ? 2 : 1});
+    const int experts = rows <= detail::kDotDirectRows ? streamed : rows <= 64 ? 2 : 1;
+    const bool alternate = rows <= detail::kDotDirectRows ||
+                           experts * expert_bytes < 2 * static_cast<int64_t>(cache_bytes);
+    cases.push_back({rows, experts, alternate});
   }
   return cases;
 }
@@ -125,61 +129,136 @@ absl::StatusOr<ExpertWeights> TuneWeights(Runtime& rt, const FfnBlocking& b, int
 // times[i][c]: the fastest run of candidate i on case c (infinity where it does not serve it).
 using TimeTable = std::vector<std::vector<double>>;
 
-// Times every candidate on every case it serves, round-robin (one run of each candidate and
-// case per round, after a warm-up round that also builds the candidates' programs), so that a
-// drift in the machine's load hits every candidate alike; the fastest run of each counts.
-absl::StatusOr<TimeTable> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
-                                         const std::vector<TuneCase>& cases, int64_t hidden,
-                                         int64_t ffn, common::ElementType dtype, std::string* log) {
-  const Clock::time_point start = Clock::now();
+// How long a tuner waits for another process's lock (a shape's entry, a candidate's build,
+// the device's timing) before it goes on without it: tuning twice is only slower.
+constexpr double kTuneLockWait = 120;
+
+// The tuner's lock files for one shape ("" everywhere without a cache folder): the cache
+// entry's (`entry` + ".lock", held while a process tunes the shape), one claim per candidate
+// (held while a process builds the candidate's programs; keyed by the programs, not by the
+// shape, so that processes tuning different shapes share them) and the device's timing lock
+// (held while a process times forms on the device).
+struct TuneFiles {
+  std::string entry;
+  std::vector<std::string> claims;
+  std::string timing;
+};
+
+// The buffers the runs read and write, and one set of weights per layout: forms of one layout
+// read the same weights (filling a set, tens of MiB of fresh pages, cost more than all the
+// timed runs of its forms together).
+struct TuneBuffers {
+  Buffer x, row_index, h, y;
+  std::vector<ExpertWeights> layouts;
+  std::vector<size_t> layout_of;  // per candidate
+  int experts = 1;  // in each set: two halves that successive alternating runs take in turn
+  int runs = 0;     // alternating runs made (the half the next one takes)
+};
+
+absl::StatusOr<TuneBuffers> MakeTuneBuffers(Runtime& rt, const std::vector<FfnBlocking>& candidates,
+                                            const std::vector<TuneCase>& cases, int64_t hidden,
+                                            int64_t ffn, common::ElementType dtype) {
+  TuneBuffers b;
   int64_t max_rows = 0;
-  int experts = 1;
   for (const TuneCase& c : cases) {
     max_rows = std::max(max_rows, c.rows_per_expert * c.experts);
-    experts = std::max(experts, 2 * c.experts);
+    b.experts = std::max(b.experts, (c.alternate ? 2 : 1) * c.experts);
   }
   const uint32_t x_pattern = 0x3c23d70a;  // 0.01f
-  EPSERVE_ASSIGN_OR_RETURN(Buffer x, Filled(rt, max_rows * hidden * sizeof(float), x_pattern));
+  EPSERVE_ASSIGN_OR_RETURN(b.x, Filled(rt, max_rows * hidden * sizeof(float), x_pattern));
   std::vector<int32_t> index(max_rows);
   std::iota(index.begin(), index.end(), 0);
-  EPSERVE_ASSIGN_OR_RETURN(Buffer row_index,
+  EPSERVE_ASSIGN_OR_RETURN(b.row_index,
                            rt.AllocateCopy(index.data(), index.size() * sizeof(int32_t)));
-  EPSERVE_ASSIGN_OR_RETURN(Buffer h, rt.Allocate(max_rows * ffn * sizeof(float)));
-  EPSERVE_ASSIGN_OR_RETURN(Buffer y, rt.Allocate(max_rows * hidden * sizeof(float)));
-  // One set of weights per layout: forms of one layout read the same weights (filling a set,
-  // tens of MiB of fresh pages, cost more than all the timed runs of its forms together).
-  std::vector<ExpertWeights> layouts;
-  std::vector<size_t> layout_of(candidates.size());
+  EPSERVE_ASSIGN_OR_RETURN(b.h, rt.Allocate(max_rows * ffn * sizeof(float)));
+  EPSERVE_ASSIGN_OR_RETURN(b.y, rt.Allocate(max_rows * hidden * sizeof(float)));
+  b.layout_of.resize(candidates.size());
   for (size_t i = 0; i < candidates.size(); ++i) {
     size_t j = 0;
-    while (j < layouts.size() && !SameFfnLayout(layouts[j].blocking, candidates[i])) ++j;
-    if (j == layouts.size()) {
-      EPSERVE_ASSIGN_OR_RETURN(
-          ExpertWeights w, TuneWeights(rt, candidates[i], experts, hidden, ffn, dtype, x_pattern));
-      layouts.push_back(std::move(w));
+    while (j < b.layouts.size() && !SameFfnLayout(b.layouts[j].blocking, candidates[i])) ++j;
+    if (j == b.layouts.size()) {
+      EPSERVE_ASSIGN_OR_RETURN(ExpertWeights w, TuneWeights(rt, candidates[i], b.experts, hidden,
+                                                            ffn, dtype, x_pattern));
+      b.layouts.push_back(std::move(w));
     }
-    layout_of[i] = j;
+    b.layout_of[i] = j;
   }
+  EPSERVE_RETURN_IF_ERROR(rt.Finish());  // the fills, so that no run times a fill
+  return b;
+}
+
+// One run of candidate i on every case it serves, each time into (*times)[c] where faster
+// than what it holds (times may be null: an untimed round). Successive runs of the
+// alternating cases take alternate halves of the experts (TuneCase::alternate), the others
+// the first experts.
+absl::Status RunCandidate(Runtime& rt, TuneBuffers& b, const std::vector<FfnBlocking>& candidates,
+                          size_t i, const std::vector<TuneCase>& cases,
+                          std::vector<double>* times) {
+  for (size_t c = 0; c < cases.size(); ++c) {
+    if (!FfnFormServes(candidates[i], FfnRowClass(cases[c].rows_per_expert))) continue;
+    const int first = cases[c].alternate ? (b.runs++ % 2) * (b.experts / 2) : 0;
+    EPSERVE_ASSIGN_OR_RETURN(double t, RunCase(rt, b.layouts[b.layout_of[i]], candidates[i],
+                                               cases[c], first, b.x, b.row_index, b.h, b.y));
+    if (times != nullptr) (*times)[c] = std::min((*times)[c], t);
+  }
+  return absl::OkStatus();
+}
+
+// The untimed first round, which builds the candidates' programs and compiles their kernels
+// for every case's launch. Each candidate runs under its claim: first those no other process
+// is building, then, each once its builder is done, the others, whose programs and kernels
+// the driver's own cache then holds (PoCL's, shared by the workers of a host), so that
+// processes tuning different shapes at once build different candidates.
+absl::Status BuildRound(Runtime& rt, TuneBuffers& b, const std::vector<FfnBlocking>& candidates,
+                        const std::vector<TuneCase>& cases, const TuneFiles& files,
+                        std::string* log) {
+  const Clock::time_point start = Clock::now();
+  std::vector<size_t> elsewhere;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const detail::FileLock claim(files.claims[i], 0);
+    if (claim.busy()) {
+      elsewhere.push_back(i);
+      continue;
+    }
+    EPSERVE_RETURN_IF_ERROR(RunCandidate(rt, b, candidates, i, cases, nullptr));
+  }
+  const double own_seconds = SecondsSince(start);
+  for (size_t i : elsewhere) {
+    const detail::FileLock claim(files.claims[i], kTuneLockWait);
+    EPSERVE_RETURN_IF_ERROR(RunCandidate(rt, b, candidates, i, cases, nullptr));
+  }
+  absl::StrAppendFormat(log, "; first round (builds) %.2f s", SecondsSince(start));
+  if (!elsewhere.empty()) {
+    absl::StrAppendFormat(log, " (%zu of %zu candidates built by another process; %.2f s here)",
+                          elsewhere.size(), candidates.size(), own_seconds);
+  }
+  return absl::OkStatus();
+}
+
+// Times every candidate on every case it serves, round-robin (one run of each candidate and
+// case per round, after BuildRound's), so that a drift in the machine's load hits every
+// candidate alike; the fastest run of each counts. The timed rounds hold the device's timing
+// lock, so that the workers of a host time their shapes one after the other.
+absl::StatusOr<TimeTable> TimeCandidates(Runtime& rt, const std::vector<FfnBlocking>& candidates,
+                                         const std::vector<TuneCase>& cases, int64_t hidden,
+                                         int64_t ffn, common::ElementType dtype,
+                                         const TuneFiles& files, std::string* log) {
+  const Clock::time_point start = Clock::now();
+  EPSERVE_ASSIGN_OR_RETURN(TuneBuffers b,
+                           MakeTuneBuffers(rt, candidates, cases, hidden, ffn, dtype));
+  absl::StrAppendFormat(log, "# weights and buffers %.2f s", SecondsSince(start));
+  EPSERVE_RETURN_IF_ERROR(BuildRound(rt, b, candidates, cases, files, log));
+  const Clock::time_point wait_start = Clock::now();
+  const detail::FileLock timing(files.timing, kTuneLockWait);
+  absl::StrAppendFormat(log, "; waited %.2f s to time", SecondsSince(wait_start));
   TimeTable times(candidates.size(),
                   std::vector<double>(cases.size(), std::numeric_limits<double>::infinity()));
-  EPSERVE_RETURN_IF_ERROR(rt.Finish());  // the fills, so that the first round times no fill
-  absl::StrAppendFormat(log, "# weights and buffers %.2f s", SecondsSince(start));
-  // Successive runs take alternate halves of the experts, so that no run finds in cache the
-  // weights the run before it streamed (the few-row cases' weights are twice the cache).
-  int runs = 0;
-  for (int round = 0; round <= kTuneRepeats; ++round) {
+  for (int round = 1; round <= kTuneRepeats; ++round) {
     const Clock::time_point round_start = Clock::now();
     for (size_t i = 0; i < candidates.size(); ++i) {
-      for (size_t c = 0; c < cases.size(); ++c) {
-        if (!FfnFormServes(candidates[i], FfnRowClass(cases[c].rows_per_expert))) continue;
-        const int first = (runs++ % 2) * (experts / 2);
-        EPSERVE_ASSIGN_OR_RETURN(double t, RunCase(rt, layouts[layout_of[i]], candidates[i],
-                                                   cases[c], first, x, row_index, h, y));
-        if (round > 0) times[i][c] = std::min(times[i][c], t);
-      }
+      EPSERVE_RETURN_IF_ERROR(RunCandidate(rt, b, candidates, i, cases, &times[i]));
     }
-    absl::StrAppendFormat(log, round == 0 ? "; first round (builds) %.2f s" : ", %.2f s",
-                          SecondsSince(round_start));
+    absl::StrAppendFormat(log, ", %.2f s", SecondsSince(round_start));
   }
   absl::StrAppend(log, "\n");
   return times;
@@ -250,40 +329,6 @@ std::optional<FfnPlan> ReadCachedPlan(const std::string& path,
   return *plan;
 }
 
-// An exclusive flock on a file, held until destruction, taken within kTuneLockWait or not at
-// all (then the holder simply does not have it: tuning twice is only slower).
-constexpr double kTuneLockWait = 120;
-class CacheLock {
- public:
-  CacheLock() = default;
-  explicit CacheLock(const std::string& path) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) return;
-    const Clock::time_point start = Clock::now();
-    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-      if (SecondsSince(start) > kTuneLockWait) {
-        Release();
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
-  CacheLock& operator=(CacheLock&& o) noexcept {
-    Release();
-    fd_ = std::exchange(o.fd_, -1);
-    return *this;
-  }
-  CacheLock(const CacheLock&) = delete;
-  ~CacheLock() { Release(); }
-
- private:
-  void Release() {
-    if (fd_ >= 0) ::close(fd_);  // closing drops the flock
-    fd_ = -1;
-  }
-  int fd_ = -1;
-};
-
 std::string JoinCandidates(const std::vector<FfnBlocking>& candidates) {
   std::string out;
   for (const FfnBlocking& b : candidates) absl::StrAppend(&out, b.ToString(), ";");
@@ -346,34 +391,93 @@ absl::Status ApplyForcedPlan(const std::string& forced, common::ElementType dtyp
   return absl::OkStatus();
 }
 
-// The tuning cache entry's path for the shape and candidates ("" without a cache folder).
-std::string TuneCachePath(const std::string& cache_dir, const std::string& key_source,
-                          const DeviceInfo& info, int64_t hidden, int64_t ffn,
-                          common::ElementType dtype, const std::vector<FfnBlocking>& candidates) {
-  if (cache_dir.empty()) return "";
+// A lock file's path in the cache folder, keyed like the program binaries by `what`.
+std::string LockPath(const std::string& cache_dir, std::string_view name,
+                     const std::string& key_source, const std::string& what,
+                     const DeviceInfo& info) {
+  std::string path =
+      detail::ProgramCachePath(cache_dir, name, detail::ProgramCacheKey(key_source, what, info));
+  path.replace(path.size() - 4, 4, ".lock");  // ".bin" -> ".lock"
+  return path;
+}
+
+// The tuner's files for the shape and candidates (TuneFiles; "" without a cache folder).
+TuneFiles MakeTuneFiles(const std::string& cache_dir, const std::string& key_source,
+                        const DeviceInfo& info, const FfnShape& shape,
+                        const std::vector<FfnBlocking>& candidates) {
+  TuneFiles files;
+  files.claims.resize(candidates.size());
+  if (cache_dir.empty()) return files;
   // Keyed like the program binaries (source, options, device, driver) plus the shape, the row
   // classes and the candidate list, so a changed kernel or candidate set tunes again.
-  std::string what = absl::StrCat("ffn-plan H=", hidden, " F=", ffn, " ", common::FlagName(dtype),
-                                  " ", JoinCandidates(candidates), " classes");
+  const absl::string_view dtype = common::FlagName(shape.dtype);
+  std::string what = absl::StrCat("ffn-plan H=", shape.hidden, " F=", shape.ffn, " ", dtype, " ",
+                                  JoinCandidates(candidates), " classes");
   for (int c = 0; c < kFfnRowClasses; ++c) absl::StrAppend(&what, " ", FfnRowClassName(c));
-  std::string path = detail::ProgramCachePath(cache_dir, "ffn-blocking",
-                                              detail::ProgramCacheKey(key_source, what, info));
-  path.replace(path.size() - 4, 4, ".txt");  // ".bin" -> ".txt"
-  return path;
+  files.entry = detail::ProgramCachePath(cache_dir, "ffn-blocking",
+                                         detail::ProgramCacheKey(key_source, what, info));
+  files.entry.replace(files.entry.size() - 4, 4, ".txt");  // ".bin" -> ".txt"
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    // A candidate's programs follow from its kernels' family (the weights' dtype) and, for the
+    // pair-panel forms, from the DotOp alone (a direct form shares its staged form's part).
+    const FfnBlocking& b = candidates[i];
+    const std::string program = b.dot ? DotKernels(b.dot_op).ToString() : b.ToString();
+    files.claims[i] = LockPath(cache_dir, "ffn-build", key_source,
+                               absl::StrCat(program, " ", dtype, " weights"), info);
+  }
+  files.timing = LockPath(cache_dir, "ffn-timing", "", "", info);
+  return files;
+}
+
+// Times the candidates on the shape, stores the plan at files.entry (when there is one) and
+// returns it.
+absl::StatusOr<FfnPlan> TuneAndStore(Runtime& rt, const std::vector<FfnBlocking>& candidates,
+                                     const FfnShape& shape, int64_t expert_bytes,
+                                     const TuneFiles& files) {
+  std::string log;
+  const std::vector<TuneCase> cases = TuneCases(rt, expert_bytes, &log);
+  EPSERVE_ASSIGN_OR_RETURN(TimeTable times, TimeCandidates(rt, candidates, cases, shape.hidden,
+                                                           shape.ffn, shape.dtype, files, &log));
+  const FfnPlan plan = PlanFromTimes(candidates, cases, times, &log);
+  if (!files.entry.empty()) {
+    const absl::Status s =
+        detail::WriteFileAtomically(files.entry, absl::StrCat(plan.ToString(), "\n", log));
+    (void)s;  // a cache that cannot be written only costs the next start a tuning
+  }
+  return plan;
 }
 
 }  // namespace
 
 absl::StatusOr<FfnPlan> Runtime::ChooseFfnPlan(int64_t hidden, int64_t ffn,
                                                common::ElementType dtype) {
+  EPSERVE_ASSIGN_OR_RETURN(std::optional<FfnPlan> plan,
+                           ChooseFfnPlan(FfnShape{hidden, ffn, dtype}, /*defer_when_busy=*/false));
+  return *plan;  // made, since nothing was deferred
+}
+
+absl::Status Runtime::ChooseFfnPlans(std::span<const FfnShape> shapes) {
+  // First the shapes no other process is tuning, then the others (their entries, once made).
+  for (const FfnShape& s : shapes) {
+    EPSERVE_RETURN_IF_ERROR(ChooseFfnPlan(s, /*defer_when_busy=*/true).status());
+  }
+  for (const FfnShape& s : shapes) {
+    EPSERVE_RETURN_IF_ERROR(ChooseFfnPlan(s.hidden, s.ffn, s.dtype).status());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<FfnPlan>> Runtime::ChooseFfnPlan(const FfnShape& shape,
+                                                              bool defer_when_busy) {
+  const common::ElementType dtype = shape.dtype;
   EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
   for (const FfnChoice& c : ffn_choices()) {
-    if (c.hidden == hidden && c.ffn == ffn && c.dtype == dtype) return c.plan;
+    if (c.hidden == shape.hidden && c.ffn == shape.ffn && c.dtype == dtype) return c.plan;
   }
   const Clock::time_point start = Clock::now();
   FfnChoice choice;
-  choice.hidden = hidden;
-  choice.ffn = ffn;
+  choice.hidden = shape.hidden;
+  choice.ffn = shape.ffn;
   choice.dtype = dtype;
   std::string forced = options_.ffn_blocking;
   if (forced.empty()) {
@@ -383,7 +487,8 @@ absl::StatusOr<FfnPlan> Runtime::ChooseFfnPlan(int64_t hidden, int64_t ffn,
   // BF16 weights on a runtime with the dot-product kernels: the pair-panel forms too.
   const bool dot_runs = dtype == common::ElementType::kBf16 && bf16_dot_;
   const std::vector<FfnBlocking> candidates = FfnFormCandidates(dtype);
-  const int64_t expert_bytes = 3 * hidden * ffn * static_cast<int64_t>(common::ElementBytes(dtype));
+  const int64_t expert_bytes =
+      3 * shape.hidden * shape.ffn * static_cast<int64_t>(common::ElementBytes(dtype));
   if (!forced.empty()) {
     EPSERVE_RETURN_IF_ERROR(
         ApplyForcedPlan(forced, dtype, dot_runs, bf16_amx_, info_, default_ffn_blocking_, choice));
@@ -391,32 +496,26 @@ absl::StatusOr<FfnPlan> Runtime::ChooseFfnPlan(int64_t hidden, int64_t ffn,
     choice.plan = FfnPlan::Uniform(dot_runs ? DotKernels() : default_ffn_blocking_);
     choice.origin = FfnBlockingOrigin::kDefault;
   } else {
-    const std::string cache_path =
-        TuneCachePath(cache_dir_, FfnProgramKeySource(), info_, hidden, ffn, dtype, candidates);
-    CacheLock lock;
-    if (!cache_path.empty()) {
-      // Workers of one host share the device kind and the cache: one tunes while the others
-      // wait for its entry (at most kTuneLockWait, then they time the candidates themselves).
+    const TuneFiles files =
+        MakeTuneFiles(cache_dir_, FfnProgramKeySource(), info_, shape, candidates);
+    detail::FileLock lock;
+    if (!files.entry.empty()) {
+      // Workers of one host share the device kind and the cache: one tunes a shape while the
+      // others wait for its entry (at most kTuneLockWait, then they time the candidates
+      // themselves), or, deferring, choose their other shapes first.
       std::error_code ignored;  // a folder that cannot be made leaves the lock (and cache) off
       std::filesystem::create_directories(cache_dir_, ignored);
-      lock = CacheLock(cache_path + ".lock");
-      if (std::optional<FfnPlan> plan = ReadCachedPlan(cache_path, candidates)) {
+      lock = detail::FileLock(files.entry + ".lock", defer_when_busy ? 0 : kTuneLockWait);
+      if (defer_when_busy && lock.busy()) return std::nullopt;
+      if (std::optional<FfnPlan> plan = ReadCachedPlan(files.entry, candidates)) {
         choice.plan = *plan;
         choice.origin = FfnBlockingOrigin::kCache;
       }
     }
     if (choice.origin != FfnBlockingOrigin::kCache) {
-      std::string log;
-      const std::vector<TuneCase> cases = TuneCases(*this, expert_bytes, &log);
-      EPSERVE_ASSIGN_OR_RETURN(TimeTable times,
-                               TimeCandidates(*this, candidates, cases, hidden, ffn, dtype, &log));
-      choice.plan = PlanFromTimes(candidates, cases, times, &log);
+      EPSERVE_ASSIGN_OR_RETURN(choice.plan,
+                               TuneAndStore(*this, candidates, shape, expert_bytes, files));
       choice.origin = FfnBlockingOrigin::kTuned;
-      if (!cache_path.empty()) {
-        const absl::Status s = detail::WriteFileAtomically(
-            cache_path, absl::StrCat(choice.plan.ToString(), "\n", log));
-        (void)s;  // a cache that cannot be written only costs the next start a tuning
-      }
     }
   }
   choice.seconds = SecondsSince(start);

@@ -72,6 +72,12 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
 absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSource& source,
                                             int layer, int first_expert, int num_experts,
                                             common::ElementType dtype = common::ElementType::kFp32);
+// The FFN plans of the expert shapes (hidden, each of ffn_sizes; weights of `dtype`) that
+// uploads through `rt` will ask for (those not on the tensor-core kernels), chosen before the
+// uploads and all at once (Runtime::ChooseFfnPlans), so that the workers of a host tune
+// different shapes at the same time; an upload then finds its shape's plan made.
+absl::Status ChooseExpertFfnPlans(Runtime& rt, int64_t hidden, std::span<const int64_t> ffn_sizes,
+                                  common::ElementType dtype);
 // The shared expert of the layer (config().layer.shared_ffn_size > 0).
 absl::StatusOr<ExpertWeights> UploadSharedExpert(
     Runtime& rt, const model::WeightSource& source, int layer,

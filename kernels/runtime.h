@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,6 +57,15 @@ struct DeviceInfo {
 
 // Every OpenCL device of every platform.
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices();
+
+// An expert FFN's shape, as FFN plans are chosen for: hidden size, intermediate size (the
+// columns of this runtime's experts: a slice's where the shared expert is split) and the
+// weights' element type.
+struct FfnShape {
+  int64_t hidden = 0;
+  int64_t ffn = 0;
+  common::ElementType dtype = common::ElementType::kFp32;
+};
 
 // The FFN plan (a form per row class) chosen for one expert shape on a runtime, and how.
 struct FfnChoice {
@@ -179,6 +190,11 @@ class Runtime {
   // the candidate forms on the device for a few seconds), the same afterwards. A forced FMA
   // blocking applies to BF16 weights too.
   absl::StatusOr<FfnPlan> ChooseFfnPlan(int64_t hidden, int64_t ffn, common::ElementType dtype);
+  // ChooseFfnPlan for each shape, the shapes another process of the host is tuning (holding
+  // the shape's cache lock) after the others, so that the workers of a host that serve the
+  // same shapes tune different ones at once instead of one after another (their candidates'
+  // builds split between them, their timed rounds one at a time: kernels/ffn_tuner.cc).
+  absl::Status ChooseFfnPlans(std::span<const FfnShape> shapes);
   // The forms the tuner times for weights of `dtype` on this device: the FMA blockings, or for
   // BF16 weights where bf16_dot() the pair-panel forms (kernels/ffn_tuner.cc says why not
   // both); the first is the untimed default's layout.
@@ -208,6 +224,9 @@ class Runtime {
   absl::StatusOr<cl_program> BuildProgramWithOptions(std::string_view name, std::string_view source,
                                                      const std::string& options);
   struct Programs;
+  // ChooseFfnPlan, or nullopt (nothing chosen) where `defer_when_busy` and another process
+  // holds the shape's cache lock.
+  absl::StatusOr<std::optional<FfnPlan>> ChooseFfnPlan(const FfnShape& shape, bool defer_when_busy);
   // The text ChooseFfnPlan's cache key hashes for the expert_ffn program: its source and
   // the options every variant shares.
   std::string FfnProgramKeySource();

@@ -214,6 +214,12 @@ absl::Status FillFfnDot(Runtime& rt, const model::WeightSource& source, int laye
       });
 }
 
+// Whether experts of this shape and dtype take the tensor-core kernels (and so no FFN plan).
+bool OnTensorCores(const Runtime& rt, int64_t hidden, int64_t ffn, common::ElementType dtype) {
+  return dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
+         detail::MmaFitsCallerBuffers(hidden, ffn);
+}
+
 absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& source, int layer,
                                         FfnKinds kinds, std::span<const int> experts, int64_t ffn,
                                         common::ElementType dtype,
@@ -231,8 +237,7 @@ absl::StatusOr<ExpertWeights> UploadFfn(Runtime& rt, const model::WeightSource& 
   w.ffn = ffn;
   w.dtype = dtype;
   // The layout, hence the element counts, follows from the dtype and the device.
-  w.tensor_cores = dtype == common::ElementType::kBf16 && rt.tensor_cores() &&
-                   detail::MmaFitsCallerBuffers(hidden, ffn);
+  w.tensor_cores = OnTensorCores(rt, hidden, ffn, dtype);
   if (!w.tensor_cores) {
     // The forms per row class: FMA blockings, or (BF16 weights where they run) pair-panel forms.
     EPSERVE_ASSIGN_OR_RETURN(w.plan, rt.ChooseFfnPlan(hidden, ffn, dtype));
@@ -334,6 +339,18 @@ absl::StatusOr<ExpertWeights> UploadExperts(Runtime& rt, const model::WeightSour
   std::vector<int> ids(static_cast<size_t>(num_experts));
   for (int i = 0; i < num_experts; ++i) ids[i] = first_expert + i;
   return UploadExperts(rt, source, layer, ids, dtype);
+}
+
+absl::Status ChooseExpertFfnPlans(Runtime& rt, int64_t hidden, std::span<const int64_t> ffn_sizes,
+                                  common::ElementType dtype) {
+  EPSERVE_RETURN_IF_ERROR(CheckKernelType(dtype, "the weights' element type"));
+  std::vector<FfnShape> shapes;
+  for (int64_t ffn : ffn_sizes) {
+    if (hidden > 0 && ffn > 0 && !OnTensorCores(rt, hidden, ffn, dtype)) {
+      shapes.push_back({hidden, ffn, dtype});
+    }
+  }
+  return rt.ChooseFfnPlans(shapes);
 }
 
 absl::StatusOr<ExpertWeights> UploadSharedExpert(Runtime& rt, const model::WeightSource& source,

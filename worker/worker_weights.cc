@@ -23,6 +23,20 @@ namespace epserve::worker {
 absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(
     const model::WeightSource& source, const std::vector<ExpertPlacement>& placements,
     const std::vector<Layer>* reuse) {
+  // The shared expert's slice is the same in every layer (its columns of this worker).
+  std::unique_ptr<model::WeightSource> slice;
+  if (cfg_.shared_ffn_size > 0 && regions_.plan.shared_expert_split()) {
+    EPSERVE_ASSIGN_OR_RETURN(
+        slice, model::SharedExpertSlice(source, me_, regions_.plan.shape().num_workers));
+  }
+  // The FFN plans of the routed experts' shape and the shared expert's, chosen before the
+  // uploads and at once, so that the workers of a host tune the two at the same time.
+  std::vector<int64_t> ffn_sizes = {source.config().layer.expert_ffn_size};
+  if (cfg_.shared_ffn_size > 0) {
+    ffn_sizes.push_back((slice != nullptr ? *slice : source).config().layer.shared_ffn_size);
+  }
+  EPSERVE_RETURN_IF_ERROR(kernels::ChooseExpertFfnPlans(*rt_, source.config().layer.hidden_size,
+                                                        ffn_sizes, options_.weight_dtype));
   std::vector<Layer> layers;
   for (size_t pos = 0; pos < source.config().moe_layers.size(); ++pos) {
     const int layer = source.config().moe_layers[pos];
@@ -36,11 +50,6 @@ absl::StatusOr<std::vector<Worker::Layer>> Worker::LoadLayers(
                                                     options_.weight_dtype, have));
     if (cfg_.shared_ffn_size > 0) {
       // Split: this worker's slice of the shared expert's intermediate columns.
-      std::unique_ptr<model::WeightSource> slice;
-      if (regions_.plan.shared_expert_split()) {
-        EPSERVE_ASSIGN_OR_RETURN(
-            slice, model::SharedExpertSlice(source, me_, regions_.plan.shape().num_workers));
-      }
       EPSERVE_ASSIGN_OR_RETURN(
           l.shared, kernels::UploadSharedExpert(*rt_, slice != nullptr ? *slice : source, layer,
                                                 options_.weight_dtype));
