@@ -140,6 +140,16 @@ class Worker {
   // (kernels::SumPairRows) and the output rows into y, with the exchange's stats.
   absl::Status RunLocal(const Layer& layer, const ExpertPlacement& placement,
                         const BatchDescriptor& desc, float* y, ExchangeStats& stats);
+  // The local runs' shared steps. LocalRows: the batch's n rows as the dispatch payload would
+  // deliver them (x_local_, or x_recv_ rounded to BF16), the `dispatch` stage's stats.
+  // LocalSharedExpert: the shared expert on them (the whole of it, or its slice where it is
+  // split), and how the owner's sum starts. LocalSum: the owner's sum of the pairs' rows
+  // (pair_of_choice: each choice's pair) onto it, and the rows delivered (DeliverRows).
+  absl::StatusOr<const kernels::Buffer*> LocalRows(int64_t n, ExchangeStats& stats);
+  absl::StatusOr<kernels::SumStart> LocalSharedExpert(const Layer& layer, const kernels::Buffer& x,
+                                                      int64_t n);
+  absl::Status LocalSum(const kernels::Buffer& pair_of_choice, kernels::SumStart start,
+                        const BatchDescriptor& desc, float* y);
   // Whether a local run of `n` rows of `layer` groups its pairs on the device
   // (RunLocalOnDevice): tensor-core weights on a device other than a CPU, and at most
   // kernels::kDeviceGroupingMaxPairs pairs.

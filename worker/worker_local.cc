@@ -26,8 +26,6 @@ absl::Status Worker::RunLocal(const Layer& layer, const ExpertPlacement& placeme
                               const BatchDescriptor& desc, float* y, ExchangeStats& stats) {
   const int64_t n = desc.num_rows;
   const int k = cfg_.top_k;
-  const int64_t hidden = cfg_.hidden_size;
-  const ExchangePlan& plan = regions_.plan;
   const int num_local = layer.experts.num_experts;
   stats.rounds = 1;
   stats.expert_pairs.assign(num_local, 0);
@@ -67,38 +65,53 @@ absl::Status Worker::RunLocal(const Layer& layer, const ExpertPlacement& placeme
   stats.layout_ns = NanosSince(t0);
 
   // ---- the rows as the dispatch payload would deliver them (the `dispatch` stage) ----
-  t0 = absl::Now();
-  const bool bf16_rows = plan.dispatch_dtype() == common::ElementType::kBf16;
-  const kernels::Buffer& x = bf16_rows ? x_recv_ : x_local_;
-  if (bf16_rows) EPSERVE_RETURN_IF_ERROR(kernels::RoundToBf16(*rt_, x_local_, n * hidden, x_recv_));
-  stats.rows_received = n;
-  stats.pairs = pairs;
-  stats.dispatch_ns = NanosSince(t0);
+  EPSERVE_ASSIGN_OR_RETURN(const kernels::Buffer* rows, LocalRows(n, stats));
+  const kernels::Buffer& x = *rows;
 
   // ---- the experts and the shared expert ----
   t0 = absl::Now();
   EPSERVE_RETURN_IF_ERROR(
       kernels::ExpertFfn(*rt_, layer.experts, x, row_index_, local_offsets_, h_, y_));
-  kernels::SumStart start = kernels::SumStart::kZero;
-  if (layer.shared.num_experts > 0) {
-    // The whole shared expert on the unrounded rows (the owner's own), or its one slice on the
-    // rows as received (split), as the exchange runs them.
-    const bool split = plan.shared_expert_split();
-    EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(*rt_, layer.shared, split ? x : x_local_, n,
-                                                     shared_h_, shared_y_));
-    start = split ? kernels::SumStart::kAsPart : kernels::SumStart::kOnto;
-  }
+  EPSERVE_ASSIGN_OR_RETURN(const kernels::SumStart start, LocalSharedExpert(layer, x, n));
   EPSERVE_RETURN_IF_ERROR(rt_->Finish());
   stats.expert_ns = NanosSince(t0);
 
   // ---- the owner's sum, on the device, and the output rows down once ----
   t0 = absl::Now();
-  EPSERVE_RETURN_IF_ERROR(
-      kernels::SumPairRows(*rt_, y_, ids_, weights_, n, k, hidden, &shared_y_, start,
-                           plan.combine_dtype() == common::ElementType::kBf16, shared_y_));
-  EPSERVE_RETURN_IF_ERROR(DeliverRows(desc, shared_y_, y));
+  EPSERVE_RETURN_IF_ERROR(LocalSum(ids_, start, desc, y));
   stats.combine_ns = NanosSince(t0);
   return absl::OkStatus();
+}
+
+absl::StatusOr<const kernels::Buffer*> Worker::LocalRows(int64_t n, ExchangeStats& stats) {
+  const absl::Time t0 = absl::Now();
+  const bool bf16_rows = regions_.plan.dispatch_dtype() == common::ElementType::kBf16;
+  if (bf16_rows) {
+    EPSERVE_RETURN_IF_ERROR(kernels::RoundToBf16(*rt_, x_local_, n * cfg_.hidden_size, x_recv_));
+  }
+  stats.rows_received = n;
+  stats.pairs = n * cfg_.top_k;
+  stats.dispatch_ns = NanosSince(t0);
+  return bf16_rows ? &x_recv_ : &x_local_;
+}
+
+absl::StatusOr<kernels::SumStart> Worker::LocalSharedExpert(const Layer& layer,
+                                                            const kernels::Buffer& x, int64_t n) {
+  if (layer.shared.num_experts == 0) return kernels::SumStart::kZero;
+  // The whole shared expert on the unrounded rows (the owner's own), or its one slice on the
+  // rows as received (split), as the exchange runs them.
+  const bool split = regions_.plan.shared_expert_split();
+  EPSERVE_RETURN_IF_ERROR(
+      kernels::SharedExpertFfn(*rt_, layer.shared, split ? x : x_local_, n, shared_h_, shared_y_));
+  return split ? kernels::SumStart::kAsPart : kernels::SumStart::kOnto;
+}
+
+absl::Status Worker::LocalSum(const kernels::Buffer& pair_of_choice, kernels::SumStart start,
+                              const BatchDescriptor& desc, float* y) {
+  EPSERVE_RETURN_IF_ERROR(kernels::SumPairRows(
+      *rt_, y_, pair_of_choice, weights_, desc.num_rows, cfg_.top_k, cfg_.hidden_size, &shared_y_,
+      start, regions_.plan.combine_dtype() == common::ElementType::kBf16, shared_y_));
+  return DeliverRows(desc, shared_y_, y);
 }
 
 }  // namespace epserve::worker
@@ -136,8 +149,6 @@ absl::Status Worker::RunLocalOnDevice(const Layer& layer, const ExpertPlacement&
                                       const BatchDescriptor& desc, float* y, ExchangeStats& stats) {
   const int64_t n = desc.num_rows;
   const int k = cfg_.top_k;
-  const int64_t hidden = cfg_.hidden_size;
-  const ExchangePlan& plan = regions_.plan;
   stats.rounds = 1;
   stats.expert_pairs.assign(layer.experts.num_experts, 0);
   if (n == 0) return absl::OkStatus();
@@ -148,30 +159,16 @@ absl::Status Worker::RunLocalOnDevice(const Layer& layer, const ExpertPlacement&
                                               cfg_.num_experts, pair_groups_));
   stats.layout_ns = NanosSince(t0);
 
-  t0 = absl::Now();
-  const bool bf16_rows = plan.dispatch_dtype() == common::ElementType::kBf16;
-  const kernels::Buffer& x = bf16_rows ? x_recv_ : x_local_;
-  if (bf16_rows) EPSERVE_RETURN_IF_ERROR(kernels::RoundToBf16(*rt_, x_local_, n * hidden, x_recv_));
-  stats.rows_received = n;
-  stats.pairs = n * k;
-  stats.dispatch_ns = NanosSince(t0);
+  EPSERVE_ASSIGN_OR_RETURN(const kernels::Buffer* rows, LocalRows(n, stats));
+  const kernels::Buffer& x = *rows;
 
   t0 = absl::Now();
   EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfnGrouped(*rt_, layer.experts, x, pair_groups_, h_, y_));
-  kernels::SumStart start = kernels::SumStart::kZero;
-  if (layer.shared.num_experts > 0) {
-    const bool split = plan.shared_expert_split();
-    EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(*rt_, layer.shared, split ? x : x_local_, n,
-                                                     shared_h_, shared_y_));
-    start = split ? kernels::SumStart::kAsPart : kernels::SumStart::kOnto;
-  }
+  EPSERVE_ASSIGN_OR_RETURN(const kernels::SumStart start, LocalSharedExpert(layer, x, n));
   stats.expert_ns = NanosSince(t0);
 
   t0 = absl::Now();
-  EPSERVE_RETURN_IF_ERROR(kernels::SumPairRows(
-      *rt_, y_, pair_groups_.pair_of_choice, weights_, n, k, hidden, &shared_y_, start,
-      plan.combine_dtype() == common::ElementType::kBf16, shared_y_));
-  EPSERVE_RETURN_IF_ERROR(DeliverRows(desc, shared_y_, y));
+  EPSERVE_RETURN_IF_ERROR(LocalSum(pair_groups_.pair_of_choice, start, desc, y));
   EPSERVE_ASSIGN_OR_RETURN(std::vector<int64_t> counts,
                            kernels::ReadPairCounts(*rt_, pair_groups_));
   stats.expert_pairs = std::move(counts);
