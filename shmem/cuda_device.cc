@@ -32,15 +32,16 @@ namespace {
 struct Driver {
 #define EPSERVE_CUDA_STR2(x) #x
 #define EPSERVE_CUDA_STR(x) EPSERVE_CUDA_STR2(x)
-#define EPSERVE_CUDA_FNS(X)                                                                        \
-  X(cuInit)                                                                                        \
-  X(cuGetErrorName)                                                                                \
-  X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDevicePrimaryCtxRetain)                \
-      X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxSynchronize)                          \
-          X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemExportToShareableHandle)          \
-              X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) \
-                  X(cuMemSetAccess) X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle)                   \
-                      X(cuMemGetAddressRange) X(cuMemcpyDtoD)
+#define EPSERVE_CUDA_FNS(X)                                                                  \
+  X(cuInit)                                                                                  \
+  X(cuGetErrorName)                                                                          \
+  X(cuDeviceGetCount)                                                                        \
+  X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) \
+      X(cuCtxSetCurrent) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemCreate) \
+          X(cuMemExportToShareableHandle) X(cuMemRelease) X(cuMemAddressReserve)             \
+              X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                \
+                  X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemGetAddressRange)       \
+                      X(cuMemcpyDtoD)
 #define EPSERVE_CUDA_MEMBER(fn) decltype(&::fn) fn = nullptr;
   EPSERVE_CUDA_FNS(EPSERVE_CUDA_MEMBER)
 #undef EPSERVE_CUDA_MEMBER
