@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "shmem/cuda_device.h"
 
 namespace epserve::server {
 
@@ -76,7 +77,7 @@ struct CudaRegionStatus {
 
 class CudaSharedMemoryRegistry {
  public:
-  static constexpr size_t kIpcHandleBytes = 64;
+  static constexpr size_t kIpcHandleBytes = shmem::CudaDevice::kIpcHandleBytes;
 
   // Until set_available: every call UNIMPLEMENTED with `why`.
   explicit CudaSharedMemoryRegistry(std::string why_unavailable, size_t max_regions = 1024);

@@ -77,7 +77,6 @@ worker::DeviceRows DeviceRowsOf(const ShmPlace& place, common::ElementType type)
   worker::DeviceRows rows;
   rows.region_id = place.cuda->id();
   rows.offset = place.cuda_offset;
-  rows.device = static_cast<int32_t>(place.cuda->device_id());
   rows.type = type;
   std::memcpy(rows.handle, place.cuda->handle().data(), sizeof(rows.handle));
   return rows;

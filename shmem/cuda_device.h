@@ -37,8 +37,6 @@ class CudaDevice {
   CudaDevice(const CudaDevice&) = delete;
   CudaDevice& operator=(const CudaDevice&) = delete;
 
-  int ordinal() const { return ordinal_; }
-
   // Device memory of at least *bytes (rounded up to the granularity, written back), exported
   // as a file descriptor (owned by this object, valid while it lives) and, with `map`, mapped
   // into this context at *address.

@@ -11,11 +11,9 @@
 #include <cstring>
 
 #include "common/element_type.h"
+#include "shmem/cuda_device.h"
 
 namespace epserve::worker {
-
-// Bytes of a CUDA IPC memory handle (cudaIpcMemHandle_t).
-inline constexpr size_t kCudaIpcHandleBytes = 64;
 
 // Where a request's rows are in a client's CUDA memory: the allocation (its IPC handle, as
 // registered; `region_id` numbers the registration, never reused), the byte offset of the
@@ -23,9 +21,10 @@ inline constexpr size_t kCudaIpcHandleBytes = 64;
 struct DeviceRows {
   uint64_t region_id = 0;  // 0: the rows are not in CUDA memory
   uint64_t offset = 0;
-  int32_t device = -1;  // the client's CUDA device, as it registered the region
   common::ElementType type = common::ElementType::kFp32;
-  char handle[kCudaIpcHandleBytes] = {};
+  // The handle as registered (the worker opens it on its own device, through peer access
+  // where the client's allocation is on another).
+  char handle[shmem::CudaDevice::kIpcHandleBytes] = {};
 
   bool valid() const { return region_id != 0; }
   // The same rows `rows` rows of `hidden` values further on.

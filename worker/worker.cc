@@ -434,7 +434,8 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   ++batches_served_;
 
   absl::Time t0 = absl::Now();
-  const bool on_device = RunsLocally(desc) && GroupsOnDevice(layer, n);
+  const bool local = RunsLocally(desc);
+  const bool on_device = local && GroupsOnDevice(layer, n);
   if (n > 0) EPSERVE_RETURN_IF_ERROR(Route(layer, desc, x_in, /*to_host=*/!on_device));
   report.stage_ns[kRoute] = NanosSince(t0);
 
@@ -469,7 +470,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   ExchangeStats stats;
   if (on_device) {
     EPSERVE_RETURN_IF_ERROR(RunLocalOnDevice(layer, *placement, desc, y, stats));
-  } else if (RunsLocally(desc)) {
+  } else if (local) {
     EPSERVE_RETURN_IF_ERROR(RunLocal(layer, *placement, desc, y, stats));
   } else {
     DeviceExchange* mover = device_exchange_ != nullptr && device_exchange_->Serves(desc)

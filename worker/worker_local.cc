@@ -114,10 +114,6 @@ absl::Status Worker::LocalSum(const kernels::Buffer& pair_of_choice, kernels::Su
   return DeliverRows(desc, shared_y_, y);
 }
 
-}  // namespace epserve::worker
-
-namespace epserve::worker {
-
 bool Worker::GroupsOnDevice(const Layer& layer, int64_t n) const {
   return !rt_->device_info().is_cpu && layer.experts.tensor_cores &&
          n * cfg_.top_k <= kernels::kDeviceGroupingMaxPairs;

@@ -423,12 +423,15 @@ def cudashm_part(build, env, gpus, tokens=4096):
                              "tokens_per_s": step.get("tokens_per_s"), "p50_ms": lat.get("p50"),
                              "p99_ms": lat.get("p99")})
         for x in rows:
-            x.update(workers=workers, resident_tokens_per_s=bound,
-                     over_resident=(x.get("tokens_per_s") or 0) / bound)
-            log(f"  {workers} worker(s), {x['path']}, {x.get('tokens', tokens)} tokens, "
-                f"concurrency {x.get('concurrency')}: "
-                f"{x.get('tokens_per_s') or 0:.0f} tokens/s = {x['over_resident']:.2f}x the "
-                f"resident layer ({bound:.0f}), p50 {x.get('p50_ms')}")
+            x["workers"] = workers
+            line = (f"  {workers} worker(s), {x['path']}, {x.get('tokens', tokens)} tokens, "
+                    f"concurrency {x.get('concurrency')}: {x.get('tokens_per_s') or 0:.0f} "
+                    f"tokens/s, p50 {x.get('p50_ms')}")
+            if x.get("tokens", tokens) == tokens:  # the resident layer's size: its ratio
+                x.update(resident_tokens_per_s=bound,
+                         over_resident=(x.get("tokens_per_s") or 0) / bound)
+                line += f" = {x['over_resident']:.2f}x the resident layer ({bound:.0f})"
+            log(line)
         result["service"] += rows
     return result
 
