@@ -545,11 +545,11 @@ void Batcher::PrepareChunks(Batch* b) {
                 : own_out
                     ? static_cast<void*>(t.output + p.row * h * common::ElementBytes(t.output_type))
                     : b->output_staging.data() + p.at * h;
-    worker::RowChunk& c =
-        b->chunks.emplace_back(in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
-                               t.topk_weights ? t.topk_weights + p.row * k : nullptr,
-                               own_in ? t.input_type : common::ElementType::kFp32,
-                               own_out ? t.output_type : common::ElementType::kFp32);
+    b->chunks.push_back({in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
+                         t.topk_weights ? t.topk_weights + p.row * k : nullptr,
+                         own_in ? t.input_type : common::ElementType::kFp32,
+                         own_out ? t.output_type : common::ElementType::kFp32});
+    worker::RowChunk& c = b->chunks.back();
     if (t.device_input.valid()) c.device_input = t.device_input.Advanced(p.row, h);
     if (t.device_output.valid()) c.device_output = t.device_output.Advanced(p.row, h);
   }
