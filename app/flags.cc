@@ -110,6 +110,11 @@ void RegisterPipelineFlags(common::FlagSet& fs, Flags& flags) {
          "Batches between rank 0 and the workers at once: 2 copies the next batch's rows into "
          "the workers' second input slot while they compute, and the last batch's output out "
          "while they compute the next; 1 runs them one after the other");
+  fs.Add("direct-batch-tokens", &fe.batching.direct_batch_tokens,
+         "A request of at most this many tokens that finds rank 0's pipeline idle starts on the "
+         "gRPC thread that received it (its rows' copy into the heap, the workers' signal), "
+         "and a batch of at most this many tokens is answered by the thread that saw it end, "
+         "without waking another thread for each step; 0: never");
   fs.Add("host-copy-threads", &fe.host_copy_threads,
          "Rank 0's threads for a batch's row copies into and out of the shared heap and its "
          "dtype conversions; 0: a quarter of the host's hardware threads, 1 to 8");

@@ -89,6 +89,7 @@ absl::StatusOr<Job> PlanJob(int rank, int num_ranks, const Flags& flags) {
       server::PlaceExperts(job.config(), num_workers, flags.redundant_experts,
                            profile ? &*profile : nullptr, flags.fe.eplb.min_copies));
   job.host_workers = worker::WorkersOnHost(ranks_on_host, rank);
+  job.ranks_on_host = static_cast<int>(ranks_on_host.size());
   return job;
 }
 

@@ -29,6 +29,7 @@ struct Job {
   size_t heap_bytes = 0;                            // one rank's segment
   std::vector<worker::ExpertPlacement> placements;  // one per served layer
   worker::HostWorkers host_workers;                 // this rank's place on its host
+  int ranks_on_host = 1;                            // the job's ranks on it, this one included
 
   const model::ModelConfig& config() const { return source->config(); }
 };

@@ -57,8 +57,10 @@ int ServeFrontEnd(const Flags& flags, const Job& job, worker::Coordinator& coord
     common::LogInfo(absl::StrCat("error: ", s.ToString()));
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
+  server::FrontEndOptions options = flags.fe;
+  options.ranks_on_host = job.ranks_on_host;
   absl::StatusOr<std::unique_ptr<server::FrontEnd>> fe = server::FrontEnd::Start(
-      flags.fe, job.config(), flags.worker.device.device, coordinator,
+      options, job.config(), flags.worker.device.device, coordinator,
       static_cast<int64_t>(job.heap_bytes), job.open_model, static_cast<uint64_t>(flags.seed));
   if (!fe.ok()) {
     common::LogInfo(absl::StrCat("error: ", fe.status().ToString()));

@@ -1,6 +1,9 @@
 #include "common/parallel.h"
 
 #include <pthread.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -12,6 +15,16 @@ namespace epserve::common {
 int DefaultCopyThreads() {
   const int hw = static_cast<int>(std::thread::hardware_concurrency());
   return std::clamp(hw / 4, 1, 8);
+}
+
+bool ThreadsToSpare(int ranks_on_host) {
+  return static_cast<int>(std::thread::hardware_concurrency()) >= 4 * std::max(ranks_on_host, 1);
+}
+
+void SleepPrecisely() {
+#if defined(__linux__)
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);  // nanoseconds
+#endif
 }
 
 void NameThisThread(const char* name) {

@@ -15,6 +15,17 @@ namespace epserve::common {
 // bound by memory bandwidth). 1 on a 2-core machine: no threads at all.
 int DefaultCopyThreads();
 
+// Whether the host has hardware threads to spare for polling: at least 4 for each of the
+// `ranks_on_host` ranks of the job on it. Where it has, a rank's polls (an idle worker's look
+// for the next batch, rank 0's look at a running batch's end) can be short; where it has not,
+// each poll takes time from the cores the workers compute on.
+bool ThreadsToSpare(int ranks_on_host);
+
+// Makes the calling thread's timed sleeps and waits end within about a microsecond of their
+// time instead of Linux's default timer slack of 50 us, which otherwise comes on top of every
+// poll that sleeps (a decode-sized batch lasts a fraction of a millisecond). Once per thread.
+void SleepPrecisely();
+
 // Runs fn(begin, end) over [0, n) split into at most `threads` contiguous ranges of at least
 // `min_grain` items (fewer ranges where n is small), the first range on the calling thread,
 // the others on threads started for the call; returns when every range is done. threads <= 1

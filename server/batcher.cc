@@ -4,13 +4,6 @@
 #include "common/parallel.h"
 
 namespace epserve::server {
-namespace {
-
-// The fewest rows a thread converts: below this a thread's start costs more than it saves.
-constexpr int64_t kRowsPerThread = 128;
-
-}  // namespace
-
 void Batcher::Channel::Push(Batch* b) {
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -69,6 +62,8 @@ absl::Status BatchingOptions::Validate() const {
   if (max_batch_tokens < 1) return absl::InvalidArgumentError("--max-batch-tokens must be >= 1");
   if (max_queue_delay_us < 0)
     return absl::InvalidArgumentError("--max-queue-delay-us must be >= 0");
+  if (direct_batch_tokens < 0)
+    return absl::InvalidArgumentError("--direct-batch-tokens must be >= 0");
   return absl::OkStatus();
 }
 
@@ -103,6 +98,7 @@ Batcher::Batcher(const BatchingOptions& options, const ServedModel& model, int64
   });
   execute_thread_ = std::thread([this] {
     common::NameThisThread("ep-execute");
+    common::SleepPrecisely();  // its looks at a running batch's end (NextOrFinished)
     pipelined_.start ? ExecutePipelined() : ExecuteLoop();
   });
   complete_thread_ = std::thread([this] {
@@ -155,6 +151,7 @@ absl::Status Batcher::Enqueue(std::shared_ptr<InferTask> task) {
         absl::StrCat("priority ", task->priority, " outside [1, ", queues_.size(), "]"));
   }
   if (task->num_tokens < 1) return absl::InvalidArgumentError("a request needs >= 1 token");
+  Batch* direct = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
@@ -163,11 +160,22 @@ absl::Status Batcher::Enqueue(std::shared_ptr<InferTask> task) {
           absl::StrCat("queue full: ", queued_tokens_, " tokens queued, ", task->num_tokens,
                        " more would exceed --max-queue-tokens=", options_.max_queue_tokens));
     }
-    queued_tokens_ += task->num_tokens;
-    queued_rows_[task->layer_pos] += task->num_tokens;
-    queues_[task->priority - 1].push_back(std::move(task));
+    // A free batch is taken under mu_ (the channels never take it, so no lock order
+    // inverts); the executor is claimed, so the formation thread hands it nothing meanwhile.
+    if (MayStartDirectly(*task) && (direct = free_.PopFor(absl::ZeroDuration())) != nullptr) {
+      executor_idle_ = false;
+      starting_directly_ = true;
+    } else {
+      queued_tokens_ += task->num_tokens;
+      queued_rows_[task->layer_pos] += task->num_tokens;
+      queues_[task->priority - 1].push_back(std::move(task));
+    }
   }
-  cv_.notify_one();
+  if (direct != nullptr) {
+    StartDirectly(direct, std::move(task));
+  } else {
+    cv_.notify_one();
+  }
   return absl::OkStatus();
 }
 
@@ -227,9 +235,11 @@ void Batcher::MaybeRunBarrier(std::unique_lock<std::mutex>& lock) {
   // The executor waits for a batch, and only this thread hands it one.
   std::function<absl::Status()> fn = std::move(barrier_fn_);
   barrier_fn_ = nullptr;
+  barrier_running_ = true;  // no request starts directly meanwhile
   lock.unlock();
   absl::Status status = fn();
   lock.lock();
+  barrier_running_ = false;
   barrier_status_ = std::move(status);
   ++barriers_run_;
   barrier_cv_.notify_all();
@@ -375,6 +385,7 @@ void Batcher::FormLoop() {
       std::unique_lock<std::mutex> lock(mu_);
       MaybeRunBarrier(lock);
       running = TakePieces(lock, *b, to_release);
+      forming_ = running && !b->pieces.empty();
       if (!running) {
         for (auto& q : queues_) {
           for (auto& t : q) {
@@ -391,6 +402,11 @@ void Batcher::FormLoop() {
     to_release.clear();
     if (!running) {
       free_.Push(b);
+      {
+        // A request being started directly hands its batch to the executor first.
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !starting_directly_; });
+      }
       ready_.Close();
       return;
     }
@@ -406,13 +422,18 @@ void Batcher::FormLoop() {
         std::unique_lock<std::mutex> lock(mu_);
         // A pipelined executor starts a full batch while it runs the one before: it goes now.
         const bool hand_over_full = pipelined_.start && b->rows >= options_.max_batch_tokens;
+        // Nothing goes to the executor while a request started directly is on its way there
+        // (it would be started second and finished first).
+        auto hand_over = [&] {
+          return !starting_directly_ && (stopping_ || executor_idle_ || hand_over_full);
+        };
         cv_.wait(lock, [&] {
-          return stopping_ || executor_idle_ || hand_over_full ||
-                 (barrier_fn_ == nullptr && b->rows < options_.max_batch_tokens &&
-                  queued_rows_[b->layer_pos] > 0);
+          return hand_over() || (barrier_fn_ == nullptr && b->rows < options_.max_batch_tokens &&
+                                 queued_rows_[b->layer_pos] > 0);
         });
-        if (stopping_ || executor_idle_ || hand_over_full) {
+        if (hand_over()) {
           executor_idle_ = false;  // this batch is the executor's next
+          forming_ = false;
           break;
         }
         AppendPieces(*b, to_release);
@@ -428,170 +449,6 @@ void Batcher::FormLoop() {
       if (p.task->first_batched == absl::InfiniteFuture()) p.task->first_batched = handed;
     }
     ready_.Push(b);
-  }
-}
-
-void Batcher::ExecuteLoop() {
-  while (true) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      executor_idle_ = true;
-    }
-    cv_.notify_all();
-    Batch* b = ready_.Pop();
-    if (b == nullptr) break;
-    PrepareChunks(b);
-    if (!b->chunks.empty()) {
-      const absl::Time t0 = absl::Now();
-      b->status = executor_(b->layer_pos, b->chunks);
-      b->infer_time = absl::Now() - t0;
-    }
-    finished_.Push(b);
-  }
-  finished_.Close();
-}
-
-void Batcher::ExecutePipelined() {
-  Batch* running = nullptr;  // started, not finished
-  auto finish = [&](Batch* b) {
-    b->status = pipelined_.finish(b->ticket, b->layer_pos, b->chunks);
-    b->infer_time = absl::Now() - b->started;
-    finished_.Push(b);
-  };
-  while (true) {
-    Batch* b = nullptr;
-    if (running == nullptr) {
-      // Idle only while no batch is there: the forming batch goes to an idle executor as it
-      // is, and one handed over full while the last one ran must not leave it marked idle.
-      b = ready_.PopFor(absl::ZeroDuration());
-      if (b == nullptr) {
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          executor_idle_ = true;
-        }
-        cv_.notify_all();
-        b = ready_.Pop();
-        if (b == nullptr) break;
-        std::lock_guard<std::mutex> lock(mu_);
-        executor_idle_ = false;
-      }
-    } else {
-      b = NextOrFinished(*running);
-      if (b == nullptr) {
-        finish(running);
-        running = nullptr;
-        continue;
-      }
-    }
-    PrepareChunks(b);
-    absl::StatusOr<uint64_t> ticket = uint64_t{0};
-    if (!b->chunks.empty()) ticket = pipelined_.start(b->layer_pos, b->chunks);
-    // The running batch ends before this one is answered (answers in order).
-    if (running != nullptr) finish(running);
-    running = nullptr;
-    if (b->chunks.empty()) {
-      finished_.Push(b);
-    } else if (!ticket.ok()) {
-      b->status = ticket.status();
-      b->infer_time = absl::Now() - b->started;
-      finished_.Push(b);
-    } else {
-      b->ticket = *ticket;
-      running = b;
-    }
-  }
-  finished_.Close();
-}
-
-Batcher::Batch* Batcher::NextOrFinished(const Batch& running) {
-  if (!pipelined_.finished) return ready_.PopFor(absl::ZeroDuration());
-  const absl::Time start = absl::Now();
-  absl::Duration wait = absl::Microseconds(50);
-  while (true) {
-    if (Batch* b = ready_.PopFor(wait)) return b;
-    if (ready_.closed() || pipelined_.finished(running.ticket)) return nullptr;
-    // Notices the end at most about 1/64 of the batch's time late (as Coordinator::WaitDone).
-    wait = std::max(absl::Microseconds(50), (absl::Now() - start) / 64);
-  }
-}
-
-void Batcher::PrepareChunks(Batch* b) {
-  const int64_t h = model_.hidden_size;
-  const int64_t k = model_.top_k;
-  const absl::Time now = absl::Now();
-  b->status = absl::OkStatus();
-  b->infer_time = absl::ZeroDuration();
-  b->started = now;
-  b->chunks.clear();
-  for (Piece& p : b->pieces) {
-    InferTask& t = *p.task;
-    // Rows whose request is already answered, cancelled or expired cost no compute.
-    if (absl::Status drop = Dropped(t, now); !drop.ok()) {
-      if (on_rows_skipped_) on_rows_skipped_(drop.code(), p.rows);
-      Fail(t, std::move(drop));
-      p.skipped = true;
-      continue;
-    }
-    // The request's own rows where the executor converts them or they are FP32, else the
-    // batch's FP32 staging.
-    const bool own_in = options_.executor_converts || t.input_type == common::ElementType::kFp32;
-    const bool own_out = options_.executor_converts || t.output_type == common::ElementType::kFp32;
-    const void* in =
-        t.device_input.valid() ? nullptr
-        : own_in
-            ? static_cast<const void*>(t.input + p.row * h * common::ElementBytes(t.input_type))
-            : b->input_staging.data() + p.at * h;
-    void* out = t.device_output.valid() ? nullptr
-                : own_out
-                    ? static_cast<void*>(t.output + p.row * h * common::ElementBytes(t.output_type))
-                    : b->output_staging.data() + p.at * h;
-    b->chunks.push_back({in, out, p.rows, t.topk_ids ? t.topk_ids + p.row * k : nullptr,
-                         t.topk_weights ? t.topk_weights + p.row * k : nullptr,
-                         own_in ? t.input_type : common::ElementType::kFp32,
-                         own_out ? t.output_type : common::ElementType::kFp32});
-    worker::RowChunk& c = b->chunks.back();
-    if (t.device_input.valid()) c.device_input = t.device_input.Advanced(p.row, h);
-    if (t.device_output.valid()) c.device_output = t.device_output.Advanced(p.row, h);
-  }
-}
-
-void Batcher::CompleteLoop() {
-  const int64_t h = model_.hidden_size;
-  while (Batch* b = finished_.Pop()) {
-    const absl::Time t0 = absl::Now();
-    for (const Piece& p : b->pieces) {
-      InferTask& t = *p.task;
-      if (p.skipped) continue;
-      if (!b->status.ok()) {
-        Fail(t, b->status);
-      } else if (!options_.executor_converts && t.output_type != common::ElementType::kFp32 &&
-                 !t.failed.load()) {
-        const float* src = b->output_staging.data() + p.at * h;
-        char* dst = t.output + p.row * h * common::ElementBytes(t.output_type);
-        common::ParallelFor(
-            options_.copy_threads, p.rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
-              FromFp32(t.output_type, src + begin * h,
-                       dst + begin * h * common::ElementBytes(t.output_type), (end - begin) * h);
-            });
-      }
-    }
-    b->output_time = absl::Now() - t0;
-    for (const Piece& p : b->pieces) {
-      InferTask& t = *p.task;
-      if (!p.skipped) {
-        t.times.compute_input += b->input_time;
-        t.times.compute_infer += b->infer_time;
-        t.times.compute_output += b->output_time;
-      }
-      ReleaseToRespond(p.task);
-    }
-    if (observer_ && b->status.ok() && !b->chunks.empty()) {
-      int64_t rows = 0;
-      for (const worker::RowChunk& c : b->chunks) rows += c.rows;
-      observer_(rows, b->input_time, b->infer_time, b->output_time, absl::Now() - t0);
-    }
-    b->pieces.clear();
-    free_.Push(b);
   }
 }
 

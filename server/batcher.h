@@ -11,6 +11,11 @@
 // At most one formed batch waits for the executor, and while it waits it keeps taking in
 // rows of its layer as they arrive, up to max_batch_tokens: under load every batch holds what
 // arrived while the previous one ran, and an idle executor gets a batch without delay.
+//
+// A small request that finds the pipeline idle skips the hand-offs (direct_batch_tokens): the
+// thread that enqueues it starts its batch, and the executor answers it when the completion
+// thread has nothing to do. Each hand-off wakes a sleeping thread, which on an idle host
+// takes tens of microseconds, as long as a decode-sized batch's copies.
 #pragma once
 
 #include <atomic>
@@ -61,14 +66,17 @@ struct InferTask {
   std::string unrequested_output;
   absl::Time enqueued;
   absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> cancelled;  // may be empty; called from the batcher's threads
+  // May be empty; called from the batcher's threads (or, for a request started directly,
+  // from the thread that enqueued it).
+  std::function<bool()> cancelled;
   // Called exactly once, from one of the batcher's threads, after the batcher's last use of
   // input and output.
   std::function<void(absl::Status, const TaskTimes&)> done;
 
   // ---- batcher internals ----
-  int64_t rows_taken = 0;  // formation thread only
-  // When its first rows went to the executor; formation thread only.
+  // Formation thread only (or the enqueuing thread's, for a request started directly).
+  int64_t rows_taken = 0;
+  // When its first rows went to the executor; as rows_taken.
   absl::Time first_batched = absl::InfiniteFuture();
   std::atomic<bool> failed{false};  // an error was recorded; remaining rows are dropped
   std::atomic<int> refs{1};         // the queue's reference + one per piece in flight
@@ -88,6 +96,16 @@ struct BatchingOptions {
   // 4096-token answer takes milliseconds), so that the completion thread goes on with the
   // next batch meanwhile; 0 or 1: the completion thread answers itself.
   int respond_threads = 0;
+  // A request of at most this many rows (and of one batch) that finds the pipeline idle (the
+  // executor waiting, nothing queued or formed) is started as a batch of its own by the thread
+  // that enqueues it, with a PipelinedExecutor: its rows' copy into the heap and the workers'
+  // signal are made there, and the executor, woken meanwhile, waits for its end; the executor
+  // also answers a batch of at most this many rows where the completion thread is idle, and
+  // such answers are given without a responder thread. 0: never (--direct-batch-tokens).
+  int64_t direct_batch_tokens = 128;
+  // The longest the executor sleeps between two looks at a running batch's end, where 1/64 of
+  // the batch's time so far is less: the end is noticed at most about this late.
+  absl::Duration end_poll = absl::Microseconds(50);
   // The executor takes each request's rows in the request's own element types
   // (RowChunk::input_type / output_type) and converts them as it copies them (the
   // coordinator: into and out of the heap); false: the batcher hands it FP32 rows, converting
@@ -125,7 +143,8 @@ class Batcher {
   // Told of every batch the executor ran successfully, after its requests were answered:
   // its rows and where its time went (input conversion, the executor, output conversion,
   // and the whole completion: output conversion plus answering). Called from the
-  // completion thread.
+  // completion thread, or the executor's for a batch it answers itself; never from both at
+  // once.
   using BatchObserver = std::function<void(int64_t rows, absl::Duration input, absl::Duration infer,
                                            absl::Duration output, absl::Duration respond)>;
 
@@ -184,6 +203,9 @@ class Batcher {
     absl::Status status;
     uint64_t ticket = 0;  // PipelinedExecutor's
     absl::Time started;   // when the executor took it
+    // Started by the thread that enqueued its one request (direct_batch_tokens): the
+    // executor takes it running (or failed: status), and starts nothing.
+    bool direct = false;
   };
   // A bounded FIFO between two threads of the pipeline.
   class Channel {
@@ -211,6 +233,10 @@ class Batcher {
   void MaybeRunBarrier(std::unique_lock<std::mutex>& lock);
   // A queued request some of whose rows are taken but not all; nullptr if none. Holds mu_.
   const InferTask* PartlyTaken() const;
+  // Whether `task` may start as a batch of its own on the enqueuing thread, now. Holds mu_.
+  bool MayStartDirectly(const InferTask& task) const;
+  // Starts `task` as batch `b` on this thread and hands the batch, running, to the executor.
+  void StartDirectly(Batch* b, std::shared_ptr<InferTask> task);
   void ExecuteLoop();
   // ExecuteLoop with a PipelinedExecutor: while a batch runs, the next one formed is started
   // (its rows go in) before the running one is finished.
@@ -223,6 +249,12 @@ class Batcher {
   // resets what the executor fills in (status, infer_time; started = now).
   void PrepareChunks(Batch* b);
   void CompleteLoop();
+  // The executor's hand-over of an ended batch: answered on this thread where it is small
+  // and the completion thread is idle (so answers stay in order), else by the completion
+  // thread.
+  void Complete(Batch* b);
+  // Converts a finished batch's outputs, answers its requests and frees it.
+  void CompleteBatch(Batch* b);
   // The completion thread's release of a task: its answer on a responder thread where there
   // are any (respond_threads), else here.
   void ReleaseToRespond(const std::shared_ptr<InferTask>& task);
@@ -247,6 +279,9 @@ class Batcher {
   void Answer(InferTask& task);   // calls task.done, once its last reference is gone
   static absl::Status Dropped(InferTask& task, absl::Time now);
 
+  // The fewest rows a thread converts: below this a thread's start costs more than it saves.
+  static constexpr int64_t kRowsPerThread = 128;
+
   const BatchingOptions options_;
   const ServedModel model_;
   const Executor executor_;
@@ -265,9 +300,18 @@ class Batcher {
   // (so never while a handed-over batch is pending), cleared by the formation thread as it
   // hands one over. Guarded by mu_.
   bool executor_idle_ = false;
+  // The formation thread holds pieces not yet handed over: a request started directly would
+  // overtake them. Guarded by mu_.
+  bool forming_ = false;
+  // A request is being started directly (claimed, not yet handed to the executor): the
+  // formation thread closes the executor's channel only after it. Guarded by mu_.
+  bool starting_directly_ = false;
+  // Batches handed to the completion thread and not yet answered.
+  std::atomic<int> completions_pending_{0};
   // RunBetweenRequests: the function waiting to run (null: none), and its result.
   std::function<absl::Status()> barrier_fn_;  // guarded by mu_
   uint64_t barriers_run_ = 0;                 // guarded by mu_
+  bool barrier_running_ = false;              // guarded by mu_
   absl::Status barrier_status_;               // guarded by mu_
   std::condition_variable barrier_cv_;
   std::mutex barrier_call_mu_;  // one RunBetweenRequests at a time

@@ -298,6 +298,8 @@ void FrontEnd::StartBatcher(Batcher::Executor executor, Batcher::PipelinedExecut
       o.host_copy_threads > 0 ? o.host_copy_threads : common::DefaultCopyThreads();
   BatchingOptions batching = o.batching;
   batching.copy_threads = copy_threads;
+  batching.end_poll =
+      common::ThreadsToSpare(o.ranks_on_host) ? absl::Microseconds(5) : absl::Microseconds(50);
   // As many threads hand answers to gRPC (its serialisation of large answers), so that the
   // completion thread goes on with the next batch.
   batching.respond_threads = o.respond_threads > 0 ? o.respond_threads : copy_threads;
@@ -309,7 +311,10 @@ void FrontEnd::StartBatcher(Batcher::Executor executor, Batcher::PipelinedExecut
       o.host_copy_threads > 0 ? "--host-copy-threads" : "a quarter of the host's hardware threads",
       "), ", batching.respond_threads > 1 ? batching.respond_threads : 0,
       " answering (0: the completion thread answers); ", o.batches_in_flight,
-      " batch(es) in flight"));
+      " batch(es) in flight; requests of up to ", batching.direct_batch_tokens,
+      " tokens start on their gRPC thread when the pipeline is idle (--direct-batch-tokens); "
+      "a running batch's end looked at every ",
+      absl::FormatDuration(batching.end_poll), " or 1/64 of its time"));
   Batcher::BatchObserver observer = [this](int64_t rows, absl::Duration in, absl::Duration infer,
                                            absl::Duration out, absl::Duration respond) {
     statistics_.ObserveBatch(rows, in, infer, out);

@@ -86,6 +86,11 @@ struct FrontEndOptions {
   // Batches between rank 0 and the workers at once: 2 (the next batch's rows copied in while
   // the workers compute, the last one's output copied out while they compute the next) or 1.
   int batches_in_flight = 2;
+  // The ranks of the job on rank 0's host, itself included (from the job, not a flag): where
+  // the host has threads to spare for them (common::ThreadsToSpare) the executor looks at a
+  // running batch's end every few microseconds, else every 50 us at most
+  // (BatchingOptions::end_poll).
+  int ranks_on_host = 1;
   // Keepalive (gRPC channel arguments of the server).
   absl::Duration keepalive_time = absl::Hours(2);
   absl::Duration keepalive_timeout = absl::Seconds(20);

@@ -1,9 +1,6 @@
 #include "shmem/heap.h"
 
 #include <sched.h>
-#if defined(__linux__)
-#include <sys/prctl.h>
-#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
 #endif
@@ -16,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/log.h"
+#include "common/parallel.h"
 #include "shmem/detail/backends.h"
 #include "shmem/host.h"
 
@@ -127,14 +125,9 @@ inline void CpuRelax() {
 #endif
 }
 
-// Makes this thread's sleeps end within about a microsecond of their time instead of
-// Linux's default 50 us timer slack, which otherwise adds up to 50 us to every poll that
-// sleeps: a decode-sized batch (a fraction of a millisecond) waits through several. Once per
-// thread (the first wait that sleeps).
+// Once per thread (the first wait that sleeps): common::SleepPrecisely.
 bool PreciseSleeps() {
-#if defined(__linux__)
-  prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);  // nanoseconds
-#endif
+  common::SleepPrecisely();
   return true;
 }
 

@@ -41,9 +41,8 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   w->orphan_grace_ = options.orphan_grace;
   const int ranks_on_host = std::max(options.workers_on_host, 1) + 1;
   w->idle_poll_ = options.idle_poll > absl::ZeroDuration() ? options.idle_poll
-                  : static_cast<int>(std::thread::hardware_concurrency()) >= 4 * ranks_on_host
-                      ? absl::Microseconds(20)
-                      : absl::Microseconds(200);
+                  : common::ThreadsToSpare(ranks_on_host)  ? absl::Microseconds(20)
+                                                           : absl::Microseconds(200);
   absl::StatusOr<std::unique_ptr<Exchange>> exchange =
       Exchange::Create(heap, regions.plan, regions.exchange, w->me_);
   if (!exchange.ok()) return exchange.status();

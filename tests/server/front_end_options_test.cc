@@ -49,6 +49,8 @@ TEST(FrontEndOptions, EveryGroupIsChecked) {
        "--max-batch-tokens must be >= 1"},
       {[](FrontEndOptions& o) { o.batching.max_queue_delay_us = -1; },
        "--max-queue-delay-us must be >= 0"},
+      {[](FrontEndOptions& o) { o.batching.direct_batch_tokens = -1; },
+       "--direct-batch-tokens must be >= 0"},
       {[](FrontEndOptions& o) { o.requests.max_request_tokens = 0; },
        "--max-request-tokens must be >= 1"},
       {[](FrontEndOptions& o) { o.batching.max_queue_tokens = 100; },

@@ -404,7 +404,10 @@ TEST(WorkerPipeline, RowsInCudaMemoryOnCpuWorkersAreAnErrorNamingWhy) {
   RunCluster({}, [&](Cluster& c, Coordinator& coord) {
     EXPECT_FALSE(coord.workers_read_cuda());
     const int64_t h = c.source->config().layer.hidden_size;
-    std::vector<float> x(9 * h, 0.25f), out(9 * h, NAN);
+    std::mt19937_64 rng(std::random_device{}());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> x(9 * h), out(9 * h, NAN);
+    for (float& v : x) v = u(rng);
     RowChunk chunks[2] = {{x.data(), out.data(), 4}, {nullptr, nullptr, 5}};
     chunks[1].device_input.region_id = 1;
     chunks[1].device_output.region_id = 1;

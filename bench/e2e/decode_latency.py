@@ -1,0 +1,146 @@
+#!/usr/bin/python3
+"""A decode-sized request's latency through the service against the in-process layer, same
+run: one client at a time sends T-token requests through system shared memory (epserve-load
+--concurrency=1 --shared-memory), and the service's p50 less the resident in-process layer's
+median (bench_e2e_inprocess) is what serving adds. Each round starts the service once with
+the baseline flags (by default --direct-batch-tokens=0: every request passes the batcher's
+thread hand-offs) and once without, alternately, and prints per step p50, p99 and the means
+of rank 0's and the workers' stages from /metrics.
+
+    python3 bench/e2e/decode_latency.py --build build --model synthetic:tiny
+    python3 bench/e2e/decode_latency.py --build gpu-bundle --workers 1 \\
+        --model synthetic:qwen1.5-moe-a2.7b --epserve-flags="--device=gpu --weight-dtype=bf16"
+
+Issue 40's target for the service: p50 <= the resident in-process layer + 0.25 ms at 16 and
+128 tokens. Standard library only (it runs from a bundle).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+
+from host import host_description
+from shm_vs_inline import Cluster, log
+
+HIST = re.compile(r'^(epserve_\w+_seconds)_(sum|count)(\{.*\})? (\S+)$')
+
+
+def means(metrics_address):
+    """{histogram name with its labels but `code`/`model`: [sum, count]} of every *_seconds
+    histogram on /metrics."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = HIST.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        keep = ",".join(f"{k}={v}" for k, v in sorted(labels.items())
+                        if k not in ("model", "code"))
+        key = m.group(1) + (f"{{{keep}}}" if keep else "")
+        entry = out.setdefault(key, [0.0, 0.0])
+        entry[0 if m.group(2) == "sum" else 1] += float(m.group(4))
+    return out
+
+
+def mean_ms(before, after):
+    out = {}
+    for key, (s1, c1) in after.items():
+        s0, c0 = before.get(key, (0.0, 0.0))
+        if c1 > c0:
+            out[key.replace("epserve_", "").replace("_seconds", "")] = (s1 - s0) / (c1 - c0) * 1e3
+    return out
+
+
+def inprocess(args, env, tokens):
+    cmd = [os.path.join(args.build, "bench", "e2e", "bench_e2e_inprocess"),
+           f"--model={args.model}", "--tokens=" + ",".join(map(str, tokens)),
+           "--check-tokens=0", "--min-seconds=1", *args.inprocess_flags.split()]
+    log("$ " + " ".join(cmd))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    rows = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            if "tokens" in d:
+                rows[d["tokens"]] = d.get("resident_median_ms") or d["median_ms"]
+    return rows
+
+
+def one_client(args, env, address, tokens):
+    cmd = [os.path.join(args.build, "client", "epserve-load"), f"--target={address}",
+           f"--tokens={tokens}", "--concurrency=1", f"--duration={args.duration}",
+           "--warmup=1s", "--shared-memory=true", "--json", "--progress=off"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            lat = d.get("latency_ms") or {}
+            return {"p50": lat.get("p50"), "p99": lat.get("p99"), "ok": d.get("ok"),
+                    "errors": d.get("errors")}
+    raise RuntimeError("epserve-load printed no result:\n" + out.stderr[-3000:])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", default="build", help="build folder or bundle")
+    p.add_argument("--model", default="synthetic:tiny")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--tokens", default="16,128")
+    p.add_argument("--epserve-flags", default="--device=cpu", help="flags of both variants")
+    p.add_argument("--baseline-flags", default="--direct-batch-tokens=0")
+    p.add_argument("--baseline-build", default="",
+                   help="run the baseline from this build instead (e.g. the commit before)")
+    p.add_argument("--inprocess-flags", default="--device=cpu",
+                   help="bench_e2e_inprocess flags (its device and weight dtype)")
+    p.add_argument("--duration", default="4s")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", default="", help="also write the results here")
+    args = p.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    print(f"host: {host_description()}")
+    layer = inprocess(args, env, tokens)
+    base = args.baseline_build or args.build
+    variants = [(f"baseline {args.baseline_build} {args.baseline_flags}".replace("  ", " "),
+                 base, args.baseline_flags.split()), ("default", args.build, [])]
+    results = []
+    for r in range(args.rounds):
+        for name, build, extra in variants:
+            c = Cluster(build, env, args.workers, args.model, args.epserve_flags.split() + extra)
+            try:
+                for t in tokens:
+                    before = means(c.metrics)
+                    res = one_client(args, env, c.address, t)
+                    res.update(round=r, variant=name, tokens=t, layer_ms=layer.get(t),
+                               stages_ms=mean_ms(before, means(c.metrics)))
+                    results.append(res)
+                    log(json.dumps(res))
+            finally:
+                c.stop()
+    print(f"model {args.model}, {args.workers} worker(s), flags: {args.epserve_flags}; "
+          f"in-process layer (resident) from bench_e2e_inprocess {args.inprocess_flags}")
+    print("| tokens | variant | round | p50 ms | p99 ms | in-process ms | p50 - in-process |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for res in results:
+        lay = res["layer_ms"] or 0
+        print(f"| {res['tokens']} | {res['variant']} | {res['round']} | {res['p50']:.3f} | "
+              f"{res['p99']:.3f} | {lay:.3f} | {res['p50'] - lay:+.3f} |")
+    print("\nmeans per request or batch (ms), last round:")
+    for res in results[-len(tokens) * len(variants):]:
+        st = " ".join(f"{k} {v:.3f}" for k, v in sorted(res["stages_ms"].items()))
+        print(f"  {res['tokens']} tokens, {res['variant']}: {st}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"host": host_description(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
