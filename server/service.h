@@ -208,6 +208,9 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   MemoryBudget budget_;
   SharedMemoryRegistry shm_;
   CudaSharedMemoryRegistry cuda_shm_;
+  // Held across a registration's look into the other kind's registry and its own Register,
+  // so that one name never ends up in both (one name space, as in Triton).
+  std::mutex region_names_mu_;
   // Registered calls. A recursive mutex: the reaper cancels calls while holding it, and gRPC
   // may run the cancelled call's callbacks (OnDone -> Forget) inline on the reaper's thread.
   std::recursive_mutex calls_mu_;

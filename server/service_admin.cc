@@ -220,6 +220,7 @@ grpc::ServerUnaryReactor* InferenceService::CudaSharedMemoryRegister(
     inference::CudaSharedMemoryRegisterResponse*) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
   // One name space for both kinds of region, as in Triton.
+  std::lock_guard<std::mutex> names(region_names_mu_);
   if (cuda_shm_.available() && shm_.Find(req->name()).ok()) {
     return Reply(ctx, absl::AlreadyExistsError(
                           absl::StrCat("a shared memory region '", Clip(req->name()),
@@ -301,6 +302,7 @@ grpc::ServerUnaryReactor* InferenceService::SystemSharedMemoryRegister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* req,
     inference::SystemSharedMemoryRegisterResponse*) {
   if (absl::Status s = auth_->Check(*ctx); !s.ok()) return Reply(ctx, s);
+  std::lock_guard<std::mutex> names(region_names_mu_);
   if (cuda_shm_.Find(req->name()).ok()) {
     return Reply(ctx, absl::AlreadyExistsError(
                           absl::StrCat("a shared memory region '", Clip(req->name()),
