@@ -82,7 +82,7 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& name,
     if (opener_ == nullptr) return Unavailable();
     opener = opener_;
     if (name.empty()) return absl::InvalidArgumentError("name: must not be empty");
-    if (regions_.count(name) > 0) {
+    if (regions_.contains(name)) {
       return absl::AlreadyExistsError(
           absl::StrCat("a shared memory region '", Clip(name), "' is registered already"));
     }
@@ -115,7 +115,7 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& name,
   r->device_id_ = device_id;
   r->byte_size_ = byte_size;
   std::lock_guard<std::mutex> lock(mu_);
-  if (regions_.count(name) > 0) {
+  if (regions_.contains(name)) {
     return absl::AlreadyExistsError(
         absl::StrCat("a shared memory region '", Clip(name), "' is registered already"));
   }
@@ -124,46 +124,30 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& name,
         absl::StrCat("at most ", max_regions_, " CUDA shared memory regions may be registered"));
   }
   r->id_ = next_id_++;
-  regions_.emplace(name, std::move(r));
+  regions_.Insert(name, std::move(r));
   return absl::OkStatus();
 }
 
 absl::Status CudaSharedMemoryRegistry::Unregister(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   if (opener_ == nullptr) return Unavailable();
-  if (name.empty()) {
-    regions_.clear();
-  } else {
-    regions_.erase(name);  // an unknown name is no error (Triton's rule)
-  }
+  regions_.Remove(name);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRegistry::Find(
     const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = regions_.find(name);
-  if (it == regions_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("no shared memory region '", Clip(name), "' is registered"));
-  }
-  return it->second;
+  return regions_.Find(name);
 }
 
 absl::StatusOr<std::vector<CudaRegionStatus>> CudaSharedMemoryRegistry::Status(
     const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (opener_ == nullptr) return Unavailable();
-  std::vector<CudaRegionStatus> out;
-  for (const auto& [n, r] : regions_) {
-    if (!name.empty() && n != name) continue;
-    out.push_back({r->name(), r->device_id(), r->byte_size()});
-  }
-  if (!name.empty() && out.empty()) {
-    return absl::NotFoundError(
-        absl::StrCat("no CUDA shared memory region '", Clip(name), "' is registered"));
-  }
-  return out;
+  return regions_.Statuses(name, "CUDA ", [](const CudaSharedMemoryRegion& r) {
+    return CudaRegionStatus{r.name(), r.device_id(), r.byte_size()};
+  });
 }
 
 }  // namespace epserve::server

@@ -19,7 +19,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -28,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "server/region_map.h"
 #include "shmem/cuda_device.h"
 
 namespace epserve::server {
@@ -106,7 +106,7 @@ class CudaSharedMemoryRegistry {
   std::string why_unavailable_;  // guarded by mu_, as the rest
   CudaMemoryOpener opener_;
   uint64_t next_id_ = 1;
-  std::map<std::string, std::shared_ptr<const CudaSharedMemoryRegion>> regions_;
+  RegionMap<CudaSharedMemoryRegion> regions_;
 };
 
 }  // namespace epserve::server

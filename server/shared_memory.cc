@@ -145,7 +145,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (regions_.count(name) > 0) {
+    if (regions_.contains(name)) {
       return absl::AlreadyExistsError(
           absl::StrCat("shared memory region '", Clip(name), "' is already registered"));
     }
@@ -197,7 +197,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
                      kGuardSlots, " regions mapped in this process)"));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  if (!regions_.emplace(name, std::move(region)).second) {  // registered meanwhile
+  if (!regions_.Insert(name, std::move(region))) {  // registered meanwhile
     return absl::AlreadyExistsError(
         absl::StrCat("shared memory region '", Clip(name), "' is already registered"));
   }
@@ -206,38 +206,22 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
 
 absl::Status SharedMemoryRegistry::Unregister(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (name.empty()) {
-    regions_.clear();
-    return absl::OkStatus();
-  }
-  regions_.erase(name);  // an unknown name is no error (Triton's rule)
+  regions_.Remove(name);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::Find(
     const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = regions_.find(name);
-  if (it == regions_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("no shared memory region '", Clip(name), "' is registered"));
-  }
-  return it->second;
+  return regions_.Find(name);
 }
 
 absl::StatusOr<std::vector<SharedMemoryStatus>> SharedMemoryRegistry::Status(
     const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<SharedMemoryStatus> out;
-  for (const auto& [n, r] : regions_) {
-    if (!name.empty() && n != name) continue;
-    out.push_back({r->name(), r->key(), r->offset(), r->byte_size()});
-  }
-  if (!name.empty() && out.empty()) {
-    return absl::NotFoundError(
-        absl::StrCat("no shared memory region '", Clip(name), "' is registered"));
-  }
-  return out;
+  return regions_.Statuses(name, "", [](const SharedMemoryRegion& r) {
+    return SharedMemoryStatus{r.name(), r.key(), r.offset(), r.byte_size()};
+  });
 }
 
 }  // namespace epserve::server

@@ -18,7 +18,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/region_map.h"
 
 namespace epserve::server {
 
@@ -94,7 +94,7 @@ class SharedMemoryRegistry {
  private:
   const size_t max_regions_;
   mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const SharedMemoryRegion>> regions_;  // guarded by mu_
+  RegionMap<SharedMemoryRegion> regions_;  // guarded by mu_
 };
 
 }  // namespace epserve::server

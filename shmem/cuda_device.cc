@@ -32,16 +32,33 @@ namespace {
 struct Driver {
 #define EPSERVE_CUDA_STR2(x) #x
 #define EPSERVE_CUDA_STR(x) EPSERVE_CUDA_STR2(x)
-#define EPSERVE_CUDA_FNS(X)                                                                  \
-  X(cuInit)                                                                                  \
-  X(cuGetErrorName)                                                                          \
-  X(cuDeviceGetCount)                                                                        \
-  X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) \
-      X(cuCtxSetCurrent) X(cuCtxSynchronize) X(cuMemGetAllocationGranularity) X(cuMemCreate) \
-          X(cuMemExportToShareableHandle) X(cuMemRelease) X(cuMemAddressReserve)             \
-              X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                \
-                  X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemGetAddressRange)       \
-                      X(cuMemcpyDtoD)
+// One entry point a line, left as written: clang-format 14 reflows this list differently from
+// one run to the next.
+// clang-format off
+#define EPSERVE_CUDA_FNS(X) \
+  X(cuInit) \
+  X(cuGetErrorName) \
+  X(cuDeviceGetCount) \
+  X(cuDeviceGet) \
+  X(cuDeviceGetUuid) \
+  X(cuDevicePrimaryCtxRetain) \
+  X(cuDevicePrimaryCtxRelease) \
+  X(cuCtxSetCurrent) \
+  X(cuCtxSynchronize) \
+  X(cuMemGetAllocationGranularity) \
+  X(cuMemCreate) \
+  X(cuMemExportToShareableHandle) \
+  X(cuMemRelease) \
+  X(cuMemAddressReserve) \
+  X(cuMemAddressFree) \
+  X(cuMemMap) \
+  X(cuMemUnmap) \
+  X(cuMemSetAccess) \
+  X(cuIpcOpenMemHandle) \
+  X(cuIpcCloseMemHandle) \
+  X(cuMemGetAddressRange) \
+  X(cuMemcpyDtoD)
+// clang-format on
 #define EPSERVE_CUDA_MEMBER(fn) decltype(&::fn) fn = nullptr;
   EPSERVE_CUDA_FNS(EPSERVE_CUDA_MEMBER)
 #undef EPSERVE_CUDA_MEMBER
