@@ -18,33 +18,21 @@ Issue 40's target for the service: p50 <= the resident in-process layer + 0.25 m
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
-import urllib.request
 
 from host import host_description
-from shm_vs_inline import Cluster, log
-
-HIST = re.compile(r'^(epserve_\w+_seconds)_(sum|count)(\{.*\})? (\S+)$')
-
+from shm_vs_inline import Cluster, histograms, log
 
 def means(metrics_address):
     """{histogram name with its labels but `code`/`model`: [sum, count]} of every *_seconds
-    histogram on /metrics."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    histogram on /metrics (summed over the labels left out)."""
     out = {}
-    for line in text.splitlines():
-        m = HIST.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-        keep = ",".join(f"{k}={v}" for k, v in sorted(labels.items())
-                        if k not in ("model", "code"))
-        key = m.group(1) + (f"{{{keep}}}" if keep else "")
-        entry = out.setdefault(key, [0.0, 0.0])
-        entry[0 if m.group(2) == "sum" else 1] += float(m.group(4))
+    for (name, labels), (total, count) in histograms(metrics_address).items():
+        keep = ",".join(f"{k}={v}" for k, v in labels if k not in ("model", "code"))
+        entry = out.setdefault(name + (f"{{{keep}}}" if keep else ""), [0.0, 0.0])
+        entry[0] += total
+        entry[1] += count
     return out
 
 

@@ -73,22 +73,32 @@ class Cluster:
         self.log.close()
 
 
-STAGE = re.compile(r'^epserve_stage_duration_seconds_(sum|count)\{(.*)\} (\S+)$')
+HISTOGRAM = re.compile(r'^(epserve_\w+_seconds)_(sum|count)(\{.*\})? (\S+)$')
 
 
-def stages(metrics_address):
-    """{(stage, rank): [sum_seconds, count]} from /metrics."""
+def histograms(metrics_address):
+    """{(name, ((label, value), ...)): [sum_seconds, count]} of every epserve_*_seconds
+    histogram on /metrics."""
     with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
-        m = STAGE.match(line)
+        m = HISTOGRAM.match(line)
         if not m:
             continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-        key = (labels.get("stage"), labels.get("rank"))
-        entry = out.setdefault(key, [0.0, 0.0])
-        entry[0 if m.group(1) == "sum" else 1] = float(m.group(3))
+        labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(3) or "")))
+        entry = out.setdefault((m.group(1), labels), [0.0, 0.0])
+        entry[0 if m.group(2) == "sum" else 1] = float(m.group(4))
+    return out
+
+
+def stages(metrics_address):
+    """{(stage, rank): [sum_seconds, count]} from /metrics."""
+    out = {}
+    for (name, labels), entry in histograms(metrics_address).items():
+        if name == "epserve_stage_duration_seconds":
+            d = dict(labels)
+            out[(d.get("stage"), d.get("rank"))] = entry
     return out
 
 
