@@ -10,7 +10,7 @@ bool Batcher::MayStartDirectly(const InferTask& task) const {
   return pipelined_.start && options_.max_queue_delay_us == 0 &&
          task.num_tokens <= std::min(options_.direct_batch_tokens, options_.max_batch_tokens) &&
          executor_idle_ && !forming_ && !starting_directly_ && queued_tokens_ == 0 &&
-         barrier_fn_ == nullptr && !barrier_running_ && !stopping_;
+         barrier_fn_ == nullptr && !barrier_running_;
 }
 
 void Batcher::StartDirectly(Batch* b, std::shared_ptr<InferTask> task) {
@@ -29,8 +29,7 @@ void Batcher::StartDirectly(Batch* b, std::shared_ptr<InferTask> task) {
     if (ticket.ok()) {
       b->ticket = *ticket;
     } else {
-      b->status = ticket.status();
-      b->infer_time = absl::Now() - b->started;
+      b->status = ticket.status();  // the executor fails the batch with it
     }
   }
   b->direct = true;
@@ -83,21 +82,8 @@ void Batcher::ExecutePipelined() {
         cv_.notify_all();
         b = ready_.Pop();
         if (b == nullptr) break;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          executor_idle_ = false;
-        }
-        if (b->direct) {
-          // Started by its request's thread while this one waited idle (MayStartDirectly):
-          // it runs, or its start failed.
-          b->direct = false;
-          if (b->chunks.empty() || !b->status.ok()) {
-            Complete(b);
-          } else {
-            running = b;
-          }
-          continue;
-        }
+        std::lock_guard<std::mutex> lock(mu_);
+        executor_idle_ = false;
       }
     } else {
       b = NextOrFinished(*running);
@@ -107,9 +93,16 @@ void Batcher::ExecutePipelined() {
         continue;
       }
     }
-    PrepareChunks(b);
     absl::StatusOr<uint64_t> ticket = uint64_t{0};
-    if (!b->chunks.empty()) ticket = pipelined_.start(b->layer_pos, b->chunks);
+    if (b->direct) {
+      // Started by its request's thread while this one waited idle (StartDirectly), so no
+      // batch runs: it runs now, or its start failed.
+      b->direct = false;
+      ticket = b->status.ok() ? absl::StatusOr<uint64_t>(b->ticket) : b->status;
+    } else {
+      PrepareChunks(b);
+      if (!b->chunks.empty()) ticket = pipelined_.start(b->layer_pos, b->chunks);
+    }
     // The running batch ends before this one is answered (answers in order).
     if (running != nullptr) finish(running);
     running = nullptr;

@@ -48,10 +48,11 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   }
   const ExchangeShape& shape = regions_.plan.shape();
   int64_t total = 0;
-  bool device_rows = false;
+  bool device_input = false, device_output = false;  // some rows in a client's CUDA memory
   for (const RowChunk& c : chunks) {
     total += c.rows;
-    device_rows = device_rows || c.device_input.valid() || c.device_output.valid();
+    device_input = device_input || c.device_input.valid();
+    device_output = device_output || c.device_output.valid();
   }
   if (total < 1 || total > shape.max_batch_tokens) {
     return absl::InternalError(
@@ -59,7 +60,7 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   }
   // Refused before any worker sees it: one worker failing alone would leave its peers
   // waiting for it in the exchange.
-  if (device_rows && !workers_read_cuda_) {
+  if ((device_input || device_output) && !workers_read_cuda_) {
     return absl::FailedPreconditionError(
         "rows in CUDA shared memory, which not every worker can reach (their devices are not "
         "CUDA GPUs)");
@@ -88,8 +89,6 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   const bool busy = std::any_of(flight_.begin(), flight_.end(), [](const InFlight& f) {
     return f.state != InFlight::State::kDone;
   });
-  const bool device_input = std::any_of(b.chunks.begin(), b.chunks.end(),
-                                        [](const RowChunk& c) { return c.device_input.valid(); });
   if (busy && !b.slices && !device_input) {
     // The workers may upload these rows while they compute the batch before (not where some
     // are in CUDA memory: the workers take only the others from the heap).
