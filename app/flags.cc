@@ -187,6 +187,20 @@ void RegisterConnectionFlags(common::FlagSet& fs, Flags& flags) {
   fs.Add("grpc-reflection", &fe.reflection, "Serve gRPC server reflection");
 }
 
+// A switch over one of the runtime's kAuto / kOff options (true: kAuto, the device decides).
+template <typename Mode>
+void AddAutoSwitch(common::FlagSet& fs, const char* name, Mode* mode, const char* help) {
+  fs.AddTyped<Mode>(
+      name, mode, help,
+      [](absl::string_view text) -> absl::StatusOr<Mode> {
+        bool on = true;
+        if (!absl::SimpleAtob(text, &on)) return absl::InvalidArgumentError("");
+        return on ? Mode::kAuto : Mode::kOff;
+      },
+      [](const Mode& m) { return m == Mode::kOff ? "false" : "true"; },
+      /*switch_flag=*/true);
+}
+
 // The kernels' flags (weights on the device, FFN kernels).
 void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
   kernels::RuntimeOptions& runtime = flags.worker.device;
@@ -219,19 +233,20 @@ void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
          "dot-direct; 9-64: dot; 65+: dot' (forms of one weight layout); default: chosen per "
          "device, expert shape and row class, from the tuning cache beside the kernel cache or "
          "timed on the device at first start (also $EPSERVE_FFN_BLOCKING)");
-  using Staging = kernels::RuntimeOptions::Staging;
-  fs.AddTyped<Staging>(
-      "pinned-transfers", &runtime.staging,
-      "On GPUs, move large blocks between host and device through pinned staging buffers, "
-      "a chunk's host copy (on the worker's host threads) overlapping the previous chunk's "
-      "DMA; --no-pinned-transfers leaves them to the driver's copies from pageable memory",
-      [](absl::string_view text) -> absl::StatusOr<Staging> {
-        bool on = true;
-        if (!absl::SimpleAtob(text, &on)) return absl::InvalidArgumentError("");
-        return on ? Staging::kAuto : Staging::kOff;
-      },
-      [](const Staging& s) { return s == Staging::kOff ? "false" : "true"; },
-      /*switch_flag=*/true);
+  AddAutoSwitch(fs, "pinned-transfers", &runtime.staging,
+                "On GPUs, move large blocks between host and device through pinned staging "
+                "buffers, a chunk's host copy (on the worker's host threads) overlapping the "
+                "previous chunk's DMA; --no-pinned-transfers leaves them to the driver's copies "
+                "from pageable memory");
+  AddAutoSwitch(fs, "concurrent-queues", &runtime.concurrent_queues,
+                "On GPUs, run the shared expert on a second queue of the device beside the "
+                "router, the grouping and the routed experts of a batch a worker runs alone; "
+                "--no-concurrent-queues runs every launch in order on one queue");
+  fs.Add("mma-decode-rows", &runtime.mma_decode_rows,
+         "On GPUs with --weight-dtype=bf16 on the tensor cores, tiles of at most this many rows "
+         "of one expert take the decode form (several work-groups a multiprocessor streaming "
+         "the weights) instead of the 128-row tiles: 32, or 64 (tiles of 33-64 rows in a wide "
+         "decode form of their own); 0 takes $EPSERVE_MMA_DECODE_ROWS, else 64");
   fs.Add("ffn-tune", &runtime.tune_ffn,
          "Time the FFN blocking's candidates on the device when the tuning cache has no entry "
          "for the shape (a few seconds, once per device, driver and shape); --no-ffn-tune takes "

@@ -31,15 +31,25 @@ int KSplits(const Runtime& rt, int64_t tiles, int64_t k_pad) {
   return static_cast<int>(CeilDiv(slices, CeilDiv(slices, parts)));
 }
 
-// Launches `large` (the 128-row tiles) and `decode` (tiles of at most kMmaDecodeRows rows),
-// which take the same arguments and each skip the other's tiles, over the global size `global`
-// (3 dimensions), each where `forms` says tiles of its kind may be.
+// The kernels of one GEMM in each form (MmaForms), which take the same arguments.
+struct MmaKernels {
+  const char* large;
+  const char* decode;
+  const char* wide;
+};
+constexpr MmaKernels kGateUp = {"ffn_mma_gate_up", "ffn_dec_gate_up", "ffn_dec_gate_up_wide"};
+constexpr MmaKernels kDown = {"ffn_mma_down", "ffn_dec_down", "ffn_dec_down_wide"};
+constexpr MmaKernels kPartial = {"ffn_mma_partial", "ffn_dec_partial", "ffn_dec_partial_wide"};
+
+// Launches each form's kernel of `kernels` that `forms` says tiles may need (each skips the
+// others' tiles) over the global size `global` (3 dimensions).
 template <typename... Args>
-absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const char* large, const char* decode,
+absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const MmaKernels& kernels,
                          const size_t* global, const Args&... args) {
   const size_t local[3] = {static_cast<size_t>(kMmaThreads), 1, 1};
   for (const auto& [name, wanted] :
-       {std::pair{large, forms.large}, std::pair{decode, forms.decode}}) {
+       {std::pair{kernels.large, forms.large}, std::pair{kernels.decode, forms.decode},
+        std::pair{kernels.wide, forms.wide}}) {
     if (!wanted) continue;
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(name));
     EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, args...));
@@ -64,10 +74,10 @@ absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Bu
                                       static_cast<size_t>(splits * rows * n_rows) * sizeof(float)));
   const size_t global[3] = {static_cast<size_t>(n_rows / kMmaBn * kMmaThreads),
                             static_cast<size_t>(num_groups), static_cast<size_t>(splits)};
-  EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, "ffn_mma_partial", "ffn_dec_partial", global, a,
-                                      groups, w, static_cast<cl_int>(n_rows),
-                                      static_cast<cl_int>(k_pad), static_cast<cl_int>(per_split),
-                                      static_cast<cl_int>(rows), *partial));
+  EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kPartial, global, a, groups, w,
+                                      static_cast<cl_int>(n_rows), static_cast<cl_int>(k_pad),
+                                      static_cast<cl_int>(per_split), static_cast<cl_int>(rows),
+                                      *partial));
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel sum, rt.Kernel(reduce));
   EPSERVE_RETURN_IF_ERROR(SetArgs(sum, *partial, cl_int{splits}, static_cast<cl_int>(rows),
                                   static_cast<cl_int>(n_rows), static_cast<cl_int>(out_cols), out));
@@ -76,6 +86,12 @@ absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Bu
 }
 
 }  // namespace
+
+MmaForms FormOfTile(const Runtime& rt, int64_t rows) {
+  if (rows <= kMmaDecodeRows) return {.large = false, .decode = true, .wide = false};
+  if (rows <= rt.mma_decode_rows()) return {.large = false, .decode = false, .wide = true};
+  return {.large = true, .decode = false, .wide = false};
+}
 
 absl::Status GatherBf16Activations(Runtime& rt, const char* kernel_name, int64_t hidden,
                                    const Buffer& x, RowFormat x_format, const Buffer& row_index,
@@ -122,9 +138,9 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   } else {
     const size_t gu_global[3] = {static_cast<size_t>(2 * f_pad / kMmaBn * kMmaThreads),
                                  static_cast<size_t>(num_groups), 1};
-    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, "ffn_mma_gate_up", "ffn_dec_gate_up", gu_global,
-                                        y, groups, w.gate_up, static_cast<cl_int>(k_pad),
-                                        static_cast<cl_int>(f_pad), h_scratch));
+    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kGateUp, gu_global, y, groups, w.gate_up,
+                                        static_cast<cl_int>(k_pad), static_cast<cl_int>(f_pad),
+                                        h_scratch));
   }
   if (down_splits > 1) {
     return LaunchSplitK(rt, forms, h_scratch, groups, num_groups, w.down, down_rows, f_pad,
@@ -132,8 +148,8 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   }
   const size_t down_global[3] = {static_cast<size_t>(down_rows / kMmaBn * kMmaThreads),
                                  static_cast<size_t>(num_groups), 1};
-  return LaunchTiles(rt, forms, "ffn_mma_down", "ffn_dec_down", down_global, h_scratch, groups,
-                     w.down, static_cast<cl_int>(f_pad), static_cast<cl_int>(down_rows),
+  return LaunchTiles(rt, forms, kDown, down_global, h_scratch, groups, w.down,
+                     static_cast<cl_int>(f_pad), static_cast<cl_int>(down_rows),
                      static_cast<cl_int>(w.hidden), y);
 }
 

@@ -23,9 +23,17 @@ using detail::RowsInBuffer;
 using detail::SetArgs;
 
 // Work tiles on the device: groups[g] = (local expert, first row, end row, 0), covering the
-// rows of every non-empty expert in chunks of at most `chunk` rows.
-absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offsets, int64_t chunk,
-                                    int* num_groups) {
+// rows of every non-empty expert in chunks of at most `chunk` rows. One expert's (a shared
+// expert's, whose tiles follow from its row count) are kept by the runtime (KeptTable); others
+// are made for the call.
+struct WorkTiles {
+  Buffer made;
+  const Buffer* kept = nullptr;
+  int num_groups = 0;
+  const Buffer& groups() const { return kept != nullptr ? *kept : made; }
+};
+absl::StatusOr<WorkTiles> UploadGroups(Runtime& rt, std::span<const int64_t> offsets,
+                                       int64_t chunk) {
   std::vector<cl_int4> groups;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     for (int64_t begin = offsets[e]; begin < offsets[e + 1]; begin += chunk) {
@@ -37,8 +45,17 @@ absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offset
       groups.push_back(g);
     }
   }
-  *num_groups = static_cast<int>(groups.size());
-  return rt.AllocateCopy(groups.data(), groups.size() * sizeof(cl_int4));
+  WorkTiles tiles;
+  tiles.num_groups = static_cast<int>(groups.size());
+  if (offsets.size() == 2) {
+    const std::string_view bytes(reinterpret_cast<const char*>(groups.data()),
+                                 groups.size() * sizeof(cl_int4));
+    EPSERVE_ASSIGN_OR_RETURN(tiles.kept, rt.KeptTable(bytes));
+    return tiles;
+  }
+  EPSERVE_ASSIGN_OR_RETURN(tiles.made,
+                           rt.AllocateCopy(groups.data(), groups.size() * sizeof(cl_int4)));
+  return tiles;
 }
 
 // gate_up then down over the expert-major rows of `offsets` through the FMA blocking `form`,
@@ -47,9 +64,10 @@ absl::StatusOr<Buffer> UploadGroups(Runtime& rt, std::span<const int64_t> offset
 absl::Status RunFfn(Runtime& rt, const ExpertWeights& w, const FfnBlocking& form, const Buffer& x,
                     int64_t x_stride, const Buffer& row_index, bool gather,
                     std::span<const int64_t> offsets, Buffer& h_scratch, Buffer& y) {
-  int num_groups = 0;
-  EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, form.row_chunk, &num_groups));
+  EPSERVE_ASSIGN_OR_RETURN(const WorkTiles tiles, UploadGroups(rt, offsets, form.row_chunk));
+  const int num_groups = tiles.num_groups;
   if (num_groups == 0) return absl::OkStatus();
+  const Buffer& groups = tiles.groups();
   const char* w_name = w.dtype == common::ElementType::kBf16 ? "_wbf16" : "_wf32";
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel gate_up,
                            rt.FfnKernel(absl::StrCat("ffn_gate_up", w_name), form));
@@ -89,11 +107,7 @@ absl::Status GatherBf16Rows(Runtime& rt, const Buffer& x, int64_t hidden, int64_
 // BF16 as x_format says, through row_index when `gather`) into y as zero-padded BF16 rows of
 // x_values values; with no gather_kernel, neither (the FFN's first kernel reads x itself).
 // num_groups == 0: there is nothing to run.
-struct Bf16Tiles {
-  Buffer groups;
-  int num_groups = 0;
-};
-absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, const Buffer& x,
+absl::StatusOr<WorkTiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, const Buffer& x,
                                         RowFormat x_format, const Buffer& row_index, bool gather,
                                         std::span<const int64_t> offsets, int64_t chunk,
                                         int64_t x_values, int64_t h_values,
@@ -107,9 +121,7 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
   }
   EPSERVE_RETURN_IF_ERROR(
       NeedBytes(h_scratch, rows * h_values * sizeof(uint16_t), "h_scratch (BF16 h)"));
-  Bf16Tiles tiles;
-  EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, chunk, &tiles.num_groups));
-  tiles.groups = std::move(groups);
+  EPSERVE_ASSIGN_OR_RETURN(WorkTiles tiles, UploadGroups(rt, offsets, chunk));
   if (tiles.num_groups == 0 || gather_kernel == nullptr) return tiles;
   EPSERVE_RETURN_IF_ERROR(detail::GatherBf16Activations(rt, gather_kernel, w.hidden, x, x_format,
                                                         row_index, gather, rows, x_values,
@@ -123,22 +135,19 @@ absl::StatusOr<Bf16Tiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
 absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
-  int num_groups = 0;
-  EPSERVE_ASSIGN_OR_RETURN(Buffer groups, UploadGroups(rt, offsets, detail::kMmaBm, &num_groups));
-  // Which forms have tiles: a tile of at most kMmaDecodeRows rows is an expert's last (or only).
-  detail::MmaForms forms{.large = false, .decode = false};
+  EPSERVE_ASSIGN_OR_RETURN(const WorkTiles tiles, UploadGroups(rt, offsets, detail::kMmaBm));
+  // Which forms have tiles: an expert's tiles of 128 rows, and its last (or only) one.
+  detail::MmaForms forms{.large = false, .decode = false, .wide = false};
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
     if (count == 0) continue;
-    if (count % detail::kMmaBm == 0 || count % detail::kMmaBm > detail::kMmaDecodeRows) {
-      forms.large = true;
-    } else {
-      forms.decode = true;
-    }
-    if (count > detail::kMmaBm) forms.large = true;
+    const detail::MmaForms last = detail::FormOfTile(rt, (count - 1) % detail::kMmaBm + 1);
+    forms.large = forms.large || last.large || count > detail::kMmaBm;
+    forms.decode = forms.decode || last.decode;
+    forms.wide = forms.wide || last.wide;
   }
-  return detail::LaunchFfnMma(rt, w, x, x_format, row_index, gather, offsets.back(), groups,
-                              num_groups, forms, h_scratch, y);
+  return detail::LaunchFfnMma(rt, w, x, x_format, row_index, gather, offsets.back(), tiles.groups(),
+                              tiles.num_groups, forms, h_scratch, y);
 }
 
 // The pair-panel FFN through form `form` (its DotOp) over `rows` rows: x (FP32 or BF16 as
@@ -158,7 +167,7 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const FfnBlocking& f
   const bool direct = form.direct;
   const size_t gather_global[1] = {static_cast<size_t>(offsets.back())};
   EPSERVE_ASSIGN_OR_RETURN(
-      Bf16Tiles tiles,
+      const WorkTiles tiles,
       StageBf16Rows(rt, w, x, x_format, row_index, gather, offsets, detail::kDotRowChunk,
                     2 * kp_hidden, 2 * kp_ffn, direct ? nullptr : "gather_rows_to_bf16_pairs",
                     gather_global, h_scratch, y));
@@ -172,10 +181,10 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const FfnBlocking& f
     EPSERVE_RETURN_IF_ERROR(SetArgs(
         gate_up, x, cl_int{x_bf16 ? 1 : 0}, x_rows, cl_long{x_format.row_stride}, row_index,
         cl_int{gather ? 1 : 0}, static_cast<cl_int>(w.hidden), static_cast<cl_int>(kp_hidden),
-        tiles.groups, w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
+        tiles.groups(), w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
   } else {
     EPSERVE_ASSIGN_OR_RETURN(gate_up, rt.FfnKernel("ffn_gate_up_dot", form));
-    EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, static_cast<cl_int>(kp_hidden), tiles.groups,
+    EPSERVE_RETURN_IF_ERROR(SetArgs(gate_up, y, static_cast<cl_int>(kp_hidden), tiles.groups(),
                                     w.gate_up, gu_panels, h_scratch, static_cast<cl_int>(kp_ffn)));
   }
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel down, rt.FfnKernel("ffn_down_dot", form));
@@ -183,7 +192,7 @@ absl::Status RunFfnDot(Runtime& rt, const ExpertWeights& w, const FfnBlocking& f
   const size_t gu_global[2] = {static_cast<size_t>(gu_panels),
                                static_cast<size_t>(tiles.num_groups)};
   EPSERVE_RETURN_IF_ERROR(Launch(rt, gate_up, 2, gu_global, local));
-  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, static_cast<cl_int>(kp_ffn), tiles.groups,
+  EPSERVE_RETURN_IF_ERROR(SetArgs(down, h_scratch, static_cast<cl_int>(kp_ffn), tiles.groups(),
                                   w.down, static_cast<cl_int>(w.hidden), down_panels, y));
   const size_t down_global[2] = {static_cast<size_t>(down_panels),
                                  static_cast<size_t>(tiles.num_groups)};
@@ -225,6 +234,16 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
       static_cast<size_t>(detail::CeilDiv(c.num_experts, detail::kRouterLogitExperts)) * local[0],
       static_cast<size_t>(detail::CeilDiv(n, detail::kRouterGroupTokens))};
   EPSERVE_RETURN_IF_ERROR(Launch(rt, logits, 2, global, local));
+  if (c.routing == model::RoutingKind::kSoftmaxTopK && c.n_group <= 1) {
+    // A work-group per token (the same bits as route_select).
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel select, rt.Kernel("route_select_softmax_wg"));
+    EPSERVE_RETURN_IF_ERROR(
+        SetArgs(select, *logit_sums, static_cast<cl_int>(n), cl_int{c.num_experts}, cl_int{c.top_k},
+                cl_int{c.norm_topk_prob ? 1 : 0}, cl_float{c.routed_scaling_factor}, ids, weights));
+    const size_t select_local[1] = {static_cast<size_t>(detail::kRouterSelectGroupSize)};
+    const size_t select_global[1] = {static_cast<size_t>(n) * select_local[0]};
+    return Launch(rt, select, 1, select_global, select_local);
+  }
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel select, rt.Kernel("route_select"));
   EPSERVE_RETURN_IF_ERROR(SetArgs(
       select, *logit_sums, w.bias, static_cast<cl_int>(n), cl_int{c.num_experts}, cl_int{c.top_k},

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/files.h"
@@ -48,6 +49,22 @@ std::string DefaultCacheDir(const RuntimeOptions& options) {
     return absl::StrCat(home, "/.cache/epserve/kernels");
   }
   return "";
+}
+
+// RuntimeOptions::mma_decode_rows, else $EPSERVE_MMA_DECODE_ROWS, else the default: 32 (one
+// decode form) or 64 (a second, wide one).
+absl::StatusOr<int64_t> MmaDecodeRows(const RuntimeOptions& options) {
+  int64_t rows = options.mma_decode_rows;
+  const char* env = std::getenv("EPSERVE_MMA_DECODE_ROWS");
+  if (rows == 0 && env != nullptr && *env != '\0' && !absl::SimpleAtoi(env, &rows)) rows = -1;
+  if (rows == 0) rows = detail::kMmaWideDecodeRows;
+  if (rows != 32 && rows != 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the tensor-core decode form's rows (mma_decode_rows or $EPSERVE_MMA_DECODE_ROWS) must "
+        "be 32 or 64, got ",
+        options.mma_decode_rows != 0 ? absl::StrCat(options.mma_decode_rows) : std::string(env)));
+  }
+  return rows;
 }
 
 std::string SourceDir(const RuntimeOptions& options) {
@@ -100,6 +117,7 @@ struct Runtime::Programs {
     std::string_view name;
     std::string_view source;           // embedded at build time, or source_override
     std::string extra_options;         // device-specific, dropped if the driver refuses them
+    std::string variant_options = {};  // this program's own (a variant of a shared source)
     std::string source_override = {};  // read from RuntimeOptions::source_dir
     cl_program program = nullptr;
   };
@@ -145,6 +163,33 @@ static std::string FfnBlockingOptions(const FfnBlocking& b) {
                       " -DFFN_ROWS_QUARTER=", quarter, " -DFFN_PREFETCH_STEPS=", b.prefetch_steps);
 }
 
+// The embedded programs (built on first use), the tensor-core one where it runs.
+void Runtime::AddEmbeddedPrograms() {
+  programs_->programs = {{"router", embedded::kernels_cl_router, ""},
+                         {"combine", embedded::kernels_cl_combine, ""}};
+  programs_->ffn = {"expert_ffn", embedded::kernels_cl_expert_ffn, ""};
+  if (tensor_cores_) {
+    // A register cap (NVIDIA's cl_nv_compiler_options) sized for two work-groups per
+    // multiprocessor (detail::kMmaMaxRegisters). The kernels declare no required work-group
+    // size, which would let the assembler ignore the cap.
+    const std::string regs = absl::StrCat("-cl-nv-maxrregcount=", detail::kMmaMaxRegisters,
+                                          "|-cl-nv-maxrregcount ", detail::kMmaMaxRegisters);
+    // The decode form of 32 rows, and with mma_decode_rows 64 a wide one of 64 rows in a
+    // program of its own (the same source; expert_ffn_mma.cl says how the forms share tiles).
+    const bool wide = mma_decode_rows_ == 64;
+    programs_->programs.push_back(
+        {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma, regs,
+         absl::StrCat("-DMMA_DEC_BM=", detail::kMmaDecodeRows,
+                      wide ? absl::StrCat(" -DMMA_LARGE_MIN=", mma_decode_rows_) : "")});
+    if (wide) {
+      programs_->programs.push_back(
+          {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma, regs,
+           absl::StrCat("-DMMA_DEC_BM=", mma_decode_rows_,
+                        " -DMMA_DEC_MIN=", detail::kMmaDecodeRows, " -DMMA_DEC_WIDE=1")});
+    }
+  }
+}
+
 absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) {
   EPSERVE_ASSIGN_OR_RETURN(std::vector<detail::FoundDevice> devices, detail::EnumerateDevices());
   EPSERVE_ASSIGN_OR_RETURN(detail::FoundDevice chosen,
@@ -159,7 +204,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
   rt->options_ = options;
   cl_int err = CL_SUCCESS;
   CL_CHECK((rt->context_ = clCreateContext(nullptr, 1, &rt->device_, nullptr, nullptr, &err), err));
-  CL_CHECK((rt->queue_ = clCreateCommandQueue(rt->context_, rt->device_, 0, &err), err));
+  const cl_command_queue_properties props =
+      options.profile_commands ? CL_QUEUE_PROFILING_ENABLE : 0;
+  CL_CHECK((rt->queue_ = clCreateCommandQueue(rt->context_, rt->device_, props, &err), err));
   detail::ProbeCpuTarget(rt->context_, rt->device_, rt->queue_, rt->info_);
   using Binaries = RuntimeOptions::ProgramBinaries;
   rt->store_binaries_ =
@@ -193,20 +240,10 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
                     detail::ProbeAmxBuilds(rt->context_, rt->device_, &why);
     if (!rt->bf16_amx_) rt->bf16_amx_why_not_ = why;
   }
+  EPSERVE_ASSIGN_OR_RETURN(rt->mma_decode_rows_, MmaDecodeRows(options));
   rt->program_options_ = detail::ProgramBuildOptions(rt->info_.is_cpu, dot_form, rt->bf16_amx_);
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
-  rt->programs_->programs = {{"router", embedded::kernels_cl_router, ""},
-                             {"combine", embedded::kernels_cl_combine, ""}};
-  rt->programs_->ffn = {"expert_ffn", embedded::kernels_cl_expert_ffn, ""};
-  if (rt->tensor_cores_) {
-    // A register cap (NVIDIA's cl_nv_compiler_options) sized for two work-groups per
-    // multiprocessor (detail::kMmaMaxRegisters). The kernels declare no required work-group
-    // size, which would let the assembler ignore the cap.
-    rt->programs_->programs.push_back(
-        {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma,
-         absl::StrCat("-cl-nv-maxrregcount=", detail::kMmaMaxRegisters, "|-cl-nv-maxrregcount ",
-                      detail::kMmaMaxRegisters)});
-  }
+  rt->AddEmbeddedPrograms();
   rt->transfer_threads_ =
       options.transfer_threads > 0 ? options.transfer_threads : common::DefaultCopyThreads();
   using StagingMode = RuntimeOptions::Staging;
@@ -224,6 +261,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
 
 Runtime::~Runtime() {
   for (Buffer& b : scratch_) b = Buffer();
+  kept_tables_.clear();
+  ReleaseFork();
+  for (const Recorded& r : recorded_) clReleaseEvent(r.event);
   programs_.reset();  // kernels and programs before the context
   if (queue_ != nullptr) {
     clFinish(queue_);
@@ -303,7 +343,7 @@ absl::StatusOr<Buffer> Runtime::ImportOpaqueFd(int fd, size_t bytes) {
 }
 
 absl::StatusOr<Buffer*> Runtime::Scratch(ScratchSlot slot, size_t bytes) {
-  Buffer& b = scratch_[slot];
+  Buffer& b = forked_ ? fork_scratch_[slot] : scratch_[slot];
   if (b.bytes() < bytes) {
     b = Buffer();  // the old one first: the device may be short of memory
     // Twice what is asked, so that growing batches do not allocate each time.
@@ -322,7 +362,18 @@ absl::StatusOr<Buffer> Runtime::AllocateCopy(const void* src, size_t bytes) {
   return Buffer(mem, bytes);
 }
 
+absl::StatusOr<const Buffer*> Runtime::KeptTable(std::string_view bytes) {
+  if (auto it = kept_tables_.find(bytes); it != kept_tables_.end()) return &it->second;
+  if (kept_tables_.size() >= kKeptTables) kept_tables_.clear();
+  EPSERVE_ASSIGN_OR_RETURN(Buffer b, AllocateCopy(bytes.data(), bytes.size()));
+  return &kept_tables_.emplace(std::string(bytes), std::move(b)).first->second;
+}
+
 absl::Status Runtime::Finish() {
+  if (fork_queue_ != nullptr) {
+    EPSERVE_RETURN_IF_ERROR(JoinFork());
+    CL_CHECK(clFinish(fork_queue_));
+  }
   CL_CHECK(clFinish(queue_));
   return absl::OkStatus();
 }
@@ -464,7 +515,7 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
     if (p.program != nullptr) continue;
     EPSERVE_RETURN_IF_ERROR(programs_->LoadSource(p));
     EPSERVE_ASSIGN_OR_RETURN(cl_program program,
-                             BuildProgram(p.name, p.source, p.extra_options, ""));
+                             BuildProgram(p.name, p.source, p.extra_options, p.variant_options));
     p.program = program;
     EPSERVE_RETURN_IF_ERROR(programs_->AddKernels(p.program, ""));
     if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;

@@ -6,6 +6,9 @@
 #include <CL/cl.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -106,6 +109,17 @@ struct ProgramCacheStats {
   std::string last_error;  // why the cache was last bypassed (unreadable, unwritable), or ""
 };
 
+// One command's times on the device's clock (RuntimeOptions::profile_commands): a kernel's
+// launch (its function's name) or a transfer ("write", "read"), on the main queue or the
+// forked one (Runtime::ForkQueue).
+struct CommandTime {
+  std::string name;
+  uint64_t queued_ns = 0;  // when the host queued it
+  uint64_t start_ns = 0;
+  uint64_t end_ns = 0;
+  bool forked = false;
+};
+
 // Not thread-safe: one thread drives a Runtime.
 class Runtime {
  public:
@@ -116,8 +130,36 @@ class Runtime {
   cl_context context() const { return context_; }
   cl_command_queue queue() const { return queue_; }
   cl_device_id device() const { return device_; }
+  // The queue kernels are launched on: the forked one between ForkQueue and EndFork, else the
+  // main queue.
+  cl_command_queue launch_queue() const { return forked_ ? fork_queue_ : queue_; }
+
+  // A fork of the main queue, for work that needs none of what the main queue runs next (the
+  // shared expert beside the router and the routed experts). After ForkQueue, launches (and
+  // Scratch's buffers) go to a second in-order queue of the device, where they start once
+  // every command the main queue holds at ForkQueue has ended; after EndFork they go to the
+  // main queue again and run beside the forked ones (devices run two queues at once where
+  // they can); after JoinFork the main queue's commands wait for the forked ones. Where
+  // concurrent_queues() is false the three do nothing and every launch stays in order on the
+  // main queue. Finish waits for both queues and ends a fork left open (an error between
+  // ForkQueue and EndFork).
+  bool concurrent_queues() const;
+  absl::Status ForkQueue();
+  absl::Status EndFork();
+  absl::Status JoinFork();
+
+  // With RuntimeOptions::profile_commands: every launch and unstaged transfer since the last
+  // call, in the order they were queued, with their device times; it waits for both queues
+  // first. Empty without profiling.
+  absl::StatusOr<std::vector<CommandTime>> TakeCommandTimes();
+  bool profiles_commands() const { return options_.profile_commands; }
+  // Keeps `event` (the command's, from a launch or transfer while profiling; the Runtime
+  // releases it) with what ran: `kernel`'s name, else `what`.
+  void RecordCommand(cl_event event, cl_kernel kernel, const char* what = "");
   // Whether BF16 expert weights uploaded through this runtime use the tensor-core kernels.
   bool tensor_cores() const { return tensor_cores_; }
+  // The most rows a tensor-core tile of the decode form has (RuntimeOptions::mma_decode_rows).
+  int64_t mma_decode_rows() const { return mma_decode_rows_; }
   // Whether the router and the shared expert's gate take their work-group forms
   // (RuntimeOptions::work_group_forms).
   bool work_group_forms() const {
@@ -149,6 +191,13 @@ class Runtime {
   absl::StatusOr<Buffer> ImportOpaqueFd(int fd, size_t bytes);
   // A read-only buffer holding a copy of src[0, bytes), made before this returns.
   absl::StatusOr<Buffer> AllocateCopy(const void* src, size_t bytes);
+  // A read-only buffer holding `bytes`, which the Runtime keeps for later calls with the same
+  // bytes: a small table of a launch's that repeats from batch to batch (the shared expert's
+  // work tiles follow from its row count alone) then costs no allocation and no copy. At most
+  // kKeptTables are kept (all dropped when one more is asked for; the device keeps a dropped
+  // one until the launches that read it have run). Valid until the next call.
+  absl::StatusOr<const Buffer*> KeptTable(std::string_view bytes);
+  static constexpr size_t kKeptTables = 1024;
   // A device buffer of at least `bytes` that the kernels of this Runtime use between their
   // launches (one per slot: the router's logits, the partial sums of split GEMMs), grown as
   // batches need; valid until the next Scratch of the same slot. Like every call of a Runtime,
@@ -241,6 +290,7 @@ class Runtime {
   std::string cache_dir_;
   bool store_binaries_ = false;
   bool tensor_cores_ = false;
+  int64_t mma_decode_rows_ = 0;
   bool bf16_dot_ = false;
   bool bf16_amx_ = false;
   std::string bf16_amx_why_not_;
@@ -256,6 +306,7 @@ class Runtime {
     void* host = nullptr;
     cl_event busy = nullptr;
   };
+  void AddEmbeddedPrograms();
   absl::Status MakeStaging();
   absl::Status MakeStaging(cl_command_queue queue, Staging (&pair)[2]);
   // Unmaps and frees whatever MakeStaging made (staging off afterwards).
@@ -270,6 +321,23 @@ class Runtime {
   Staging staging_[2];
   Staging side_staging_[2];  // WriteBeside's
   int transfer_threads_ = 1;
+  // ForkQueue's queue (made on first use), whether launches go there now, the marker of its
+  // last forked commands that the main queue has not joined yet, and the scratch buffers of
+  // its launches.
+  cl_command_queue fork_queue_ = nullptr;
+  bool forked_ = false;
+  cl_event fork_end_ = nullptr;
+  Buffer fork_scratch_[kNumScratchSlots];
+  void ReleaseFork();
+  // The events RecordCommand keeps until TakeCommandTimes.
+  struct Recorded {
+    cl_event event;
+    cl_kernel kernel;
+    const char* what;
+    bool forked;
+  };
+  std::vector<Recorded> recorded_;
+  std::map<std::string, Buffer, std::less<>> kept_tables_;  // KeptTable's
 };
 
 }  // namespace epserve::kernels

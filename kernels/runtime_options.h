@@ -62,6 +62,20 @@ struct RuntimeOptions {
   // run them on CPUs with it).
   enum class WorkGroupForms { kAuto, kAlways };
   WorkGroupForms work_group_forms = WorkGroupForms::kAuto;
+  // Whether Runtime::ForkQueue sends launches to a second queue of the device that runs beside
+  // the main one (the shared expert beside the router and the routed experts). kAuto: on
+  // devices other than CPUs (PoCL's kernels each take every core already); kAlways: on every
+  // device (tests run the path on CPUs with it); kOff: every launch in order on one queue.
+  enum class ConcurrentQueues { kAuto, kAlways, kOff };
+  ConcurrentQueues concurrent_queues = ConcurrentQueues::kAuto;
+  // Tiles of the tensor-core FFN with at most this many rows take a decode form (several
+  // work-groups a multiprocessor, the weights streamed) instead of the 128-row tiles: 32 (one
+  // form) or 64 (tiles of 33-64 rows in a wide form of their own); 0 means
+  // $EPSERVE_MMA_DECODE_ROWS, else kernels::detail::kMmaWideDecodeRows (64).
+  int mma_decode_rows = 0;
+  // Record each launch's and transfer's device times (CL_QUEUE_PROFILING_ENABLE) for
+  // Runtime::TakeCommandTimes: a timeline of the kernels, for benchmarks.
+  bool profile_commands = false;
 };
 
 }  // namespace epserve::kernels

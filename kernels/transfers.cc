@@ -41,8 +41,11 @@ absl::Status Runtime::WriteOn(cl_command_queue queue, Staging (&pair)[2], const 
   if (pair[0].host != nullptr && bytes >= kStagedTransferMin) {
     return StagedWrite(queue, pair, dst, offset, src, bytes);
   }
-  CL_CHECK(
-      clEnqueueWriteBuffer(queue, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr, nullptr));
+  cl_event event = nullptr;
+  const bool record = profiles_commands() && queue == queue_;
+  CL_CHECK(clEnqueueWriteBuffer(queue, dst.mem(), CL_TRUE, offset, bytes, src, 0, nullptr,
+                                record ? &event : nullptr));
+  if (event != nullptr) RecordCommand(event, nullptr, "write");
   return absl::OkStatus();
 }
 
@@ -55,8 +58,10 @@ absl::Status Runtime::Read(const Buffer& src, size_t offset, void* dst, size_t b
   if (stages_transfers() && bytes >= kStagedTransferMin) {
     return StagedRead(src, offset, dst, bytes);
   }
-  CL_CHECK(
-      clEnqueueReadBuffer(queue_, src.mem(), CL_TRUE, offset, bytes, dst, 0, nullptr, nullptr));
+  cl_event event = nullptr;
+  CL_CHECK(clEnqueueReadBuffer(queue_, src.mem(), CL_TRUE, offset, bytes, dst, 0, nullptr,
+                               profiles_commands() ? &event : nullptr));
+  if (event != nullptr) RecordCommand(event, nullptr, "read");
   return absl::OkStatus();
 }
 

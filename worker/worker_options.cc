@@ -56,6 +56,11 @@ absl::Status WorkerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("--worker-idle-poll must be in [0, 100ms], got ",
                                                    absl::FormatDuration(idle_poll)));
   }
+  const int rows = device.mma_decode_rows;
+  if (rows != 0 && rows != 32 && rows != 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mma-decode-rows must be 0, 32 or 64, got ", rows));
+  }
   return absl::OkStatus();
 }
 

@@ -1,6 +1,7 @@
 // One MoE layer computed in-process by epserve's OpenCL kernels alone: no gRPC, no MPI, no
-// symmetric heap. One Runtime (one device queue) runs route, the grouped expert FFN over
-// every expert, the combine and the shared expert for a batch of T tokens; the host does
+// symmetric heap. One Runtime (its device queue, and on GPUs a second one for the shared
+// expert) runs route, the grouped expert FFN over every expert, the combine and the shared
+// expert for a batch of T tokens; the host does
 // what the workers' exchange does between them (grouping the (token, expert) pairs) and
 // adds the shared expert's rows, as the owner rank does. This bounds what the service can
 // reach on the same machine: the service runs the same kernels plus everything else.
@@ -21,14 +22,22 @@
 // best of 5), the weights one token reads (the router, its top-k routed experts and the
 // shared expert) and how long reading them once takes at that bandwidth. The bandwidth of
 // a shared host drifts, so this holds for the moment it was measured.
+// With --kernel-profile=N, instead of the timings, one line per batch size of the device's
+// timeline over N resident forwards (Runtime::TakeCommandTimes):
+//   {"kernel_profile":{"tokens":T,"experts_touched":E,"back_to_back_ms":X,"wall_ms":X,
+//    "span_ms":X,"busy_ms":X,"idle_ms":X,"overlap_ms":X,"kernels":[{"name":..,"ms":X},..]}}
+// (profiling slows each launch: for the shares, not the layer's time). --concurrent-queues=false
+// runs the shared expert in order on the one queue instead of beside the routing.
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -79,6 +88,7 @@ class InProcessLayer {
     EPSERVE_ASSIGN_OR_RETURN(l->out_, rt.Allocate(n * h * f));
     if (l->cfg_.shared_ffn_size > 0) {
       EPSERVE_ASSIGN_OR_RETURN(l->shared_y_, rt.Allocate(n * h * f));
+      EPSERVE_ASSIGN_OR_RETURN(l->shared_h_, rt.Allocate(n * l->cfg_.shared_ffn_size * f));
     }
     l->ids_host_.resize(n * k);
     l->row_index_host_.resize(n * k);
@@ -92,7 +102,19 @@ class InProcessLayer {
   }
 
   // y [n, H] = the layer on x [n, H], n <= max_tokens.
-  const kernels::Runtime& runtime() const { return *rt_; }
+  kernels::Runtime& runtime() { return *rt_; }
+  // How many experts the last Forward's batch routed a token to.
+  absl::StatusOr<int> ExpertsTouched(bool device_grouping) {
+    std::vector<int64_t> counts;
+    if (device_grouping) {
+      EPSERVE_ASSIGN_OR_RETURN(counts, kernels::ReadPairCounts(*rt_, groups_));
+    } else {
+      std::adjacent_difference(offsets_.begin() + 1, offsets_.end(), std::back_inserter(counts));
+      counts[0] = offsets_[1] - offsets_[0];
+    }
+    return static_cast<int>(
+        std::count_if(counts.begin(), counts.end(), [](int64_t c) { return c > 0; }));
+  }
   bool tensor_cores() const { return experts_.tensor_cores; }
   const char* ffn_kernels() const { return kernels::FfnKernelsName(*rt_, experts_); }
 
@@ -124,6 +146,14 @@ class InProcessLayer {
     device_grouping = device_grouping && n * k <= kernels::kDeviceGroupingMaxPairs;
     if (!resident) EPSERVE_RETURN_IF_ERROR(rt.Write(x_, 0, x, n * h * sizeof(float)));
     EPSERVE_RETURN_IF_ERROR(stage(kWrite));
+    // The shared expert needs nothing of the routing: beside the router, the grouping and the
+    // routed experts (Runtime::ForkQueue) where the stages are not timed one by one.
+    const bool shared = cfg_.shared_ffn_size > 0;
+    if (shared && stages == nullptr) {
+      EPSERVE_RETURN_IF_ERROR(rt.ForkQueue());
+      EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_));
+      EPSERVE_RETURN_IF_ERROR(rt.EndFork());
+    }
     EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
     EPSERVE_RETURN_IF_ERROR(stage(kRoute));
     if (device_grouping) {
@@ -133,9 +163,8 @@ class InProcessLayer {
       EPSERVE_RETURN_IF_ERROR(GroupOnHost(n));
     }
     EPSERVE_RETURN_IF_ERROR(stage(kGroup));
-    const bool shared = cfg_.shared_ffn_size > 0;
-    if (shared) {
-      EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, h_, shared_y_));
+    if (shared && stages != nullptr) {
+      EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_));
     }
     EPSERVE_RETURN_IF_ERROR(stage(kShared));
     if (device_grouping) {
@@ -146,7 +175,10 @@ class InProcessLayer {
     EPSERVE_RETURN_IF_ERROR(stage(kExperts));
     const Buffer& pair_index = device_grouping ? groups_.pair_of_choice : pair_index_;
     EPSERVE_RETURN_IF_ERROR(kernels::WeightedCombine(rt, y_, pair_index, weights_, n, k, h, out_));
-    if (shared) EPSERVE_RETURN_IF_ERROR(kernels::AddInto(rt, shared_y_, n * h, out_));
+    if (shared) {
+      EPSERVE_RETURN_IF_ERROR(rt.JoinFork());
+      EPSERVE_RETURN_IF_ERROR(kernels::AddInto(rt, shared_y_, n * h, out_));
+    }
     EPSERVE_RETURN_IF_ERROR(stage(kCombine));
     if (resident) {
       EPSERVE_RETURN_IF_ERROR(rt.Finish());
@@ -185,12 +217,94 @@ class InProcessLayer {
   std::unique_ptr<kernels::Runtime> rt_;
   kernels::RouterWeights router_;
   kernels::ExpertWeights experts_, shared_;
-  Buffer x_, ids_, weights_, row_index_, pair_index_, h_, y_, out_, shared_y_;
+  Buffer x_, ids_, weights_, row_index_, pair_index_, h_, y_, out_, shared_h_, shared_y_;
   Buffer local_of_;             // int32 [E]: every expert is local (0, 1, 2, ...)
   kernels::PairGroups groups_;  // the device's grouping
   std::vector<int32_t> ids_host_, row_index_host_, pair_index_host_;
   std::vector<int64_t> offsets_, cursor_;
 };
+
+// The device's timeline of `reps` resident forwards of n tokens (Runtime::TakeCommandTimes),
+// as one JSON line: how many experts the batch routes to, the host's time per forward of
+// `reps` forwards back to back (as the timed runs) and of each alone (wall), from the first
+// command's queueing to the last one's (enqueue) and to the first one's start (first_wait; both -1
+// where the driver's queueing times are not on the device's clock), the span from the first
+// command's start to the last one's end, the time some command ran (busy; the rest of the span the
+// device sat idle, waiting for the host), the time two queues' commands ran at once, and each
+// kernel's mean time.
+absl::Status PrintKernelProfile(InProcessLayer& l, kernels::Runtime& rt, const float* x, int64_t n,
+                                bool device_grouping, int reps, float* y) {
+  // x up to the device (the resident forwards below read it there).
+  EPSERVE_RETURN_IF_ERROR(l.Forward(x, n, y, false, device_grouping));
+  EPSERVE_ASSIGN_OR_RETURN(const int touched, l.ExpertsTouched(device_grouping));
+  // The same forwards back to back, timed as a whole (the timed runs' way), then one at a time.
+  double t0 = NowSeconds();
+  for (int r = 0; r < reps; ++r) EPSERVE_RETURN_IF_ERROR(l.Forward(x, n, y, true, device_grouping));
+  const double back_to_back = (NowSeconds() - t0) / reps * 1e3;
+  EPSERVE_RETURN_IF_ERROR(rt.TakeCommandTimes().status());  // the warm-up's and those
+  double span = 0, busy = 0, overlap = 0, wall = 0, queueing = 0, first_wait = 0;
+  bool queued_known = true;
+  std::vector<std::pair<std::string, double>> kernels;  // first-seen order
+  for (int r = 0; r < reps; ++r) {
+    t0 = NowSeconds();
+    EPSERVE_RETURN_IF_ERROR(l.Forward(x, n, y, true, device_grouping));
+    wall += (NowSeconds() - t0) * 1e9;
+    EPSERVE_ASSIGN_OR_RETURN(std::vector<kernels::CommandTime> times, rt.TakeCommandTimes());
+    if (times.empty()) continue;
+    std::vector<std::pair<uint64_t, uint64_t>> spans;
+    double total = 0;
+    for (const kernels::CommandTime& t : times) {
+      spans.emplace_back(t.start_ns, t.end_ns);
+      total += static_cast<double>(t.end_ns - t.start_ns);
+      auto it = std::find_if(kernels.begin(), kernels.end(),
+                             [&](const auto& k) { return k.first == t.name; });
+      if (it == kernels.end()) it = kernels.insert(kernels.end(), {t.name, 0.0});
+      it->second += static_cast<double>(t.end_ns - t.start_ns);
+    }
+    std::sort(spans.begin(), spans.end());
+    uint64_t covered = 0, from = spans[0].first, to = spans[0].first, last = 0;
+    for (const auto& [a, b] : spans) {
+      if (a > to) {
+        covered += to - from;
+        from = a;
+      }
+      to = std::max(to, b);
+      last = std::max(last, b);
+    }
+    covered += to - from;
+    span += static_cast<double>(last - spans[0].first);
+    // From the first command's queueing to the last one's: the host's enqueueing; and from the
+    // first one's queueing to its start.
+    // (Drivers whose queueing times are not on the device's clock, PoCL's: left out.)
+    const kernels::CommandTime &first = times.front(), &end = times.back();
+    if (first.queued_ns == 0 || first.queued_ns > first.start_ns ||
+        end.queued_ns < first.queued_ns) {
+      queued_known = false;
+    }
+    queueing += static_cast<double>(end.queued_ns - first.queued_ns);
+    first_wait += static_cast<double>(first.start_ns - first.queued_ns);
+    busy += static_cast<double>(covered);
+    overlap += total - static_cast<double>(covered);
+  }
+  std::string list;
+  for (const auto& [name, ns] : kernels) {
+    absl::StrAppendFormat(&list, "%s{\"name\":\"%s\",\"ms\":%.4f}", list.empty() ? "" : ",", name,
+                          ns / reps / 1e6);
+  }
+  std::printf(
+      "{\"kernel_profile\":{\"tokens\":%lld,\"grouping\":\"%s\",\"reps\":%d,"
+      "\"concurrent_queues\":%s,\"experts_touched\":%d,\"back_to_back_ms\":%.4f,\"wall_ms\":%.4f,"
+      "\"enqueue_ms\":%.4f,\"first_wait_ms\":%.4f,"
+      "\"span_ms\":%.4f,\"busy_ms\":%.4f,\"idle_ms\":%.4f,\"overlap_ms\":%.4f,"
+      "\"kernels\":[%s]}}\n",
+      static_cast<long long>(n), device_grouping ? "device" : "host", reps,
+      rt.concurrent_queues() ? "true" : "false", touched, back_to_back, wall / reps / 1e6,
+      queued_known ? queueing / reps / 1e6 : -1.0, queued_known ? first_wait / reps / 1e6 : -1.0,
+      span / reps / 1e6, busy / reps / 1e6, (span - busy) / reps / 1e6, overlap / reps / 1e6,
+      list.c_str());
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
 
 // Where ReadGbPerSecond's sums go, so that the reads behind them are not optimized away.
 volatile float g_read_sink = 0;
@@ -254,6 +368,13 @@ int Run(int argc, char** argv) {
          "runs, else the host), host, device, or a comma list of them, each timed");
   fs.Add("stages", &stages,
          "Also time each stage alone (each ended by a wait for the device), resident");
+  int kernel_profile = 0;
+  fs.Add("kernel-profile", &kernel_profile,
+         "Instead of timing, print the device's timeline of this many resident forwards per "
+         "batch size (each kernel's time, the device's idle time between them)");
+  bool concurrent_queues = true;
+  fs.Add("concurrent-queues", &concurrent_queues,
+         "The shared expert on a second queue beside the routed experts (devices other than CPUs)");
   fs.Add("read-bandwidth", &read_bandwidth,
          "Also measure the host's memory read bandwidth and the one-token floor it sets");
   const int code = ParseFlags(
@@ -261,6 +382,8 @@ int Run(int argc, char** argv) {
       "every --tokens entry must be >= 1");
   if (code >= 0) return code;
   if (!pinned_transfers) rto.staging = kernels::RuntimeOptions::Staging::kOff;
+  if (!concurrent_queues) rto.concurrent_queues = kernels::RuntimeOptions::ConcurrentQueues::kOff;
+  rto.profile_commands = kernel_profile > 0;
   absl::StatusOr<common::ElementType> dtype =
       common::ParseFlagName(weight_dtype, "--weight-dtype", kernels::kKernelTypes);
   auto source = model::OpenModel(model_spec, static_cast<uint64_t>(seed));
@@ -340,6 +463,15 @@ int Run(int argc, char** argv) {
 
   for (int64_t n : token_counts) {
     for (const bool dg : device_groupings) {
+      if (kernel_profile > 0) {
+        if (absl::Status s =
+                PrintKernelProfile(**l, (*l)->runtime(), x.data(), n, dg, kernel_profile, y.data());
+            !s.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+          return 1;
+        }
+        continue;
+      }
       for (int i = 0; i < 2; ++i) {
         if (absl::Status s = (*l)->Forward(x.data(), n, y.data(), false, dg); !s.ok()) {
           std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());

@@ -278,12 +278,28 @@ inline __attribute__((always_inline)) int4 TileProduct(
 #if DEC_BM % 16 != 0 || DEC_BM < 16 || DEC_BM > 64
 #error "MMA_DEC_BM must be 16, 32, 48 or 64"
 #endif
+// Tiles of more than MMA_DEC_MIN rows (and at most DEC_BM) take this program's decode form,
+// tiles of more than MMA_LARGE_MIN rows the 128-row kernels. One decode form: 0 and DEC_BM.
+// Two (kernels/runtime.cc, Runtime::mma_decode_rows() 64): this program's form of 32 rows
+// (0, 32; MMA_LARGE_MIN 64) beside a wide one of 64 in a program of its own (MMA_DEC_WIDE:
+// 32, 64; its kernels named *_wide), so that each tile takes the smaller form that holds it.
+#ifndef MMA_DEC_MIN
+#define MMA_DEC_MIN 0
+#endif
+#ifndef MMA_LARGE_MIN
+#define MMA_LARGE_MIN DEC_BM
+#endif
+#ifdef MMA_DEC_WIDE
+#define DEC_KERNEL(name) name##_wide
+#else
+#define DEC_KERNEL(name) name
+#endif
 // Whether the 128-row kernels skip this work-group's tile: it has no rows (the launch may
 // cover more tiles than a batch has: groups made on the device, kernels/moe_grouped.cc, the
 // rest being (0, 0, 0, 0)), or few enough for the decode form.
 inline bool SkipTile(const __global int4* groups) {
   const int4 grp = groups[ThisTile().y];
-  return grp.z - grp.y <= DEC_BM;
+  return grp.z - grp.y <= MMA_LARGE_MIN;
 }
 
 // Where this work-item's accumulators lie in the tile: acc[(i * NJ + j) * 4 + hi * 2 + {0, 1}]
@@ -320,6 +336,7 @@ inline void MmaStore(const float* acc, int p0, int end, int n0, __global float* 
   }
 }
 
+#ifndef MMA_DEC_WIDE  // the wide decode form's program holds its three kernels alone
 // Both GEMM kernels run in work-groups of MMA_THREADS work-items. They do not declare it
 // (reqd_work_group_size): with it NVIDIA's assembler ignores the register cap the runtime
 // passes (kernels/runtime.cc).
@@ -461,6 +478,7 @@ __kernel void ffn_reduce_down(__global const float* restrict partial, int splits
   if (c >= hidden || p >= rows) return;
   y[(size_t)p * hidden + c] = SumParts(partial, splits, rows, n_rows, p, c);
 }
+#endif  // MMA_DEC_WIDE
 
 // ---- the decode form: tiles of at most DEC_BM rows ----
 // At decode sizes a tile has a few rows, and the 128-row tiles above hold 48 KiB of local
@@ -478,10 +496,10 @@ __kernel void ffn_reduce_down(__global const float* restrict partial, int splits
 #error "the decode form is written for 128 weight rows and 128 work-items"
 #endif
 
-// Whether the decode form runs this work-group's tile (1 to DEC_BM rows).
+// Whether this decode form runs this work-group's tile (MMA_DEC_MIN + 1 to DEC_BM rows).
 inline bool DecodeTile(const __global int4* groups) {
   const int4 grp = groups[ThisTile().y];
-  return grp.z > grp.y && grp.z - grp.y <= DEC_BM;
+  return grp.z - grp.y > MMA_DEC_MIN && grp.z > grp.y && grp.z - grp.y <= DEC_BM;
 }
 
 // Copies K slice `step` of the tile into local-memory stage `st`: the A rows' chunks (rows
@@ -563,7 +581,7 @@ inline int2 DecodeSlices(int k_slices, int per_split) {
 }
 
 // ffn_mma_gate_up's tiles of at most DEC_BM rows (one part of K).
-__kernel void ffn_dec_gate_up(__global const ushort* restrict a,
+__kernel void DEC_KERNEL(ffn_dec_gate_up)(__global const ushort* restrict a,
                               __global const int4* restrict groups,
                               __global const ushort* restrict w, int k_pad, int f_pad,
                               __global ushort* restrict h) {
@@ -621,7 +639,7 @@ inline void DecodeStore(const float* acc, int p0, int end, int n0, __global floa
 }
 
 // ffn_mma_down's tiles of at most DEC_BM rows (one part of K).
-__kernel void ffn_dec_down(__global const ushort* restrict h, __global const int4* restrict groups,
+__kernel void DEC_KERNEL(ffn_dec_down)(__global const ushort* restrict h, __global const int4* restrict groups,
                            __global const ushort* restrict w, int f_pad, int n_pad, int hidden,
                            __global float* restrict y) {
   __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
@@ -637,7 +655,7 @@ __kernel void ffn_dec_down(__global const ushort* restrict h, __global const int
 }
 
 // ffn_mma_partial's tiles of at most DEC_BM rows.
-__kernel void ffn_dec_partial(__global const ushort* restrict a,
+__kernel void DEC_KERNEL(ffn_dec_partial)(__global const ushort* restrict a,
                               __global const int4* restrict groups,
                               __global const ushort* restrict w, int n_rows, int k_pad,
                               int per_split, int rows, __global float* restrict partial) {

@@ -39,6 +39,8 @@ inline constexpr int kRouterTokens = 4;
 // The GPU router (route_logits_wg): work-items per group and tokens per group.
 inline constexpr int kRouterGroupSize = 256;
 inline constexpr int kRouterGroupTokens = 8;
+// Work-items of route_select_softmax_wg's work-group (one token); router.cl's SELECT_WG.
+inline constexpr int kRouterSelectGroupSize = 32;
 // Experts of one work-group of route_logits_wg (router.cl's ROUTER_LG_EXPERTS).
 inline constexpr int kRouterLogitExperts = 8;
 // Work-items per row of scale_rows_by_sigmoid_gate_wg (combine.cl's GATE_WG).
@@ -62,6 +64,9 @@ inline constexpr int kMmaStages = 3;
 // Tiles of the tensor-core FFN with at most this many rows take its decode form (ffn_dec_*,
 // expert_ffn_mma.cl's MMA_DEC_BM): a few m16 row tiles, several work-groups a multiprocessor.
 inline constexpr int64_t kMmaDecodeRows = 32;
+// Tiles of kMmaDecodeRows + 1 to this many rows take a wide decode form of their own (by default;
+// RuntimeOptions::mma_decode_rows 32 leaves them to the 128-row tiles).
+inline constexpr int64_t kMmaWideDecodeRows = 64;
 // The most parts a tensor-core launch of few tiles splits K into (LaunchFfnMma).
 inline constexpr int64_t kMmaMaxKSplits = 16;
 // Element offset of (n, k) in a tensor-core weight matrix of k_pad columns, stored as tiles of
@@ -147,10 +152,10 @@ inline std::string ProgramBuildOptions(bool cpu, DotForm dot, bool amx = false) 
                       dot == DotForm::kInlineAsm ? " -DFFN_BF16_DOT_ASM=1" : "",
                       " -DROUTER_MAX_EXPERTS=", kRouterMaxExperts,
                       " -DROUTER_TOKENS=", kRouterTokens, " -DROUTER_WG=", kRouterGroupSize,
-                      " -DROUTER_WG_TOKENS=", kRouterGroupTokens, " -DMMA_BM=", kMmaBm,
+                      " -DROUTER_WG_TOKENS=", kRouterGroupTokens,
+                      " -DSELECT_WG=", kRouterSelectGroupSize, " -DMMA_BM=", kMmaBm,
                       " -DMMA_BN=", kMmaBn, " -DMMA_BK=", kMmaBk, " -DMMA_THREADS=", kMmaThreads,
-                      " -DMMA_STAGES=", kMmaStages, " -DDOT_DIRECT_ROWS=", kDotDirectRows,
-                      " -DMMA_DEC_BM=", kMmaDecodeRows);
+                      " -DMMA_STAGES=", kMmaStages, " -DDOT_DIRECT_ROWS=", kDotDirectRows);
 }
 
 }  // namespace epserve::kernels::detail

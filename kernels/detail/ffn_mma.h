@@ -26,13 +26,17 @@ absl::Status GatherBf16Activations(Runtime& rt, const char* kernel_name, int64_t
                                    bool gather, int64_t rows, int64_t x_values,
                                    std::span<const size_t> global, Buffer& y);
 
-// Which tensor-core kernels a launch runs: the 128-row tiles (ffn_mma_*) and those of at most
-// kMmaDecodeRows rows (ffn_dec_*). Each skips the other's tiles; a form may be left out only
-// where no tile of its kind can be.
+// Which tensor-core kernels a launch runs: the 128-row tiles (ffn_mma_*), the decode form's
+// tiles of at most kMmaDecodeRows rows (ffn_dec_*) and, where Runtime::mma_decode_rows() is
+// more, the wide decode form's of the rows between (ffn_dec_*_wide). Each skips the others'
+// tiles; a form may be left out only where no tile of its kind can be.
 struct MmaForms {
   bool large = true;
   bool decode = true;
+  bool wide = false;
 };
+// The forms a tile of `rows` rows (1 to kMmaBm) takes on `rt`.
+MmaForms FormOfTile(const Runtime& rt, int64_t rows);
 
 // x (FP32 or BF16 as x_format says, rows x_format.row_stride apart, row p read from
 // x[row_index[p]] when `gather`, else x[p]) -> BF16 activations in y -> BF16 h in h_scratch ->

@@ -44,8 +44,10 @@ absl::Status SetArgs(cl_kernel kernel, const Args&... args) {
 
 inline absl::Status Launch(Runtime& rt, cl_kernel kernel, cl_uint dims, const size_t* global,
                            const size_t* local) {
-  CL_CHECK(clEnqueueNDRangeKernel(rt.queue(), kernel, dims, nullptr, global, local, 0, nullptr,
-                                  nullptr));
+  cl_event event = nullptr;
+  CL_CHECK(clEnqueueNDRangeKernel(rt.launch_queue(), kernel, dims, nullptr, global, local, 0,
+                                  nullptr, rt.profiles_commands() ? &event : nullptr));
+  if (event != nullptr) rt.RecordCommand(event, kernel);
   return absl::OkStatus();
 }
 

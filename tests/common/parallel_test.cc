@@ -2,8 +2,11 @@
 #include "common/parallel.h"
 
 #include "common/convert.h"
+#include "common/half.h"
 
 #include <atomic>
+#include <bit>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -102,6 +105,37 @@ TEST(ParallelConvert, ConvertsEveryJobWholeAsOneCallDoes) {
         }
         for (size_t g = want[i].size(); g < dst[i].size(); ++g) ASSERT_EQ(dst[i][g], '\x5a') << i;
       }
+    }
+  }
+}
+
+// The loops over rows give the scalar conversions' bits (common/half.h) for every kind of
+// value: random bit patterns (NaNs, infinities, subnormals, ties among them) and the edges,
+// at unaligned 16-bit addresses too.
+TEST(Convert, RowLoopsHaveTheScalarConversionsBits) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<float> values;
+  for (int i = 0; i < 100000; ++i)
+    values.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
+  for (uint32_t bits :
+       {0x3F808000u, 0x3F818000u, 0x7F7FFFFFu, 0xFF7FFFFFu, 0x7F800000u, 0xFF800000u, 0x7FC00000u,
+        0x7F800001u, 0xFFA00000u, 0x00000001u, 0x80000000u, 0x00000000u, 0x7F7F8000u}) {
+    values.push_back(std::bit_cast<float>(bits));
+  }
+  const size_t n = values.size();
+  for (const ElementType t : {ElementType::kBf16, ElementType::kFp16}) {
+    std::vector<char> narrow(2 * n + 1, '\x5a');
+    FromFp32(t, values.data(), narrow.data() + 1, n);  // odd address
+    std::vector<float> wide(n);
+    ToFp32(t, narrow.data() + 1, wide.data(), n);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t got;
+      std::memcpy(&got, narrow.data() + 1 + 2 * i, 2);
+      const uint16_t want =
+          t == ElementType::kBf16 ? FloatToBf16(values[i]) : FloatToFp16(values[i]);
+      ASSERT_EQ(got, want) << "value bits " << std::hex << std::bit_cast<uint32_t>(values[i]);
+      const float back = t == ElementType::kBf16 ? Bf16ToFloat(want) : Fp16ToFloat(want);
+      ASSERT_EQ(std::bit_cast<uint32_t>(wide[i]), std::bit_cast<uint32_t>(back)) << i;
     }
   }
 }

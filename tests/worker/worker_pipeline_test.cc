@@ -462,5 +462,19 @@ TEST(WorkerOptions, IdlePollOutsideItsBoundNamesTheFlag) {
   }
 }
 
+TEST(WorkerOptions, MmaDecodeRowsOutsideItsSizesNamesTheFlag) {
+  WorkerOptions options;
+  for (const int good : {0, 32, 64}) {
+    options.device.mma_decode_rows = good;
+    EXPECT_TRUE(options.Validate().ok()) << good;
+  }
+  for (const int bad : {-1, 16, 48, 128}) {
+    options.device.mma_decode_rows = bad;
+    const absl::Status s = options.Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("--mma-decode-rows must be 0, 32 or 64"), std::string::npos) << s;
+  }
+}
+
 }  // namespace
 }  // namespace epserve::worker
