@@ -155,8 +155,11 @@ absl::Status Worker::RunLocalOnDevice(const Layer& layer, const ExpertPlacement&
   // routed experts (Runtime::ForkQueue), and the sum waits for it.
   absl::Time t0 = absl::Now();
   EPSERVE_RETURN_IF_ERROR(rt_->ForkQueue());
-  EPSERVE_ASSIGN_OR_RETURN(const kernels::SumStart start, LocalSharedExpert(layer, x, n));
+  // Ended before any error returns: the next batch's launches go to the main queue.
+  const absl::StatusOr<kernels::SumStart> shared = LocalSharedExpert(layer, x, n);
   EPSERVE_RETURN_IF_ERROR(rt_->EndFork());
+  EPSERVE_RETURN_IF_ERROR(shared.status());
+  const kernels::SumStart start = *shared;
   stats.expert_ns = NanosSince(t0);
 
   t0 = absl::Now();

@@ -151,8 +151,9 @@ class InProcessLayer {
     const bool shared = cfg_.shared_ffn_size > 0;
     if (shared && stages == nullptr) {
       EPSERVE_RETURN_IF_ERROR(rt.ForkQueue());
-      EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_));
-      EPSERVE_RETURN_IF_ERROR(rt.EndFork());
+      const absl::Status s = kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_);
+      EPSERVE_RETURN_IF_ERROR(rt.EndFork());  // before any error returns
+      EPSERVE_RETURN_IF_ERROR(s);
     }
     EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
     EPSERVE_RETURN_IF_ERROR(stage(kRoute));
