@@ -1,5 +1,6 @@
-// The OpenCL runtime of one worker: one device, one context, one in-order queue.
-// Only kernels/ includes OpenCL headers' types in its public API.
+// The OpenCL runtime of one worker: one device, one context, one in-order queue (and on GPUs a
+// second that work can fork to, ForkQueue). Only kernels/ includes OpenCL headers' types in its
+// public API.
 #pragma once
 
 #define CL_TARGET_OPENCL_VERSION 120
