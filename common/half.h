@@ -10,10 +10,12 @@ namespace epserve::common {
 
 // FP32 -> BF16 rounded to nearest, ties to even; NaN stays NaN (quiet), infinities stay
 // infinite, finite values past the largest BF16 round to infinity.
+// Branch-free (the NaN case is a select), so that loops over rows of it vectorize.
 inline uint16_t FloatToBf16(float x) {
   const uint32_t b = std::bit_cast<uint32_t>(x);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40);
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (b >> 16) | 0x40u;
+  return static_cast<uint16_t>((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
 // Exact.

@@ -93,6 +93,12 @@ MmaForms FormOfTile(const Runtime& rt, int64_t rows) {
   return {.large = true, .decode = false, .wide = false};
 }
 
+MmaForms FormsUpTo(const Runtime& rt, int64_t most) {
+  return {.large = most > rt.mma_decode_rows(),
+          .decode = true,
+          .wide = most > kMmaDecodeRows && rt.mma_decode_rows() > kMmaDecodeRows};
+}
+
 absl::Status GatherBf16Activations(Runtime& rt, const char* kernel_name, int64_t hidden,
                                    const Buffer& x, RowFormat x_format, const Buffer& row_index,
                                    bool gather, int64_t rows, int64_t x_values,

@@ -120,12 +120,8 @@ absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer&
   EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, g.pairs * w.ffn * sizeof(float), "h_scratch"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(y, g.pairs * w.hidden * sizeof(float), "y"));
   // Tiles of any form may be there, but none larger than the batch's pairs.
-  const detail::MmaForms forms{.large = detail::FormOfTile(rt, g.pairs).large,
-                               .decode = true,
-                               .wide = !detail::FormOfTile(rt, g.pairs).decode &&
-                                       rt.mma_decode_rows() > detail::kMmaDecodeRows};
   return detail::LaunchFfnMma(rt, w, x, x_format, g.row_index, /*gather=*/true, g.pairs, g.groups,
-                              g.num_groups, forms, h_scratch, y);
+                              g.num_groups, detail::FormsUpTo(rt, g.pairs), h_scratch, y);
 }
 
 }  // namespace epserve::kernels

@@ -42,6 +42,13 @@ absl::Status Runtime::EndFork() {
   return absl::OkStatus();
 }
 
+absl::Status Runtime::Forked(const std::function<absl::Status()>& launches) {
+  EPSERVE_RETURN_IF_ERROR(ForkQueue());
+  const absl::Status status = launches();
+  const absl::Status ended = EndFork();
+  return status.ok() ? ended : status;
+}
+
 absl::Status Runtime::JoinFork() {
   EPSERVE_RETURN_IF_ERROR(EndFork());  // a fork still open ends here
   if (fork_end_ == nullptr) return absl::OkStatus();

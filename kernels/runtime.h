@@ -148,6 +148,9 @@ class Runtime {
   absl::Status ForkQueue();
   absl::Status EndFork();
   absl::Status JoinFork();
+  // ForkQueue, `launches`, EndFork: the fork ends whatever `launches` returns (its error
+  // first), so that no later launch goes to the forked queue by mistake.
+  absl::Status Forked(const std::function<absl::Status()>& launches);
 
   // With RuntimeOptions::profile_commands: every launch and unstaged transfer since the last
   // call, in the order they were queued, with their device times; it waits for both queues

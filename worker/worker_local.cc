@@ -154,12 +154,11 @@ absl::Status Worker::RunLocalOnDevice(const Layer& layer, const ExpertPlacement&
   // The shared expert needs nothing of the routing: it runs beside the grouping and the
   // routed experts (Runtime::ForkQueue), and the sum waits for it.
   absl::Time t0 = absl::Now();
-  EPSERVE_RETURN_IF_ERROR(rt_->ForkQueue());
-  // Ended before any error returns: the next batch's launches go to the main queue.
-  const absl::StatusOr<kernels::SumStart> shared = LocalSharedExpert(layer, x, n);
-  EPSERVE_RETURN_IF_ERROR(rt_->EndFork());
-  EPSERVE_RETURN_IF_ERROR(shared.status());
-  const kernels::SumStart start = *shared;
+  kernels::SumStart start = kernels::SumStart::kZero;
+  EPSERVE_RETURN_IF_ERROR(rt_->Forked([&]() -> absl::Status {
+    EPSERVE_ASSIGN_OR_RETURN(start, LocalSharedExpert(layer, x, n));
+    return absl::OkStatus();
+  }));
   stats.expert_ns = NanosSince(t0);
 
   t0 = absl::Now();

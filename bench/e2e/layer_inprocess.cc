@@ -32,7 +32,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
-#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
@@ -109,8 +108,8 @@ class InProcessLayer {
     if (device_grouping) {
       EPSERVE_ASSIGN_OR_RETURN(counts, kernels::ReadPairCounts(*rt_, groups_));
     } else {
-      std::adjacent_difference(offsets_.begin() + 1, offsets_.end(), std::back_inserter(counts));
-      counts[0] = offsets_[1] - offsets_[0];
+      for (size_t e = 0; e + 1 < offsets_.size(); ++e)
+        counts.push_back(offsets_[e + 1] - offsets_[e]);
     }
     return static_cast<int>(
         std::count_if(counts.begin(), counts.end(), [](int64_t c) { return c > 0; }));
@@ -150,10 +149,8 @@ class InProcessLayer {
     // routed experts (Runtime::ForkQueue) where the stages are not timed one by one.
     const bool shared = cfg_.shared_ffn_size > 0;
     if (shared && stages == nullptr) {
-      EPSERVE_RETURN_IF_ERROR(rt.ForkQueue());
-      const absl::Status s = kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_);
-      EPSERVE_RETURN_IF_ERROR(rt.EndFork());  // before any error returns
-      EPSERVE_RETURN_IF_ERROR(s);
+      EPSERVE_RETURN_IF_ERROR(rt.Forked(
+          [&] { return kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_); }));
     }
     EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
     EPSERVE_RETURN_IF_ERROR(stage(kRoute));

@@ -37,6 +37,8 @@ struct MmaForms {
 };
 // The forms a tile of `rows` rows (1 to kMmaBm) takes on `rt`.
 MmaForms FormOfTile(const Runtime& rt, int64_t rows);
+// The forms tiles of 1 to `most` rows take on `rt`.
+MmaForms FormsUpTo(const Runtime& rt, int64_t most);
 
 // x (FP32 or BF16 as x_format says, rows x_format.row_stride apart, row p read from
 // x[row_index[p]] when `gather`, else x[p]) -> BF16 activations in y -> BF16 h in h_scratch ->

@@ -158,6 +158,17 @@ TEST_F(QueuesTest, CommandTimesNameEveryLaunchAndTransfer) {
   EXPECT_TRUE(none->empty());
 }
 
+// Forked ends the fork whatever its launches return, and returns their error.
+TEST_F(QueuesTest, ForkedEndsTheForkOnAnError) {
+  const absl::Status s = R().Forked([&] {
+    EXPECT_NE(R().launch_queue(), R().queue());
+    return absl::InternalError("a launch failed");
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(R().launch_queue(), R().queue());
+  EXPECT_TRUE(R().Finish().ok());
+}
+
 // A kept table is made once per content: the same bytes give the same buffer, holding them;
 // other bytes another.
 TEST_F(QueuesTest, KeptTablesAreMadeOncePerContent) {
