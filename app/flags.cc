@@ -242,6 +242,11 @@ void RegisterKernelFlags(common::FlagSet& fs, Flags& flags) {
                 "On GPUs, run the shared expert on a second queue of the device beside the "
                 "router, the grouping and the routed experts of a batch a worker runs alone; "
                 "--no-concurrent-queues runs every launch in order on one queue");
+  AddAutoSwitch(fs, "wgmma", &runtime.wgmma,
+                "On Hopper GPUs (compute capability 9.0) with the tensor-core expert FFN, run its "
+                "128-row tiles on the warpgroup MMA (wgmma, the program rebuilt for sm_90a; "
+                "mma.sync where the driver does not build it); --no-wgmma keeps mma.sync; "
+                "$EPSERVE_WGMMA=0 turns it off too");
   fs.Add("mma-decode-rows", &runtime.mma_decode_rows,
          "On GPUs with --weight-dtype=bf16 on the tensor cores, tiles of at most this many rows "
          "of one expert take the decode form (several work-groups a multiprocessor streaming "

@@ -17,6 +17,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/files.h"
 #include "common/log.h"
@@ -26,6 +27,7 @@
 #include "kernels/detail/device.h"
 #include "kernels/detail/ffn_layout.h"
 #include "kernels/detail/program_cache.h"
+#include "kernels/detail/ptx_patch.h"
 
 namespace epserve::embedded {
 // Generated from kernels/cl/*.cl at build time (see kernels/CMakeLists.txt).
@@ -119,6 +121,7 @@ struct Runtime::Programs {
     std::string extra_options;         // device-specific, dropped if the driver refuses them
     std::string variant_options = {};  // this program's own (a variant of a shared source)
     std::string source_override = {};  // read from RuntimeOptions::source_dir
+    bool sm90a = false;                // PTX rebuilt for sm_90a (its wgmma instructions live)
     cl_program program = nullptr;
   };
   std::vector<Program> programs;
@@ -163,6 +166,18 @@ static std::string FfnBlockingOptions(const FfnBlocking& b) {
                       " -DFFN_ROWS_QUARTER=", quarter, " -DFFN_PREFETCH_STEPS=", b.prefetch_steps);
 }
 
+// The build option of expert_ffn_mma.cl's wgmma tiles.
+constexpr char kWgmmaOption[] = " -DMMA_WGMMA=1";
+
+// Whether the tensor-core FFN's 128-row tiles take wgmma (RuntimeOptions::wgmma) on a device of
+// compute capability `cc` whose tensor-core kernels run: sm_90 only (wgmma is an sm_90a
+// instruction; later GPUs have other ones).
+static bool WgmmaWanted(const RuntimeOptions& options, bool tensor_cores, int cc) {
+  if (!tensor_cores || cc != 90 || options.wgmma == RuntimeOptions::Wgmma::kOff) return false;
+  const char* env = std::getenv("EPSERVE_WGMMA");
+  return env == nullptr || std::string_view(env) != "0";
+}
+
 // The embedded programs (built on first use), the tensor-core one where it runs.
 void Runtime::AddEmbeddedPrograms() {
   programs_->programs = {{"router", embedded::kernels_cl_router, ""},
@@ -176,11 +191,18 @@ void Runtime::AddEmbeddedPrograms() {
                                           "|-cl-nv-maxrregcount ", detail::kMmaMaxRegisters);
     // The decode form of 32 rows, and with mma_decode_rows 64 a wide one of 64 rows in a
     // program of its own (the same source; expert_ffn_mma.cl says how the forms share tiles).
+    // With wgmma, the 128-row tiles' program is rebuilt for sm_90a (Runtime::Kernel falls back
+    // to mma.sync where that fails).
     const bool wide = mma_decode_rows_ == 64;
     programs_->programs.push_back(
-        {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma, regs,
+        {"expert_ffn_mma",
+         embedded::kernels_cl_expert_ffn_mma,
+         regs,
          absl::StrCat("-DMMA_DEC_BM=", detail::kMmaDecodeRows,
-                      wide ? absl::StrCat(" -DMMA_LARGE_MIN=", mma_decode_rows_) : "")});
+                      wide ? absl::StrCat(" -DMMA_LARGE_MIN=", mma_decode_rows_) : "",
+                      wgmma_ ? kWgmmaOption : ""),
+         {},
+         wgmma_});
     if (wide) {
       programs_->programs.push_back(
           {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma, regs,
@@ -241,6 +263,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& o
     if (!rt->bf16_amx_) rt->bf16_amx_why_not_ = why;
   }
   EPSERVE_ASSIGN_OR_RETURN(rt->mma_decode_rows_, MmaDecodeRows(options));
+  rt->wgmma_ = WgmmaWanted(options, rt->tensor_cores_, rt->info_.nv_compute_capability);
   rt->program_options_ = detail::ProgramBuildOptions(rt->info_.is_cpu, dot_form, rt->bf16_amx_);
   rt->default_ffn_blocking_ = FfnBlockingCandidates(rt->info_).front();
   rt->AddEmbeddedPrograms();
@@ -382,24 +405,25 @@ const ProgramCacheStats& Runtime::cache_stats() const { return programs_->stats;
 
 absl::StatusOr<cl_program> Runtime::BuildProgram(std::string_view name, std::string_view source,
                                                  std::string_view extra_options,
-                                                 std::string_view variant_options) {
+                                                 std::string_view variant_options, bool sm90a) {
   const std::string base =
       absl::StrCat(program_options_, variant_options.empty() ? "" : " ", Sv(variant_options));
   // Alternatives are separated by '|' (drivers spell some options differently); the first
   // that builds wins.
   for (absl::string_view extra : absl::StrSplit(Sv(extra_options), '|', absl::SkipEmpty())) {
     absl::StatusOr<cl_program> program =
-        BuildProgramWithOptions(name, source, absl::StrCat(base, " ", extra));
+        BuildProgramWithOptions(name, source, absl::StrCat(base, " ", extra), sm90a);
     if (program.ok()) return program;
     programs_->stats.last_error = absl::StrCat("program '", Sv(name), "' did not build with '",
                                                extra, "': ", program.status().message());
   }
-  return BuildProgramWithOptions(name, source, base);
+  return BuildProgramWithOptions(name, source, base, sm90a);
 }
 
 absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view name,
                                                             std::string_view source,
-                                                            const std::string& options) {
+                                                            const std::string& options,
+                                                            bool sm90a) {
   ProgramCacheStats& stats = programs_->stats;
   std::string cache_path;
   if (!cache_dir_.empty()) {
@@ -440,6 +464,10 @@ absl::StatusOr<cl_program> Runtime::BuildProgramWithOptions(std::string_view nam
                                ": ", s.message(), "\nbuild log:\n", log));
   }
   ++stats.built;
+  if (sm90a) {
+    EPSERVE_ASSIGN_OR_RETURN(program,
+                             detail::RebuildForSm90a(context_, device_, program, name, options));
+  }
 
   if (store_binaries_ && !cache_path.empty()) {
     size_t size = 0;
@@ -514,9 +542,17 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
   for (Programs::Program& p : programs_->programs) {
     if (p.program != nullptr) continue;
     EPSERVE_RETURN_IF_ERROR(programs_->LoadSource(p));
-    EPSERVE_ASSIGN_OR_RETURN(cl_program program,
-                             BuildProgram(p.name, p.source, p.extra_options, p.variant_options));
-    p.program = program;
+    absl::StatusOr<cl_program> program =
+        BuildProgram(p.name, p.source, p.extra_options, p.variant_options, p.sm90a);
+    if (!program.ok() && p.sm90a) {
+      common::LogWarning(
+          absl::StrCat("the tensor-core FFN keeps mma.sync: ", program.status().message()));
+      p.sm90a = wgmma_ = false;
+      p.variant_options = absl::StrReplaceAll(p.variant_options, {{kWgmmaOption, ""}});
+      program = BuildProgram(p.name, p.source, p.extra_options, p.variant_options);
+    }
+    if (!program.ok()) return program.status();
+    p.program = *program;
     EPSERVE_RETURN_IF_ERROR(programs_->AddKernels(p.program, ""));
     if (auto it = programs_->kernels.find(key); it != programs_->kernels.end()) return it->second;
   }

@@ -164,6 +164,9 @@ class Runtime {
   bool tensor_cores() const { return tensor_cores_; }
   // The most rows a tensor-core tile of the decode form has (RuntimeOptions::mma_decode_rows).
   int64_t mma_decode_rows() const { return mma_decode_rows_; }
+  // Whether the tensor-core FFN's 128-row tiles run on wgmma (RuntimeOptions::wgmma): decided
+  // at Create, and false again if the sm_90a program then does not build (mma.sync runs).
+  bool wgmma() const { return wgmma_; }
   // Whether the router and the shared expert's gate take their work-group forms
   // (RuntimeOptions::work_group_forms).
   bool work_group_forms() const {
@@ -269,13 +272,14 @@ class Runtime {
  private:
   Runtime() = default;
   // Creates and builds program `name` from `source`, through the binary cache, with the
-  // common options plus `extra_options` (without them if the driver refuses them). The caller
-  // owns the returned program.
+  // common options plus `extra_options` (without them if the driver refuses them); `sm90a`:
+  // its PTX rebuilt for sm_90a (kernels/detail/ptx_patch.h). The caller owns the returned
+  // program.
   absl::StatusOr<cl_program> BuildProgram(std::string_view name, std::string_view source,
                                           std::string_view extra_options,
-                                          std::string_view variant_options);
+                                          std::string_view variant_options, bool sm90a = false);
   absl::StatusOr<cl_program> BuildProgramWithOptions(std::string_view name, std::string_view source,
-                                                     const std::string& options);
+                                                     const std::string& options, bool sm90a);
   struct Programs;
   // ChooseFfnPlan, or nullopt (nothing chosen) where `defer_when_busy` and another process
   // holds the shape's cache lock.
@@ -295,6 +299,7 @@ class Runtime {
   bool store_binaries_ = false;
   bool tensor_cores_ = false;
   int64_t mma_decode_rows_ = 0;
+  bool wgmma_ = false;
   bool bf16_dot_ = false;
   bool bf16_amx_ = false;
   std::string bf16_amx_why_not_;

@@ -73,6 +73,13 @@ struct RuntimeOptions {
   // form) or 64 (tiles of 33-64 rows in a wide form of their own); 0 means
   // $EPSERVE_MMA_DECODE_ROWS, else kernels::detail::kMmaWideDecodeRows (64).
   int mma_decode_rows = 0;
+  // Hopper's warpgroup MMA (wgmma) for the tensor-core FFN's 128-row tiles on devices of
+  // compute capability 9.0, whose PTX is then rebuilt for sm_90a (kernels/detail/ptx_patch.h):
+  // mma.sync reaches about half of what their tensor cores do. kAuto: $EPSERVE_WGMMA ("0" off),
+  // else on; kOff: mma.sync everywhere. Where the driver does not build the sm_90a program the
+  // runtime warns and keeps mma.sync.
+  enum class Wgmma { kAuto, kOff };
+  Wgmma wgmma = Wgmma::kAuto;
   // Record each launch's and transfer's device times (CL_QUEUE_PROFILING_ENABLE) for
   // Runtime::TakeCommandTimes: a timeline of the kernels, for benchmarks.
   bool profile_commands = false;

@@ -193,8 +193,9 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string((!rt.ok() ? rt : prt).status().message()).c_str());
     return 1;
   }
-  std::printf("{\"device\":\"%s\",\"tensor_cores\":%s}\n", (*rt)->device_info().Describe().c_str(),
-              (*rt)->tensor_cores() ? "true" : "false");
+  std::printf("{\"device\":\"%s\",\"tensor_cores\":%s,\"wgmma\":%s}\n",
+              (*rt)->device_info().Describe().c_str(), (*rt)->tensor_cores() ? "true" : "false",
+              (*rt)->wgmma() ? "true" : "false");
   std::fflush(stdout);
   const std::vector<absl::string_view> pshapes =
       absl::StrSplit(portable_shapes, ',', absl::SkipWhitespace());
@@ -208,6 +209,8 @@ int Run(int argc, char** argv) {
       return 1;
     }
   }
+  // Whether the 128-row tiles did run on wgmma (false if the sm_90a program did not build).
+  std::printf("{\"wgmma_ran\":%s}\n", (*rt)->wgmma() ? "true" : "false");
   return 0;
 }
 

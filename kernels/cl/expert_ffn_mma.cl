@@ -57,6 +57,8 @@
 #define A_LOADS (STAGE_A / MMA_THREADS)
 #define B_LOADS (STAGE_B / MMA_THREADS)
 #define ROW_STEP (MMA_THREADS / CPR)
+// Stages start on 1024-byte boundaries (the wgmma descriptors' swizzle is of address bits).
+#define STAGE_ALIGN __attribute__((aligned(1024)))
 // The same order as detail::MmaSwizzle, which lays out the weight tiles.
 inline int Swz(int r, int c) { return r * 4 + (c ^ ((r >> 1) & 3)); }
 
@@ -93,6 +95,18 @@ inline __attribute__((always_inline)) void CopyAsync16(__local uint4* dst,
                        "l"(src)
                        : "memory");
 }
+// The 128-row tiles' copies: through L1 for mma.sync (see the header), around it (cp.async.cg,
+// L2 only) for wgmma, whose tiles ran 25-32% faster so on an H200 (mixtral-8x7b 4 x 2048
+// rows: 407 -> 536 TFLOP/s), where L1 gave mma.sync +27%.
+#ifdef MMA_WGMMA
+#define TILE_COPY "cp.async.cg.shared.global"
+#else
+#define TILE_COPY "cp.async.ca.shared.global"
+#endif
+inline __attribute__((always_inline)) void CopyTile16(__local uint4* dst,
+                                                      const __global uint4* src) {
+  __asm__ __volatile__(TILE_COPY " [%0], [%1], 16;" ::"r"(SharedAddress(dst)), "l"(src) : "memory");
+}
 inline __attribute__((always_inline)) void CopyAsyncCommit(void) {
   __asm__ __volatile__("cp.async.commit_group;" ::: "memory");
 }
@@ -120,15 +134,14 @@ typedef struct {
 
 // Copies K slice `step` (MMA_BK values) of this work-item's rows into local-memory stage `st`.
 inline __attribute__((always_inline)) void LoadStage(const StageCopies* c, int step, int st,
-                                                     __local uint4* lds_a,
-                                                     __local uint4* lds_b) {
+                                                     __local uint4* lds_a, __local uint4* lds_b) {
 #pragma unroll
   for (int l = 0; l < A_LOADS; ++l) {
-    CopyAsync16(lds_a + st * STAGE_A + c->a_dst[l], c->a[l] + step * CPR);
+    CopyTile16(lds_a + st * STAGE_A + c->a_dst[l], c->a[l] + step * CPR);
   }
 #pragma unroll
   for (int l = 0; l < B_LOADS; ++l) {
-    CopyAsync16(lds_b + st * STAGE_B + c->w_dst[l], c->w[l] + step * STAGE_B);
+    CopyTile16(lds_b + st * STAGE_B + c->w_dst[l], c->w[l] + step * STAGE_B);
   }
 }
 
@@ -150,6 +163,117 @@ inline __attribute__((always_inline)) void LoadFragments(const __local uint4* sa
   }
 }
 
+#ifdef MMA_WGMMA
+// ---- Hopper's warpgroup MMA (sm_90a) for the 128-row tiles ----
+// NVIDIA's OpenCL compiler writes PTX for `.target sm_90`, where wgmma does not assemble. Each
+// wgmma instruction is therefore written as an inline-assembly comment marked WGMMA_MARK (the
+// compiler still fills in its operand registers); the runtime takes the program's PTX,
+// removes the marks and builds it for sm_90a (kernels/detail/ptx_patch.h). Built that way
+// only with MMA_WGMMA (Runtime::wgmma()); elsewhere the mma.sync tile below runs.
+//
+// The one warpgroup of the work-group (4 warps) multiplies the 128 x 128 tile as two
+// m64n128k16 products per k16 (rows 0-63 and 64-127), both operands read by the tensor cores
+// straight from the local-memory stages through matrix descriptors: the stages' layout (Swz,
+// rows of 64 bytes, 16-byte chunks XORed with bits 1-2 of the row) is the hardware's 64-byte
+// swizzle of a K-major operand, 8-row groups 512 bytes apart. The sums stay in registers across
+// the K loop: acc[(i * ACC_NJ + j) * 4 + hi * 2 + c] is row i * 64 + warp * 16 + g + 8 hi,
+// column j * 8 + 2t + c (wgmma's accumulator layout). Each output is still summed by one
+// work-item in ascending k: bits are the same run to run (not the same as mma.sync's, whose
+// k16 products are added in another order inside the tensor core).
+#define WGMMA_MARK "// @W@ "
+#define ACC_MI 2
+#define ACC_NJ (MMA_BN / 8)
+#define ACC_ROW_STEP 64
+#if MMA_BN != 128 || MMA_THREADS != 128
+#error "the wgmma tile is written for 128 weight rows and one warpgroup"
+#endif
+
+// A K-major operand's descriptor: start address / 16, leading offset 1 (unused with a
+// swizzle), 8-row groups 512 bytes apart, 64-byte swizzle (layout type 2). The stages are
+// 1024-byte aligned, so the base offset is 0.
+#define WG_LAYOUT 2  // 64-byte swizzle
+#define WG_LBO 1
+#define WG_SBO 512
+inline ulong WgDescriptor(const __local uint4* p) {
+  return (((ulong)SharedAddress(p) & 0x3FFFF) >> 4) | ((ulong)WG_LBO << 16) |
+         ((ulong)(WG_SBO >> 4) << 32) | ((ulong)WG_LAYOUT << 62);
+}
+
+// acc[0..63] += A (64 rows at desc_a) . B (128 rows at desc_b)^T over one k16.
+inline __attribute__((always_inline)) void WgMma(float* d, ulong desc_a, ulong desc_b) {
+  __asm__ __volatile__(
+      WGMMA_MARK
+      "{ .reg .pred p; setp.ne.b32 p, %66, 0; "
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0; }"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// acc[(i * ACC_NJ + j) * 4 + r] += A[128 rows] . W[128 rows]^T over k < 8 * ld, through
+// MMA_STAGES local-memory stages filled by cp.async MMA_STAGES - 1 slices ahead. A stage is
+// refilled only after every warp has waited for the products that read it (wait_group 1
+// leaves the newest slice's products running beside the next copies).
+inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, int ld,
+                                                   __local uint4* restrict lds_a,
+                                                   __local uint4* restrict lds_b, float* acc) {
+  const int steps = ld / CPR;
+#pragma unroll
+  for (int s = 0; s < MMA_STAGES - 1; ++s) {
+    if (s < steps) LoadStage(copies, s, s, lds_a, lds_b);
+    CopyAsyncCommit();
+  }
+  int read = 0;                // stage being multiplied
+  int write = MMA_STAGES - 1;  // stage the next copies fill
+  for (int s = 0; s < steps; ++s) {
+    CopyAsyncWaitAllButNewest();
+    // This work-item's copies become visible to the tensor cores' reads (the async proxy),
+    // then everyone's.
+    __asm__ __volatile__("fence.proxy.async.shared::cta;" ::: "memory");
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __asm__ __volatile__(WGMMA_MARK "wgmma.fence.sync.aligned;" ::: "memory");
+    const ulong da = WgDescriptor(lds_a + read * STAGE_A);
+    const ulong db = WgDescriptor(lds_b + read * STAGE_B);
+#pragma unroll
+    for (int kk = 0; kk < MMA_BK / 16; ++kk) {
+      // k16 slice kk starts 32 bytes further into each 64-byte row (start address in 16 bytes).
+#pragma unroll
+      for (int i = 0; i < ACC_MI; ++i) {
+        WgMma(acc + i * ACC_NJ * 4, da + (ulong)(i * 64 * 64 / 16 + kk * 2), db + (ulong)(kk * 2));
+      }
+    }
+    __asm__ __volatile__(WGMMA_MARK "wgmma.commit_group.sync.aligned;" ::: "memory");
+    __asm__ __volatile__(WGMMA_MARK "wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    // Every warp's products of slice s - 1 are done: its stage (`write`) takes new copies.
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (s + MMA_STAGES - 1 < steps) LoadStage(copies, s + MMA_STAGES - 1, write, lds_a, lds_b);
+    CopyAsyncCommit();
+    write = write + 1 == MMA_STAGES ? 0 : write + 1;
+    read = read + 1 == MMA_STAGES ? 0 : read + 1;
+  }
+  __asm__ __volatile__(WGMMA_MARK "wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  // The sums are final only now: no read of acc may move above the wait.
+#pragma unroll
+  for (int i = 0; i < ACC_MI * ACC_NJ * 4; ++i) __asm__ __volatile__("" : "+f"(acc[i])::"memory");
+  __asm__ __volatile__("cp.async.wait_all;" ::: "memory");
+}
+#else  // MMA_WGMMA
+#define ACC_MI 4
+#define ACC_NJ NJ
+#define ACC_ROW_STEP 16
 // acc[(i * NJ + j) * 4 + r] += A[128 rows] . W[128 rows]^T over k < 8 * ld, through
 // MMA_STAGES local-memory stages filled by cp.async. Software-pipelined in two ways: the
 // copies of slice s + MMA_STAGES - 1 are issued while slice s is multiplied, and each warp
@@ -175,8 +299,8 @@ inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, in
   uint af[2][4][4];
   uint bf[2][NJ / 2][4];
   LoadFragments(lds_a, lds_b, a_row, b_row, 0, af[0], bf[0]);
-  int read = 0;                   // stage being multiplied
-  int write = MMA_STAGES - 1;     // stage the next copies fill
+  int read = 0;                // stage being multiplied
+  int write = MMA_STAGES - 1;  // stage the next copies fill
   for (int s = 0; s < steps; ++s) {
 #pragma unroll
     for (int kk = 0; kk < MMA_BK / 16; ++kk) {
@@ -211,6 +335,7 @@ inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, in
   // No copy may still target local memory when the work-group leaves.
   __asm__ __volatile__("cp.async.wait_all;" ::: "memory");
 }
+#endif  // MMA_WGMMA
 
 // The tile of this work-group: (weight-row tile, row group). The launch grid is (weight-row
 // tiles, row groups); work-groups are renumbered so that MMA_RASTER consecutive ones take the
@@ -233,8 +358,8 @@ inline int2 ThisTile(void) {
 // w (tiles of MMA_BN rows x MMA_BK columns, each in local-memory order, K slices one after
 // the other).
 inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint4* a, int p0,
-                                                             int end,
-                                                             const __global uint4* w, int ld) {
+                                                             int end, const __global uint4* w,
+                                                             int ld) {
   const int tid = get_local_id(0);
   StageCopies c;
 #pragma unroll
@@ -254,16 +379,18 @@ inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint
 // The product tile of this work-group: rows group.y .. group.z of a (BF16, rows of k_pad
 // values) times weight rows n0 .. n0 + MMA_BN of expert group.x, whose matrix in w has n_rows
 // rows of k_pad values (tiled). Returns the group; acc as MmaTile leaves it.
-inline __attribute__((always_inline)) int4 TileProduct(
-    const __global ushort* restrict a, const __global int4* restrict groups,
-    const __global ushort* restrict w, int n_rows, int k_pad, int n0, __local uint4* lds_a,
-    __local uint4* lds_b, float* acc) {
+inline __attribute__((always_inline)) int4 TileProduct(const __global ushort* restrict a,
+                                                       const __global int4* restrict groups,
+                                                       const __global ushort* restrict w,
+                                                       int n_rows, int k_pad, int n0,
+                                                       __local uint4* lds_a, __local uint4* lds_b,
+                                                       float* acc) {
   const int4 grp = groups[ThisTile().y];
   const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
-  const StageCopies copies = TileCopies((const __global uint4*)a, grp.y, grp.z,
-                                        (const __global uint4*)wt, k_pad / 8);
+  const StageCopies copies =
+      TileCopies((const __global uint4*)a, grp.y, grp.z, (const __global uint4*)wt, k_pad / 8);
 #pragma unroll
-  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < ACC_MI * ACC_NJ * 4; ++i) acc[i] = 0.0f;
   MmaTile(&copies, k_pad / 8, lds_a, lds_b, acc);
   return grp;
 }
@@ -302,14 +429,19 @@ inline bool SkipTile(const __global int4* groups) {
   return grp.z - grp.y <= MMA_LARGE_MIN;
 }
 
-// Where this work-item's accumulators lie in the tile: acc[(i * NJ + j) * 4 + hi * 2 + {0, 1}]
-// is row wm * 64 + i * 16 + g + hi * 8, columns wn * WARP_COLS + j * 8 + 2t + {0, 1}.
+// Where this work-item's accumulators lie in the tile: acc[(i * ACC_NJ + j) * 4 + hi * 2 +
+// {0, 1}] is row row0 + i * ACC_ROW_STEP + g + hi * 8, columns col0 + j * 8 + 2t + {0, 1}
+// (mma.sync: warps of 64 x WARP_COLS; wgmma: warp w holds rows w * 16 of each m64).
 typedef struct {
-  int wm, wn, g, t;
+  int row0, col0, g, t;
 } AccPlace;
 inline AccPlace ThisAccPlace(void) {
   const int lane = get_local_id(0) & 31, warp = get_local_id(0) >> 5;
-  AccPlace q = {warp / WARPS_N, warp % WARPS_N, lane >> 2, lane & 3};
+#ifdef MMA_WGMMA
+  AccPlace q = {warp * 16, 0, lane >> 2, lane & 3};
+#else
+  AccPlace q = {(warp / WARPS_N) * 64, (warp % WARPS_N) * WARP_COLS, lane >> 2, lane & 3};
+#endif
   return q;
 }
 
@@ -319,16 +451,16 @@ inline void MmaStore(const float* acc, int p0, int end, int n0, __global float* 
                      int cols) {
   const AccPlace q = ThisAccPlace();
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < ACC_MI; ++i) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
-      const int p = p0 + q.wm * 64 + i * 16 + q.g + hi * 8;
+      const int p = p0 + q.row0 + i * ACC_ROW_STEP + q.g + hi * 8;
       if (p >= end) continue;
       __global float* row = out + (size_t)p * ld;
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int c = n0 + q.wn * WARP_COLS + j * 8 + 2 * q.t;
-        const float* v = acc + (i * NJ + j) * 4 + hi * 2;
+      for (int j = 0; j < ACC_NJ; ++j) {
+        const int c = n0 + q.col0 + j * 8 + 2 * q.t;
+        const float* v = acc + (i * ACC_NJ + j) * 4 + hi * 2;
         if (c < cols) row[c] = v[0];
         if (c + 1 < cols) row[c + 1] = v[1];
       }
@@ -347,27 +479,27 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
                               __global const int4* restrict groups,
                               __global const ushort* restrict w, int k_pad, int f_pad,
                               __global ushort* restrict h) {
-  __local uint4 lds_a[MMA_STAGES * STAGE_A];
-  __local uint4 lds_b[MMA_STAGES * STAGE_B];
+  __local uint4 lds_a[MMA_STAGES * STAGE_A] STAGE_ALIGN;
+  __local uint4 lds_b[MMA_STAGES * STAGE_B] STAGE_ALIGN;
   if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;  // first weight row of the tile
-  float acc[4 * NJ * 4];
+  float acc[ACC_MI * ACC_NJ * 4];
   const int4 grp = TileProduct(a, groups, w, 2 * f_pad, k_pad, n0, lds_a, lds_b, acc);
 
-  // Tile columns j = 0, 2, ... of a warp are gate, j = 1, 3, ... up, of outputs
-  // f = n0 / 2 + wn * WARP_COLS / 2 + (j / 2) * 8 + 2t + {0, 1}.
+  // Tile columns j = 0, 2, ... of a work-item are gate, j = 1, 3, ... up, of outputs
+  // f = n0 / 2 + col0 / 2 + (j / 2) * 8 + 2t + {0, 1}.
   const AccPlace q = ThisAccPlace();
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < ACC_MI; ++i) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
-      const int p = grp.y + q.wm * 64 + i * 16 + q.g + hi * 8;
+      const int p = grp.y + q.row0 + i * ACC_ROW_STEP + q.g + hi * 8;
       if (p >= grp.z) continue;
 #pragma unroll
-      for (int jj = 0; jj < NJ / 2; ++jj) {
-        const float* gate = acc + (i * NJ + 2 * jj) * 4 + hi * 2;
-        const float* up = acc + (i * NJ + 2 * jj + 1) * 4 + hi * 2;
-        const int f = n0 / 2 + q.wn * (WARP_COLS / 2) + jj * 8 + 2 * q.t;
+      for (int jj = 0; jj < ACC_NJ / 2; ++jj) {
+        const float* gate = acc + (i * ACC_NJ + 2 * jj) * 4 + hi * 2;
+        const float* up = acc + (i * ACC_NJ + 2 * jj + 1) * 4 + hi * 2;
+        const int f = n0 / 2 + q.col0 / 2 + jj * 8 + 2 * q.t;
         ((__global uint*)(h + (size_t)p * f_pad + f))[0] = SwiGluBf16Pair(gate, up);
       }
     }
@@ -379,11 +511,11 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
 __kernel void ffn_mma_down(__global const ushort* restrict h, __global const int4* restrict groups,
                            __global const ushort* restrict w, int f_pad, int n_pad, int hidden,
                            __global float* restrict y) {
-  __local uint4 lds_a[MMA_STAGES * STAGE_A];
-  __local uint4 lds_b[MMA_STAGES * STAGE_B];
+  __local uint4 lds_a[MMA_STAGES * STAGE_A] STAGE_ALIGN;
+  __local uint4 lds_b[MMA_STAGES * STAGE_B] STAGE_ALIGN;
   if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;
-  float acc[4 * NJ * 4];
+  float acc[ACC_MI * ACC_NJ * 4];
   const int4 grp = TileProduct(h, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
 
   MmaStore(acc, grp.y, grp.z, n0, y, hidden, hidden);
@@ -428,8 +560,8 @@ __kernel void ffn_mma_partial(__global const ushort* restrict a,
                               __global const int4* restrict groups,
                               __global const ushort* restrict w, int n_rows, int k_pad,
                               int per_split, int rows, __global float* restrict partial) {
-  __local uint4 lds_a[MMA_STAGES * STAGE_A];
-  __local uint4 lds_b[MMA_STAGES * STAGE_B];
+  __local uint4 lds_a[MMA_STAGES * STAGE_A] STAGE_ALIGN;
+  __local uint4 lds_b[MMA_STAGES * STAGE_B] STAGE_ALIGN;
   if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;
   const int s = get_group_id(2);
@@ -437,15 +569,15 @@ __kernel void ffn_mma_partial(__global const ushort* restrict a,
   const int count = min(per_split, k_pad / MMA_BK - ks0);
   const int4 grp = groups[ThisTile().y];
   const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
-  StageCopies copies = TileCopies((const __global uint4*)a, grp.y, grp.z,
-                                  (const __global uint4*)wt, k_pad / 8);
+  StageCopies copies =
+      TileCopies((const __global uint4*)a, grp.y, grp.z, (const __global uint4*)wt, k_pad / 8);
 #pragma unroll
   for (int l = 0; l < A_LOADS; ++l) copies.a[l] += ks0 * CPR;
 #pragma unroll
   for (int l = 0; l < B_LOADS; ++l) copies.w[l] += ks0 * STAGE_B;
-  float acc[4 * NJ * 4];
+  float acc[ACC_MI * ACC_NJ * 4];
 #pragma unroll
-  for (int i = 0; i < 4 * NJ * 4; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < ACC_MI * ACC_NJ * 4; ++i) acc[i] = 0.0f;
   MmaTile(&copies, count * CPR, lds_a, lds_b, acc);
 
   MmaStore(acc, grp.y, grp.z, n0, partial + (size_t)s * rows * n_rows, n_rows, n_rows);
@@ -529,10 +661,11 @@ inline __attribute__((always_inline)) void DecodeLoad(const __global uint4* a, i
 // for this warp's 32 weight rows (m16 tiles i, n8 tiles j): a rows [p0, end) of lda chunks
 // (clamped to end - 1), wt the tile's weight rows (slices of MMA_BN x MMA_BK in local-memory
 // order).
-inline __attribute__((always_inline)) void DecodeProduct(
-    const __global uint4* restrict a, int lda, int p0, int end,
-    const __global uint4* restrict wt, int ks0, int count, __local uint4* lds_a,
-    __local uint4* lds_b, float* acc) {
+inline __attribute__((always_inline)) void DecodeProduct(const __global uint4* restrict a, int lda,
+                                                         int p0, int end,
+                                                         const __global uint4* restrict wt, int ks0,
+                                                         int count, __local uint4* lds_a,
+                                                         __local uint4* lds_b, float* acc) {
   const int tid = get_local_id(0);
   const int lane = tid & 31, warp = tid >> 5;
   const __global uint4* a0 = a + ks0 * CPR;
@@ -582,9 +715,9 @@ inline int2 DecodeSlices(int k_slices, int per_split) {
 
 // ffn_mma_gate_up's tiles of at most DEC_BM rows (one part of K).
 __kernel void DEC_KERNEL(ffn_dec_gate_up)(__global const ushort* restrict a,
-                              __global const int4* restrict groups,
-                              __global const ushort* restrict w, int k_pad, int f_pad,
-                              __global ushort* restrict h) {
+                                          __global const int4* restrict groups,
+                                          __global const ushort* restrict w, int k_pad, int f_pad,
+                                          __global ushort* restrict h) {
   __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
   __local uint4 lds_b[DEC_STAGES * STAGE_B];
   if (!DecodeTile(groups)) return;
@@ -639,9 +772,10 @@ inline void DecodeStore(const float* acc, int p0, int end, int n0, __global floa
 }
 
 // ffn_mma_down's tiles of at most DEC_BM rows (one part of K).
-__kernel void DEC_KERNEL(ffn_dec_down)(__global const ushort* restrict h, __global const int4* restrict groups,
-                           __global const ushort* restrict w, int f_pad, int n_pad, int hidden,
-                           __global float* restrict y) {
+__kernel void DEC_KERNEL(ffn_dec_down)(__global const ushort* restrict h,
+                                       __global const int4* restrict groups,
+                                       __global const ushort* restrict w, int f_pad, int n_pad,
+                                       int hidden, __global float* restrict y) {
   __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
   __local uint4 lds_b[DEC_STAGES * STAGE_B];
   if (!DecodeTile(groups)) return;
@@ -656,9 +790,10 @@ __kernel void DEC_KERNEL(ffn_dec_down)(__global const ushort* restrict h, __glob
 
 // ffn_mma_partial's tiles of at most DEC_BM rows.
 __kernel void DEC_KERNEL(ffn_dec_partial)(__global const ushort* restrict a,
-                              __global const int4* restrict groups,
-                              __global const ushort* restrict w, int n_rows, int k_pad,
-                              int per_split, int rows, __global float* restrict partial) {
+                                          __global const int4* restrict groups,
+                                          __global const ushort* restrict w, int n_rows, int k_pad,
+                                          int per_split, int rows,
+                                          __global float* restrict partial) {
   __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
   __local uint4 lds_b[DEC_STAGES * STAGE_B];
   if (!DecodeTile(groups)) return;

@@ -726,6 +726,20 @@ TEST_F(ExpertFfnTest, TensorCoreTilesAndPadding) {
   CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
 }
 
+// The same with the 128-row tiles on mma.sync where they would take wgmma (sm_90; elsewhere
+// both runs take the same kernels): each form against the reference.
+TEST_F(ExpertFfnTest, TensorCoreTilesWithoutWgmma) {
+  RuntimeOptions options = TestRuntimeOptions();
+  options.wgmma = RuntimeOptions::Wgmma::kOff;
+  std::unique_ptr<Runtime> rt = CreateTestRuntime(options, false);
+  ASSERT_NE(rt, nullptr);
+  EXPECT_FALSE(rt->wgmma());
+  rt_ = rt.get();
+  const FfnTypes types[] = {{ElementType::kBf16, ElementType::kFp32, 3}};
+  CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
+  rt_ = nullptr;
+}
+
 // Odd H and F: the pair-panel layout pads K to even (a zero weight, a zero activation), and
 // h's padding column must come out zero. Runs on every device.
 TEST_F(ExpertFfnTest, OddShapesPadThePairs) {
