@@ -3,6 +3,7 @@
 #include "kernels/detail/ffn_mma.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -42,18 +43,22 @@ constexpr MmaKernels kDown = {"ffn_mma_down", "ffn_dec_down", "ffn_dec_down_wide
 constexpr MmaKernels kPartial = {"ffn_mma_partial", "ffn_dec_partial", "ffn_dec_partial_wide"};
 
 // Launches each form's kernel of `kernels` that `forms` says tiles may need (each skips the
-// others' tiles) over the global size `global` (3 dimensions).
+// others' tiles) over the global size `global` (3 dimensions; dimension 1 the groups), the
+// decode forms over the first `short_groups` groups only (the groups short of kMmaBm rows lead
+// the list): at prefill sizes most tiles are full, and a launch of work-groups that all return
+// at once still takes 0.17-0.26 ms for mixtral-8x7b's 224 x 72 tiles on an H200.
 template <typename... Args>
 absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const MmaKernels& kernels,
-                         const size_t* global, const Args&... args) {
+                         const size_t* global, size_t short_groups, const Args&... args) {
   const size_t local[3] = {static_cast<size_t>(kMmaThreads), 1, 1};
-  for (const auto& [name, wanted] :
-       {std::pair{kernels.large, forms.large}, std::pair{kernels.decode, forms.decode},
-        std::pair{kernels.wide, forms.wide}}) {
-    if (!wanted) continue;
+  const size_t short_global[3] = {global[0], std::min(global[1], short_groups), global[2]};
+  for (const auto& [name, wanted, size] : {std::tuple{kernels.large, forms.large, global},
+                                           std::tuple{kernels.decode, forms.decode, short_global},
+                                           std::tuple{kernels.wide, forms.wide, short_global}}) {
+    if (!wanted || size[1] == 0) continue;
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(name));
     EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, args...));
-    EPSERVE_RETURN_IF_ERROR(Launch(rt, kernel, 3, global, local));
+    EPSERVE_RETURN_IF_ERROR(Launch(rt, kernel, 3, size, local));
   }
   return absl::OkStatus();
 }
@@ -64,9 +69,9 @@ absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const MmaKernels& kernels,
 // ffn_reduce_down: y, FP32 columns < out_cols) adds the parts in order and finishes as the
 // unsplit kernels do.
 absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Buffer& groups,
-                          int num_groups, const Buffer& w, int64_t n_rows, int64_t k_pad,
-                          int splits, int64_t rows, const char* reduce, int64_t out_cols,
-                          Buffer& out) {
+                          int num_groups, int short_groups, const Buffer& w, int64_t n_rows,
+                          int64_t k_pad, int splits, int64_t rows, const char* reduce,
+                          int64_t out_cols, Buffer& out) {
   const int64_t slices = k_pad / kMmaBk;
   const int64_t per_split = CeilDiv(slices, splits);
   EPSERVE_ASSIGN_OR_RETURN(Buffer * partial,
@@ -74,10 +79,10 @@ absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Bu
                                       static_cast<size_t>(splits * rows * n_rows) * sizeof(float)));
   const size_t global[3] = {static_cast<size_t>(n_rows / kMmaBn * kMmaThreads),
                             static_cast<size_t>(num_groups), static_cast<size_t>(splits)};
-  EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kPartial, global, a, groups, w,
-                                      static_cast<cl_int>(n_rows), static_cast<cl_int>(k_pad),
-                                      static_cast<cl_int>(per_split), static_cast<cl_int>(rows),
-                                      *partial));
+  EPSERVE_RETURN_IF_ERROR(
+      LaunchTiles(rt, forms, kPartial, global, static_cast<size_t>(short_groups), a, groups, w,
+                  static_cast<cl_int>(n_rows), static_cast<cl_int>(k_pad),
+                  static_cast<cl_int>(per_split), static_cast<cl_int>(rows), *partial));
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel sum, rt.Kernel(reduce));
   EPSERVE_RETURN_IF_ERROR(SetArgs(sum, *partial, cl_int{splits}, static_cast<cl_int>(rows),
                                   static_cast<cl_int>(n_rows), static_cast<cl_int>(out_cols), out));
@@ -118,8 +123,10 @@ absl::Status GatherBf16Activations(Runtime& rt, const char* kernel_name, int64_t
 
 absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                           const Buffer& row_index, bool gather, int64_t rows, const Buffer& groups,
-                          int num_groups, MmaForms forms, Buffer& h_scratch, Buffer& y) {
+                          int num_groups, int short_groups, MmaForms forms, Buffer& h_scratch,
+                          Buffer& y) {
   if (rows == 0 || num_groups == 0) return absl::OkStatus();
+  const size_t shorts = static_cast<size_t>(std::max(short_groups, 0));
   const int64_t k_pad = MmaKPad(w.hidden);
   const int64_t f_pad = MmaFfnPad(w.ffn);
   const int64_t down_rows = MmaDownRows(w.hidden);
@@ -138,23 +145,23 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   const int gu_splits = KSplits(rt, 2 * f_pad / kMmaBn * tile_bound, k_pad);
   const int down_splits = KSplits(rt, down_rows / kMmaBn * tile_bound, f_pad);
   if (gu_splits > 1) {
-    EPSERVE_RETURN_IF_ERROR(LaunchSplitK(rt, forms, y, groups, num_groups, w.gate_up, 2 * f_pad,
-                                         k_pad, gu_splits, rows, "ffn_reduce_gate_up", f_pad,
-                                         h_scratch));
+    EPSERVE_RETURN_IF_ERROR(LaunchSplitK(rt, forms, y, groups, num_groups, short_groups, w.gate_up,
+                                         2 * f_pad, k_pad, gu_splits, rows, "ffn_reduce_gate_up",
+                                         f_pad, h_scratch));
   } else {
     const size_t gu_global[3] = {static_cast<size_t>(2 * f_pad / kMmaBn * kMmaThreads),
                                  static_cast<size_t>(num_groups), 1};
-    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kGateUp, gu_global, y, groups, w.gate_up,
+    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kGateUp, gu_global, shorts, y, groups, w.gate_up,
                                         static_cast<cl_int>(k_pad), static_cast<cl_int>(f_pad),
                                         h_scratch));
   }
   if (down_splits > 1) {
-    return LaunchSplitK(rt, forms, h_scratch, groups, num_groups, w.down, down_rows, f_pad,
-                        down_splits, rows, "ffn_reduce_down", w.hidden, y);
+    return LaunchSplitK(rt, forms, h_scratch, groups, num_groups, short_groups, w.down, down_rows,
+                        f_pad, down_splits, rows, "ffn_reduce_down", w.hidden, y);
   }
   const size_t down_global[3] = {static_cast<size_t>(down_rows / kMmaBn * kMmaThreads),
                                  static_cast<size_t>(num_groups), 1};
-  return LaunchTiles(rt, forms, kDown, down_global, h_scratch, groups, w.down,
+  return LaunchTiles(rt, forms, kDown, down_global, shorts, h_scratch, groups, w.down,
                      static_cast<cl_int>(f_pad), static_cast<cl_int>(down_rows),
                      static_cast<cl_int>(w.hidden), y);
 }

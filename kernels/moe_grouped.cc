@@ -119,9 +119,12 @@ absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer&
   EPSERVE_RETURN_IF_ERROR(detail::CheckRowFormat(w, x_format));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, g.pairs * w.ffn * sizeof(float), "h_scratch"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(y, g.pairs * w.hidden * sizeof(float), "y"));
-  // Tiles of any form may be there, but none larger than the batch's pairs.
+  // Tiles of any form may be there, but none larger than the batch's pairs; the short ones
+  // (one at most per expert, and no more than the pairs) lead the list.
+  const int short_groups = static_cast<int>(std::min<int64_t>(w.num_experts, g.pairs));
   return detail::LaunchFfnMma(rt, w, x, x_format, g.row_index, /*gather=*/true, g.pairs, g.groups,
-                              g.num_groups, detail::FormsUpTo(rt, g.pairs), h_scratch, y);
+                              g.num_groups, short_groups, detail::FormsUpTo(rt, g.pairs), h_scratch,
+                              y);
 }
 
 }  // namespace epserve::kernels

@@ -30,22 +30,31 @@ struct WorkTiles {
   Buffer made;
   const Buffer* kept = nullptr;
   int num_groups = 0;
+  int short_groups = 0;  // with short_first: the leading groups of fewer than `chunk` rows
   const Buffer& groups() const { return kept != nullptr ? *kept : made; }
 };
-absl::StatusOr<WorkTiles> UploadGroups(Runtime& rt, std::span<const int64_t> offsets,
-                                       int64_t chunk) {
+absl::StatusOr<WorkTiles> UploadGroups(Runtime& rt, std::span<const int64_t> offsets, int64_t chunk,
+                                       bool short_first = false) {
   std::vector<cl_int4> groups;
+  auto add = [&groups](size_t e, int64_t begin, int64_t end) {
+    groups.push_back(
+        cl_int4{{static_cast<cl_int>(e), static_cast<cl_int>(begin), static_cast<cl_int>(end), 0}});
+  };
+  WorkTiles tiles;
+  if (short_first) {  // as group_pairs (router.cl) orders them
+    for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+      const int64_t rest = (offsets[e + 1] - offsets[e]) % chunk;
+      if (rest != 0) add(e, offsets[e + 1] - rest, offsets[e + 1]);
+    }
+    tiles.short_groups = static_cast<int>(groups.size());
+  }
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    for (int64_t begin = offsets[e]; begin < offsets[e + 1]; begin += chunk) {
-      cl_int4 g;
-      g.s[0] = static_cast<cl_int>(e);
-      g.s[1] = static_cast<cl_int>(begin);
-      g.s[2] = static_cast<cl_int>(std::min(begin + chunk, offsets[e + 1]));
-      g.s[3] = 0;
-      groups.push_back(g);
+    const int64_t end =
+        short_first ? offsets[e + 1] - (offsets[e + 1] - offsets[e]) % chunk : offsets[e + 1];
+    for (int64_t begin = offsets[e]; begin < end; begin += chunk) {
+      add(e, begin, std::min(begin + chunk, end));
     }
   }
-  WorkTiles tiles;
   tiles.num_groups = static_cast<int>(groups.size());
   if (offsets.size() == 2) {
     const std::string_view bytes(reinterpret_cast<const char*>(groups.data()),
@@ -135,7 +144,8 @@ absl::StatusOr<WorkTiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
 absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
-  EPSERVE_ASSIGN_OR_RETURN(const WorkTiles tiles, UploadGroups(rt, offsets, detail::kMmaBm));
+  EPSERVE_ASSIGN_OR_RETURN(const WorkTiles tiles,
+                           UploadGroups(rt, offsets, detail::kMmaBm, /*short_first=*/true));
   // Which forms have tiles: an expert's tiles of 128 rows, and its last (or only) one.
   detail::MmaForms forms{.large = false, .decode = false, .wide = false};
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
@@ -147,7 +157,7 @@ absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, Row
     forms.wide = forms.wide || last.wide;
   }
   return detail::LaunchFfnMma(rt, w, x, x_format, row_index, gather, offsets.back(), tiles.groups(),
-                              tiles.num_groups, forms, h_scratch, y);
+                              tiles.num_groups, tiles.short_groups, forms, h_scratch, y);
 }
 
 // The pair-panel FFN through form `form` (its DotOp) over `rows` rows: x (FP32 or BF16 as
@@ -225,14 +235,24 @@ absl::Status Route(Runtime& rt, const RouterWeights& w, const Buffer& x, int64_t
   EPSERVE_ASSIGN_OR_RETURN(Buffer * logit_sums,
                            rt.Scratch(Runtime::kRouterLogitsScratch,
                                       static_cast<size_t>(n * c.num_experts) * sizeof(float)));
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel logits, rt.Kernel("route_logits_wg"));
+  // Large batches of a router of several expert groups: tiles of 32 tokens x 64 experts, where
+  // there are enough of them for half the device's compute units; else work-groups of 8 x 8,
+  // which spread a few tokens over many compute units.
+  const int64_t token_tiles = detail::CeilDiv(n, detail::kRouterTileTokens);
+  const bool tiled = c.num_experts > detail::kRouterLogitExperts &&
+                     2 * token_tiles >= static_cast<int64_t>(rt.device_info().compute_units);
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel logits,
+                           rt.Kernel(tiled ? "route_logits_tiled" : "route_logits_wg"));
   EPSERVE_RETURN_IF_ERROR(SetArgs(logits, x, w.router, static_cast<cl_int>(n),
                                   static_cast<cl_int>(c.hidden_size), cl_int{c.num_experts},
                                   *logit_sums));
-  const size_t local[2] = {static_cast<size_t>(detail::kRouterGroupSize), 1};
+  const size_t local[2] = {
+      static_cast<size_t>(tiled ? detail::kRouterTileGroupSize : detail::kRouterGroupSize), 1};
   const size_t global[2] = {
-      static_cast<size_t>(detail::CeilDiv(c.num_experts, detail::kRouterLogitExperts)) * local[0],
-      static_cast<size_t>(detail::CeilDiv(n, detail::kRouterGroupTokens))};
+      static_cast<size_t>(detail::CeilDiv(
+          c.num_experts, tiled ? detail::kRouterTileExperts : detail::kRouterLogitExperts)) *
+          local[0],
+      static_cast<size_t>(tiled ? token_tiles : detail::CeilDiv(n, detail::kRouterGroupTokens))};
   EPSERVE_RETURN_IF_ERROR(Launch(rt, logits, 2, global, local));
   if (c.routing == model::RoutingKind::kSoftmaxTopK && c.n_group <= 1) {
     // A work-group per token (the same bits as route_select).

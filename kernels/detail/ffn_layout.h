@@ -43,6 +43,10 @@ inline constexpr int kRouterGroupTokens = 8;
 inline constexpr int kRouterSelectGroupSize = 32;
 // Experts of one work-group of route_logits_wg (router.cl's ROUTER_LG_EXPERTS).
 inline constexpr int kRouterLogitExperts = 8;
+// route_logits_tiled's work-group and tile (router.cl's RT_WG, RT_TOKENS, RT_EXPERTS).
+inline constexpr int kRouterTileGroupSize = 256;
+inline constexpr int kRouterTileTokens = 32;
+inline constexpr int kRouterTileExperts = 64;
 // Work-items per row of scale_rows_by_sigmoid_gate_wg (combine.cl's GATE_WG).
 inline constexpr int kGateGroupSize = 256;
 

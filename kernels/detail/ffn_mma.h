@@ -43,9 +43,11 @@ MmaForms FormsUpTo(const Runtime& rt, int64_t most);
 // x (FP32 or BF16 as x_format says, rows x_format.row_stride apart, row p read from
 // x[row_index[p]] when `gather`, else x[p]) -> BF16 activations in y -> BF16 h in h_scratch ->
 // FP32 y, for p < rows, over groups[0 .. num_groups) (int4: local expert, first row, end row,
-// 0; at most kMmaBm rows each; a group with end <= first does nothing).
+// 0; at most kMmaBm rows each; a group with end <= first does nothing). Every group of fewer
+// than kMmaBm rows lies in groups[0 .. short_groups): the decode forms launch over those only.
 absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                           const Buffer& row_index, bool gather, int64_t rows, const Buffer& groups,
-                          int num_groups, MmaForms forms, Buffer& h_scratch, Buffer& y);
+                          int num_groups, int short_groups, MmaForms forms, Buffer& h_scratch,
+                          Buffer& y);
 
 }  // namespace epserve::kernels::detail

@@ -105,16 +105,26 @@ TEST_F(GroupingTest, MatchesTheHostLayout) {
     const size_t pairs = ids.size();
     EXPECT_EQ(Download<int32_t>(g->row_index, pairs), want.row_index);
     EXPECT_EQ(Download<int32_t>(g->pair_of_choice, pairs), want.pair_of_choice);
-    // The tiles, in order, then empty ones up to the launch's bound.
+    // Each expert's tile short of `chunk` rows first, then the full tiles, in expert order,
+    // then empty ones up to the launch's bound; the short ones within the first
+    // min(experts, pairs) groups (the decode forms' launches).
     const int64_t chunk = c.tensor_cores ? 128 : 1;
     std::vector<int32_t> tiles;
+    int64_t short_tiles = 0;
     for (int e = 0; e < c.num_local; ++e) {
-      for (int64_t b = want.offsets[e]; b < want.offsets[e + 1]; b += chunk) {
-        tiles.insert(tiles.end(),
-                     {e, static_cast<int32_t>(b),
-                      static_cast<int32_t>(std::min(b + chunk, want.offsets[e + 1])), 0});
+      const int64_t rest = (want.offsets[e + 1] - want.offsets[e]) % chunk;
+      if (rest == 0) continue;
+      tiles.insert(tiles.end(), {e, static_cast<int32_t>(want.offsets[e + 1] - rest),
+                                 static_cast<int32_t>(want.offsets[e + 1]), 0});
+      ++short_tiles;
+    }
+    for (int e = 0; e < c.num_local; ++e) {
+      const int64_t end = want.offsets[e + 1] - (want.offsets[e + 1] - want.offsets[e]) % chunk;
+      for (int64_t b = want.offsets[e]; b < end; b += chunk) {
+        tiles.insert(tiles.end(), {e, static_cast<int32_t>(b), static_cast<int32_t>(b + chunk), 0});
       }
     }
+    EXPECT_LE(short_tiles, std::min<int64_t>(c.num_local, static_cast<int64_t>(pairs)));
     ASSERT_EQ(g->num_groups, MaxPairGroups(static_cast<int64_t>(pairs), c.num_local, chunk));
     ASSERT_LE(tiles.size(), static_cast<size_t>(g->num_groups) * 4);
     tiles.resize(static_cast<size_t>(g->num_groups) * 4, 0);
