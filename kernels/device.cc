@@ -91,6 +91,11 @@ absl::StatusOr<DeviceInfo> ReadDeviceInfo(cl_device_id device, int p, int d,
   CL_CHECK(clGetDeviceInfo(device, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(units), &units, nullptr));
   info.native_float_width = static_cast<int>(width);
   info.compute_units = static_cast<int>(units);
+  cl_ulong cache = 0;
+  if (clGetDeviceInfo(device, CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof(cache), &cache, nullptr) ==
+      CL_SUCCESS) {
+    info.cache_bytes = cache;
+  }
   return info;
 }
 

@@ -98,6 +98,14 @@ MmaForms FormOfTile(const Runtime& rt, int64_t rows) {
   return {.large = true, .decode = false, .wide = false};
 }
 
+bool TailsWithFullTiles(const Runtime& rt, const ExpertWeights& w) {
+  const uint64_t expert_bytes = static_cast<uint64_t>(
+      (MmaGateUpValuesPerExpert(w.hidden, w.ffn) + MmaDownValuesPerExpert(w.hidden, w.ffn)) *
+      static_cast<int64_t>(sizeof(uint16_t)));
+  const uint64_t cache = rt.device_info().cache_bytes;
+  return w.tensor_cores && (rt.short_tiles_with_full() || (cache > 0 && expert_bytes > cache));
+}
+
 MmaForms FormsUpTo(const Runtime& rt, int64_t most) {
   return {.large = most > rt.mma_decode_rows(),
           .decode = true,

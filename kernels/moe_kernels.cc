@@ -34,26 +34,31 @@ struct WorkTiles {
   const Buffer& groups() const { return kept != nullptr ? *kept : made; }
 };
 absl::StatusOr<WorkTiles> UploadGroups(Runtime& rt, std::span<const int64_t> offsets, int64_t chunk,
-                                       bool short_first = false) {
+                                       bool short_first = false, bool tails_with_full = false) {
   std::vector<cl_int4> groups;
-  auto add = [&groups](size_t e, int64_t begin, int64_t end) {
+  auto add = [&groups](size_t e, int64_t begin, int64_t end, int w) {
     groups.push_back(
-        cl_int4{{static_cast<cl_int>(e), static_cast<cl_int>(begin), static_cast<cl_int>(end), 0}});
+        cl_int4{{static_cast<cl_int>(e), static_cast<cl_int>(begin), static_cast<cl_int>(end), w}});
   };
+  // As group_pairs (router.cl) orders them where short_first.
+  auto follows = [&](int64_t count) { return tails_with_full && count > chunk; };
   WorkTiles tiles;
-  if (short_first) {  // as group_pairs (router.cl) orders them
+  if (short_first) {
     for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-      const int64_t rest = (offsets[e + 1] - offsets[e]) % chunk;
-      if (rest != 0) add(e, offsets[e + 1] - rest, offsets[e + 1]);
+      const int64_t count = offsets[e + 1] - offsets[e];
+      if (count % chunk != 0 && !follows(count)) {
+        add(e, offsets[e + 1] - count % chunk, offsets[e + 1], 0);
+      }
     }
     tiles.short_groups = static_cast<int>(groups.size());
   }
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    const int64_t end =
-        short_first ? offsets[e + 1] - (offsets[e + 1] - offsets[e]) % chunk : offsets[e + 1];
+    const int64_t count = offsets[e + 1] - offsets[e];
+    const int64_t end = short_first ? offsets[e + 1] - count % chunk : offsets[e + 1];
     for (int64_t begin = offsets[e]; begin < end; begin += chunk) {
-      add(e, begin, std::min(begin + chunk, end));
+      add(e, begin, std::min(begin + chunk, end), 0);
     }
+    if (short_first && count % chunk != 0 && follows(count)) add(e, end, offsets[e + 1], 1);
   }
   tiles.num_groups = static_cast<int>(groups.size());
   if (offsets.size() == 2) {
@@ -144,14 +149,19 @@ absl::StatusOr<WorkTiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
 absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
-  EPSERVE_ASSIGN_OR_RETURN(const WorkTiles tiles,
-                           UploadGroups(rt, offsets, detail::kMmaBm, /*short_first=*/true));
+  const bool tails_with_full = detail::TailsWithFullTiles(rt, w);
+  EPSERVE_ASSIGN_OR_RETURN(
+      const WorkTiles tiles,
+      UploadGroups(rt, offsets, detail::kMmaBm, /*short_first=*/true, tails_with_full));
   // Which forms have tiles: an expert's tiles of 128 rows, and its last (or only) one.
   detail::MmaForms forms{.large = false, .decode = false, .wide = false};
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t count = offsets[e + 1] - offsets[e];
     if (count == 0) continue;
-    const detail::MmaForms last = detail::FormOfTile(rt, (count - 1) % detail::kMmaBm + 1);
+    const detail::MmaForms last =
+        tails_with_full && count > detail::kMmaBm
+            ? detail::MmaForms{.large = true, .decode = false, .wide = false}
+            : detail::FormOfTile(rt, (count - 1) % detail::kMmaBm + 1);
     forms.large = forms.large || last.large || count > detail::kMmaBm;
     forms.decode = forms.decode || last.decode;
     forms.wide = forms.wide || last.wide;

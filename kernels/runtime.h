@@ -41,6 +41,8 @@ struct DeviceInfo {
   // CL_DEVICE_MAX_COMPUTE_UNITS; the FFN blocking's candidates follow from them.
   int native_float_width = 1;
   int compute_units = 1;
+  // CL_DEVICE_GLOBAL_MEM_CACHE_SIZE in bytes (a GPU's L2), 0 where the driver does not say.
+  uint64_t cache_bytes = 0;
   // What the device's compiler builds for, from its predefined macros (a probe kernel run at
   // start-up on CPU devices): "avx512f", "avx2", "avx", "sse" on x86, "" elsewhere or where
   // the probe did not run. PoCL told to build for an older CPU (POCL_LLVM_CPU_NAME=haswell on
@@ -157,6 +159,7 @@ class Runtime {
   // first. Empty without profiling.
   absl::StatusOr<std::vector<CommandTime>> TakeCommandTimes();
   bool profiles_commands() const { return options_.profile_commands; }
+  bool short_tiles_with_full() const { return options_.short_tiles_with_full; }
   // Keeps `event` (the command's, from a launch or transfer while profiling; the Runtime
   // releases it) with what ran: `kernel`'s name, else `what`.
   void RecordCommand(cl_event event, cl_kernel kernel, const char* what = "");

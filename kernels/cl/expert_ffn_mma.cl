@@ -423,10 +423,12 @@ inline __attribute__((always_inline)) int4 TileProduct(const __global ushort* re
 #endif
 // Whether the 128-row kernels skip this work-group's tile: it has no rows (the launch may
 // cover more tiles than a batch has: groups made on the device, kernels/moe_grouped.cc, the
-// rest being (0, 0, 0, 0)), or few enough for the decode form.
+// rest being (0, 0, 0, 0)), or few enough for the decode form, unless the group says the
+// 128-row kernels take it whatever its rows (w = 1: an expert's short last tile that follows
+// its full tiles, whose weights are in L2 then; kernels/detail/ffn_mma.h).
 inline bool SkipTile(const __global int4* groups) {
   const int4 grp = groups[ThisTile().y];
-  return grp.z - grp.y <= MMA_LARGE_MIN;
+  return grp.w == 0 && grp.z - grp.y <= MMA_LARGE_MIN;
 }
 
 // Where this work-item's accumulators lie in the tile: acc[(i * ACC_NJ + j) * 4 + hi * 2 +
@@ -631,7 +633,7 @@ __kernel void ffn_reduce_down(__global const float* restrict partial, int splits
 // Whether this decode form runs this work-group's tile (MMA_DEC_MIN + 1 to DEC_BM rows).
 inline bool DecodeTile(const __global int4* groups) {
   const int4 grp = groups[ThisTile().y];
-  return grp.z - grp.y > MMA_DEC_MIN && grp.z > grp.y && grp.z - grp.y <= DEC_BM;
+  return grp.w == 0 && grp.z - grp.y > MMA_DEC_MIN && grp.z > grp.y && grp.z - grp.y <= DEC_BM;
 }
 
 // Copies K slice `step` of the tile into local-memory stage `st`: the A rows' chunks (rows

@@ -465,10 +465,12 @@ __kernel __attribute__((reqd_work_group_size(SELECT_WG, 1, 1))) void route_selec
 //   row_index[offset(e) + r] = i / k   (r: how many earlier pairs share e)
 //   pair_of_choice[i]        = offset(e) + r   (-1 for a bad pair)
 //   counts[e] = pairs of e, counts[num_local] = bad pairs
-//   groups[g] = (e, first, end, 0): tiles of at most `chunk` rows of one expert: first each
+//   groups[g] = (e, first, end, w): tiles of at most `chunk` rows of one expert: first each
 //               expert's short last tile (fewer than `chunk` rows), in expert order, then the
 //               full tiles, then (0, 0, 0, 0) up to max_groups (the FFN's launch; empty tiles do
-//               nothing).
+//               nothing). With tails_with_full, the short tile of an expert that has full
+//               tiles follows them, with w = 1 (the tensor-core FFN's 128-row kernels take it);
+//               w = 0 elsewhere.
 // One work-group of any size up to GROUP_WG_MAX. Work-item (expert el, slice s) counts, then
 // places, the pairs of its slice of i for experts el, el + E2, ...: every expert's pairs are
 // placed in order of i with no atomics, so the result is the same run to run.
@@ -486,7 +488,8 @@ inline int LocalExpertOf(__global const int* ids, __global const int* local_of, 
 
 __kernel void group_pairs(__global const int* restrict ids, int pairs, int k,
                           __global const int* restrict local_of, int num_global, int num_local,
-                          int chunk, int max_groups, __global int* restrict row_index,
+                          int chunk, int max_groups, int tails_with_full,
+                          __global int* restrict row_index,
                           __global int* restrict pair_of_choice, __global int4* restrict groups,
                           __global int* restrict counts) {
   __local int before[GROUP_WG_MAX > ROUTER_MAX_EXPERTS ? GROUP_WG_MAX : ROUTER_MAX_EXPERTS];
@@ -540,20 +543,26 @@ __kernel void group_pairs(__global const int* restrict ids, int pairs, int k,
   if (lid == 0) {
     offset[0] = 0;
     for (int e = 0; e < num_local; ++e) offset[e + 1] += offset[e];
-    // Each expert's last tile where it is short of `chunk` rows first (so the decode forms'
-    // launches cover only the first min(num_local, pairs) groups), then the full tiles.
+    // The short tiles first (so that the decode forms' launches cover only the first
+    // min(num_local, pairs) groups), then the full tiles; with tails_with_full, an expert's short
+    // tile that has full ones follows them instead, marked for the 128-row kernels (w = 1).
     int g = 0;
     for (int e = 0; e < num_local; ++e) {
       const int count = offset[e + 1] - offset[e];
-      if (count % chunk != 0) {
+      if (count % chunk != 0 && !(tails_with_full && count > chunk)) {
         if (g < max_groups) groups[g] = (int4)(e, offset[e + 1] - count % chunk, offset[e + 1], 0);
         ++g;
       }
     }
     for (int e = 0; e < num_local; ++e) {
-      const int full_end = offset[e + 1] - (offset[e + 1] - offset[e]) % chunk;
+      const int count = offset[e + 1] - offset[e];
+      const int full_end = offset[e + 1] - count % chunk;
       for (int first = offset[e]; first < full_end; first += chunk) {
         if (g < max_groups) groups[g] = (int4)(e, first, first + chunk, 0);
+        ++g;
+      }
+      if (count % chunk != 0 && tails_with_full && count > chunk) {
+        if (g < max_groups) groups[g] = (int4)(e, full_end, offset[e + 1], 1);
         ++g;
       }
     }

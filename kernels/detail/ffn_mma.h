@@ -35,6 +35,14 @@ struct MmaForms {
   bool decode = true;
   bool wide = false;
 };
+// Whether an expert's short last tile that follows full tiles of the same expert goes with them
+// to the 128-row kernels (groups' w = 1) instead of the decode forms: where one expert's
+// tensor-core weights are more than the device's cache (its L2) holds. The full tiles then
+// stream them from memory once, work-groups of one weight tile together (MMA_RASTER), and the
+// short tile reads them from L2 in that pass instead of from memory in a launch of its own
+// (mixtral-8x7b: 352 MB an expert; the decode forms' second pass over 8 experts took about
+// 0.8 ms of a 4096-token layer on an H200).
+bool TailsWithFullTiles(const Runtime& rt, const ExpertWeights& w);
 // The forms a tile of `rows` rows (1 to kMmaBm) takes on `rt`.
 MmaForms FormOfTile(const Runtime& rt, int64_t rows);
 // The forms tiles of 1 to `most` rows take on `rt`.

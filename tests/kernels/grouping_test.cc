@@ -72,14 +72,21 @@ TEST_F(GroupingTest, MatchesTheHostLayout) {
   struct Case {
     int64_t n;
     int k, num_global, num_local;
-    bool tensor_cores;  // tiles of 128 rows, else of 1
+    bool tensor_cores;       // tiles of 128 rows, else of 1
+    bool with_full = false;  // short tiles after their expert's full ones (tensor cores)
   };
   for (const Case c :
        {Case{1, 1, 8, 8, true}, Case{16, 4, 60, 60, true}, Case{16, 4, 60, 60, false},
         Case{128, 8, 256, 128, true}, Case{300, 2, 8, 8, true}, Case{517, 6, 64, 21, false},
-        Case{2048, 4, 60, 30, true}}) {
+        Case{2048, 4, 60, 30, true}, Case{300, 2, 8, 8, true, true},
+        Case{2048, 4, 60, 30, true, true}, Case{16, 4, 60, 60, true, true}}) {
     SCOPED_TRACE(absl::StrCat("n=", c.n, " k=", c.k, " experts ", c.num_local, " of ", c.num_global,
-                              c.tensor_cores ? " tiles of 128" : " tiles of 1"));
+                              c.tensor_cores ? " tiles of 128" : " tiles of 1",
+                              c.with_full ? ", short tiles with the full ones" : ""));
+    RuntimeOptions options = TestRuntimeOptions();
+    options.short_tiles_with_full = c.with_full;
+    std::unique_ptr<Runtime> rt = c.with_full ? CreateTestRuntime(options, false) : nullptr;
+    rt_ = rt.get();
     // This worker holds a random subset of the global experts, in a random local order.
     std::vector<int32_t> global(c.num_global);
     std::iota(global.begin(), global.end(), 0);
@@ -111,17 +118,23 @@ TEST_F(GroupingTest, MatchesTheHostLayout) {
     const int64_t chunk = c.tensor_cores ? 128 : 1;
     std::vector<int32_t> tiles;
     int64_t short_tiles = 0;
+    auto follows = [&](int64_t count) { return c.with_full && count > chunk; };
     for (int e = 0; e < c.num_local; ++e) {
-      const int64_t rest = (want.offsets[e + 1] - want.offsets[e]) % chunk;
-      if (rest == 0) continue;
-      tiles.insert(tiles.end(), {e, static_cast<int32_t>(want.offsets[e + 1] - rest),
+      const int64_t count = want.offsets[e + 1] - want.offsets[e];
+      if (count % chunk == 0 || follows(count)) continue;
+      tiles.insert(tiles.end(), {e, static_cast<int32_t>(want.offsets[e + 1] - count % chunk),
                                  static_cast<int32_t>(want.offsets[e + 1]), 0});
       ++short_tiles;
     }
     for (int e = 0; e < c.num_local; ++e) {
-      const int64_t end = want.offsets[e + 1] - (want.offsets[e + 1] - want.offsets[e]) % chunk;
+      const int64_t count = want.offsets[e + 1] - want.offsets[e];
+      const int64_t end = want.offsets[e + 1] - count % chunk;
       for (int64_t b = want.offsets[e]; b < end; b += chunk) {
         tiles.insert(tiles.end(), {e, static_cast<int32_t>(b), static_cast<int32_t>(b + chunk), 0});
+      }
+      if (count % chunk != 0 && follows(count)) {
+        tiles.insert(tiles.end(),
+                     {e, static_cast<int32_t>(end), static_cast<int32_t>(want.offsets[e + 1]), 1});
       }
     }
     EXPECT_LE(short_tiles, std::min<int64_t>(c.num_local, static_cast<int64_t>(pairs)));
@@ -129,6 +142,7 @@ TEST_F(GroupingTest, MatchesTheHostLayout) {
     ASSERT_LE(tiles.size(), static_cast<size_t>(g->num_groups) * 4);
     tiles.resize(static_cast<size_t>(g->num_groups) * 4, 0);
     EXPECT_EQ(Download<int32_t>(g->groups, tiles.size()), tiles);
+    rt_ = nullptr;
   }
 }
 

@@ -740,6 +740,19 @@ TEST_F(ExpertFfnTest, TensorCoreTilesWithoutWgmma) {
   rt_ = nullptr;
 }
 
+// The same with each expert's short last tile after its full ones in the 128-row kernels (as
+// for experts larger than the device's cache).
+TEST_F(ExpertFfnTest, TensorCoreShortTilesWithTheFullOnes) {
+  RuntimeOptions options = TestRuntimeOptions();
+  options.short_tiles_with_full = true;
+  std::unique_ptr<Runtime> rt = CreateTestRuntime(options, false);
+  ASSERT_NE(rt, nullptr);
+  rt_ = rt.get();
+  const FfnTypes types[] = {{ElementType::kBf16, ElementType::kFp32, 3}};
+  CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
+  rt_ = nullptr;
+}
+
 // Odd H and F: the pair-panel layout pads K to even (a zero weight, a zero activation), and
 // h's padding column must come out zero. Runs on every device.
 TEST_F(ExpertFfnTest, OddShapesPadThePairs) {
