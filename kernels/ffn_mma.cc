@@ -98,7 +98,7 @@ MmaForms FormOfTile(const Runtime& rt, int64_t rows) {
   return {.large = true, .decode = false, .wide = false};
 }
 
-bool TailsWithFullTiles(const Runtime& rt, const ExpertWeights& w) {
+bool ShortTilesWithFullOnes(const Runtime& rt, const ExpertWeights& w) {
   const uint64_t expert_bytes = static_cast<uint64_t>(
       (MmaGateUpValuesPerExpert(w.hidden, w.ffn) + MmaDownValuesPerExpert(w.hidden, w.ffn)) *
       static_cast<int64_t>(sizeof(uint16_t)));

@@ -81,7 +81,7 @@ absl::Status GroupPairs(Runtime& rt, const ExpertWeights& w, const Buffer& ids, 
   g.num_groups = static_cast<int>(MaxPairGroups(pairs, w.num_experts, TileRows(w)));
   if (pairs == 0) return absl::OkStatus();
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("group_pairs"));
-  const cl_int tails_with_full = detail::TailsWithFullTiles(rt, w) ? 1 : 0;
+  const cl_int tails_with_full = detail::ShortTilesWithFullOnes(rt, w) ? 1 : 0;
   EPSERVE_RETURN_IF_ERROR(
       SetArgs(kernel, ids, static_cast<cl_int>(pairs), cl_int{k}, local_of, cl_int{num_global},
               cl_int{w.num_experts}, static_cast<cl_int>(TileRows(w)), cl_int{g.num_groups},

@@ -149,7 +149,7 @@ absl::StatusOr<WorkTiles> StageBf16Rows(Runtime& rt, const ExpertWeights& w, con
 absl::Status RunFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, RowFormat x_format,
                        const Buffer& row_index, bool gather, std::span<const int64_t> offsets,
                        Buffer& h_scratch, Buffer& y) {
-  const bool tails_with_full = detail::TailsWithFullTiles(rt, w);
+  const bool tails_with_full = detail::ShortTilesWithFullOnes(rt, w);
   EPSERVE_ASSIGN_OR_RETURN(
       const WorkTiles tiles,
       UploadGroups(rt, offsets, detail::kMmaBm, /*short_first=*/true, tails_with_full));

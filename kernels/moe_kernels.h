@@ -59,8 +59,8 @@ struct ExpertWeights {
   size_t bytes() const { return gate_up.bytes() + down.bytes() + gate.bytes(); }
 };
 // Which FFN kernels run these weights, uploaded through `rt`, for logs and benchmark output:
-// "tensor cores", "bf16 amx tiles" (the dot kernels where rt.bf16_amx()), "bf16 dot products"
-// or "fp32 fma".
+// "tensor cores" (", wgmma" added where rt.wgmma()), "bf16 amx tiles" (the dot kernels where
+// rt.bf16_amx()), "bf16 dot products" or "fp32 fma".
 const char* FfnKernelsName(const Runtime& rt, const ExpertWeights& w);
 
 // With `reuse` (an upload of the same layer of the same weights): the experts it holds, in

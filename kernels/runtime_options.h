@@ -80,9 +80,9 @@ struct RuntimeOptions {
   // runtime warns and keeps mma.sync.
   enum class Wgmma { kAuto, kOff };
   Wgmma wgmma = Wgmma::kAuto;
-  // Whether an expert's short last tile always goes with its full tiles to the tensor-core FFN's
-  // 128-row kernels (kernels/detail/ffn_mma.h, TailsWithFullTiles), not only where one expert's
-  // weights exceed the device's cache: tests run that path on small shapes with it.
+  // Whether an expert's short last tile always goes with its full tiles to the tensor-core
+  // FFN's 128-row kernels (kernels/detail/ffn_mma.h, ShortTilesWithFullOnes), not only where
+  // one expert's weights exceed the device's cache: tests run that path on small shapes with it.
   bool short_tiles_with_full = false;
   // Record each launch's and transfer's device times (CL_QUEUE_PROFILING_ENABLE) for
   // Runtime::TakeCommandTimes: a timeline of the kernels, for benchmarks.

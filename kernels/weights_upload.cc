@@ -305,7 +305,8 @@ absl::StatusOr<RouterWeights> UploadRouter(Runtime& rt, const model::WeightSourc
 }
 
 const char* FfnKernelsName(const Runtime& rt, const ExpertWeights& w) {
-  return w.tensor_cores                ? "tensor cores"
+  return w.tensor_cores && rt.wgmma()  ? "tensor cores, wgmma"
+         : w.tensor_cores              ? "tensor cores"
          : w.bf16_dot && rt.bf16_amx() ? "bf16 amx tiles"
          : w.bf16_dot                  ? "bf16 dot products"
                                        : "fp32 fma";

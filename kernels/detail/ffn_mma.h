@@ -42,7 +42,7 @@ struct MmaForms {
 // short tile reads them from L2 in that pass instead of from memory in a launch of its own
 // (mixtral-8x7b: 352 MB an expert; the decode forms' second pass over 8 experts took about
 // 0.8 ms of a 4096-token layer on an H200).
-bool TailsWithFullTiles(const Runtime& rt, const ExpertWeights& w);
+bool ShortTilesWithFullOnes(const Runtime& rt, const ExpertWeights& w);
 // The forms a tile of `rows` rows (1 to kMmaBm) takes on `rt`.
 MmaForms FormOfTile(const Runtime& rt, int64_t rows);
 // The forms tiles of 1 to `most` rows take on `rt`.
