@@ -18,9 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "kernels/detail/ptx_patch.h"
+
 namespace {
 
-// "// @W@ " hides an instruction from the sm_90 pass; the probe removes the marker.
+// "// @W@ " (kernels/detail/ptx_patch.h's mark) hides an instruction from the sm_90 pass.
 constexpr char kSource[] = R"CL(
 #define W(x) "// @W@ " x
 __kernel void wgmma_probe(__global float* out, __global const ushort* a,
@@ -102,8 +104,8 @@ int main(int argc, char** argv) {
   cl_int err = CL_SUCCESS;
   cl_context ctx = clCreateContext(nullptr, 1, &dev, nullptr, nullptr, &err);
   if (err != CL_SUCCESS) return Fail("clCreateContext", err);
-  cl_command_queue queue = clCreateCommandQueueWithProperties(ctx, dev, nullptr, &err);
-  if (err != CL_SUCCESS) return Fail("clCreateCommandQueueWithProperties", err);
+  cl_command_queue queue = clCreateCommandQueue(ctx, dev, 0, &err);
+  if (err != CL_SUCCESS) return Fail("clCreateCommandQueue", err);
 
   // 1. The compiler's PTX for sm_90, wgmma hidden in comments.
   const char* src = kSource;
@@ -121,18 +123,15 @@ int main(int argc, char** argv) {
   clReleaseProgram(first);
   while (!ptx.empty() && ptx.back() == '\0') ptx.pop_back();
 
-  // 2. Uncommented, for sm_90a.
-  int uncommented = 0;
-  for (size_t at; (at = ptx.find("// @W@ ")) != std::string::npos; ++uncommented) {
-    ptx.erase(at, 7);
-  }
-  const size_t target = ptx.find(".target sm_90");
-  if (target == std::string::npos || uncommented != 4) {
-    std::printf("{\"wgmma\":false,\"failed\":\"PTX not as expected (%d markers, target %s)\"}\n",
-                uncommented, target == std::string::npos ? "missing" : "found");
+  // 2. Uncommented, for sm_90a (as the runtime does it for the tensor-core FFN).
+  int marks = 0;
+  absl::StatusOr<std::string> patched = epserve::kernels::detail::PtxForSm90a(ptx, &marks);
+  if (!patched.ok() || marks != 4) {
+    std::printf("{\"wgmma\":false,\"failed\":\"PTX not as expected (%d marks: %s)\"}\n", marks,
+                std::string(patched.status().message()).c_str());
     return 1;
   }
-  ptx.replace(target, 13, ".target sm_90a");
+  ptx = *std::move(patched);
   if (ptx_out != nullptr) {
     if (FILE* f = std::fopen(ptx_out, "w")) {
       std::fwrite(ptx.data(), 1, ptx.size(), f);

@@ -23,7 +23,8 @@
 // was worth +27% (210 -> 273 TFLOP/s at 4 x 2048 rows of qwen1.5-moe-a2.7b), the tiled
 // weight layout (contiguous copies) a further +8%.
 // Every output is summed by one work-item in a fixed order: results are bit-identical run to
-// run.
+// run. On Hopper the 128-row tiles take Hopper's warpgroup MMA instead (MMA_WGMMA, below): the
+// same tiles, stages and layout, the tensor cores reading both operands from local memory.
 
 // Tile sizes come from the build options (kernels/detail/ffn_layout.h). 256 work-items (warps
 // of 64 x 32) and 256 weight rows also compile; on an H200 both were slower.
