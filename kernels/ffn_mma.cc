@@ -49,9 +49,10 @@ constexpr MmaKernels kPartial = {"ffn_mma_partial", "ffn_dec_partial", "ffn_dec_
 // at once still takes 0.17-0.26 ms for mixtral-8x7b's 224 x 72 tiles on an H200.
 template <typename... Args>
 absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const MmaKernels& kernels,
-                         const size_t* global, size_t short_groups, const Args&... args) {
+                         const size_t* global, int short_groups, const Args&... args) {
   const size_t local[3] = {static_cast<size_t>(kMmaThreads), 1, 1};
-  const size_t short_global[3] = {global[0], std::min(global[1], short_groups), global[2]};
+  const size_t short_global[3] = {
+      global[0], std::min(global[1], static_cast<size_t>(std::max(short_groups, 0))), global[2]};
   for (const auto& [name, wanted, size] : {std::tuple{kernels.large, forms.large, global},
                                            std::tuple{kernels.decode, forms.decode, short_global},
                                            std::tuple{kernels.wide, forms.wide, short_global}}) {
@@ -79,10 +80,10 @@ absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Bu
                                       static_cast<size_t>(splits * rows * n_rows) * sizeof(float)));
   const size_t global[3] = {static_cast<size_t>(n_rows / kMmaBn * kMmaThreads),
                             static_cast<size_t>(num_groups), static_cast<size_t>(splits)};
-  EPSERVE_RETURN_IF_ERROR(
-      LaunchTiles(rt, forms, kPartial, global, static_cast<size_t>(short_groups), a, groups, w,
-                  static_cast<cl_int>(n_rows), static_cast<cl_int>(k_pad),
-                  static_cast<cl_int>(per_split), static_cast<cl_int>(rows), *partial));
+  EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kPartial, global, short_groups, a, groups, w,
+                                      static_cast<cl_int>(n_rows), static_cast<cl_int>(k_pad),
+                                      static_cast<cl_int>(per_split), static_cast<cl_int>(rows),
+                                      *partial));
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel sum, rt.Kernel(reduce));
   EPSERVE_RETURN_IF_ERROR(SetArgs(sum, *partial, cl_int{splits}, static_cast<cl_int>(rows),
                                   static_cast<cl_int>(n_rows), static_cast<cl_int>(out_cols), out));
@@ -134,7 +135,6 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
                           int num_groups, int short_groups, MmaForms forms, Buffer& h_scratch,
                           Buffer& y) {
   if (rows == 0 || num_groups == 0) return absl::OkStatus();
-  const size_t shorts = static_cast<size_t>(std::max(short_groups, 0));
   const int64_t k_pad = MmaKPad(w.hidden);
   const int64_t f_pad = MmaFfnPad(w.ffn);
   const int64_t down_rows = MmaDownRows(w.hidden);
@@ -159,9 +159,9 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   } else {
     const size_t gu_global[3] = {static_cast<size_t>(2 * f_pad / kMmaBn * kMmaThreads),
                                  static_cast<size_t>(num_groups), 1};
-    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kGateUp, gu_global, shorts, y, groups, w.gate_up,
-                                        static_cast<cl_int>(k_pad), static_cast<cl_int>(f_pad),
-                                        h_scratch));
+    EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kGateUp, gu_global, short_groups, y, groups,
+                                        w.gate_up, static_cast<cl_int>(k_pad),
+                                        static_cast<cl_int>(f_pad), h_scratch));
   }
   if (down_splits > 1) {
     return LaunchSplitK(rt, forms, h_scratch, groups, num_groups, short_groups, w.down, down_rows,
@@ -169,7 +169,7 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
   }
   const size_t down_global[3] = {static_cast<size_t>(down_rows / kMmaBn * kMmaThreads),
                                  static_cast<size_t>(num_groups), 1};
-  return LaunchTiles(rt, forms, kDown, down_global, shorts, h_scratch, groups, w.down,
+  return LaunchTiles(rt, forms, kDown, down_global, short_groups, h_scratch, groups, w.down,
                      static_cast<cl_int>(f_pad), static_cast<cl_int>(down_rows),
                      static_cast<cl_int>(w.hidden), y);
 }

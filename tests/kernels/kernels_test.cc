@@ -627,6 +627,13 @@ class ExpertFfnTest : public Seeded {
   // Check over every expert of a "tiny" layer reshaped to H = hidden, F = ffn and `experts`
   // experts, for each of `types` and each row count of `pairs_list`, rows drawn from `tokens`
   // token rows.
+  // The tensor-core tiles' shape (K pads to 224, down rows to 256, F to 192) on `rt`
+  // (nullptr: the shared runtime), `types` against the reference.
+  void CheckTensorCoreTiles(Runtime* rt, std::span<const FfnTypes> types) {
+    rt_ = rt;
+    CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
+    rt_ = nullptr;
+  }
   void CheckShape(int64_t hidden, int64_t ffn, int experts, int64_t tokens,
                   std::span<const FfnTypes> types, std::initializer_list<int64_t> pairs_list) {
     absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
@@ -720,10 +727,9 @@ TEST(MmaLayoutTest, TiledOffsetIsABijectionWithContiguousSlices) {
 // Shapes that pad every dimension of the tensor-core tiles, rows that span several tiles of
 // one expert. Runs on every device (the portable kernels where there are no tensor cores).
 TEST_F(ExpertFfnTest, TensorCoreTilesAndPadding) {
-  // K pads to 224, down rows to 256; F pads to 192.
   const FfnTypes types[] = {{ElementType::kBf16, ElementType::kFp32, 3},
                             {ElementType::kBf16, ElementType::kBf16, 6}};
-  CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
+  CheckTensorCoreTiles(nullptr, types);
 }
 
 // The same with the 128-row tiles on mma.sync where they would take wgmma (sm_90; elsewhere
@@ -734,10 +740,8 @@ TEST_F(ExpertFfnTest, TensorCoreTilesWithoutWgmma) {
   std::unique_ptr<Runtime> rt = CreateTestRuntime(options, false);
   ASSERT_NE(rt, nullptr);
   EXPECT_FALSE(rt->wgmma());
-  rt_ = rt.get();
   const FfnTypes types[] = {{ElementType::kBf16, ElementType::kFp32, 3}};
-  CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
-  rt_ = nullptr;
+  CheckTensorCoreTiles(rt.get(), types);
 }
 
 // The same with each expert's short last tile after its full ones in the 128-row kernels (as
@@ -747,10 +751,8 @@ TEST_F(ExpertFfnTest, TensorCoreShortTilesWithTheFullOnes) {
   options.short_tiles_with_full = true;
   std::unique_ptr<Runtime> rt = CreateTestRuntime(options, false);
   ASSERT_NE(rt, nullptr);
-  rt_ = rt.get();
   const FfnTypes types[] = {{ElementType::kBf16, ElementType::kFp32, 3}};
-  CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
-  rt_ = nullptr;
+  CheckTensorCoreTiles(rt.get(), types);
 }
 
 // Odd H and F: the pair-panel layout pads K to even (a zero weight, a zero activation), and
