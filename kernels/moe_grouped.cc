@@ -78,14 +78,15 @@ absl::Status GroupPairs(Runtime& rt, const ExpertWeights& w, const Buffer& ids, 
   EPSERVE_RETURN_IF_ERROR(NeedBytes(ids, pairs * sizeof(cl_int), "ids"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(local_of, num_global * sizeof(cl_int), "local_of"));
   g.pairs = pairs;
+  g.tokens = n;
   g.num_groups = static_cast<int>(MaxPairGroups(pairs, w.num_experts, TileRows(w)));
   if (pairs == 0) return absl::OkStatus();
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("group_pairs"));
   const cl_int tails_with_full = detail::ShortTilesWithFullOnes(rt, w) ? 1 : 0;
-  EPSERVE_RETURN_IF_ERROR(
-      SetArgs(kernel, ids, static_cast<cl_int>(pairs), cl_int{k}, local_of, cl_int{num_global},
-              cl_int{w.num_experts}, static_cast<cl_int>(TileRows(w)), cl_int{g.num_groups},
-              tails_with_full, g.row_index, g.pair_of_choice, g.groups, g.counts));
+  EPSERVE_RETURN_IF_ERROR(SetArgs(
+      kernel, ids, static_cast<cl_int>(pairs), cl_int{k}, local_of, cl_int{num_global},
+      cl_int{w.num_experts}, static_cast<cl_int>(TileRows(w)), cl_int{g.num_groups},
+      tails_with_full, static_cast<cl_int>(n), g.row_index, g.pair_of_choice, g.groups, g.counts));
   const size_t global[1] = {g.work_group};
   const size_t local[1] = {g.work_group};
   return detail::Launch(rt, kernel, 1, global, local);
@@ -98,7 +99,10 @@ absl::StatusOr<std::vector<int64_t>> ReadPairCounts(Runtime& rt, const PairGroup
   }
   if (counts.back() != 0) {
     return absl::InternalError(
-        absl::StrCat(counts.back(), " of ", g.pairs, " routed pairs name an expert not held here"));
+        absl::StrCat(counts.back(), " of ", g.pairs,
+                     " routed pairs name an expert not held here, or one their token chose twice "
+                     "(an expert with more pairs than the batch's ",
+                     g.tokens, " tokens)"));
   }
   return std::vector<int64_t>(counts.begin(), counts.end() - 1);
 }
@@ -120,12 +124,13 @@ absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer&
   EPSERVE_RETURN_IF_ERROR(detail::CheckRowFormat(w, x_format));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(h_scratch, g.pairs * w.ffn * sizeof(float), "h_scratch"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(y, g.pairs * w.hidden * sizeof(float), "y"));
-  // Tiles of any form may be there, but none larger than the batch's pairs; the short ones
-  // (one at most per expert, and no more than the pairs) lead the list.
+  // Tiles of any form may be there, but none larger than the batch's tokens (a token's choices
+  // are distinct experts; group_pairs makes a batch where one is not fail); the short ones (one
+  // at most per expert, and no more than the pairs) lead the list.
   const int short_groups = static_cast<int>(std::min<int64_t>(w.num_experts, g.pairs));
   return detail::LaunchFfnMma(rt, w, x, x_format, g.row_index, /*gather=*/true, g.pairs, g.groups,
-                              g.num_groups, short_groups, detail::FormsUpTo(rt, g.pairs), h_scratch,
-                              y);
+                              g.num_groups, short_groups,
+                              detail::FormsUpTo(rt, std::min(g.pairs, g.tokens)), h_scratch, y);
 }
 
 }  // namespace epserve::kernels

@@ -196,6 +196,7 @@ struct PairGroups {
   int num_experts = 0;    // local experts
   size_t work_group = 1;  // group_pairs' work-items on this device
   int64_t pairs = 0;      // of the last GroupPairs
+  int64_t tokens = 0;     // of the last GroupPairs: the most pairs one expert may have
   int num_groups = 0;     // tiles of the last GroupPairs (the empty ones at the end included)
 };
 // The most pairs GroupPairs groups at the speed it is for (it keeps them in local memory);
@@ -221,7 +222,9 @@ absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer&
                               RowFormat x_format = {});
 
 // The last GroupPairs' pairs per local expert, read back (waits for the device); INTERNAL
-// naming the count when a pair's expert id was not one of w's.
+// naming the count when a pair's expert id was not one of w's, or an expert had more pairs
+// than the batch's tokens (a token that chose it twice; ExpertFfnGrouped's launches then held
+// no tile of that size).
 absl::StatusOr<std::vector<int64_t>> ReadPairCounts(Runtime& rt, const PairGroups& g);
 
 }  // namespace epserve::kernels

@@ -12,7 +12,9 @@ of rank 0's and the workers' stages from /metrics.
         --model synthetic:qwen1.5-moe-a2.7b --epserve-flags="--device=gpu --weight-dtype=bf16"
 
 Issue 40's target for the service: p50 <= the resident in-process layer + 0.25 ms at 16 and
-128 tokens. Standard library only (it runs from a bundle).
+128 tokens. The same run times a bare gRPC echo of one small request (bench_frontend): the
+floor any gRPC service pays per request on the host, and the last column what epserve adds
+beyond the layer and that floor. Standard library only (it runs from a bundle).
 """
 
 import argparse
@@ -62,6 +64,24 @@ def inprocess(args, env, tokens):
     return rows
 
 
+def grpc_floor(args, env):
+    """p50 ms of one client's ModelInfer over localhost against a bare gRPC echo, and against
+    epserve's front-end over an executor that copies rows back (bench_frontend, 1 token of
+    H 2048 inline: 8 KiB each way, more than a shared-memory request's message): what one
+    gRPC round trip costs on this host before any layer runs."""
+    exe = os.path.join(args.build, "bench", "frontend", "bench_frontend")
+    if not os.path.exists(exe):
+        return None
+    out = subprocess.run([exe, "--tokens=1", "--clients=1", "--seconds=3"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[0] == "1":
+            return {"echo_p50": float(cells[2]) / 1e3, "front_end_p50": float(cells[5]) / 1e3}
+    log("bench_frontend printed no result: " + out.stderr[-2000:])
+    return None
+
+
 def one_client(args, env, address, tokens):
     cmd = [os.path.join(args.build, "client", "epserve-load"), f"--target={address}",
            f"--tokens={tokens}", "--concurrency=1", f"--duration={args.duration}",
@@ -96,6 +116,7 @@ def main():
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     print(f"host: {host_description()}")
     layer = inprocess(args, env, tokens)
+    floor = grpc_floor(args, env)
     base = args.baseline_build or args.build
     variants = [(f"baseline {args.baseline_build} {args.baseline_flags}".replace("  ", " "),
                  base, args.baseline_flags.split()), ("default", args.build, [])]
@@ -115,19 +136,27 @@ def main():
                 c.stop()
     print(f"model {args.model}, {args.workers} worker(s), flags: {args.epserve_flags}; "
           f"in-process layer (resident) from bench_e2e_inprocess {args.inprocess_flags}")
-    print("| tokens | variant | round | p50 ms | p99 ms | in-process ms | p50 - in-process |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    echo = floor["echo_p50"] if floor else None
+    if floor:
+        print(f"gRPC floor, same run (bench_frontend, 1 client, 1 token inline): bare echo p50 "
+              f"{floor['echo_p50']:.3f} ms, epserve's front-end over a copy executor "
+              f"{floor['front_end_p50']:.3f} ms")
+    print("| tokens | variant | round | p50 ms | p99 ms | in-process ms | p50 - in-process "
+          "| p50 - in-process - echo |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for res in results:
         lay = res["layer_ms"] or 0
+        beyond = f"{res['p50'] - lay - echo:+.3f}" if echo is not None else "-"
         print(f"| {res['tokens']} | {res['variant']} | {res['round']} | {res['p50']:.3f} | "
-              f"{res['p99']:.3f} | {lay:.3f} | {res['p50'] - lay:+.3f} |")
+              f"{res['p99']:.3f} | {lay:.3f} | {res['p50'] - lay:+.3f} | {beyond} |")
     print("\nmeans per request or batch (ms), last round:")
     for res in results[-len(tokens) * len(variants):]:
         st = " ".join(f"{k} {v:.3f}" for k, v in sorted(res["stages_ms"].items()))
         print(f"  {res['tokens']} tokens, {res['variant']}: {st}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"host": host_description(), "results": results}, f, indent=1)
+            json.dump({"host": host_description(), "grpc_floor_ms": floor, "results": results},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

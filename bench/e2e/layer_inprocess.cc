@@ -27,7 +27,10 @@
 //   {"kernel_profile":{"tokens":T,"experts_touched":E,"back_to_back_ms":X,"wall_ms":X,
 //    "span_ms":X,"busy_ms":X,"idle_ms":X,"overlap_ms":X,"kernels":[{"name":..,"ms":X},..]}}
 // (profiling slows each launch: for the shares, not the layer's time). --concurrent-queues=false
-// runs the shared expert in order on the one queue instead of beside the routing.
+// runs the shared expert in order on the one queue instead of beside the routing. Where the
+// device groups the pairs, the shared expert is forked after the grouping (beside the routed
+// experts only, as a worker's local run does); --no-shared-after-grouping forks it before the
+// router instead.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -124,6 +127,7 @@ class InProcessLayer {
   // (kernels::GroupPairs) and nothing waits for the device until the output is read; else the
   // router's ids come to the host, which groups them. With
   // stages, each stage ends with a wait for the device and its seconds are added there.
+  void set_shared_after_grouping(bool on) { shared_after_grouping_ = on; }
   enum Stage { kWrite, kRoute, kGroup, kShared, kExperts, kCombine, kRead, kNumStages };
   static constexpr const char* kStageNames[kNumStages] = {"write",   "route",   "group", "shared",
                                                           "experts", "combine", "read"};
@@ -146,12 +150,16 @@ class InProcessLayer {
     if (!resident) EPSERVE_RETURN_IF_ERROR(rt.Write(x_, 0, x, n * h * sizeof(float)));
     EPSERVE_RETURN_IF_ERROR(stage(kWrite));
     // The shared expert needs nothing of the routing: beside the router, the grouping and the
-    // routed experts (Runtime::ForkQueue) where the stages are not timed one by one.
+    // routed experts (Runtime::ForkQueue) where the stages are not timed one by one; with
+    // shared_after_grouping and the pairs grouped on the device, beside the routed experts
+    // only (the router and group_pairs then have the device to themselves).
     const bool shared = cfg_.shared_ffn_size > 0;
-    if (shared && stages == nullptr) {
-      EPSERVE_RETURN_IF_ERROR(rt.Forked(
-          [&] { return kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_); }));
-    }
+    auto fork_shared = [&] {
+      return rt.Forked(
+          [&] { return kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_); });
+    };
+    const bool fork_late = shared_after_grouping_ && device_grouping;
+    if (shared && stages == nullptr && !fork_late) EPSERVE_RETURN_IF_ERROR(fork_shared());
     EPSERVE_RETURN_IF_ERROR(kernels::Route(rt, router_, x_, n, ids_, weights_));
     EPSERVE_RETURN_IF_ERROR(stage(kRoute));
     if (device_grouping) {
@@ -161,6 +169,7 @@ class InProcessLayer {
       EPSERVE_RETURN_IF_ERROR(GroupOnHost(n));
     }
     EPSERVE_RETURN_IF_ERROR(stage(kGroup));
+    if (shared && stages == nullptr && fork_late) EPSERVE_RETURN_IF_ERROR(fork_shared());
     if (shared && stages != nullptr) {
       EPSERVE_RETURN_IF_ERROR(kernels::SharedExpertFfn(rt, shared_, x_, n, shared_h_, shared_y_));
     }
@@ -212,6 +221,7 @@ class InProcessLayer {
 
   InProcessLayer() = default;
   model::MoeLayerConfig cfg_;
+  bool shared_after_grouping_ = true;
   std::unique_ptr<kernels::Runtime> rt_;
   kernels::RouterWeights router_;
   kernels::ExpertWeights experts_, shared_;
@@ -373,6 +383,10 @@ int Run(int argc, char** argv) {
   bool concurrent_queues = true;
   fs.Add("concurrent-queues", &concurrent_queues,
          "The shared expert on a second queue beside the routed experts (devices other than CPUs)");
+  bool shared_after_grouping = true;
+  fs.Add("shared-after-grouping", &shared_after_grouping,
+         "Where pairs are grouped on the device, fork the shared expert after the grouping "
+         "(beside the routed experts only), as the workers do; off: before the router");
   fs.Add("read-bandwidth", &read_bandwidth,
          "Also measure the host's memory read bandwidth and the one-token floor it sets");
   const int code = ParseFlags(
@@ -400,6 +414,7 @@ int Run(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(l.status().message()).c_str());
     return 1;
   }
+  (*l)->set_shared_after_grouping(shared_after_grouping);
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<float> x(max_tokens * h), y(max_tokens * h);

@@ -471,14 +471,26 @@ __kernel __attribute__((reqd_work_group_size(SELECT_WG, 1, 1))) void route_selec
 //               nothing). With tails_with_full, the short tile of an expert that has full
 //               tiles follows them, with w = 1 (the tensor-core FFN's 128-row kernels take it);
 //               w = 0 elsewhere.
+// Pairs beyond max_count of one expert (a token that chose it twice) count as bad as well.
 // One work-group of any size up to GROUP_WG_MAX. Work-item (expert el, slice s) counts, then
 // places, the pairs of its slice of i for experts el, el + E2, ...: every expert's pairs are
-// placed in order of i with no atomics, so the result is the same run to run.
+// placed in order of i with no atomics, so the result is the same run to run. Between the two,
+// a scan over the experts (a few work-items each) gives each expert its first pair and its
+// groups' places.
 #ifndef GROUP_WG_MAX
 #define GROUP_WG_MAX 1024
 #endif
 // Batches of up to this many pairs keep each pair's local expert in local memory for the scans.
 #define GROUP_LOCAL_PAIRS 4096  // kernels::kDeviceGroupingMaxPairs
+// The experts' scan of group_pairs runs over at most this many work-items.
+#define GROUP_SCAN 256
+// What an expert of `count` pairs adds to the scan: (pairs, its short tile among those that lead
+// the groups (0 or 1), its other tiles).
+inline int4 GroupCounts(int count, int chunk, int tails_with_full) {
+  const int tail = count % chunk != 0;
+  const int follows = tails_with_full && count > chunk;
+  return (int4)(count, tail && !follows, count / chunk + (tail && follows), 0);
+}
 inline int LocalExpertOf(__global const int* ids, __global const int* local_of, int num_global,
                          int num_local, int i) {
   const int id = ids[i];
@@ -488,13 +500,15 @@ inline int LocalExpertOf(__global const int* ids, __global const int* local_of, 
 
 __kernel void group_pairs(__global const int* restrict ids, int pairs, int k,
                           __global const int* restrict local_of, int num_global, int num_local,
-                          int chunk, int max_groups, int tails_with_full,
+                          int chunk, int max_groups, int tails_with_full, int max_count,
                           __global int* restrict row_index,
                           __global int* restrict pair_of_choice, __global int4* restrict groups,
                           __global int* restrict counts) {
   __local int before[GROUP_WG_MAX > ROUTER_MAX_EXPERTS ? GROUP_WG_MAX : ROUTER_MAX_EXPERTS];
-  __local int offset[ROUTER_MAX_EXPERTS + 1];
+  __local int offset[ROUTER_MAX_EXPERTS];    // each expert's first pair
+  __local int count_of[ROUTER_MAX_EXPERTS];  // and its pairs
   __local int staged[GROUP_LOCAL_PAIRS];  // each pair's local expert (-1: bad)
+  __local int4 scan[GROUP_SCAN];  // the experts' scan: (pairs, short tiles first, the others)
   __local int bad;
   __local int num_groups;
   const int lid = get_local_id(0), wg = get_local_size(0);
@@ -528,7 +542,9 @@ __kernel void group_pairs(__global const int* restrict ids, int pairs, int k,
     }
   }
   barrier(CLK_LOCAL_MEM_FENCE);
-  // Per expert: the slices' counts become the pairs of e before each slice.
+  // Per expert: the slices' counts become the pairs of e before each slice. An expert with
+  // more pairs than max_count (the batch's tokens: a token chose it twice) makes its excess
+  // bad, so that the batch fails: the FFN's launches hold no larger tiles.
   for (int e = lid; e < num_local; e += wg) {
     int total = 0;
     for (int q = 0; q < slices; ++q) {
@@ -536,37 +552,47 @@ __kernel void group_pairs(__global const int* restrict ids, int pairs, int k,
       before[q * num_local + e] = total;
       total += c;
     }
-    offset[e + 1] = total;  // the count, until the prefix sum below
+    count_of[e] = total;
     counts[e] = total;
+    if (total > max_count) atomic_add(&bad, total - max_count);
   }
   barrier(CLK_LOCAL_MEM_FENCE);
+  // The experts' offsets and group indices, a scan over work-items: item lid < sw takes experts
+  // [lid * per, lid * per + per). The short tiles lead the groups (so that the decode forms'
+  // launches cover only the first min(num_local, pairs) groups), then the full tiles in
+  // expert order; with tails_with_full, an expert's short tile that has full ones follows them
+  // instead, marked for the 128-row kernels (w = 1).
+  int sw = 1;
+  while (sw < num_local && sw < min(wg, GROUP_SCAN)) sw *= 2;
+  const int per = (num_local + sw - 1) / sw;
+  const int e_begin = min(lid * per, num_local), e_end = min(e_begin + per, num_local);
+  int4 mine = (int4)(0);
+  for (int e = e_begin; e < e_end; ++e) mine += GroupCounts(count_of[e], chunk, tails_with_full);
+  if (lid < sw) scan[lid] = mine;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int d = 1; d < sw; d *= 2) {
+    const int4 add = lid < sw && lid >= d ? scan[lid - d] : (int4)(0);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid < sw) scan[lid] += add;
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  const int4 total = scan[sw - 1];
+  int4 at = lid < sw ? scan[lid] - mine : (int4)(0);  // before this item's first expert
+  for (int e = e_begin; e < e_end; ++e) {
+    const int count = count_of[e];
+    const int4 c = GroupCounts(count, chunk, tails_with_full);
+    offset[e] = at.x;
+    const int end = at.x + count, full_end = end - count % chunk;
+    if (c.y > 0 && at.y < max_groups) groups[at.y] = (int4)(e, full_end, end, 0);
+    int g = total.y + at.z;
+    for (int first = at.x; first < full_end; first += chunk, ++g) {
+      if (g < max_groups) groups[g] = (int4)(e, first, first + chunk, 0);
+    }
+    if (c.y == 0 && count % chunk != 0 && g < max_groups) groups[g] = (int4)(e, full_end, end, 1);
+    at += c;
+  }
   if (lid == 0) {
-    offset[0] = 0;
-    for (int e = 0; e < num_local; ++e) offset[e + 1] += offset[e];
-    // The short tiles first (so that the decode forms' launches cover only the first
-    // min(num_local, pairs) groups), then the full tiles; with tails_with_full, an expert's short
-    // tile that has full ones follows them instead, marked for the 128-row kernels (w = 1).
-    int g = 0;
-    for (int e = 0; e < num_local; ++e) {
-      const int count = offset[e + 1] - offset[e];
-      if (count % chunk != 0 && !(tails_with_full && count > chunk)) {
-        if (g < max_groups) groups[g] = (int4)(e, offset[e + 1] - count % chunk, offset[e + 1], 0);
-        ++g;
-      }
-    }
-    for (int e = 0; e < num_local; ++e) {
-      const int count = offset[e + 1] - offset[e];
-      const int full_end = offset[e + 1] - count % chunk;
-      for (int first = offset[e]; first < full_end; first += chunk) {
-        if (g < max_groups) groups[g] = (int4)(e, first, first + chunk, 0);
-        ++g;
-      }
-      if (count % chunk != 0 && tails_with_full && count > chunk) {
-        if (g < max_groups) groups[g] = (int4)(e, full_end, offset[e + 1], 1);
-        ++g;
-      }
-    }
-    num_groups = min(g, max_groups);
+    num_groups = min(total.y + total.z, max_groups);
     counts[num_local] = bad;
   }
   barrier(CLK_LOCAL_MEM_FENCE);

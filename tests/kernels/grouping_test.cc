@@ -182,6 +182,30 @@ TEST_F(GroupingTest, ExpertsNotHeldAreCountedAndLeftOut) {
   EXPECT_EQ(placed, all);
 }
 
+// The FFN's launches hold no tile larger than the batch's tokens, so an expert with more pairs
+// (a token that chose it twice) must make the batch fail, not leave rows uncomputed.
+TEST_F(GroupingTest, AnExpertWithMorePairsThanTokensIsAnError) {
+  const int k = 2, n = 6;
+  std::vector<int32_t> ids = RandomIds(n, k, {0, 1, 2, 3});
+  std::uniform_int_distribution<int> pick(0, 3);
+  const int32_t twice = pick(rng_);
+  for (int64_t t = 0; t < n; ++t) ids[t * k] = ids[t * k + 1] = twice;  // 12 pairs of one expert
+  std::vector<int32_t> local_of = {0, 1, 2, 3};
+  ExpertWeights w;
+  w.num_experts = 4;
+  w.tensor_cores = true;
+  absl::StatusOr<PairGroups> g = AllocatePairGroups(R(), w, static_cast<int64_t>(ids.size()));
+  ASSERT_TRUE(g.ok()) << g.status();
+  Poison(*g);
+  ASSERT_TRUE(GroupPairs(R(), w, Upload(ids), n, k, Upload(local_of), 4, *g).ok());
+  absl::StatusOr<std::vector<int64_t>> counts = ReadPairCounts(R(), *g);
+  ASSERT_FALSE(counts.ok());
+  EXPECT_EQ(counts.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(counts.status().message().find("6 of 12 routed pairs"), std::string::npos)
+      << counts.status();
+  EXPECT_NE(counts.status().message().find("6 tokens"), std::string::npos) << counts.status();
+}
+
 TEST_F(GroupingTest, RefusesMorePairsThanAllocated) {
   ExpertWeights w;
   w.num_experts = 4;
