@@ -12,7 +12,7 @@
 //
 // Prints one JSON object per token count on stdout:
 //   {"tokens":T,"median_ms":X,"tokens_per_s":X,"reps":N,"weight_dtype":"fp32",
-//    "resident_median_ms":X}
+//    "resident_median_ms":X,"experts_touched":E}
 // (resident: x already on the device and the output left there, as for a caller on the
 // same device; median_ms includes copying x in and the output out)
 // and first {"device":"...","tensor_cores":b,"ffn_kernels":"...","check_tokens":n,
@@ -514,12 +514,16 @@ int Run(int argc, char** argv) {
         }
         stage_json = absl::StrCat(",\"stages_ms\":{", stage_json, "}");
       }
+      // The experts the last forward routed to (the same rows every forward): its weight-read
+      // bound's expert count (bench/gpu/run_gpu_bench.py).
+      const absl::StatusOr<int> touched = (*l)->ExpertsTouched(dg);
       std::printf(
           "{\"tokens\":%lld,\"median_ms\":%.4f,\"tokens_per_s\":%.2f,\"reps\":%d,"
-          "\"weight_dtype\":\"%s\",\"resident_median_ms\":%.4f,\"grouping\":\"%s\"%s}\n",
+          "\"weight_dtype\":\"%s\",\"resident_median_ms\":%.4f,\"grouping\":\"%s\","
+          "\"experts_touched\":%d%s}\n",
           static_cast<long long>(n), median * 1e3, static_cast<double>(n) / median, reps,
           std::string(common::FlagName(*dtype)).c_str(), resident * 1e3, grouping_name(dg),
-          stage_json.c_str());
+          touched.ok() ? *touched : -1, stage_json.c_str());
       std::fflush(stdout);
     }
   }
