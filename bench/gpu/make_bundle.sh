@@ -11,7 +11,7 @@ out=${2:?usage: make_bundle.sh BUILD OUT}
 # (bench_exchange and bench_expert_ffn run on the GPU host's CPU: a quiet many-core machine for
 # the exchange, and a CPU with AVX512-BF16 and a newer PoCL for the kernels.)
 binaries=(tests/kernels/kernels_test bench/kernels/bench_expert_ffn bench/gpu/bench_ffn_gpu
-          bench/gpu/probe_wgmma
+          bench/gpu/probe_wgmma bench/gpu/probe_local_memory
           bench/e2e/bench_e2e_inprocess bench/gpu/bench_device_exchange
           server/epserve client/epserve-load bench/exchange/bench_exchange
           bench/frontend/bench_frontend)
