@@ -248,16 +248,16 @@ def layer_rows(build, env, shapes, tokens, stages=False, hf_block=True):
             r = {"shape": shape, "tokens": t, "resident_ms": dev["resident_median_ms"],
                  "epserve_ms": dev["median_ms"], "host_grouping_ms": host["resident_median_ms"],
                  "grouped_mm_graph_ms": g["graph_ms"], "grouped_mm_eager_ms": g["eager_ms"],
-                 "bound_ms": g["bound_ms"], "read_GBps": g["read_GBps"],
-                 "grouped_mm_bound_ms": g["bound_ms"],
+                 "read_GBps": g["read_GBps"], "grouped_mm_bound_ms": g["bound_ms"],
                  "tensor_cores": checks[0]["tensor_cores"],
                  "max_rel_error": max(c["max_rel_error"] for c in checks)}
             # The bound of epserve's own batch: the experts its routing touched (which differ
-            # from torch's routing's, by several at 16 tokens), at the read rate of this call.
+            # from torch's routing's, by several at 16 tokens), at the read rate of this call;
+            # torch's batch's where the build does not print the count.
             touched = dev.get("experts_touched", -1)
-            if touched >= 0:
-                r["experts_touched"] = touched
-                r["bound_ms"] = weight_bytes(shape, touched) / (g["read_GBps"] * 1e9) * 1e3
+            r["experts_touched"] = touched
+            r["bound_ms"] = (weight_bytes(shape, touched) / (g["read_GBps"] * 1e9) * 1e3
+                             if touched >= 0 else g["bound_ms"])
             r["over_grouped_mm"] = g["graph_ms"] / r["resident_ms"]
             r["over_bound"] = r["resident_ms"] / r["bound_ms"]
             if stages:
@@ -269,7 +269,7 @@ def layer_rows(build, env, shapes, tokens, stages=False, hf_block=True):
             results.append(r)
             log(f"  layer {shape} tokens {t}: epserve {r['resident_ms']:.3f} ms (host grouping "
                 f"{r['host_grouping_ms']:.3f}), grouped_mm graph {g['graph_ms']:.3f}, bound "
-                f"{r['bound_ms']:.3f} ({r.get('experts_touched', '?')} experts)")
+                f"{r['bound_ms']:.3f} ({r['experts_touched']} experts; -1: torch's batch)")
     return results
 
 

@@ -588,6 +588,7 @@ __kernel void group_pairs(__global const int* restrict ids, int pairs, int k,
     for (int first = at.x; first < full_end; first += chunk, ++g) {
       if (g < max_groups) groups[g] = (int4)(e, first, first + chunk, 0);
     }
+    // A short tile that does not lead (c.y == 0) follows the full ones, for the 128-row kernels.
     if (c.y == 0 && count % chunk != 0 && g < max_groups) groups[g] = (int4)(e, full_end, end, 1);
     at += c;
   }

@@ -624,9 +624,6 @@ class ExpertFfnTest : public Seeded {
     return y;
   }
 
-  // Check over every expert of a "tiny" layer reshaped to H = hidden, F = ffn and `experts`
-  // experts, for each of `types` and each row count of `pairs_list`, rows drawn from `tokens`
-  // token rows.
   // The tensor-core tiles' shape (K pads to 224, down rows to 256, F to 192) on `rt`
   // (nullptr: the shared runtime), `types` against the reference.
   void CheckTensorCoreTiles(Runtime* rt, std::span<const FfnTypes> types) {
@@ -634,6 +631,9 @@ class ExpertFfnTest : public Seeded {
     CheckShape(/*hidden=*/200, /*ffn=*/136, /*experts=*/5, /*tokens=*/300, types, {1, 129, 700});
     rt_ = nullptr;
   }
+  // Check over every expert of a "tiny" layer reshaped to H = hidden, F = ffn and `experts`
+  // experts, for each of `types` and each row count of `pairs_list`, rows drawn from `tokens`
+  // token rows.
   void CheckShape(int64_t hidden, int64_t ffn, int experts, int64_t tokens,
                   std::span<const FfnTypes> types, std::initializer_list<int64_t> pairs_list) {
     absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
