@@ -449,10 +449,17 @@ inline AccPlace ThisAccPlace(void) {
 }
 
 // This work-item's outputs of the tile (rows [p0, end), columns from n0) from acc, as FP32 into
-// out (rows of ld values, columns below cols).
+// out (rows of ld values, columns below cols). Its two neighbouring columns go out as one 8-byte
+// store where rows are 8-byte aligned (even ld): a warp's store then fills whole 32-byte sectors
+// (8 rows x 4 work-items x 8 bytes) where two 4-byte stores filled half of one each. On an H200,
+// qwen1.5-moe-a2.7b's FFN at 4 x 2048 rows: 400-413 -> 442-444 TFLOP/s (mixtral-8x7b's, whose
+// longer K leaves the stores a smaller share: within 1%); staging the tile through local memory
+// for 16-byte stores, or 16-byte stores from work-items swapping halves, was slower
+// (docs/ARCHITECTURE.md).
 inline void MmaStore(const float* acc, int p0, int end, int n0, __global float* out, int ld,
                      int cols) {
   const AccPlace q = ThisAccPlace();
+  const bool pairs = (ld & 1) == 0;
 #pragma unroll
   for (int i = 0; i < ACC_MI; ++i) {
 #pragma unroll
@@ -464,8 +471,12 @@ inline void MmaStore(const float* acc, int p0, int end, int n0, __global float* 
       for (int j = 0; j < ACC_NJ; ++j) {
         const int c = n0 + q.col0 + j * 8 + 2 * q.t;
         const float* v = acc + (i * ACC_NJ + j) * 4 + hi * 2;
-        if (c < cols) row[c] = v[0];
-        if (c + 1 < cols) row[c + 1] = v[1];
+        if (pairs && c + 1 < cols) {
+          *(__global float2*)(row + c) = (float2)(v[0], v[1]);
+        } else {
+          if (c < cols) row[c] = v[0];
+          if (c + 1 < cols) row[c + 1] = v[1];
+        }
       }
     }
   }
