@@ -448,13 +448,14 @@ inline AccPlace ThisAccPlace(void) {
   return q;
 }
 
-// This work-item's outputs of the tile (rows [p0, end), columns from n0) from acc, as FP32 into
-// out (rows of ld values, columns below cols). Its two neighbouring columns go out as one 8-byte
-// store where rows are 8-byte aligned (even ld): a warp's store then fills whole 32-byte sectors
-// (8 rows x 4 work-items x 8 bytes) where two 4-byte stores filled half of one each. On an H200,
+// This work-item's outputs of the tile (rows [p0, end), columns from n0) from acc, as FP32 into out
+// (rows of ld values, columns below cols). Its two neighbouring columns go out as one 8-byte store
+// where rows are 8-byte aligned (even ld; out is a buffer's start, or an even number of values into
+// one, as ffn_mma_partial's parts are): a warp's store then fills whole 32-byte sectors (8 rows x 4
+// work-items x 8 bytes) where two 4-byte stores filled half of one each. On an H200,
 // qwen1.5-moe-a2.7b's FFN at 4 x 2048 rows: 400-413 -> 442-444 TFLOP/s (mixtral-8x7b's, whose
-// longer K leaves the stores a smaller share: within 1%); staging the tile through local memory
-// for 16-byte stores, or 16-byte stores from work-items swapping halves, was slower
+// longer K leaves the stores a smaller share: within 1%); staging the tile through local memory for
+// 16-byte stores, or 16-byte stores from work-items swapping halves, was slower
 // (docs/ARCHITECTURE.md).
 inline void MmaStore(const float* acc, int p0, int end, int n0, __global float* out, int ld,
                      int cols) {
