@@ -4,7 +4,6 @@
 // (app/job.h: model, exchange plan, admission, placements), the symmetric heap and its
 // regions, then the rank's role (app/serve.h: the coordinator and front-end on rank 0, a
 // worker elsewhere); teardown runs the other way (see Run).
-#include <malloc.h>
 #include <mpi.h>
 
 #include <cstdio>
@@ -22,6 +21,7 @@
 #include "common/flags.h"
 #include "common/log.h"
 #include "server/front_end.h"
+#include "server/service.h"
 #include "shmem/heap.h"
 #include "worker/coordinator.h"
 #include "worker/heap_regions.h"
@@ -103,11 +103,10 @@ absl::Status StartMpi(int& argc, char**& argv, int& provided, int& rank, int& nu
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Buffers of 1 MiB and more (large requests and answers, weights being loaded) come from
-  // mmap and go back to the system when freed. A fixed threshold also turns off glibc's
-  // adaptive one, which after the first such free serves them from the heap, where a burst
-  // of them stays resident. --keep-request-buffers changes this on rank 0 (below).
-  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  // Buffers of 4 MiB and more (large requests and answers, weights being loaded) come from
+  // mmap and go back to the system when freed; smaller ones stay in the arenas for the next
+  // requests (server::ConfigureAllocator). --keep-request-buffers changes this on rank 0.
+  epserve::server::ConfigureAllocator(/*keep_request_buffers=*/false);
   Flags flags;
   epserve::common::FlagSet fs(
       "epserve",
@@ -139,8 +138,7 @@ int main(int argc, char** argv) {
     // next request reuses them, where an mmapped buffer faults every page in again
     // (thousands of faults per 16 MiB, several buffers per inline request). The service's
     // reaper gives them back once the load ends (InferenceService::Reap).
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    epserve::server::ConfigureAllocator(/*keep_request_buffers=*/true);
   }
   if (provided < MPI_THREAD_SERIALIZED) {
     if (rank == 0) std::fprintf(stderr, "epserve: this MPI library lacks MPI_THREAD_SERIALIZED\n");

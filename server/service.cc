@@ -222,6 +222,13 @@ void InferenceService::Reap() {
   }
 }
 
+void ConfigureAllocator(bool keep_request_buffers) {
+  // A fixed threshold also turns off glibc's adaptive ones, which after the first free of an
+  // mmapped buffer serve every size up to it from the arenas, where a burst stays resident.
+  mallopt(M_MMAP_THRESHOLD, keep_request_buffers ? 32 << 20 : 4 << 20);
+  mallopt(M_TRIM_THRESHOLD, keep_request_buffers ? 1 << 30 : 4 << 20);
+}
+
 absl::StatusOr<ParsedInfer> InferenceService::Admit(const inference::ModelInferRequest& req,
                                                     int64_t* cost) {
   admitted_.fetch_add(1, std::memory_order_relaxed);  // a request arrived (the reaper's trims)

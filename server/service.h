@@ -43,9 +43,9 @@ struct ServiceOptions {
   // has waited min(1 s, answer_timeout) are closed first, the longest-waiting first.
   absl::Duration answer_timeout = absl::Seconds(30);
   // --keep-request-buffers: rank 0's allocator keeps freed request and answer buffers (up to
-  // 32 MiB each; epserve's main sets glibc's thresholds) for the next requests, and the
+  // 32 MiB each; ConfigureAllocator sets glibc's thresholds) for the next requests, and the
   // reaper gives free memory back only once no request arrived for a second or it exceeds
-  // twice what the calls hold (at least 128 MiB). Off: buffers of 1 MiB and more are
+  // twice what the calls hold (at least 128 MiB). Off: buffers of 4 MiB and more are
   // mmapped and go back when freed, and the reaper gives back whatever is free once a
   // second (32 MiB or more), which bounds rank 0's memory after a burst tightly but makes
   // every large request fault its pages in afresh.
@@ -54,6 +54,19 @@ struct ServiceOptions {
   // INVALID_ARGUMENT naming the flag and its bound.
   absl::Status Validate() const;
 };
+
+// glibc's allocator as the service wants it. Every epserve rank calls it first (app/main.cc), with
+// keep_request_buffers on rank 0 under --keep-request-buffers; bench_frontend as rank 0 does. By
+// default buffers under 4 MiB (a request or an answer of fewer than 512 tokens of hidden 2048 in
+// FP32, gRPC's slices of them) come from the arenas, and an arena keeps up to 4 MiB free at its top
+// instead of giving it back at each free, so that the next decode-sized request reuses those pages
+// instead of faulting fresh ones in (glibc's fixed default keeps 128 KiB); larger buffers are
+// mmapped and go back when freed, and the reaper (InferenceService) gives back free memory once it
+// reaches 32 MiB. Not more than 4 MiB: malloc_trim gives back a thread arena's free chunks but not
+// its top, so this is what each arena may keep after a burst (docs/ARCHITECTURE.md, "Rank 0's
+// memory"). With keep_request_buffers: buffers up to 32 MiB from the arenas, kept up to 1 GiB (the
+// reaper's rule for it: ServiceOptions::keep_request_buffers).
+void ConfigureAllocator(bool keep_request_buffers);
 
 class InferenceService final : public inference::GRPCInferenceService::CallbackService {
  public:

@@ -3,10 +3,13 @@
 // (an executor that copies each row back), beside a bare gRPC echo server with the same
 // messages (the floor), both in this process, at 1, 16 and 64 concurrent clients.
 //   bench_frontend [--seconds=3] [--hidden=2048] [--tokens=1] [--clients=1,16,64]
-//                  [--connections=N]
+//                  [--connections=N] [--allocator=service|keep|glibc]
 // --connections spreads every point's clients over N connections (default: one per client,
 // at most 8); with large requests (--tokens=2048 is 16 MiB each way) and --connections=1 the
-// echo is what one HTTP/2 connection carries at most.
+// echo is what one HTTP/2 connection carries at most. --allocator sets glibc's allocator as
+// epserve's rank 0 does by default (service), as it does with --keep-request-buffers (keep), or
+// leaves glibc's own adaptive thresholds (glibc); it applies to both servers and the clients,
+// which share this process.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -24,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "grpc_service.grpc.pb.h"
 #include "server/front_end.h"
+#include "server/service.h"
 
 namespace epserve::bench {
 namespace {
@@ -129,6 +133,7 @@ int Main(int argc, char** argv) {
   int64_t hidden = 2048, tokens = 1;
   int connections = 0;
   std::vector<int> client_counts = {1, 16, 64};
+  std::string allocator = "service";
   for (int i = 1; i < argc; ++i) {
     absl::string_view a = argv[i];
     if (absl::ConsumePrefix(&a, "--seconds=")) {
@@ -139,6 +144,13 @@ int Main(int argc, char** argv) {
       if (!absl::SimpleAtoi(a, &tokens)) return 2;
     } else if (absl::ConsumePrefix(&a, "--connections=")) {
       if (!absl::SimpleAtoi(a, &connections) || connections < 1) return 2;
+    } else if (absl::ConsumePrefix(&a, "--allocator=")) {
+      allocator = std::string(a);
+      if (allocator != "service" && allocator != "keep" && allocator != "glibc") {
+        std::fprintf(stderr, "--allocator must be service, keep or glibc, not '%s'\n",
+                     allocator.c_str());
+        return 2;
+      }
     } else if (absl::ConsumePrefix(&a, "--clients=")) {
       client_counts.clear();
       for (absl::string_view c : absl::StrSplit(a, ',')) {
@@ -149,11 +161,13 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--seconds=3] [--hidden=2048] [--tokens=1] "
-                   "[--clients=1,16,64] [--connections=N]\n",
+                   "[--clients=1,16,64] [--connections=N] [--allocator=service|keep|glibc]\n",
                    argv[0]);
       return 2;
     }
   }
+
+  if (allocator != "glibc") server::ConfigureAllocator(allocator == "keep");
 
   EchoService echo;
   grpc::ServerBuilder builder;
@@ -195,11 +209,14 @@ int Main(int argc, char** argv) {
 
   std::printf(
       "ModelInfer, %lld token(s) x H=%lld FP32 (%lld bytes each way), %.0f s per point, "
-      "%u hardware threads shared by clients and server, %s\n\n",
+      "%u hardware threads shared by clients and server, %s, allocator: %s\n\n",
       static_cast<long long>(tokens), static_cast<long long>(hidden),
       static_cast<long long>(x.size() * 4), seconds, std::thread::hardware_concurrency(),
       connections > 0 ? absl::StrCat(connections, " connection(s) per point").c_str()
-                      : "one connection per client (at most 8)");
+                      : "one connection per client (at most 8)",
+      allocator == "service" ? "epserve's default (server::ConfigureAllocator)"
+      : allocator == "keep"  ? "epserve's with --keep-request-buffers"
+                             : "glibc's adaptive thresholds");
   std::printf(
       "| clients | echo req/s | echo p50 us | echo p99 us | epserve req/s | epserve p50 us "
       "| epserve p99 us | added p50 us | req/s ratio | echo MB/s each way | epserve MB/s each way "
