@@ -121,7 +121,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (!parsed.ok()) {
-    if (first) std::fprintf(stderr, "epserve: %s\n", std::string(parsed.message()).c_str());
+    // Every rank says why, not rank 0 alone: the first rank to exit non-zero makes mpirun end
+    // the others, and rank 0, slower to start (under a sanitizer, by seconds), could be ended
+    // before it printed anything.
+    std::fprintf(stderr, "epserve: %s\n", std::string(parsed.message()).c_str());
     return 2;
   }
   epserve::app::InstallStopHandlers();
