@@ -14,13 +14,13 @@
 // One line of JSON per size: {"local_bytes":B,"set_arg":E,"enqueue":E,"finish":E,
 // "kernel_local_bytes":B,"ok":true|false}, E an OpenCL error code (0: CL_SUCCESS), and first
 // {"device":"...","device_local_mem":B,"nv_extensions":"..."}.
-#include <CL/cl.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "kernels/detail/device.h"
 
 namespace {
 
@@ -46,23 +46,6 @@ uint32_t Expected(uint32_t words, uint32_t g, uint32_t t) {
     sum += (words - 1 - i) * 2654435761u + g;
   }
   return sum;
-}
-
-cl_device_id PickDevice(bool gpu) {
-  cl_platform_id platforms[8];
-  cl_uint num_platforms = 0;
-  clGetPlatformIDs(8, platforms, &num_platforms);
-  for (cl_uint i = 0; i < num_platforms; ++i) {
-    char vendor[256] = {};
-    clGetPlatformInfo(platforms[i], CL_PLATFORM_VENDOR, sizeof(vendor), vendor, nullptr);
-    if (gpu && std::strstr(vendor, "NVIDIA") == nullptr) continue;
-    cl_device_id dev = nullptr;
-    if (clGetDeviceIDs(platforms[i], gpu ? CL_DEVICE_TYPE_GPU : CL_DEVICE_TYPE_CPU, 1, &dev,
-                       nullptr) == CL_SUCCESS) {
-      return dev;
-    }
-  }
-  return nullptr;
 }
 
 // The device's extensions whose names start with cl_nv_, space-separated.
@@ -130,17 +113,21 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  cl_device_id dev = PickDevice(gpu);
-  if (dev == nullptr) {
-    std::fprintf(stderr, "no %s OpenCL device\n", gpu ? "NVIDIA GPU" : "CPU");
+  namespace kd = epserve::kernels::detail;
+  absl::StatusOr<std::vector<kd::FoundDevice>> devices = kd::EnumerateDevices();
+  absl::StatusOr<kd::FoundDevice> found =
+      devices.ok() ? kd::ChooseDevice(*devices, gpu ? "gpu" : "cpu", 0) : devices.status();
+  if (!found.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(found.status().message()).c_str());
     return 77;
   }
-  char name[256] = {};
-  clGetDeviceInfo(dev, CL_DEVICE_NAME, sizeof(name), name, nullptr);
+  const cl_device_id dev = found->id;
+  const std::string& name = found->info.device_name;
   cl_ulong device_local = 0;
   clGetDeviceInfo(dev, CL_DEVICE_LOCAL_MEM_SIZE, sizeof(device_local), &device_local, nullptr);
-  std::printf("{\"device\":\"%s\",\"device_local_mem\":%llu,\"nv_extensions\":\"%s\"}\n", name,
-              static_cast<unsigned long long>(device_local), NvExtensions(dev).c_str());
+  std::printf("{\"device\":\"%s\",\"device_local_mem\":%llu,\"nv_extensions\":\"%s\"}\n",
+              name.c_str(), static_cast<unsigned long long>(device_local),
+              NvExtensions(dev).c_str());
   cl_int err = CL_SUCCESS;
   cl_context ctx = clCreateContext(nullptr, 1, &dev, nullptr, nullptr, &err);
   if (err != CL_SUCCESS) return 1;

@@ -223,19 +223,19 @@ def inprocess_runs(build, env, shape, tokens, stages=False):
     return runs, checks
 
 
-def weight_bytes(shape, touched):
-    """BF16 weight bytes a batch routed to `touched` experts of `shape` must read: those experts'
-    three matrices, the shared expert's and the router (as torch_baselines.py's bytes_read)."""
-    h, f, e, _, fs, _ = SHAPES[shape]
-    return 2 * (touched * 3 * h * f + 3 * h * fs + h * e)
+def torch_baselines_module():
+    """bench/gpu/torch_baselines.py (needs PyTorch with CUDA)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import torch_baselines
+    return torch_baselines
 
 
 def grouped_mm_baselines(shapes, tokens):
     """The torch._grouped_mm MoE layer (bench/gpu/torch_baselines.py) per (shape, tokens)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import torch_baselines
     return {(r["shape"], r["tokens"]): r
-            for r in torch_baselines.layer_figures(shapes, tokens)}
+            for r in torch_baselines_module().layer_figures(shapes, tokens)}
 
 
 def layer_rows(build, env, shapes, tokens, stages=False, hf_block=True):
@@ -256,6 +256,7 @@ def layer_rows(build, env, shapes, tokens, stages=False, hf_block=True):
             # torch's batch's where the build does not print the count.
             touched = dev.get("experts_touched", -1)
             r["experts_touched"] = touched
+            weight_bytes = torch_baselines_module().weight_bytes
             r["bound_ms"] = (weight_bytes(shape, touched) / (g["read_GBps"] * 1e9) * 1e3
                              if touched >= 0 else g["bound_ms"])
             r["over_grouped_mm"] = g["graph_ms"] / r["resident_ms"]

@@ -29,6 +29,13 @@ SHAPES = {  # name: (H, F, experts, top_k, shared F, normalised top-k)
 }
 
 
+def weight_bytes(shape, touched):
+    """BF16 weight bytes a batch routed to `touched` experts of `shape` must read: those experts'
+    three matrices, the shared expert's and the router."""
+    h, f, e, _, fs, _ = SHAPES[shape]
+    return 2 * (touched * 3 * h * f + 3 * h * fs + h * e)
+
+
 def cuda_ms(fn, reps):
     """Mean milliseconds of `fn` over `reps` calls after warm-up, by CUDA events."""
     for _ in range(3):
@@ -53,6 +60,7 @@ def read_rate_bytes_per_s():
 class GroupedMmLayer:
     def __init__(self, shape, seed=0):
         h, f, e, k, fs, self.norm = SHAPES[shape]
+        self.shape = shape
         self.h, self.f, self.e, self.k, self.fs = h, f, e, k, fs
         g = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -90,8 +98,7 @@ class GroupedMmLayer:
 
     def bytes_read(self, experts):
         """Weight bytes a batch routed to `experts` must read (BF16)."""
-        touched = int(torch.unique(experts).numel())
-        return 2 * (touched * 3 * self.h * self.f + 3 * self.h * self.fs + self.h * self.e)
+        return weight_bytes(self.shape, int(torch.unique(experts).numel()))
 
 
 def layer_figures(shapes, token_counts, reps=50, rate=None):
