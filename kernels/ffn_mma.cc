@@ -161,7 +161,8 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
                                  static_cast<size_t>(num_groups), 1};
     EPSERVE_RETURN_IF_ERROR(LaunchTiles(rt, forms, kGateUp, gu_global, short_groups, y, groups,
                                         w.gate_up, static_cast<cl_int>(k_pad),
-                                        static_cast<cl_int>(f_pad), h_scratch));
+                                        static_cast<cl_int>(f_pad), static_cast<cl_int>(rows),
+                                        h_scratch));
   }
   if (down_splits > 1) {
     return LaunchSplitK(rt, forms, h_scratch, groups, num_groups, short_groups, w.down, down_rows,
@@ -171,7 +172,7 @@ absl::Status LaunchFfnMma(Runtime& rt, const ExpertWeights& w, const Buffer& x, 
                                  static_cast<size_t>(num_groups), 1};
   return LaunchTiles(rt, forms, kDown, down_global, short_groups, h_scratch, groups, w.down,
                      static_cast<cl_int>(f_pad), static_cast<cl_int>(down_rows),
-                     static_cast<cl_int>(w.hidden), y);
+                     static_cast<cl_int>(w.hidden), static_cast<cl_int>(rows), y);
 }
 
 }  // namespace detail

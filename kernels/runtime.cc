@@ -168,6 +168,13 @@ static std::string FfnBlockingOptions(const FfnBlocking& b) {
 
 // The build option of expert_ffn_mma.cl's wgmma tiles.
 constexpr char kWgmmaOption[] = " -DMMA_WGMMA=1";
+// The register cap (NVIDIA's cl_nv_compiler_options) of a tensor-core program in the form it is
+// built (detail::kMmaMaxRegisters, kMmaWgmmaMaxRegisters), in the spellings NVIDIA's compilers
+// take. The kernels declare no required work-group size, which would let the assembler ignore it.
+std::string MmaRegisterOptions(bool wgmma) {
+  const int cap = wgmma ? detail::kMmaWgmmaMaxRegisters : detail::kMmaMaxRegisters;
+  return absl::StrCat("-cl-nv-maxrregcount=", cap, "|-cl-nv-maxrregcount ", cap);
+}
 
 // Whether the tensor-core FFN's 128-row tiles take wgmma (RuntimeOptions::wgmma) on a device of
 // compute capability `cc` whose tensor-core kernels run: sm_90 only (wgmma is an sm_90a
@@ -184,11 +191,6 @@ void Runtime::AddEmbeddedPrograms() {
                          {"combine", embedded::kernels_cl_combine, ""}};
   programs_->ffn = {"expert_ffn", embedded::kernels_cl_expert_ffn, ""};
   if (tensor_cores_) {
-    // A register cap (NVIDIA's cl_nv_compiler_options) sized for two work-groups per
-    // multiprocessor (detail::kMmaMaxRegisters). The kernels declare no required work-group
-    // size, which would let the assembler ignore the cap.
-    const std::string regs = absl::StrCat("-cl-nv-maxrregcount=", detail::kMmaMaxRegisters,
-                                          "|-cl-nv-maxrregcount ", detail::kMmaMaxRegisters);
     // The decode form of 32 rows, and with mma_decode_rows 64 a wide one of 64 rows in a
     // program of its own (the same source; expert_ffn_mma.cl says how the forms share tiles).
     // With wgmma, the 128-row tiles' program is rebuilt for sm_90a (Runtime::Kernel falls back
@@ -197,7 +199,7 @@ void Runtime::AddEmbeddedPrograms() {
     programs_->programs.push_back(
         {"expert_ffn_mma",
          embedded::kernels_cl_expert_ffn_mma,
-         regs,
+         MmaRegisterOptions(wgmma_),
          absl::StrCat("-DMMA_DEC_BM=", detail::kMmaDecodeRows,
                       wide ? absl::StrCat(" -DMMA_LARGE_MIN=", mma_decode_rows_) : "",
                       wgmma_ ? kWgmmaOption : ""),
@@ -205,7 +207,7 @@ void Runtime::AddEmbeddedPrograms() {
          wgmma_});
     if (wide) {
       programs_->programs.push_back(
-          {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma, regs,
+          {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma, MmaRegisterOptions(false),
            absl::StrCat("-DMMA_DEC_BM=", mma_decode_rows_,
                         " -DMMA_DEC_MIN=", detail::kMmaDecodeRows, " -DMMA_DEC_WIDE=1")});
     }
@@ -549,6 +551,7 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
           absl::StrCat("the tensor-core FFN keeps mma.sync: ", program.status().message()));
       p.sm90a = wgmma_ = false;
       p.variant_options = absl::StrReplaceAll(p.variant_options, {{kWgmmaOption, ""}});
+      p.extra_options = MmaRegisterOptions(/*wgmma=*/false);
       program = BuildProgram(p.name, p.source, p.extra_options, p.variant_options);
     }
     if (!program.ok()) return program.status();

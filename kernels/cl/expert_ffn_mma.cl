@@ -2,13 +2,16 @@
 // (mma.sync.m16n8k16, sm_80 and later). Built only for NVIDIA devices of compute capability
 // 8.0 or more (kernels/runtime.cc); elsewhere expert_ffn.cl runs. Layouts: see
 // kernels/detail/ffn_layout.h (the "tensor-core layout"):
-//   a   BF16 activations [rows, lda], lda = K rounded up to MMA_BK, zero beyond K;
+//   a   BF16 activations, rows of lda values (K rounded up to MMA_BK, zero beyond K), in the
+//       slice-major layout (ActChunk) that makes one K slice of a 128-row tile one or two
+//       contiguous copies, as a weight tile's is;
 //   w   per expert, BF16 [N, K] (the "col" operand of mma) in tiles of MMA_BN rows x MMA_BK
 //       columns, each tile's 16-byte chunks in local-memory order (Swz), so that one K slice
 //       of a tile is one contiguous 8 KiB copy;
 //   gate_up: N = 2 * f_pad rows, in blocks of 16: 8 gate rows then the 8 up rows of the
 //            same 8 outputs f, so that one thread holds gate and up of its f and applies
-//            silu(gate) * up before anything leaves registers; h is written as BF16.
+//            silu(gate) * up before anything leaves registers; h is written as BF16, slice-
+//            major as a is (the down GEMM's activations).
 //   down:    N = hidden rounded up to MMA_BN; y is written as FP32, columns < hidden.
 //
 // One work-group of 128 work-items (4 warps as 2 x 2) computes a 128 x 128 tile of one
@@ -62,6 +65,22 @@
 #define STAGE_ALIGN __attribute__((aligned(1024)))
 // The same order as detail::MmaSwizzle, which lays out the weight tiles.
 inline int Swz(int r, int c) { return r * 4 + (c ^ ((r >> 1) & 3)); }
+
+// The activations' layout (a and h), "slice-major": a matrix of `rows` rows of ld 16-byte chunks
+// is stored in blocks of MMA_BM rows, each block (rows b0 .. b0 + nb, nb = min(MMA_BM, rows -
+// b0)) at chunk b0 * ld, K slice by K slice: the CPR chunks of slice s of row b0 + r at chunk
+// (s * nb + r) * CPR of the block. A tile's K slice is thus one contiguous 8 KiB copy (two where
+// its rows cross a block), as a weight tile's is, where row-major rows made it 128 pieces of 64
+// bytes 2 * K apart. On an H200 the layer ran 1.5-10% faster so (mixtral-8x7b at 1024 tokens
+// the most), the FFN alone on whole blocks within noise (docs/ARCHITECTURE.md). The matrix takes
+// rows * ld chunks, as row-major rows would. Chunk c of row p:
+inline size_t ActChunk(int p, int c, int ld, int rows) {
+  const int b0 = p & -MMA_BM;
+  const int nb = min(MMA_BM, rows - b0);
+  return (size_t)b0 * ld + ((size_t)(c / CPR) * nb + (p - b0)) * CPR + c % CPR;
+}
+// Chunks from K slice s of row p to slice s + 1.
+inline int ActSliceStride(int p, int rows) { return min(MMA_BM, rows - (p & -MMA_BM)) * CPR; }
 
 // Rounds to the nearest even BF16 (finite values; kernels never see NaN here).
 inline uint Bf16Bits(float v) {
@@ -129,6 +148,7 @@ inline __attribute__((always_inline)) void LoadMatrix4(const __local uint4* row,
 typedef struct {
   const __global uint4* a[A_LOADS];
   const __global uint4* w[B_LOADS];
+  int a_step[A_LOADS];  // chunks from one K slice of the row to the next (ActSliceStride)
   int a_dst[A_LOADS];
   int w_dst[B_LOADS];
 } StageCopies;
@@ -138,7 +158,7 @@ inline __attribute__((always_inline)) void LoadStage(const StageCopies* c, int s
                                                      __local uint4* lds_a, __local uint4* lds_b) {
 #pragma unroll
   for (int l = 0; l < A_LOADS; ++l) {
-    CopyTile16(lds_a + st * STAGE_A + c->a_dst[l], c->a[l] + step * CPR);
+    CopyTile16(lds_a + st * STAGE_A + c->a_dst[l], c->a[l] + step * c->a_step[l]);
   }
 #pragma unroll
   for (int l = 0; l < B_LOADS; ++l) {
@@ -354,19 +374,21 @@ inline int2 ThisTile(void) {
   return (int2)(at / span, first + at % span);
 }
 
-// This work-item's copies for a tile whose A rows are [p0, end) of `a` (rows of ld 16-byte
-// chunks; rows clamped to end - 1, whose results are not stored) and whose weights start at
-// w (tiles of MMA_BN rows x MMA_BK columns, each in local-memory order, K slices one after
-// the other).
-inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint4* a, int p0,
-                                                             int end, const __global uint4* w,
-                                                             int ld) {
+// This work-item's copies for a tile whose A rows are [p0, end) of `a` (`rows` rows of ld
+// 16-byte chunks, slice-major; rows clamped to end - 1, whose results are not stored) and whose
+// weights start at w (tiles of MMA_BN rows x MMA_BK columns, each in local-memory order, K
+// slices one after the other).
+inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint4* a, int rows,
+                                                             int p0, int end,
+                                                             const __global uint4* w, int ld) {
   const int tid = get_local_id(0);
   StageCopies c;
 #pragma unroll
   for (int l = 0; l < A_LOADS; ++l) {
     const int r = tid / CPR + l * ROW_STEP;
-    c.a[l] = a + (size_t)min(p0 + r, end - 1) * ld + tid % CPR;
+    const int p = min(p0 + r, end - 1);
+    c.a[l] = a + ActChunk(p, tid % CPR, ld, rows);
+    c.a_step[l] = ActSliceStride(p, rows);
     c.a_dst[l] = Swz(r, tid % CPR);
   }
 #pragma unroll
@@ -377,10 +399,10 @@ inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint
   return c;
 }
 
-// The product tile of this work-group: rows group.y .. group.z of a (BF16, rows of k_pad
-// values) times weight rows n0 .. n0 + MMA_BN of expert group.x, whose matrix in w has n_rows
-// rows of k_pad values (tiled). Returns the group; acc as MmaTile leaves it.
-inline __attribute__((always_inline)) int4 TileProduct(const __global ushort* restrict a,
+// The product tile of this work-group: rows group.y .. group.z of a (BF16, `rows` rows of k_pad
+// values, slice-major) times weight rows n0 .. n0 + MMA_BN of expert group.x, whose matrix in w
+// has n_rows rows of k_pad values (tiled). Returns the group; acc as MmaTile leaves it.
+inline __attribute__((always_inline)) int4 TileProduct(const __global ushort* restrict a, int rows,
                                                        const __global int4* restrict groups,
                                                        const __global ushort* restrict w,
                                                        int n_rows, int k_pad, int n0,
@@ -389,7 +411,8 @@ inline __attribute__((always_inline)) int4 TileProduct(const __global ushort* re
   const int4 grp = groups[ThisTile().y];
   const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
   const StageCopies copies =
-      TileCopies((const __global uint4*)a, grp.y, grp.z, (const __global uint4*)wt, k_pad / 8);
+      TileCopies((const __global uint4*)a, rows, grp.y, grp.z, (const __global uint4*)wt,
+                 k_pad / 8);
 #pragma unroll
   for (int i = 0; i < ACC_MI * ACC_NJ * 4; ++i) acc[i] = 0.0f;
   MmaTile(&copies, k_pad / 8, lds_a, lds_b, acc);
@@ -489,17 +512,18 @@ inline void MmaStore(const float* acc, int p0, int end, int n0, __global float* 
 // passes (kernels/runtime.cc).
 //
 // groups[g] = (local expert, first row, end row, 0), at most MMA_BM rows each.
-// a [rows, k_pad] BF16; w [experts][2 * f_pad, k_pad] BF16; h [rows, f_pad] BF16.
+// a [rows, k_pad] BF16; w [experts][2 * f_pad, k_pad] BF16; h [rows, f_pad] BF16 (a and h
+// slice-major).
 __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
                               __global const int4* restrict groups,
-                              __global const ushort* restrict w, int k_pad, int f_pad,
+                              __global const ushort* restrict w, int k_pad, int f_pad, int rows,
                               __global ushort* restrict h) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A] STAGE_ALIGN;
   __local uint4 lds_b[MMA_STAGES * STAGE_B] STAGE_ALIGN;
   if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;  // first weight row of the tile
   float acc[ACC_MI * ACC_NJ * 4];
-  const int4 grp = TileProduct(a, groups, w, 2 * f_pad, k_pad, n0, lds_a, lds_b, acc);
+  const int4 grp = TileProduct(a, rows, groups, w, 2 * f_pad, k_pad, n0, lds_a, lds_b, acc);
 
   // Tile columns j = 0, 2, ... of a work-item are gate, j = 1, 3, ... up, of outputs
   // f = n0 / 2 + col0 / 2 + (j / 2) * 8 + 2t + {0, 1}.
@@ -515,30 +539,32 @@ __kernel void ffn_mma_gate_up(__global const ushort* restrict a,
         const float* gate = acc + (i * ACC_NJ + 2 * jj) * 4 + hi * 2;
         const float* up = acc + (i * ACC_NJ + 2 * jj + 1) * 4 + hi * 2;
         const int f = n0 / 2 + q.col0 / 2 + jj * 8 + 2 * q.t;
-        ((__global uint*)(h + (size_t)p * f_pad + f))[0] = SwiGluBf16Pair(gate, up);
+        ((__global uint*)(h + ActChunk(p, f / 8, f_pad / 8, rows) * 8 + f % 8))[0] =
+            SwiGluBf16Pair(gate, up);
       }
     }
   }
 }
 
-// h [rows, f_pad] BF16; w [experts][n_pad, f_pad] BF16 (n_pad = hidden rounded up to
-// MMA_BN); y [rows, hidden] FP32.
+// h [rows, f_pad] BF16 (slice-major); w [experts][n_pad, f_pad] BF16 (n_pad = hidden rounded
+// up to MMA_BN); y [rows, hidden] FP32.
 __kernel void ffn_mma_down(__global const ushort* restrict h, __global const int4* restrict groups,
                            __global const ushort* restrict w, int f_pad, int n_pad, int hidden,
-                           __global float* restrict y) {
+                           int rows, __global float* restrict y) {
   __local uint4 lds_a[MMA_STAGES * STAGE_A] STAGE_ALIGN;
   __local uint4 lds_b[MMA_STAGES * STAGE_B] STAGE_ALIGN;
   if (SkipTile(groups)) return;
   const int n0 = ThisTile().x * MMA_BN;
   float acc[ACC_MI * ACC_NJ * 4];
-  const int4 grp = TileProduct(h, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
+  const int4 grp = TileProduct(h, rows, groups, w, n_pad, f_pad, n0, lds_a, lds_b, acc);
 
   MmaStore(acc, grp.y, grp.z, n0, y, hidden, hidden);
 }
 
 // out[p, 0 .. k_pad) = BF16 of x[row_index[p] (gather) or p, 0 .. hidden), zero beyond
-// hidden, for p < num_rows. x is FP32 (x_bf16 == 0) or BF16, rows x_stride values apart.
-// One work-item per 8 output values (one 16-byte store; k_pad is a multiple of 8).
+// hidden, for p < num_rows (out slice-major: ActChunk). x is FP32 (x_bf16 == 0) or BF16, rows
+// x_stride values apart. One work-item per 8 output values (one 16-byte store; k_pad is a
+// multiple of 8).
 __kernel void gather_rows_to_bf16(__global const void* restrict x, int x_bf16, long x_rows,
                                   long x_stride, __global const int* restrict row_index, int gather,
                                   int num_rows, int hidden, int k_pad,
@@ -560,7 +586,7 @@ __kernel void gather_rows_to_bf16(__global const void* restrict x, int x_bf16, l
       v[l] = Bf16Bits(((const __global float*)x)[row * x_stride + col]);
     }
   }
-  out[((size_t)p * k_pad + c) / 8] =
+  out[ActChunk(p, c / 8, k_pad / 8, num_rows)] =
       (uint4)(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
 }
 
@@ -585,9 +611,10 @@ __kernel void ffn_mma_partial(__global const ushort* restrict a,
   const int4 grp = groups[ThisTile().y];
   const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
   StageCopies copies =
-      TileCopies((const __global uint4*)a, grp.y, grp.z, (const __global uint4*)wt, k_pad / 8);
+      TileCopies((const __global uint4*)a, rows, grp.y, grp.z, (const __global uint4*)wt,
+                 k_pad / 8);
 #pragma unroll
-  for (int l = 0; l < A_LOADS; ++l) copies.a[l] += ks0 * CPR;
+  for (int l = 0; l < A_LOADS; ++l) copies.a[l] += ks0 * copies.a_step[l];
 #pragma unroll
   for (int l = 0; l < B_LOADS; ++l) copies.w[l] += ks0 * STAGE_B;
   float acc[ACC_MI * ACC_NJ * 4];
@@ -615,7 +642,8 @@ __kernel void ffn_reduce_gate_up(__global const float* restrict partial, int spl
   const int n = (f / 8) * 16 + (f & 7);
   const float g = SumParts(partial, splits, rows, n_rows, p, n);
   const float u = SumParts(partial, splits, rows, n_rows, p, n + 8);
-  h[(size_t)p * f_pad + f] = (ushort)Bf16Bits(g / (1.0f + exp(-g)) * u);
+  const float v = g / (1.0f + exp(-g)) * u;
+  h[ActChunk(p, f / 8, f_pad / 8, rows) * 8 + f % 8] = (ushort)Bf16Bits(v);
 }
 
 // y[p, c] for c < hidden. Global (hidden, rows).
@@ -649,12 +677,14 @@ inline bool DecodeTile(const __global int4* groups) {
   return grp.w == 0 && grp.z - grp.y > MMA_DEC_MIN && grp.z > grp.y && grp.z - grp.y <= DEC_BM;
 }
 
-// Copies K slice `step` of the tile into local-memory stage `st`: the A rows' chunks (rows
-// [p0, end) of lda chunks from a, clamped to end - 1), MMA_THREADS apart over the work-items,
-// and 4 weight chunks a work-item (w_src: this work-item's first).
-inline __attribute__((always_inline)) void DecodeLoad(const __global uint4* a, int lda, int p0,
-                                                      int end, const __global uint4* w_src,
-                                                      int step, int st, __local uint4* lds_a,
+// Copies K slice `step` (of the part from slice ks0) of the tile into local-memory stage `st`:
+// the A rows' chunks (rows [p0, end) of `rows` rows of lda chunks from a, slice-major, clamped
+// to end - 1), MMA_THREADS apart over the work-items, and 4 weight chunks a work-item (w_src:
+// this work-item's first of the part).
+inline __attribute__((always_inline)) void DecodeLoad(const __global uint4* a, int lda, int rows,
+                                                      int p0, int end, int ks0,
+                                                      const __global uint4* w_src, int step,
+                                                      int st, __local uint4* lds_a,
                                                       __local uint4* lds_b) {
   const int tid = get_local_id(0);
 #pragma unroll
@@ -663,7 +693,7 @@ inline __attribute__((always_inline)) void DecodeLoad(const __global uint4* a, i
     if (c >= DEC_STAGE_A) break;
     const int r = c / CPR;
     CopyAsync16(lds_a + st * DEC_STAGE_A + Swz(r, c % CPR),
-                a + (size_t)min(p0 + r, end - 1) * lda + step * CPR + c % CPR);
+                a + ActChunk(min(p0 + r, end - 1), (ks0 + step) * CPR + c % CPR, lda, rows));
   }
 #pragma unroll
   for (int l = 0; l < 4; ++l) {
@@ -673,24 +703,23 @@ inline __attribute__((always_inline)) void DecodeLoad(const __global uint4* a, i
 }
 
 // acc[(i * 4 + j) * 4 + r] += A[DEC_BM rows] . W[128 rows]^T over K slices [ks0, ks0 + count)
-// for this warp's 32 weight rows (m16 tiles i, n8 tiles j): a rows [p0, end) of lda chunks
-// (clamped to end - 1), wt the tile's weight rows (slices of MMA_BN x MMA_BK in local-memory
-// order).
+// for this warp's 32 weight rows (m16 tiles i, n8 tiles j): a rows [p0, end) of `rows` rows of
+// lda chunks (slice-major; clamped to end - 1), wt the tile's weight rows (slices of MMA_BN x
+// MMA_BK in local-memory order).
 inline __attribute__((always_inline)) void DecodeProduct(const __global uint4* restrict a, int lda,
-                                                         int p0, int end,
+                                                         int rows, int p0, int end,
                                                          const __global uint4* restrict wt, int ks0,
                                                          int count, __local uint4* lds_a,
                                                          __local uint4* lds_b, float* acc) {
   const int tid = get_local_id(0);
   const int lane = tid & 31, warp = tid >> 5;
-  const __global uint4* a0 = a + ks0 * CPR;
   const __global uint4* w_src = wt + (size_t)ks0 * STAGE_B + tid;
   const int b_row = warp * 32 + (lane & 7) + ((lane >> 4) << 3);
 #pragma unroll
   for (int j = 0; j < DEC_MT * 16; ++j) acc[j] = 0.0f;
 #pragma unroll
   for (int s = 0; s < DEC_STAGES - 1; ++s) {
-    if (s < count) DecodeLoad(a0, lda, p0, end, w_src, s, s, lds_a, lds_b);
+    if (s < count) DecodeLoad(a, lda, rows, p0, end, ks0, w_src, s, s, lds_a, lds_b);
     CopyAsyncCommit();
   }
   for (int s = 0; s < count; ++s) {
@@ -698,7 +727,9 @@ inline __attribute__((always_inline)) void DecodeProduct(const __global uint4* r
     barrier(CLK_LOCAL_MEM_FENCE);
     // Every warp is past slice s - 1: its stage takes slice s + DEC_STAGES - 1.
     const int next = s + DEC_STAGES - 1;
-    if (next < count) DecodeLoad(a0, lda, p0, end, w_src, next, next % DEC_STAGES, lds_a, lds_b);
+    if (next < count) {
+      DecodeLoad(a, lda, rows, p0, end, ks0, w_src, next, next % DEC_STAGES, lds_a, lds_b);
+    }
     CopyAsyncCommit();
     const int st = s % DEC_STAGES;
     const __local uint4* sa = lds_a + st * DEC_STAGE_A;
@@ -732,7 +763,7 @@ inline int2 DecodeSlices(int k_slices, int per_split) {
 __kernel void DEC_KERNEL(ffn_dec_gate_up)(__global const ushort* restrict a,
                                           __global const int4* restrict groups,
                                           __global const ushort* restrict w, int k_pad, int f_pad,
-                                          __global ushort* restrict h) {
+                                          int rows, __global ushort* restrict h) {
   __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
   __local uint4 lds_b[DEC_STAGES * STAGE_B];
   if (!DecodeTile(groups)) return;
@@ -740,8 +771,8 @@ __kernel void DEC_KERNEL(ffn_dec_gate_up)(__global const ushort* restrict a,
   const int n0 = ThisTile().x * MMA_BN;
   const __global ushort* wt = w + ((size_t)grp.x * 2 * f_pad + n0) * (size_t)k_pad;
   float acc[DEC_MT * 16];
-  DecodeProduct((const __global uint4*)a, k_pad / 8, grp.y, grp.z, (const __global uint4*)wt, 0,
-                k_pad / MMA_BK, lds_a, lds_b, acc);
+  DecodeProduct((const __global uint4*)a, k_pad / 8, rows, grp.y, grp.z,
+                (const __global uint4*)wt, 0, k_pad / MMA_BK, lds_a, lds_b, acc);
   // Tiles j = 0, 2 of a warp are gate, j = 1, 3 up, of outputs
   // f = n0 / 2 + warp * 16 + (j / 2) * 8 + 2t + {0, 1}; rows i * 16 + g and i * 16 + g + 8.
   const int lane = get_local_id(0) & 31, warp = get_local_id(0) >> 5;
@@ -757,7 +788,8 @@ __kernel void DEC_KERNEL(ffn_dec_gate_up)(__global const ushort* restrict a,
         const float* gate = acc + (i * 4 + 2 * jj) * 4 + hi * 2;
         const float* up = acc + (i * 4 + 2 * jj + 1) * 4 + hi * 2;
         const int f = n0 / 2 + warp * 16 + jj * 8 + 2 * t;
-        ((__global uint*)(h + (size_t)p * f_pad + f))[0] = SwiGluBf16Pair(gate, up);
+        ((__global uint*)(h + ActChunk(p, f / 8, f_pad / 8, rows) * 8 + f % 8))[0] =
+            SwiGluBf16Pair(gate, up);
       }
     }
   }
@@ -790,7 +822,7 @@ inline void DecodeStore(const float* acc, int p0, int end, int n0, __global floa
 __kernel void DEC_KERNEL(ffn_dec_down)(__global const ushort* restrict h,
                                        __global const int4* restrict groups,
                                        __global const ushort* restrict w, int f_pad, int n_pad,
-                                       int hidden, __global float* restrict y) {
+                                       int hidden, int rows, __global float* restrict y) {
   __local uint4 lds_a[DEC_STAGES * DEC_STAGE_A];
   __local uint4 lds_b[DEC_STAGES * STAGE_B];
   if (!DecodeTile(groups)) return;
@@ -798,8 +830,8 @@ __kernel void DEC_KERNEL(ffn_dec_down)(__global const ushort* restrict h,
   const int n0 = ThisTile().x * MMA_BN;
   const __global ushort* wt = w + ((size_t)grp.x * n_pad + n0) * (size_t)f_pad;
   float acc[DEC_MT * 16];
-  DecodeProduct((const __global uint4*)h, f_pad / 8, grp.y, grp.z, (const __global uint4*)wt, 0,
-                f_pad / MMA_BK, lds_a, lds_b, acc);
+  DecodeProduct((const __global uint4*)h, f_pad / 8, rows, grp.y, grp.z,
+                (const __global uint4*)wt, 0, f_pad / MMA_BK, lds_a, lds_b, acc);
   DecodeStore(acc, grp.y, grp.z, n0, y, hidden, hidden);
 }
 
@@ -817,8 +849,8 @@ __kernel void DEC_KERNEL(ffn_dec_partial)(__global const ushort* restrict a,
   const int2 part = DecodeSlices(k_pad / MMA_BK, per_split);
   const __global ushort* wt = w + ((size_t)grp.x * n_rows + n0) * (size_t)k_pad;
   float acc[DEC_MT * 16];
-  DecodeProduct((const __global uint4*)a, k_pad / 8, grp.y, grp.z, (const __global uint4*)wt,
-                part.x, part.y, lds_a, lds_b, acc);
+  DecodeProduct((const __global uint4*)a, k_pad / 8, rows, grp.y, grp.z,
+                (const __global uint4*)wt, part.x, part.y, lds_a, lds_b, acc);
   DecodeStore(acc, grp.y, grp.z, n0, partial + (size_t)get_group_id(2) * rows * n_rows, n_rows,
               n_rows);
 }

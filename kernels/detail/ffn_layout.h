@@ -22,7 +22,9 @@
 //     outputs f then the up rows of the same 8 (zero rows for f >= F), K = MmaKPad(H).
 //   down of expert e: N = MmaDownRows(H) rows (zero rows beyond H), K = MmaFfnPad(F).
 // Activations go through the GEMMs as BF16 rows of MmaKPad(H) values, h as BF16 rows of
-// MmaFfnPad(F) values; every sum is FP32.
+// MmaFfnPad(F) values, both "slice-major" (expert_ffn_mma.cl's ActChunk: blocks of kMmaBm rows,
+// each stored K slice by K slice, so that a tile's slice is one contiguous copy); every sum is
+// FP32.
 #pragma once
 
 #include <cstdint>
@@ -58,10 +60,21 @@ inline constexpr int64_t kMmaBm = 128;
 inline constexpr int64_t kMmaBn = 128;
 inline constexpr int64_t kMmaBk = 32;
 inline constexpr int kMmaThreads = 128;
-// Register cap of the tensor-core program (the kernels declare no work-group size, so the
-// compiler is told): two work-groups per multiprocessor of 64 Ki registers, at most 255.
-inline constexpr int kMmaMaxRegisters = 65536 / (2 * kMmaThreads) > 255 ? 255
-                                                                        : 65536 / (2 * kMmaThreads);
+// Register caps of the tensor-core program (the kernels declare no work-group size, so the
+// compiler is told), from the 64 Ki registers of a multiprocessor (sm_80 and sm_90 alike) and
+// the work-groups a multiprocessor is to hold. mma.sync's tile keeps about 240 registers a
+// work-item: two work-groups (at most 255). wgmma's keeps its 128 sums in 168: three work-groups,
+// whose 3 x 48 KiB of local memory Hopper holds too; the cap keeps it there, since with any more
+// registers (the compiler takes what it is not refused) a third work-group no longer fits, and
+// that alone cost up to 14% (a kernel change that took a few more registers, on an H200).
+inline constexpr int MmaRegisterCap(int work_groups) {
+  return 65536 / (work_groups * kMmaThreads) / 8 * 8 > 255
+             ? 255
+             : 65536 / (work_groups * kMmaThreads) / 8 * 8;
+}
+inline constexpr int kMmaMaxRegisters = MmaRegisterCap(2);
+inline constexpr int kMmaWgmmaMaxRegisters = MmaRegisterCap(3);
+static_assert(kMmaWgmmaMaxRegisters == 168);
 // Local-memory stages of the tensor-core kernels' K loop: 16 KiB each (a 128 x 32 slice of
 // both operands), so three fill the 48 KiB a work-group may declare.
 inline constexpr int kMmaStages = 3;
