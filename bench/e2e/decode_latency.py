@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 from host import host_description
-from shm_vs_inline import Cluster, histograms, log
+from shm_vs_inline import Cluster, histograms, log, with_bundle_libs
 
 def means(metrics_address):
     """{histogram name with its labels but `code`/`model`: [sum, count]} of every *_seconds
@@ -113,7 +113,9 @@ def main():
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = with_bundle_libs(
+        dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"),
+        args.build)
     print(f"host: {host_description()}")
     layer = inprocess(args, env, tokens)
     floor = grpc_floor(args, env)
@@ -123,7 +125,8 @@ def main():
     results = []
     for r in range(args.rounds):
         for name, build, extra in variants:
-            c = Cluster(build, env, args.workers, args.model, args.epserve_flags.split() + extra)
+            c = Cluster(build, with_bundle_libs(env, build), args.workers, args.model,
+                        args.epserve_flags.split() + extra)
             try:
                 for t in tokens:
                     before = means(c.metrics)

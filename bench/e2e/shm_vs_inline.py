@@ -31,6 +31,18 @@ import urllib.request
 from host import host_description
 
 
+def with_bundle_libs(env, build):
+    """env with a bundle's lib/ (bench/gpu/make_bundle.sh: its own gRPC and friends) first on
+    LD_LIBRARY_PATH, which mpirun passes on (-x); a build folder leaves it as it was."""
+    env = dict(env)
+    lib = os.path.join(os.path.abspath(build), "lib")
+    if os.path.isdir(lib):
+        env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"]
+                                        if env.get("LD_LIBRARY_PATH") else "")
+    env.setdefault("LD_LIBRARY_PATH", "")
+    return env
+
+
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
@@ -136,11 +148,7 @@ def main():
     env = dict(os.environ)
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                 "OMPI_MCA_rmaps_base_oversubscribe": "1"})
-    lib = os.path.join(build, "lib")
-    if os.path.isdir(lib):  # a bundle carries its own gRPC and friends
-        env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"]
-                                        if env.get("LD_LIBRARY_PATH") else "")
-    env.setdefault("LD_LIBRARY_PATH", "")
+    env = with_bundle_libs(env, build)
     env.setdefault("POCL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "epserve-pocl"))
     env.setdefault("EPSERVE_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "epserve-kc"))
     load = os.path.join(build, "client", "epserve-load")
