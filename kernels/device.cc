@@ -56,6 +56,17 @@ int NvComputeCapability(cl_device_id device, const std::string& extensions) {
   return static_cast<int>(major * 10 + minor);
 }
 
+// CL_DEVICE_REGISTERS_PER_BLOCK_NV through cl_nv_device_attribute_query, or 0.
+int NvRegistersPerBlock(cl_device_id device, const std::string& extensions) {
+  if (extensions.find("cl_nv_device_attribute_query") == std::string::npos) return 0;
+  constexpr cl_device_info kRegisters = 0x4002;  // CL_DEVICE_REGISTERS_PER_BLOCK_NV
+  cl_uint registers = 0;
+  if (clGetDeviceInfo(device, kRegisters, sizeof(registers), &registers, nullptr) != CL_SUCCESS) {
+    return 0;
+  }
+  return static_cast<int>(registers);
+}
+
 // The device's 16-byte UUID (cl_khr_device_uuid), or "" where it has none.
 std::string DeviceUuid(cl_device_id device, const std::string& extensions) {
   if (extensions.find("cl_khr_device_uuid") == std::string::npos) return "";
@@ -82,6 +93,7 @@ absl::StatusOr<DeviceInfo> ReadDeviceInfo(cl_device_id device, int p, int d,
   EPSERVE_ASSIGN_OR_RETURN(const std::string extensions,
                            DeviceString(device, CL_DEVICE_EXTENSIONS));
   info.nv_compute_capability = NvComputeCapability(device, extensions);
+  info.nv_registers_per_block = NvRegistersPerBlock(device, extensions);
   info.uuid = DeviceUuid(device, extensions);
   info.imports_opaque_fd = extensions.find("cl_khr_external_memory_opaque_fd") != std::string::npos;
   cl_uint width = 1;

@@ -65,8 +65,9 @@ absl::Status LaunchTiles(Runtime& rt, MmaForms forms, const MmaKernels& kernels,
 }
 
 // One GEMM of the tensor-core FFN in `splits` parts of K: ffn_mma_partial (ffn_dec_partial for
-// the decode form's tiles) writes each part's products of a [rows, k_pad] (BF16) and the n_rows
-// weight rows of w into FP32 partial sums, then `reduce` (ffn_reduce_gate_up: h, BF16;
+// the decode form's tiles) writes each part's products of a [rows, k_pad] (BF16, slice-major as
+// gather_rows_to_bf16 and the gate_up kernels lay it out: expert_ffn_mma.cl's ActChunk) and the
+// n_rows weight rows of w into FP32 partial sums, then `reduce` (ffn_reduce_gate_up: h, BF16;
 // ffn_reduce_down: y, FP32 columns < out_cols) adds the parts in order and finishes as the
 // unsplit kernels do.
 absl::Status LaunchSplitK(Runtime& rt, MmaForms forms, const Buffer& a, const Buffer& groups,

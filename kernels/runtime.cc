@@ -168,11 +168,11 @@ static std::string FfnBlockingOptions(const FfnBlocking& b) {
 
 // The build option of expert_ffn_mma.cl's wgmma tiles.
 constexpr char kWgmmaOption[] = " -DMMA_WGMMA=1";
-// The register cap (NVIDIA's cl_nv_compiler_options) of a tensor-core program in the form it is
-// built (detail::kMmaMaxRegisters, kMmaWgmmaMaxRegisters), in the spellings NVIDIA's compilers
-// take. The kernels declare no required work-group size, which would let the assembler ignore it.
-std::string MmaRegisterOptions(bool wgmma) {
-  const int cap = wgmma ? detail::kMmaWgmmaMaxRegisters : detail::kMmaMaxRegisters;
+// The register cap (cl_nv_compiler_options, as NVIDIA's compilers spell it) of a tensor-core
+// program in the form it is built on a device of `registers` a work-group (MmaRegisterCap).
+static std::string MmaRegisterOptions(bool wgmma, int registers) {
+  const int cap = detail::MmaRegisterCap(
+      registers, wgmma ? detail::kMmaWgmmaWorkGroups : detail::kMmaWorkGroups);
   return absl::StrCat("-cl-nv-maxrregcount=", cap, "|-cl-nv-maxrregcount ", cap);
 }
 
@@ -199,7 +199,7 @@ void Runtime::AddEmbeddedPrograms() {
     programs_->programs.push_back(
         {"expert_ffn_mma",
          embedded::kernels_cl_expert_ffn_mma,
-         MmaRegisterOptions(wgmma_),
+         MmaRegisterOptions(wgmma_, info_.nv_registers_per_block),
          absl::StrCat("-DMMA_DEC_BM=", detail::kMmaDecodeRows,
                       wide ? absl::StrCat(" -DMMA_LARGE_MIN=", mma_decode_rows_) : "",
                       wgmma_ ? kWgmmaOption : ""),
@@ -207,7 +207,8 @@ void Runtime::AddEmbeddedPrograms() {
          wgmma_});
     if (wide) {
       programs_->programs.push_back(
-          {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma, MmaRegisterOptions(false),
+          {"expert_ffn_mma", embedded::kernels_cl_expert_ffn_mma,
+           MmaRegisterOptions(false, info_.nv_registers_per_block),
            absl::StrCat("-DMMA_DEC_BM=", mma_decode_rows_,
                         " -DMMA_DEC_MIN=", detail::kMmaDecodeRows, " -DMMA_DEC_WIDE=1")});
     }
@@ -551,7 +552,7 @@ absl::StatusOr<cl_kernel> Runtime::Kernel(std::string_view name) {
           absl::StrCat("the tensor-core FFN keeps mma.sync: ", program.status().message()));
       p.sm90a = wgmma_ = false;
       p.variant_options = absl::StrReplaceAll(p.variant_options, {{kWgmmaOption, ""}});
-      p.extra_options = MmaRegisterOptions(/*wgmma=*/false);
+      p.extra_options = MmaRegisterOptions(/*wgmma=*/false, info_.nv_registers_per_block);
       program = BuildProgram(p.name, p.source, p.extra_options, p.variant_options);
     }
     if (!program.ok()) return program.status();

@@ -37,6 +37,9 @@ struct DeviceInfo {
   // NVIDIA's compute capability as major * 10 + minor (cl_nv_device_attribute_query), e.g. 90
   // for Hopper; 0 on other devices.
   int nv_compute_capability = 0;
+  // The registers a work-group may hold (CL_DEVICE_REGISTERS_PER_BLOCK_NV, a multiprocessor's
+  // 64 Ki on every NVIDIA device of compute capability 8.0 to 9.0); 0 on other devices.
+  int nv_registers_per_block = 0;
   // CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT (PoCL: 8 on AVX2 hosts, 16 on AVX-512 ones) and
   // CL_DEVICE_MAX_COMPUTE_UNITS; the FFN blocking's candidates follow from them.
   int native_float_width = 1;

@@ -61,20 +61,24 @@ inline constexpr int64_t kMmaBn = 128;
 inline constexpr int64_t kMmaBk = 32;
 inline constexpr int kMmaThreads = 128;
 // Register caps of the tensor-core program (the kernels declare no work-group size, so the
-// compiler is told), from the 64 Ki registers of a multiprocessor (sm_80 and sm_90 alike) and
-// the work-groups a multiprocessor is to hold. mma.sync's tile keeps about 240 registers a
-// work-item: two work-groups (at most 255). wgmma's keeps its 128 sums in 168: three work-groups,
-// whose 3 x 48 KiB of local memory Hopper holds too; the cap keeps it there, since with any more
-// registers (the compiler takes what it is not refused) a third work-group no longer fits, and
-// that alone cost up to 14% (a kernel change that took a few more registers, on an H200).
-inline constexpr int MmaRegisterCap(int work_groups) {
-  return 65536 / (work_groups * kMmaThreads) / 8 * 8 > 255
-             ? 255
-             : 65536 / (work_groups * kMmaThreads) / 8 * 8;
+// compiler is told): a multiprocessor's registers (the device's CL_DEVICE_REGISTERS_PER_BLOCK_NV;
+// kMmaDefaultRegisters where it says none, 0) shared by the work-groups it is to hold, in
+// multiples of 8, at most 255. mma.sync's tile keeps about 240 registers a work-item: two
+// work-groups. wgmma's keeps its 128 sums in 168: three work-groups, whose 3 x 48 KiB of local
+// memory Hopper holds too; the cap keeps it there, since with any more registers (the compiler
+// takes what it is not refused) a third work-group no longer fits, and that alone cost up to
+// 14% (a kernel change that took a few more registers, on an H200).
+inline constexpr int kMmaDefaultRegisters = 65536;
+inline constexpr int kMmaWorkGroups = 2;       // mma.sync's a multiprocessor
+inline constexpr int kMmaWgmmaWorkGroups = 3;  // wgmma's
+inline constexpr int MmaRegisterCap(int registers, int work_groups) {
+  const int share =
+      (registers > 0 ? registers : kMmaDefaultRegisters) / (work_groups * kMmaThreads) / 8 * 8;
+  return share > 255 ? 255 : share;
 }
-inline constexpr int kMmaMaxRegisters = MmaRegisterCap(2);
-inline constexpr int kMmaWgmmaMaxRegisters = MmaRegisterCap(3);
-static_assert(kMmaWgmmaMaxRegisters == 168);
+static_assert(MmaRegisterCap(kMmaDefaultRegisters, kMmaWgmmaWorkGroups) == 168);
+static_assert(MmaRegisterCap(kMmaDefaultRegisters, kMmaWorkGroups) == 255);
+static_assert(MmaRegisterCap(0, kMmaWgmmaWorkGroups) == 168);  // a device that says none
 // Local-memory stages of the tensor-core kernels' K loop: 16 KiB each (a 128 x 32 slice of
 // both operands), so three fill the 48 KiB a work-group may declare.
 inline constexpr int kMmaStages = 3;

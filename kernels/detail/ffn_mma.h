@@ -20,7 +20,8 @@ absl::Status CheckRowFormat(const ExpertWeights& w, RowFormat& x_format);
 // Launches `kernel_name` (gather_rows_to_bf16, or a kernel of its arguments) over `global`
 // (1-D: a work-item per row; 2-D: per 8 values of a row, rows in dimension 1): the rows of x
 // (hidden values, FP32 or BF16 as x_format says, read through row_index when `gather`) into y
-// as zero-padded BF16 rows of x_values values, for rows < `rows`.
+// as zero-padded BF16 rows of x_values values, for rows < `rows` (gather_rows_to_bf16: in the
+// tensor-core kernels' slice-major layout, expert_ffn_mma.cl's ActChunk).
 absl::Status GatherBf16Activations(Runtime& rt, const char* kernel_name, int64_t hidden,
                                    const Buffer& x, RowFormat x_format, const Buffer& row_index,
                                    bool gather, int64_t rows, int64_t x_values,

@@ -44,6 +44,29 @@ absl::StatusOr<std::string> PtxForSm90a(std::string_view ptx, int* marks) {
       "the PTX targets no `.target sm_90` (wgmma runs only on sm_90a)");
 }
 
+std::vector<std::pair<std::string, int64_t>> SpilledFunctions(std::string_view log) {
+  constexpr std::string_view kFunction = "Function properties for ";
+  constexpr std::string_view kSpill = " bytes spill stores";
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (size_t at = log.find(kFunction); at != std::string_view::npos;) {
+    const size_t name_at = at + kFunction.size();
+    const size_t name_end = log.find_first_of(" \t\r\n", name_at);
+    const std::string_view name = log.substr(name_at, name_end - name_at);
+    const size_t next = log.find(kFunction, name_at);
+    // This function's spill count lies before the next function's properties.
+    const size_t spill = log.substr(0, next).find(kSpill, name_at);
+    if (spill != std::string_view::npos) {
+      size_t digits = spill;
+      while (digits > 0 && log[digits - 1] >= '0' && log[digits - 1] <= '9') --digits;
+      int64_t bytes = 0;
+      for (size_t i = digits; i < spill; ++i) bytes = bytes * 10 + (log[i] - '0');
+      if (bytes > 0) out.emplace_back(std::string(name), bytes);
+    }
+    at = next;
+  }
+  return out;
+}
+
 absl::StatusOr<cl_program> RebuildForSm90a(cl_context context, cl_device_id device,
                                            cl_program program, std::string_view name,
                                            const std::string& options) {
@@ -78,6 +101,13 @@ absl::StatusOr<cl_program> RebuildForSm90a(cl_context context, cl_device_id devi
   }
   if (log.find("serializ") != std::string::npos) {
     common::LogWarning(absl::StrCat(what, ": the assembler serializes its wgmma products: ", log));
+  } else if (const auto spilled = SpilledFunctions(log); !spilled.empty()) {
+    std::string which;
+    for (const auto& [function, stored] : spilled) {
+      absl::StrAppend(&which, which.empty() ? "" : ", ", function, " (", stored, " bytes)");
+    }
+    common::LogWarning(absl::StrCat(what, ": the assembler spilled registers to memory in ", which,
+                                    ": the register cap is too low for them"));
   } else {
     common::Log(common::LogLevel::kDebug, absl::StrCat(what, ": ", log));
   }

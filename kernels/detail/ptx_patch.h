@@ -6,8 +6,11 @@
 // sm_90a with those instructions live, which clCreateProgramWithBinary then builds.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/detail/device.h"
@@ -23,9 +26,17 @@ inline constexpr std::string_view kPtxSm90aMark = "// @W@ ";
 // given) is set to the number of marks removed.
 absl::StatusOr<std::string> PtxForSm90a(std::string_view ptx, int* marks = nullptr);
 
+// The functions whose registers the assembler spilled to memory, by its verbose report (NVIDIA's
+// `-cl-nv-verbose`, ptxas's "Function properties for NAME" then "N bytes spill stores"): each
+// name with the bytes it stores. A spill in the tensor-core tiles means a register cap too low
+// for them (MmaRegisterCap); a cap too high costs a work-group a multiprocessor instead, which
+// no report says (docs/ARCHITECTURE.md).
+std::vector<std::pair<std::string, int64_t>> SpilledFunctions(std::string_view log);
+
 // `program` (built from source for `device`; released here whatever happens) rebuilt from its
 // PTX made sm_90a's (PtxForSm90a), with `options`. The assembler's report goes to the debug
-// log, or to a warning where it says the wgmma products had to be serialized (slow but right).
+// log, or to a warning where it says the wgmma products had to be serialized or registers were
+// spilled (slow but right).
 // The error of a driver that does not build it carries the build log.
 absl::StatusOr<cl_program> RebuildForSm90a(cl_context context, cl_device_id device,
                                            cl_program program, std::string_view name,

@@ -2,7 +2,10 @@
 // become live, and the target becomes sm_90a; PTX it cannot patch is refused, not passed on.
 #include "kernels/detail/ptx_patch.h"
 
+#include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -31,6 +34,27 @@ TEST(PtxForSm90a, UncommentsTheMarkedInstructionsAndRetargets) {
   // Everything else is untouched.
   EXPECT_NE(out->find("\tcp.async.wait_group 1;\n"), std::string::npos);
   EXPECT_EQ(out->size(), kPtx.size() - 2 * kPtxSm90aMark.size() + 1);
+}
+
+// The assembler's verbose report: each function's spilled bytes, only those that spilled.
+TEST(SpilledFunctions, NamesTheFunctionsThatSpilledWithTheirBytes) {
+  const std::string log =
+      "ptxas info    : 0 bytes gmem\n"
+      "ptxas info    : Compiling entry function 'ffn_mma_gate_up' for 'sm_90a'\n"
+      "ptxas info    : Function properties for ffn_mma_gate_up\n"
+      "    0 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads\n"
+      "ptxas info    : Used 168 registers, used 1 barriers, 49152 bytes smem\n"
+      "ptxas info    : Function properties for ffn_mma_down\n"
+      "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+      "ptxas info    : Used 168 registers, used 1 barriers, 49152 bytes smem\n"
+      "ptxas info    : Function properties for ffn_mma_partial\n"
+      "    8 bytes stack frame, 1032 bytes spill stores, 1032 bytes spill loads\n";
+  const std::vector<std::pair<std::string, int64_t>> want = {{"ffn_mma_gate_up", 24},
+                                                             {"ffn_mma_partial", 1032}};
+  EXPECT_EQ(SpilledFunctions(log), want);
+  EXPECT_TRUE(SpilledFunctions("ptxas info    : Used 40 registers\n").empty());
+  // A report cut off after a function's name names nothing.
+  EXPECT_TRUE(SpilledFunctions("ptxas info    : Function properties for k").empty());
 }
 
 TEST(PtxForSm90a, RefusesPtxWithoutMarks) {
