@@ -141,10 +141,32 @@ def torch_matmul_tflops(h, f, experts, rows):
     return ms, experts * rows * 6.0 * h * f / (ms / 1e3) / 1e12
 
 
+def assembler_report(text):
+    """{kernel: {"registers": R, "spilled": bytes}} from the assembler's verbose report, which the
+    runtime logs (at debug level) where it builds the sm_90a program: ptxas's "Function
+    properties for K", then "N bytes spill stores" and "Used R registers"."""
+    out, name = {}, None
+    for m in re.finditer(r"Function properties for (\w+)|(\d+) bytes spill stores|"
+                         r"Used (\d+) registers", text):
+        if m.group(1):
+            name = m.group(1)
+            out.setdefault(name, {"registers": None, "spilled": 0})
+        elif name and m.group(2):
+            out[name]["spilled"] = int(m.group(2))
+        elif name and m.group(3):
+            out[name]["registers"] = int(m.group(3))
+    return out
+
+
 def ffn_part(build, env, rows, shapes):
+    # A kernel cache of its own, so that the programs are built here and the assembler's report
+    # of the wgmma kernels is logged: past 170 registers three work-groups no longer fit a
+    # multiprocessor, which cost 4-14% once (docs/ARCHITECTURE.md) and no timing names.
+    cache = tempfile.mkdtemp(prefix="epserve-ffn-kcache-")
     out = run([os.path.join(build, "bench", "gpu", "bench_ffn_gpu"), "--device=gpu",
-               f"--shapes={','.join(shapes)}", f"--rows={','.join(map(str, rows))}"], env,
-              timeout=1800)
+               f"--shapes={','.join(shapes)}", f"--rows={','.join(map(str, rows))}"],
+              dict(env, EPSERVE_LOG_LEVEL="debug", EPSERVE_KERNEL_CACHE=cache), timeout=1800)
+    shutil.rmtree(cache, ignore_errors=True)
     for line in out.stderr.splitlines():
         if line.startswith("program cache"):
             log("  " + line)
@@ -157,6 +179,10 @@ def ffn_part(build, env, rows, shapes):
             r["ratio"] = r["tflops"] / tflops
             log(f"  {r['shape']} rows {r['rows_per_expert']}: {r['tflops']:.1f} TFLOP/s vs "
                 f"torch.matmul {tflops:.1f} ({r['ratio']:.2f}x)")
+    report = {k: v for k, v in assembler_report(out.stderr).items() if k.startswith("ffn_mma_")}
+    if report:
+        log(f"  the sm_90a build's 128-row kernels: {report}")
+        rows_out.append({"assembler": report})
     return rows_out
 
 
@@ -553,6 +579,12 @@ def markdown(res):
                 + (f"{r['torch_tflops']:.1f} | {r['ratio']:.2f}× | " if "ratio" in r else "– | – | ")
                 + (f"{a['route_ms']:.3f} ({a['tokens']} tok) | {a['combine_ms']:.3f} |" if a
                    else "– | – |"))
+        report = next((r["assembler"] for r in res["ffn"] if "assembler" in r), None)
+        if report:
+            lines += ["", "The 128-row wgmma kernels as the assembler reports them (three "
+                      "work-groups a multiprocessor need at most 170 registers): " + ", ".join(
+                          f"{k} {v['registers']} registers, {v['spilled']} bytes spilled"
+                          for k, v in sorted(report.items())) + "."]
     else:
         lines += ["", "Expert FFN against torch.matmul: not run (not asked for)."]
     if "layer" in asked:
