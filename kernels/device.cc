@@ -42,30 +42,17 @@ absl::StatusOr<std::string> DeviceString(cl_device_id device, cl_device_info wha
   return s;
 }
 
-// major * 10 + minor through cl_nv_device_attribute_query, or 0 where the device lacks it.
-int NvComputeCapability(cl_device_id device, const std::string& extensions) {
+// A cl_uint attribute of cl_nv_device_attribute_query, or 0 where the device lacks it.
+int NvAttribute(cl_device_id device, const std::string& extensions, cl_device_info what) {
   if (extensions.find("cl_nv_device_attribute_query") == std::string::npos) return 0;
-  constexpr cl_device_info kMajor = 0x4000;  // CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV
-  constexpr cl_device_info kMinor = 0x4001;  // CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV
-  cl_uint major = 0;
-  cl_uint minor = 0;
-  if (clGetDeviceInfo(device, kMajor, sizeof(major), &major, nullptr) != CL_SUCCESS ||
-      clGetDeviceInfo(device, kMinor, sizeof(minor), &minor, nullptr) != CL_SUCCESS) {
-    return 0;
-  }
-  return static_cast<int>(major * 10 + minor);
+  cl_uint value = 0;
+  if (clGetDeviceInfo(device, what, sizeof(value), &value, nullptr) != CL_SUCCESS) return 0;
+  return static_cast<int>(value);
 }
-
-// CL_DEVICE_REGISTERS_PER_BLOCK_NV through cl_nv_device_attribute_query, or 0.
-int NvRegistersPerBlock(cl_device_id device, const std::string& extensions) {
-  if (extensions.find("cl_nv_device_attribute_query") == std::string::npos) return 0;
-  constexpr cl_device_info kRegisters = 0x4002;  // CL_DEVICE_REGISTERS_PER_BLOCK_NV
-  cl_uint registers = 0;
-  if (clGetDeviceInfo(device, kRegisters, sizeof(registers), &registers, nullptr) != CL_SUCCESS) {
-    return 0;
-  }
-  return static_cast<int>(registers);
-}
+// NVIDIA's attributes (cl_ext.h's *_NV).
+constexpr cl_device_info kNvComputeCapabilityMajor = 0x4000;
+constexpr cl_device_info kNvComputeCapabilityMinor = 0x4001;
+constexpr cl_device_info kNvRegistersPerBlock = 0x4002;
 
 // The device's 16-byte UUID (cl_khr_device_uuid), or "" where it has none.
 std::string DeviceUuid(cl_device_id device, const std::string& extensions) {
@@ -92,8 +79,11 @@ absl::StatusOr<DeviceInfo> ReadDeviceInfo(cl_device_id device, int p, int d,
   info.is_cpu = (type & CL_DEVICE_TYPE_CPU) != 0;
   EPSERVE_ASSIGN_OR_RETURN(const std::string extensions,
                            DeviceString(device, CL_DEVICE_EXTENSIONS));
-  info.nv_compute_capability = NvComputeCapability(device, extensions);
-  info.nv_registers_per_block = NvRegistersPerBlock(device, extensions);
+  // major * 10 + minor, 0 where the device does not say.
+  const int nv_major = NvAttribute(device, extensions, kNvComputeCapabilityMajor);
+  info.nv_compute_capability =
+      nv_major > 0 ? nv_major * 10 + NvAttribute(device, extensions, kNvComputeCapabilityMinor) : 0;
+  info.nv_registers_per_block = NvAttribute(device, extensions, kNvRegistersPerBlock);
   info.uuid = DeviceUuid(device, extensions);
   info.imports_opaque_fd = extensions.find("cl_khr_external_memory_opaque_fd") != std::string::npos;
   cl_uint width = 1;

@@ -113,9 +113,8 @@ def main():
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    env = with_bundle_libs(
-        dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"),
-        args.build)
+    base_env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = with_bundle_libs(base_env, args.build)
     print(f"host: {host_description()}")
     layer = inprocess(args, env, tokens)
     floor = grpc_floor(args, env)
@@ -125,7 +124,7 @@ def main():
     results = []
     for r in range(args.rounds):
         for name, build, extra in variants:
-            c = Cluster(build, with_bundle_libs(env, build), args.workers, args.model,
+            c = Cluster(build, with_bundle_libs(base_env, build), args.workers, args.model,
                         args.epserve_flags.split() + extra)
             try:
                 for t in tokens:

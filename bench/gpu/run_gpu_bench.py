@@ -162,11 +162,10 @@ def ffn_part(build, env, rows, shapes):
     # A kernel cache of its own, so that the programs are built here and the assembler's report
     # of the wgmma kernels is logged: past 170 registers three work-groups no longer fit a
     # multiprocessor, which cost 4-14% once (docs/ARCHITECTURE.md) and no timing names.
-    cache = tempfile.mkdtemp(prefix="epserve-ffn-kcache-")
-    out = run([os.path.join(build, "bench", "gpu", "bench_ffn_gpu"), "--device=gpu",
-               f"--shapes={','.join(shapes)}", f"--rows={','.join(map(str, rows))}"],
-              dict(env, EPSERVE_LOG_LEVEL="debug", EPSERVE_KERNEL_CACHE=cache), timeout=1800)
-    shutil.rmtree(cache, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="epserve-ffn-kcache-") as cache:
+        out = run([os.path.join(build, "bench", "gpu", "bench_ffn_gpu"), "--device=gpu",
+                   f"--shapes={','.join(shapes)}", f"--rows={','.join(map(str, rows))}"],
+                  dict(env, EPSERVE_LOG_LEVEL="debug", EPSERVE_KERNEL_CACHE=cache), timeout=1800)
     for line in out.stderr.splitlines():
         if line.startswith("program cache"):
             log("  " + line)
@@ -267,6 +266,7 @@ def grouped_mm_baselines(shapes, tokens):
 def layer_rows(build, env, shapes, tokens, stages=False, hf_block=True):
     base = grouped_mm_baselines(shapes, tokens)
     results = []
+    weight_bytes = torch_baselines_module().weight_bytes
     for shape in shapes:
         runs, checks = inprocess_runs(build, env, shape, tokens, stages)
         for t in tokens:
@@ -282,7 +282,6 @@ def layer_rows(build, env, shapes, tokens, stages=False, hf_block=True):
             # torch's batch's where the build does not print the count.
             touched = dev.get("experts_touched", -1)
             r["experts_touched"] = touched
-            weight_bytes = torch_baselines_module().weight_bytes
             r["bound_ms"] = (weight_bytes(shape, touched) / (g["read_GBps"] * 1e9) * 1e3
                              if touched >= 0 else g["bound_ms"])
             r["over_grouped_mm"] = g["graph_ms"] / r["resident_ms"]
