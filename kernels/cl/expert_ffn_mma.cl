@@ -61,6 +61,9 @@
 #define A_LOADS (STAGE_A / MMA_THREADS)
 #define B_LOADS (STAGE_B / MMA_THREADS)
 #define ROW_STEP (MMA_THREADS / CPR)
+#if ROW_STEP % 8 != 0
+#error "A's rows of one work-item must lie a multiple of 8 apart (StageCopies)"
+#endif
 // Stages start on 1024-byte boundaries (the wgmma descriptors' swizzle is of address bits).
 #define STAGE_ALIGN __attribute__((aligned(1024)))
 // The same order as detail::MmaSwizzle, which lays out the weight tiles.
@@ -144,25 +147,36 @@ inline __attribute__((always_inline)) void LoadMatrix4(const __local uint4* row,
 }
 
 // This work-item's share of one stage: A_LOADS chunks of A and B_LOADS of the weights, each
-// a 16-byte chunk of one row, and where each lands in a stage.
+// a 16-byte chunk of one row, and where each lands in a stage; and the rows of the tile's
+// group (at most MMA_BM). Chunk l lands MMA_THREADS chunks after chunk l - 1 in both (A's rows
+// are ROW_STEP apart, a multiple of 8, which leaves Swz's XOR as it is), and the weights' chunk l
+// is MMA_THREADS chunks after chunk l - 1 in w too: one pointer and two offsets, not one each, so
+// that the wgmma tile stays within its registers.
 typedef struct {
   const __global uint4* a[A_LOADS];
-  const __global uint4* w[B_LOADS];
-  int a_step[A_LOADS];  // chunks from one K slice of the row to the next (ActSliceStride)
-  int a_dst[A_LOADS];
-  int w_dst[B_LOADS];
+  const __global uint4* w;  // the first weight chunk
+  int a_step[A_LOADS];      // chunks from one K slice of the row to the next (ActSliceStride)
+  int a_dst;                // where A's first chunk lands
+  int w_dst;                // and the weights'
+  int rows;
 } StageCopies;
 
-// Copies K slice `step` (MMA_BK values) of this work-item's rows into local-memory stage `st`.
+// Copies K slice `step` (MMA_BK values) of this work-item's rows into local-memory stage `st`:
+// the first a_loads of its A chunks (a constant: the rows below a_loads * ROW_STEP) and all
+// its weight chunks.
 inline __attribute__((always_inline)) void LoadStage(const StageCopies* c, int step, int st,
-                                                     __local uint4* lds_a, __local uint4* lds_b) {
+                                                     __local uint4* lds_a, __local uint4* lds_b,
+                                                     const int a_loads) {
 #pragma unroll
   for (int l = 0; l < A_LOADS; ++l) {
-    CopyTile16(lds_a + st * STAGE_A + c->a_dst[l], c->a[l] + step * c->a_step[l]);
+    if (l < a_loads) {
+      CopyTile16(lds_a + st * STAGE_A + c->a_dst + l * MMA_THREADS, c->a[l] + step * c->a_step[l]);
+    }
   }
 #pragma unroll
   for (int l = 0; l < B_LOADS; ++l) {
-    CopyTile16(lds_b + st * STAGE_B + c->w_dst[l], c->w[l] + step * STAGE_B);
+    CopyTile16(lds_b + st * STAGE_B + c->w_dst + l * MMA_THREADS,
+               c->w + step * STAGE_B + l * MMA_THREADS);
   }
 }
 
@@ -244,17 +258,20 @@ inline __attribute__((always_inline)) void WgMma(float* d, ulong desc_a, ulong d
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// acc[(i * ACC_NJ + j) * 4 + r] += A[128 rows] . W[128 rows]^T over k < 8 * ld, through
+// acc[(i * ACC_NJ + j) * 4 + r] += A[64 * m64s rows] . W[128 rows]^T over k < 8 * ld, through
 // MMA_STAGES local-memory stages filled by cp.async MMA_STAGES - 1 slices ahead. A stage is
 // refilled only after every warp has waited for the products that read it (wait_group 1
-// leaves the newest slice's products running beside the next copies).
-inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, int ld,
-                                                   __local uint4* restrict lds_a,
-                                                   __local uint4* restrict lds_b, float* acc) {
+// leaves the newest slice's products running beside the next copies). m64s is a constant
+// where it is called: a branch among the wgmma instructions makes the assembler wait for each
+// product before the next.
+inline __attribute__((always_inline)) void MmaTileRows(const StageCopies* copies, int ld,
+                                                       __local uint4* restrict lds_a,
+                                                       __local uint4* restrict lds_b, float* acc,
+                                                       const int m64s) {
   const int steps = ld / CPR;
 #pragma unroll
   for (int s = 0; s < MMA_STAGES - 1; ++s) {
-    if (s < steps) LoadStage(copies, s, s, lds_a, lds_b);
+    if (s < steps) LoadStage(copies, s, s, lds_a, lds_b, m64s * A_LOADS / ACC_MI);
     CopyAsyncCommit();
   }
   int read = 0;                // stage being multiplied
@@ -273,14 +290,19 @@ inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, in
       // k16 slice kk starts 32 bytes further into each 64-byte row (start address in 16 bytes).
 #pragma unroll
       for (int i = 0; i < ACC_MI; ++i) {
-        WgMma(acc + i * ACC_NJ * 4, da + (ulong)(i * 64 * 64 / 16 + kk * 2), db + (ulong)(kk * 2));
+        if (i < m64s) {
+          WgMma(acc + i * ACC_NJ * 4, da + (ulong)(i * 64 * 64 / 16 + kk * 2),
+                db + (ulong)(kk * 2));
+        }
       }
     }
     __asm__ __volatile__(WGMMA_MARK "wgmma.commit_group.sync.aligned;" ::: "memory");
     __asm__ __volatile__(WGMMA_MARK "wgmma.wait_group.sync.aligned 1;" ::: "memory");
     // Every warp's products of slice s - 1 are done: its stage (`write`) takes new copies.
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (s + MMA_STAGES - 1 < steps) LoadStage(copies, s + MMA_STAGES - 1, write, lds_a, lds_b);
+    if (s + MMA_STAGES - 1 < steps) {
+      LoadStage(copies, s + MMA_STAGES - 1, write, lds_a, lds_b, m64s * A_LOADS / ACC_MI);
+    }
     CopyAsyncCommit();
     write = write + 1 == MMA_STAGES ? 0 : write + 1;
     read = read + 1 == MMA_STAGES ? 0 : read + 1;
@@ -290,6 +312,18 @@ inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, in
 #pragma unroll
   for (int i = 0; i < ACC_MI * ACC_NJ * 4; ++i) __asm__ __volatile__("" : "+f"(acc[i])::"memory");
   __asm__ __volatile__("cp.async.wait_all;" ::: "memory");
+}
+// A tile of at most 64 rows (an expert's short last tile) copies and multiplies its first half
+// only: each output row depends on its own row of A alone, and rows past the group's end are
+// not stored.
+inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, int ld,
+                                                   __local uint4* restrict lds_a,
+                                                   __local uint4* restrict lds_b, float* acc) {
+  if (copies->rows > 64) {
+    MmaTileRows(copies, ld, lds_a, lds_b, acc, ACC_MI);
+  } else {
+    MmaTileRows(copies, ld, lds_a, lds_b, acc, 1);
+  }
 }
 #else  // MMA_WGMMA
 #define ACC_MI 4
@@ -312,7 +346,7 @@ inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, in
 
 #pragma unroll
   for (int s = 0; s < MMA_STAGES - 1; ++s) {
-    if (s < steps) LoadStage(copies, s, s, lds_a, lds_b);
+    if (s < steps) LoadStage(copies, s, s, lds_a, lds_b, A_LOADS);
     CopyAsyncCommit();
   }
   CopyAsyncWaitAllButNewest();
@@ -327,7 +361,9 @@ inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, in
     for (int kk = 0; kk < MMA_BK / 16; ++kk) {
       if (kk == 0) {
         // Every warp finished reading `write` (slice s - 1) before the last barrier.
-        if (s + MMA_STAGES - 1 < steps) LoadStage(copies, s + MMA_STAGES - 1, write, lds_a, lds_b);
+        if (s + MMA_STAGES - 1 < steps) {
+          LoadStage(copies, s + MMA_STAGES - 1, write, lds_a, lds_b, A_LOADS);
+        }
         CopyAsyncCommit();
         write = write + 1 == MMA_STAGES ? 0 : write + 1;
       }
@@ -389,13 +425,11 @@ inline __attribute__((always_inline)) StageCopies TileCopies(const __global uint
     const int p = min(p0 + r, end - 1);
     c.a[l] = a + ActChunk(p, tid % CPR, ld, rows);
     c.a_step[l] = ActSliceStride(p, rows);
-    c.a_dst[l] = Swz(r, tid % CPR);
   }
-#pragma unroll
-  for (int l = 0; l < B_LOADS; ++l) {
-    c.w[l] = w + tid + l * MMA_THREADS;
-    c.w_dst[l] = tid + l * MMA_THREADS;
-  }
+  c.a_dst = Swz(tid / CPR, tid % CPR);
+  c.w = w + tid;
+  c.w_dst = tid;
+  c.rows = end - p0;
   return c;
 }
 
@@ -615,8 +649,7 @@ __kernel void ffn_mma_partial(__global const ushort* restrict a,
                  k_pad / 8);
 #pragma unroll
   for (int l = 0; l < A_LOADS; ++l) copies.a[l] += ks0 * copies.a_step[l];
-#pragma unroll
-  for (int l = 0; l < B_LOADS; ++l) copies.w[l] += ks0 * STAGE_B;
+  copies.w += ks0 * STAGE_B;
   float acc[ACC_MI * ACC_NJ * 4];
 #pragma unroll
   for (int i = 0; i < ACC_MI * ACC_NJ * 4; ++i) acc[i] = 0.0f;

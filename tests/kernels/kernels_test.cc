@@ -755,6 +755,36 @@ TEST_F(ExpertFfnTest, TensorCoreShortTilesWithTheFullOnes) {
   CheckTensorCoreTiles(rt.get(), types);
 }
 
+// Experts whose last tile holds each class of rows the 128-row kernels treat apart: up to 32
+// (one copy a work-item of A), up to 64 (half the tile multiplied on wgmma), up to 96 and
+// more, alone or after full tiles, with the short tiles in their own forms and after the full
+// ones. The rows beyond a tile's group are never copied: a wrong row would show here.
+TEST_F(ExpertFfnTest, TensorCoreShortTilesOfEveryRowClass) {
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+  ASSERT_TRUE(cfg.ok());
+  cfg->layer.hidden_size = 200;
+  cfg->layer.expert_ffn_size = 136;
+  cfg->layer.num_experts = 7;
+  const model::SyntheticWeights source(*cfg, seed_);
+  // Pairs per expert: 33, 64, 70, 128 + 17, 256 + 50, 128 + 100, 20.
+  const int64_t offsets[] = {0, 33, 97, 167, 312, 618, 846, 866};
+  const FfnTypes types = {ElementType::kBf16, ElementType::kFp32, 3};
+  for (const bool with_full : {false, true}) {
+    for (const auto wgmma : {RuntimeOptions::Wgmma::kAuto, RuntimeOptions::Wgmma::kOff}) {
+      SCOPED_TRACE(absl::StrCat(with_full ? "short tiles after the full ones" : "short tiles apart",
+                                wgmma == RuntimeOptions::Wgmma::kOff ? ", no wgmma" : ""));
+      RuntimeOptions options = TestRuntimeOptions();
+      options.short_tiles_with_full = with_full;
+      options.wgmma = wgmma;
+      std::unique_ptr<Runtime> rt = CreateTestRuntime(options, false);
+      ASSERT_NE(rt, nullptr);
+      rt_ = rt.get();
+      Check(source, 0, 7, /*tokens=*/300, offsets[7], types, offsets);
+      rt_ = nullptr;
+    }
+  }
+}
+
 // Odd H and F: the pair-panel layout pads K to even (a zero weight, a zero activation), and
 // h's padding column must come out zero. Runs on every device.
 TEST_F(ExpertFfnTest, OddShapesPadThePairs) {
