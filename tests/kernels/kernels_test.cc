@@ -88,6 +88,16 @@ model::SyntheticWeights Preset(const std::string& name, uint64_t seed) {
   return model::SyntheticWeights(*cfg, seed);
 }
 
+// "tiny" with H = hidden, F = ffn and `experts` experts.
+model::SyntheticWeights TinyShaped(int64_t hidden, int64_t ffn, int experts, uint64_t seed) {
+  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
+  EXPECT_TRUE(cfg.ok()) << cfg.status();
+  cfg->layer.hidden_size = hidden;
+  cfg->layer.expert_ffn_size = ffn;
+  cfg->layer.num_experts = experts;
+  return model::SyntheticWeights(*cfg, seed);
+}
+
 std::string PresetTestName(const ::testing::TestParamInfo<std::string>& param_info) {
   std::string name = param_info.param;
   std::replace(name.begin(), name.end(), '-', '_');
@@ -636,12 +646,7 @@ class ExpertFfnTest : public Seeded {
   // token rows.
   void CheckShape(int64_t hidden, int64_t ffn, int experts, int64_t tokens,
                   std::span<const FfnTypes> types, std::initializer_list<int64_t> pairs_list) {
-    absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-    ASSERT_TRUE(cfg.ok());
-    cfg->layer.hidden_size = hidden;
-    cfg->layer.expert_ffn_size = ffn;
-    cfg->layer.num_experts = experts;
-    const model::SyntheticWeights source(*cfg, seed_);
+    const model::SyntheticWeights source = TinyShaped(hidden, ffn, experts, seed_);
     for (const FfnTypes& t : types) {
       for (int64_t pairs : pairs_list) {
         SCOPED_TRACE(absl::StrCat("pairs=", pairs, " ", Describe(t)));
@@ -760,12 +765,7 @@ TEST_F(ExpertFfnTest, TensorCoreShortTilesWithTheFullOnes) {
 // more, alone or after full tiles, with the short tiles in their own forms and after the full
 // ones. The rows beyond a tile's group are never copied: a wrong row would show here.
 TEST_F(ExpertFfnTest, TensorCoreShortTilesOfEveryRowClass) {
-  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-  ASSERT_TRUE(cfg.ok());
-  cfg->layer.hidden_size = 200;
-  cfg->layer.expert_ffn_size = 136;
-  cfg->layer.num_experts = 7;
-  const model::SyntheticWeights source(*cfg, seed_);
+  const model::SyntheticWeights source = TinyShaped(/*hidden=*/200, /*ffn=*/136, 7, seed_);
   // Pairs per expert: 33, 64, 70, 128 + 17, 256 + 50, 128 + 100, 20.
   const int64_t offsets[] = {0, 33, 97, 167, 312, 618, 846, 866};
   const FfnTypes types = {ElementType::kBf16, ElementType::kFp32, 3};
@@ -891,12 +891,7 @@ TEST_F(ExpertFfnTest, EveryFormOnEveryRowClass) {
       rt_ = nullptr;  // refused with the reason (EveryBlockingCandidate), or not these kernels
       continue;
     }
-    absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-    ASSERT_TRUE(cfg.ok());
-    cfg->layer.hidden_size = 71;
-    cfg->layer.expert_ffn_size = 37;
-    cfg->layer.num_experts = 3;
-    const model::SyntheticWeights source(*cfg, seed_);
+    const model::SyntheticWeights source = TinyShaped(/*hidden=*/71, /*ffn=*/37, 3, seed_);
     for (int c = 0; c < kFfnRowClasses; ++c) {
       const std::vector<int64_t> offsets = {0, kRows[c][0], kRows[c][0] + kRows[c][1],
                                             kRows[c][0] + kRows[c][1] + kRows[c][2]};
