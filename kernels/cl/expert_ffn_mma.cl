@@ -30,7 +30,8 @@
 // same tiles, stages and layout, the tensor cores reading both operands from local memory.
 
 // Tile sizes come from the build options (kernels/detail/ffn_layout.h). 256 work-items (warps
-// of 64 x 32) and 256 weight rows also compile; on an H200 both were slower.
+// of 64 x 32) and 256 weight rows compiled before the decode forms, which are written for 128
+// of each (and stop the build otherwise); on an H200 both were slower.
 #ifndef MMA_BM
 #define MMA_BM 128
 #define MMA_BN 128
