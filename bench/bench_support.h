@@ -8,12 +8,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/flags.h"
@@ -215,6 +219,69 @@ class IdleThreadsWait {
 
  private:
   int gave_up_ = 0;
+};
+
+// Threads kept for a benchmark's whole run, for the parallel baselines it times (a memcpy, a
+// plain read): Run(count, fn) runs fn(t) on thread t for t < count and returns when all are
+// done. Starting threads inside a timed call would count their start: on a 16-thread host,
+// 16 starts and joins are a large share of a read that takes a millisecond. The threads sleep
+// on a condition variable between runs (no spinning: IdleThreadsWait sees them idle).
+class ThreadTeam {
+ public:
+  explicit ThreadTeam(int size) {
+    for (int t = 0; t < size; ++t) threads_.emplace_back([this, t] { Serve(t); });
+  }
+  ~ThreadTeam() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (std::thread& th : threads_) th.join();
+  }
+  ThreadTeam(const ThreadTeam&) = delete;
+  ThreadTeam& operator=(const ThreadTeam&) = delete;
+
+  int size() const { return static_cast<int>(threads_.size()); }
+
+  // count: 1 to size().
+  void Run(int count, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> lock(mu_);
+    fn_ = &fn;
+    count_ = std::clamp(count, 1, size());
+    pending_ = count_;
+    ++generation_;
+    start_.notify_all();
+    done_.wait(lock, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void Serve(int t) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (t >= count_) continue;
+      const std::function<void(int)>* fn = fn_;
+      lock.unlock();
+      (*fn)(t);
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable start_;
+  std::condition_variable done_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int count_ = 0;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
 };
 
 // Median seconds of one function, timed as RoundRobinMedianSeconds times each variant.

@@ -21,7 +21,6 @@
 #include <numeric>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -54,13 +53,9 @@ constexpr int64_t kStreamingRows = 8;
 // A memcpy of kMemcpyBytes on `threads` threads, each copying its slice, for the round-robin
 // timing of the small-row cases (so that it sees the machine conditions the kernels see).
 constexpr size_t kMemcpyBytes = size_t{512} << 20;
-void ParallelMemcpy(char* dst, const char* src, int threads) {
-  std::vector<std::thread> pool;
+void ParallelMemcpy(bench::ThreadTeam& team, char* dst, const char* src, int threads) {
   const size_t slice = kMemcpyBytes / threads;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([=] { std::memcpy(dst + t * slice, src + t * slice, slice); });
-  }
-  for (std::thread& th : pool) th.join();
+  team.Run(threads, [&](int t) { std::memcpy(dst + t * slice, src + t * slice, slice); });
 }
 
 // The thread counts memcpy and the read floor are timed on: 1, 2, 4, ... and `threads`.
@@ -75,20 +70,18 @@ std::vector<int> StreamThreadCounts(int threads) {
 // independent sums, so loads are not serialised behind adds): the read-only stream floor of
 // the few-row cases, whose kernels only read their weights. The sums go to a volatile sink.
 volatile float g_read_sink = 0;
-void ParallelRead(const float* src, size_t bytes, int threads) {
-  std::vector<std::thread> pool;
+void ParallelRead(bench::ThreadTeam& team, const float* src, size_t bytes, int threads) {
   const size_t slice = bytes / sizeof(float) / threads / 8 * 8;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([=] {
-      float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      const float* p = src + t * slice;
-      for (size_t i = 0; i < slice; i += 8) {
-        for (int j = 0; j < 8; ++j) s[j] += p[i + j];
-      }
-      g_read_sink = g_read_sink + s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-    });
-  }
-  for (std::thread& th : pool) th.join();
+  std::vector<float> sums(threads, 0.0f);
+  team.Run(threads, [&](int t) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const float* p = src + t * slice;
+    for (size_t i = 0; i < slice; i += 8) {
+      for (int j = 0; j < 8; ++j) s[j] += p[i + j];
+    }
+    sums[t] = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+  });
+  for (float v : sums) g_read_sink = g_read_sink + v;
 }
 
 // The plain read of the BF16 weights' bytes: a buffer of that size in transparent huge pages
@@ -126,15 +119,15 @@ class PlainRead {
   PlainRead(const PlainRead&) = delete;
   PlainRead& operator=(const PlainRead&) = delete;
   size_t bytes() const { return bytes_; }
-  void Run(int threads) {
-    std::vector<std::thread> pool;
+  void Run(bench::ThreadTeam& team, int threads) {
     const size_t n = bytes_ / sizeof(Vec16);
     const size_t slice = n / threads / 4 * 4;
-    for (int t = 0; t < threads; ++t) {
+    std::vector<float> sums(threads, 0.0f);
+    team.Run(threads, [&](int t) {
       const size_t count = t + 1 == threads ? n - t * slice : slice;
-      pool.emplace_back([=, this] { sink_ = sink_ + SumVectors(data_ + t * slice, count); });
-    }
-    for (std::thread& th : pool) th.join();
+      sums[t] = SumVectors(data_ + t * slice, count);
+    });
+    for (float v : sums) sink_ = sink_ + v;
   }
 
  private:
@@ -310,6 +303,8 @@ int Run(int argc, char** argv) {
 
   // The kernels' threads: PoCL runs one per compute unit (POCL_MAX_PTHREAD_COUNT caps both).
   const int kernel_threads = std::max(1, r.device_info().compute_units);
+  // The baselines' threads (memcpy, the read floor, the plain read), started once.
+  bench::ThreadTeam team(std::max(threads, kernel_threads));
   PlainRead plain_read(static_cast<size_t>(weight_bytes_bf16));
   cl_ulong cache_bytes = 0;
   if (clGetDeviceInfo(r.device(), CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof(cache_bytes),
@@ -470,16 +465,16 @@ int Run(int argc, char** argv) {
       copy_src.assign(kMemcpyBytes, 1);
       copy_dst.assign(kMemcpyBytes, 0);
       for (int t : StreamThreadCounts(threads)) {
-        fns.push_back([&, t] { ParallelMemcpy(copy_dst.data(), copy_src.data(), t); });
+        fns.push_back([&, t] { ParallelMemcpy(team, copy_dst.data(), copy_src.data(), t); });
       }
       // The read floor streams as many bytes as the FP32 weights, from memory (beyond L3).
       first_read = fns.size();
       read_src.assign(static_cast<size_t>(weight_bytes_fp32 / sizeof(float)), 1e-3f);
       for (int t : StreamThreadCounts(threads)) {
         fns.push_back(
-            [&, t] { ParallelRead(read_src.data(), read_src.size() * sizeof(float), t); });
+            [&, t] { ParallelRead(team, read_src.data(), read_src.size() * sizeof(float), t); });
       }
-      fns.push_back([&] { plain_read.Run(kernel_threads); });
+      fns.push_back([&] { plain_read.Run(team, kernel_threads); });
     }
     // OpenBLAS's idle workers keep spinning on sched_yield for about 0.1 s after each call, so
     // before each timed call of epserve's kernels (and of memcpy) the benchmark waits for them
@@ -494,7 +489,7 @@ int Run(int argc, char** argv) {
     for (size_t i = first_openblas; i < first_memcpy; ++i) settle_before[i] = false;
     std::function<void(size_t)> idle = idle_threads.Before(settle_before);
     const std::vector<double> med = RoundRobinMedianSeconds(fns, [&](size_t i) {
-      if (settle_before[i]) evict.Run(kernel_threads);
+      if (settle_before[i]) evict.Run(team, kernel_threads);
       idle(i);
     });
     if (failed) return 1;

@@ -123,5 +123,45 @@ TEST(IdleThreadsWaitTest, WaitsOnlyBeforeMarkedCallsAndReportsTheWaitsThatGaveUp
   EXPECT_NE(testing::internal::GetCapturedStdout().find("WARNING: 1 waits"), std::string::npos);
 }
 
+// Each run calls fn once on each of its first `count` threads, each with its own index, and
+// returns only when all have finished; the threads are the same run to run, and asleep between
+// runs (WaitForOtherThreadsIdle sees none running).
+TEST(ThreadTeamTest, RunsEachOfItsFirstThreadsOnceAndWaitsForThem) {
+  ThreadTeam team(4);
+  EXPECT_EQ(team.size(), 4);
+  std::vector<std::thread::id> first_ids(4);
+  for (int count : {4, 1, 3, 4, 2}) {
+    SCOPED_TRACE(count);
+    std::vector<int> calls(4, 0);
+    std::vector<std::thread::id> ids(4);
+    std::atomic<int> finished{0};
+    team.Run(count, [&](int t) {
+      ++calls[t];
+      ids[t] = std::this_thread::get_id();
+      std::this_thread::sleep_for(std::chrono::milliseconds(5 * (t + 1)));
+      ++finished;
+    });
+    EXPECT_EQ(finished.load(), count);  // Run returned after the slowest
+    for (int t = 0; t < 4; ++t) {
+      EXPECT_EQ(calls[t], t < count ? 1 : 0) << "thread " << t;
+      if (t >= count) continue;
+      EXPECT_NE(ids[t], std::this_thread::get_id());
+      if (first_ids[t] == std::thread::id()) first_ids[t] = ids[t];
+      EXPECT_EQ(ids[t], first_ids[t]) << "thread " << t << " is not the one of the first runs";
+    }
+    EXPECT_TRUE(WaitForOtherThreadsIdle(30.0));
+  }
+}
+
+// A count outside 1 .. size() is clamped: no thread runs twice, none beyond the team.
+TEST(ThreadTeamTest, ClampsTheCountToTheTeam) {
+  ThreadTeam team(2);
+  std::vector<std::atomic<int>> calls(2);
+  team.Run(5, [&](int t) { ++calls[t]; });
+  team.Run(0, [&](int t) { ++calls[t]; });
+  EXPECT_EQ(calls[0].load(), 2);
+  EXPECT_EQ(calls[1].load(), 1);
+}
+
 }  // namespace
 }  // namespace epserve::bench
