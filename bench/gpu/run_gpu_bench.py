@@ -179,9 +179,18 @@ def ffn_part(build, env, rows, shapes):
             log(f"  {r['shape']} rows {r['rows_per_expert']}: {r['tflops']:.1f} TFLOP/s vs "
                 f"torch.matmul {tflops:.1f} ({r['ratio']:.2f}x)")
     report = {k: v for k, v in assembler_report(out.stderr).items() if k.startswith("ffn_mma_")}
+    # The runtime warns where the assembler spilled or serialised the wgmma products. Its full
+    # report may be missing: an H200 with driver 580.159.04 gave an empty build log for a build
+    # with nothing to warn of, so the warnings (or their absence) are reported apart.
+    lines = out.stderr.splitlines()
+    built = any("for sm_90a" in line for line in lines)
+    warnings = [line.strip() for line in lines
+                if "for sm_90a:" in line and ("spilled" in line or "serializ" in line)]
     if report:
         log(f"  the sm_90a build's 128-row kernels: {report}")
-        rows_out.append({"assembler": report})
+    if built:
+        log("  the sm_90a build's assembler warnings: " + ("; ".join(warnings) or "none"))
+        rows_out.append({"assembler": report, "assembler_warnings": warnings})
     return rows_out
 
 
@@ -578,12 +587,16 @@ def markdown(res):
                 + (f"{r['torch_tflops']:.1f} | {r['ratio']:.2f}× | " if "ratio" in r else "– | – | ")
                 + (f"{a['route_ms']:.3f} ({a['tokens']} tok) | {a['combine_ms']:.3f} |" if a
                    else "– | – |"))
-        report = next((r["assembler"] for r in res["ffn"] if "assembler" in r), None)
-        if report:
+        built = next((r for r in res["ffn"] if "assembler" in r), None)
+        if built and built["assembler"]:
             lines += ["", "The 128-row wgmma kernels as the assembler reports them (three "
                       "work-groups a multiprocessor need at most 170 registers): " + ", ".join(
                           f"{k} {v['registers']} registers, {v['spilled']} bytes spilled"
-                          for k, v in sorted(report.items())) + "."]
+                          for k, v in sorted(built["assembler"].items())) + "."]
+        if built:
+            lines += ["", "The sm_90a build's assembler warnings (spilled registers, serialised "
+                      "wgmma products): " + (
+                          "; ".join(built.get("assembler_warnings", [])) or "none") + "."]
     else:
         lines += ["", "Expert FFN against torch.matmul: not run (not asked for)."]
     if "layer" in asked:
