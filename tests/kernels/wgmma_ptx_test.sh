@@ -24,10 +24,13 @@ trap 'rm -rf "$work"' EXIT
 # OpenCL's work-item functions and the few built-ins the kernels call, as NVVM's, since clang
 # links no OpenCL library for nvptx64; every function inlined, as NVIDIA's compiler does.
 cat > "$work/prelude.h" <<'H'
-#define get_local_id(d) ((d) == 0 ? __nvvm_read_ptx_sreg_tid_x() : (d) == 1 ? __nvvm_read_ptx_sreg_tid_y() : __nvvm_read_ptx_sreg_tid_z())
-#define get_group_id(d) ((d) == 0 ? __nvvm_read_ptx_sreg_ctaid_x() : (d) == 1 ? __nvvm_read_ptx_sreg_ctaid_y() : __nvvm_read_ptx_sreg_ctaid_z())
-#define get_num_groups(d) ((d) == 0 ? __nvvm_read_ptx_sreg_nctaid_x() : (d) == 1 ? __nvvm_read_ptx_sreg_nctaid_y() : __nvvm_read_ptx_sreg_nctaid_z())
-#define get_local_size(d) ((d) == 0 ? __nvvm_read_ptx_sreg_ntid_x() : (d) == 1 ? __nvvm_read_ptx_sreg_ntid_y() : __nvvm_read_ptx_sreg_ntid_z())
+#define NV_XYZ(r, d) \
+  ((d) == 0 ? __nvvm_read_ptx_sreg_##r##_x() \
+            : (d) == 1 ? __nvvm_read_ptx_sreg_##r##_y() : __nvvm_read_ptx_sreg_##r##_z())
+#define get_local_id(d) NV_XYZ(tid, d)
+#define get_group_id(d) NV_XYZ(ctaid, d)
+#define get_num_groups(d) NV_XYZ(nctaid, d)
+#define get_local_size(d) NV_XYZ(ntid, d)
 #define get_global_id(d) (get_group_id(d) * get_local_size(d) + get_local_id(d))
 #define barrier(flags) __nvvm_bar_sync(0)
 #define exp(x) __nvvm_ex2_approx_f((x) * 1.4426950408889634f)
@@ -45,7 +48,8 @@ sed -e 's#// @W@ ##' -e 's/^\.target sm_80/.target sm_90a/' -e 's/^\.version .*/
 grep -q 'wgmma.mma_async' "$work/mma_90a.ptx" || { echo "FAIL: no wgmma in the PTX"; exit 1; }
 if ! "$ptxas" -arch=sm_90a -v -maxrregcount=168 "$work/mma_90a.ptx" -o "$work/mma.cubin" \
      > "$work/ptxas.log" 2>&1; then
-  if grep -q "sm_90a" "$work/ptxas.log" && grep -qi "not defined\|unsupported\|unknown" "$work/ptxas.log"; then
+  if grep -q "sm_90a" "$work/ptxas.log" &&
+     grep -qi "not defined\|unsupported\|unknown" "$work/ptxas.log"; then
     echo "skipped: this ptxas does not assemble sm_90a"
     exit 77
   fi
@@ -56,7 +60,9 @@ fi
 injected=$(grep -E "is injected.*'ffn_mma_(gate_up|down|partial)'" "$work/ptxas.log" || true)
 if [ -n "$injected" ]; then
   echo "$injected"
-  echo "FAIL: the assembler waits on the wgmma products in the 128-row kernels (a branch among them?)"
+  echo "FAIL: the assembler waits on the wgmma products in the 128-row kernels" \
+       "(a branch among them?)"
   exit 1
 fi
-echo "ok: $(grep -c 'wgmma.mma_async' "$work/mma_90a.ptx") wgmma instructions, none waited on by the assembler"
+echo "ok: $(grep -c 'wgmma.mma_async' "$work/mma_90a.ptx") wgmma instructions," \
+     "none waited on by the assembler"
