@@ -320,7 +320,7 @@ inline __attribute__((always_inline)) void MmaTileRows(const StageCopies* copies
 inline __attribute__((always_inline)) void MmaTile(const StageCopies* copies, int ld,
                                                    __local uint4* restrict lds_a,
                                                    __local uint4* restrict lds_b, float* acc) {
-  if (copies->rows > 64) {
+  if (copies->rows > ACC_ROW_STEP) {  // the rows of one m64 product
     MmaTileRows(copies, ld, lds_a, lds_b, acc, ACC_MI);
   } else {
     MmaTileRows(copies, ld, lds_a, lds_b, acc, 1);

@@ -19,6 +19,16 @@ if [ -z "$ptxas" ] || ! command -v clang >/dev/null ||
   echo "skipped: needs clang with the NVPTX target and ptxas (the CUDA toolkit)"
   exit 77
 fi
+# The runtime's values for the wgmma program: the decode form's rows and the register cap
+# (kernels/detail/ffn_layout.h's kMmaDecodeRows, and the cap its static_assert pins).
+layout="$src/kernels/detail/ffn_layout.h"
+dec_rows=$(sed -n 's/.*kMmaDecodeRows = \([0-9]*\);.*/\1/p' "$layout")
+cap=$(sed -n 's/.*MmaRegisterCap(kMmaDefaultRegisters, kMmaWgmmaWorkGroups) == \([0-9]*\)).*/\1/p' \
+  "$layout")
+if [ -z "$dec_rows" ] || [ -z "$cap" ]; then
+  echo "FAIL: kMmaDecodeRows or the wgmma register cap not found in $layout"
+  exit 1
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # OpenCL's work-item functions and the few built-ins the kernels call, as NVVM's, since clang
@@ -40,13 +50,14 @@ H
 sed 's/^inline /static inline __attribute__((always_inline)) /' \
   "$src/kernels/cl/expert_ffn_mma.cl" > "$work/mma.cl"
 clang -x cl -cl-std=CL1.2 -target nvptx64-nvidia-nvcl -march=sm_80 -O2 -S \
-  -Xclang -finclude-default-header -include "$work/prelude.h" -DMMA_DEC_BM=32 -DMMA_WGMMA=1 \
+  -Xclang -finclude-default-header -include "$work/prelude.h" \
+  -DMMA_DEC_BM="$dec_rows" -DMMA_WGMMA=1 \
   "$work/mma.cl" -o "$work/mma.ptx"
 # The runtime's patch: the marked instructions live, the target sm_90a.
 sed -e 's#// @W@ ##' -e 's/^\.target sm_80/.target sm_90a/' -e 's/^\.version .*/.version 8.0/' \
   "$work/mma.ptx" > "$work/mma_90a.ptx"
 grep -q 'wgmma.mma_async' "$work/mma_90a.ptx" || { echo "FAIL: no wgmma in the PTX"; exit 1; }
-if ! "$ptxas" -arch=sm_90a -v -maxrregcount=168 "$work/mma_90a.ptx" -o "$work/mma.cubin" \
+if ! "$ptxas" -arch=sm_90a -v -maxrregcount="$cap" "$work/mma_90a.ptx" -o "$work/mma.cubin" \
      > "$work/ptxas.log" 2>&1; then
   if grep -q "sm_90a" "$work/ptxas.log" &&
      grep -qi "not defined\|unsupported\|unknown" "$work/ptxas.log"; then
