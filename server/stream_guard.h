@@ -3,19 +3,24 @@
 // 12's) enforces the stream bound only once the client has acknowledged it, so a raw HTTP/2
 // client that never does can open tens of thousands of streams on one connection (each holds
 // a call, about 12 KiB, outside any quota), and it has no bound on connections. The guard
-// reads the server's connections from channelz: every interval their open streams (only when
-// the whole server has more calls open than one connection may), shutting down a connection
-// over 4x the bound in two passes in a row or 16x in one, not counting the calls the service
-// holds for it (gRPC counts a stream closed only once it is destroyed, which for a call the
-// service still holds is after it lets go: 1524 on a well-behaved connection under a bound of
-// 256 at 10x overload), then returning the freed memory to the system; and once a second
-// their number, shutting down the newest connections without calls beyond the bound. HTTP/2
-// requires a client to respect the stream bound once sent.
+// reads the server's connections from channelz: every interval their stream counters (only
+// when the whole server has more calls open than one connection may), and once a second their
+// number, shutting down the newest connections without calls beyond the bound. HTTP/2 requires
+// a client to respect the stream bound once sent.
+//
+// channelz counts a stream open until gRPC destroys it, which trails the HTTP/2 stream: for a
+// call the service holds (queued, computing, answering), until the service lets go; for one it
+// let go, or one not yet handed to it, as long as gRPC's own threads fall behind. Under 10x
+// overload on two cores a well-behaved connection (at most 256 streams from its own side)
+// showed 1488 "open" beyond what the service held. So a count alone cannot tell a flood from
+// a backlog; how many of the streams open at one pass are still open at a later one can: a
+// backlog drains, a flood holds. StreamWatch makes that call for one connection.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -25,6 +30,48 @@
 #include "absl/time/time.h"
 
 namespace epserve::server {
+
+// The verdict on one connection's streams from its channelz counters at successive passes.
+// "Unseen" streams are those open beyond the calls the service holds for the connection.
+// Over `bound` unseen streams, the connection is shut down when
+//  - of the streams open when it went over, more than `bound` beyond what the service holds
+//    now are still open `window` later (held for a second: a flood, not a backlog);
+//  - of the streams open at the previous pass, more than 4x `bound` beyond what the service
+//    holds are still open (a large flood goes at the second pass);
+//  - more than 8x `bound` are unseen at any pass, whatever their turnover (a hard ceiling:
+//    a client that churns streams to hide held ones still cannot hold more, and a flood of
+//    tens of thousands goes at the first pass that sees it).
+// Streams that complete between passes bound the old ones from below: of the streams open at
+// pass A, at least open(A) - completed(A..B) are still open at pass B.
+class StreamWatch {
+ public:
+  struct Counts {
+    absl::Time at;
+    int64_t started = 0;    // channelz streamsStarted
+    int64_t completed = 0;  // streamsSucceeded + streamsFailed
+    int64_t held = 0;       // calls the service holds for the connection
+    int64_t open() const { return started - completed; }
+    int64_t unseen() const { return open() - held; }
+  };
+  StreamWatch(int64_t bound, absl::Duration window) : bound_(bound), window_(window) {}
+
+  // One pass; true: shut the connection down.
+  bool Observe(const Counts& now);
+  // Whether the last pass found the connection over the bound.
+  bool over() const { return over_; }
+
+ private:
+  // Streams open at `then` that are still open at `now`, beyond what the service holds now.
+  static int64_t StillOpen(const Counts& then, const Counts& now) {
+    return then.open() - (now.completed - then.completed) - now.held;
+  }
+
+  const int64_t bound_;
+  const absl::Duration window_;
+  bool over_ = false;
+  Counts since_;  // the pass that started the present window (over_ only)
+  Counts last_;   // the previous pass (over_ only)
+};
 
 // Each bound is set by its flag; FrontEndOptions::streams is their home, which also gives gRPC
 // the stream bound (GRPC_ARG_MAX_CONCURRENT_STREAMS).
@@ -60,7 +107,8 @@ class StreamGuard {
   int CheckConnections();
 
  private:
-  static constexpr int kSlack = 4;
+  static constexpr int kSlack = 4;  // StreamWatch's bound: kSlack x --max-concurrent-streams
+  static constexpr int kWindowPasses = 10;  // StreamWatch's window: 1 s at the default interval
   void Run();
   // Bookkeeping for connection `id` just shut down.
   void Closed(int64_t id, const std::string& peer, int64_t open_streams, const char* reason);
@@ -69,9 +117,9 @@ class StreamGuard {
   const Callbacks callbacks_;
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;         // guarded by mu_
-  std::set<int64_t> over_;    // connections over the stream bound in the last pass
-  std::set<int64_t> closed_;  // connections already shut down
+  bool stop_ = false;                    // guarded by mu_
+  std::map<int64_t, StreamWatch> over_;  // connections over the stream bound in the last pass
+  std::set<int64_t> closed_;             // connections already shut down
   absl::Time trim_until_ = absl::InfinitePast();
   std::thread thread_;
 };
