@@ -37,7 +37,8 @@ const char kLoadUsageSummary[] =
     "tokens/s count successful requests. Closed-loop latency runs from the send, open-loop\n"
     "latency from the request's intended send time on the arrival schedule. The server's\n"
     "split (queue, compute) comes from ModelStatistics read when the measured window opens\n"
-    "and after the step. Exit status: 0 run completed (even with failed requests), 1 bad\n"
+    "(a closed loop's measured requests start once that read has answered) and after the\n"
+    "step. Exit status: 0 run completed (even with failed requests), 1 bad\n"
     "flags or --fail-on-error with failures, 2 the run cannot start.";
 
 namespace {

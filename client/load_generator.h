@@ -18,6 +18,11 @@
 //  * duration_s runs from the window's start to the later of its nominal end (duration
 //    mode) and the last measured completion; requests_per_s and tokens_per_s count
 //    successful requests over it.
+//  * With server_stats, the server's ModelStatistics are read when the window opens and
+//    after the step. A closed loop's measured requests start once the first read has
+//    answered (one round trip at the window's opening), so that the server's split covers
+//    them however late a busy host runs that read; an open loop keeps its schedule, and a
+//    late read leaves the window's first answers out of the split.
 //
 //  * With `stream`, requests travel over ModelStreamInfer streams instead of one
 //    ModelInfer call each; answers are matched to requests by id (the server answers in

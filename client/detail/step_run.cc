@@ -45,7 +45,11 @@ StepReport StepRun::Run() {
   start_ = Clock::now();
   measure_begin_ = start_ + ToClock(options_.warmup);
   measure_end_ = measure_begin_ + ToClock(options_.duration);
-  if (options_.server_stats) StartServerStatsThread();
+  if (options_.server_stats) {
+    StartServerStatsThread();
+  } else {
+    OpenWindow();
+  }
   if (options_.progress) progress_thread_ = std::thread([this] { ReportProgress(); });
   if (options_.stream) OpenStreams();
   OfferLoad();
@@ -60,7 +64,21 @@ void StepRun::StartServerStatsThread() {
     auto s = QueryStatistics(channels_.front(), options_.request.model_name, absl::Seconds(10),
                              options_.token);
     if (s.ok()) stats_before_ = *std::move(s);
+    OpenWindow();
   });
+}
+
+void StepRun::OpenWindow() {
+  {
+    std::lock_guard<std::mutex> lock(window_mu_);
+    window_open_ = true;
+  }
+  window_cv_.notify_all();
+}
+
+void StepRun::AwaitWindow() {
+  std::unique_lock<std::mutex> lock(window_mu_);
+  window_cv_.wait(lock, [this] { return window_open_; });
 }
 
 void StepRun::StartCompletionThreads() {

@@ -137,6 +137,9 @@ class StepRun {
   // Closed loop: decides whether `slot` sends again now, and if so sends it through its
   // lane or stream (whose thread, or the main thread before those start, calls this).
   void SendNextForSlot(int slot);
+  // Blocks until the window's first ModelStatistics read has answered (OpenWindow).
+  void AwaitWindow();
+  void OpenWindow();
   // Open loop: sends on the arrival schedule until the window (or the request count) is
   // exhausted. Runs on its own thread with its own sender.
   void PaceOpenLoop();
@@ -177,6 +180,11 @@ class StepRun {
   Recorder pacer_;
   // Written by stats_thread_ when the window opens; read after it has been joined.
   std::optional<inference::ModelStatistics> stats_before_;
+  // Whether stats_before_ has been read (or its read failed, or server_stats is off): the
+  // closed loop's measured sends wait for it (AwaitWindow).
+  std::mutex window_mu_;
+  std::condition_variable window_cv_;
+  bool window_open_ = false;     // guarded by window_mu_
   std::thread stats_thread_;     // reads stats_before_ (with server_stats)
   std::thread progress_thread_;  // runs ReportProgress (with a progress callback)
 };

@@ -100,6 +100,7 @@ void StepRun::SendNextForSlot(int slot) {
     if (tickets_.fetch_add(1, std::memory_order_relaxed) >= options_.num_requests) return;
     measured = true;
   }
+  if (measured) AwaitWindow();
   auto call = std::make_unique<Call>();
   call->measured = measured;
   call->slot = slot;
