@@ -71,7 +71,9 @@ class LoadAgainstCluster(unittest.TestCase, StepChecks):
             self.assertTrue(60 <= s["tokens"] <= 480, s)
             server = s["server"]
             self.assertIsNotNone(server, s)
-            self.assertGreater(server["requests"], 0)
+            # The window's first statistics read answers before a measured request is sent,
+            # so the split covers all 60 (and any warmup request still in flight then).
+            self.assertGreaterEqual(server["requests"], 60, server)
             self.assertGreater(server["compute_infer_ms"], 0)
             self.assertGreaterEqual(server["queue_ms"], 0)
             self.assertGreater(server["batches"], 0)
