@@ -71,14 +71,16 @@ void StepRun::StartServerStatsThread() {
 void StepRun::OpenWindow() {
   {
     std::lock_guard<std::mutex> lock(window_mu_);
-    window_open_ = true;
+    window_open_.store(true, std::memory_order_release);
   }
   window_cv_.notify_all();
 }
 
 void StepRun::AwaitWindow() {
+  // Every measured send asks; once the window is open the answer takes no lock.
+  if (window_open_.load(std::memory_order_acquire)) return;
   std::unique_lock<std::mutex> lock(window_mu_);
-  window_cv_.wait(lock, [this] { return window_open_; });
+  window_cv_.wait(lock, [this] { return window_open_.load(std::memory_order_relaxed); });
 }
 
 void StepRun::StartCompletionThreads() {

@@ -184,9 +184,9 @@ class StepRun {
   // closed loop's measured sends wait for it (AwaitWindow).
   std::mutex window_mu_;
   std::condition_variable window_cv_;
-  bool window_open_ = false;     // guarded by window_mu_
-  std::thread stats_thread_;     // reads stats_before_ (with server_stats)
-  std::thread progress_thread_;  // runs ReportProgress (with a progress callback)
+  std::atomic<bool> window_open_{false};  // set under window_mu_
+  std::thread stats_thread_;              // reads stats_before_ (with server_stats)
+  std::thread progress_thread_;           // runs ReportProgress (with a progress callback)
 };
 
 }  // namespace epserve::client::detail

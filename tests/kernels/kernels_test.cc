@@ -1131,11 +1131,7 @@ TEST_F(ExpertFfnTest, QwenShapeFewRows) {
 }
 
 TEST_F(ExpertFfnTest, BitIdenticalAcrossRuns) {
-  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-  ASSERT_TRUE(cfg.ok());
-  cfg->layer.hidden_size = 136;
-  cfg->layer.expert_ffn_size = 88;
-  const model::SyntheticWeights source(*cfg, seed_);
+  const model::SyntheticWeights source = TinyShaped(/*hidden=*/136, /*ffn=*/88, 8, seed_);
   const uint32_t seed = seed_;
   for (const FfnTypes types : kAllTypes) {
     SCOPED_TRACE(Describe(types));
@@ -1158,11 +1154,8 @@ TEST_F(ExpertFfnTest, Bf16DotFormsAgreeBitForBit) {
   absl::StatusOr<std::unique_ptr<Runtime>> asm_rt = Runtime::Create(options);
   ASSERT_TRUE(asm_rt.ok()) << asm_rt.status();
   ASSERT_TRUE((*asm_rt)->bf16_dot()) << "the inline-assembly form did not build";
-  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-  ASSERT_TRUE(cfg.ok());
-  cfg->layer.hidden_size = 137;  // odd K: a padded pair in both GEMMs
-  cfg->layer.expert_ffn_size = 91;
-  const model::SyntheticWeights source(*cfg, seed_);
+  // Odd K: a padded pair in both GEMMs.
+  const model::SyntheticWeights source = TinyShaped(/*hidden=*/137, /*ffn=*/91, 8, seed_);
   const uint32_t seed = seed_;
   for (const FfnTypes types : std::span(kAllTypes).subspan(1)) {
     SCOPED_TRACE(Describe(types));
@@ -1185,17 +1178,12 @@ TEST_F(ExpertFfnTest, Bf16DotFormsAgreeBitForBit) {
 // both forms run vdpbf16ps (AMX tiles sum in their own order: there, within BF16's bound).
 TEST_F(ExpertFfnTest, DotDirectRowsMatchTheStagedForm) {
   if (!Rt().bf16_dot()) GTEST_SKIP() << "the device runs no BF16 dot products";
-  absl::StatusOr<model::ModelConfig> cfg = model::SyntheticPreset("tiny");
-  ASSERT_TRUE(cfg.ok());
-  cfg->layer.hidden_size = 137;
-  cfg->layer.expert_ffn_size = 91;
-  cfg->layer.num_experts = 4;
-  const model::SyntheticWeights source(*cfg, seed_);
+  const model::SyntheticWeights source = TinyShaped(/*hidden=*/137, /*ffn=*/91, 4, seed_);
   const int64_t most = detail::kDotDirectRows;
   // Rows per expert: 1, 3, most, 5 (direct), then most + 1 in place of the last (staged).
   const std::vector<int64_t> direct = {0, 1, 4, 4 + most, 9 + most};
   const std::vector<int64_t> staged = {0, 1, 4, 4 + most, 5 + 2 * most};
-  const int64_t shared_rows = 4 + most, h = cfg->layer.hidden_size;
+  const int64_t shared_rows = 4 + most, h = source.config().layer.hidden_size;
   const uint32_t seed = seed_;
   for (const FfnTypes types : std::span(kAllTypes).subspan(1)) {
     if (types.weights != ElementType::kBf16) continue;
