@@ -9,6 +9,9 @@
 //   bench_expert_ffn [--experts=4] [--rows=1,8,32,128,512,2048] [--threads=2]
 #include <cblas.h>
 #include <sys/mman.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -136,6 +139,80 @@ class PlainRead {
   static inline volatile float sink_ = 0;
 };
 
+// The FP32 multiply-add peak of the kernels' vector width (16 lanes: AVX-512, 8: AVX2 and
+// FMA) on the kernels' threads: twelve independent chains of vfmadd each, more than the
+// latency x issue width of any x86 core so far. A kernel that multiplies m rows by each weight
+// with FP32 FMAs does 2m flops per weight, so it can consume at most peak / (2m) weights a
+// second, whatever the memory gives: the compute side of the few-row forms' bound.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define EPSERVE_FMA_CHAINS(FMA) \
+  FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7) FMA(8) FMA(9) FMA(10) FMA(11)
+__attribute__((target("avx512f"))) float FmaChains512(int64_t iterations) {
+  const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
+#define DECL(i) __m512 a##i = _mm512_set1_ps(1.0f + (i));
+#define STEP(i) a##i = _mm512_fmadd_ps(a##i, m, c);
+#define SUM(i) +a##i[0] + a##i[15]
+  EPSERVE_FMA_CHAINS(DECL)
+  for (int64_t n = 0; n < iterations; ++n) {
+    EPSERVE_FMA_CHAINS(STEP)
+  }
+  return 0.0f EPSERVE_FMA_CHAINS(SUM);
+#undef DECL
+#undef STEP
+#undef SUM
+}
+__attribute__((target("avx2,fma"))) float FmaChains256(int64_t iterations) {
+  const __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
+#define DECL(i) __m256 a##i = _mm256_set1_ps(1.0f + (i));
+#define STEP(i) a##i = _mm256_fmadd_ps(a##i, m, c);
+#define SUM(i) +a##i[0] + a##i[7]
+  EPSERVE_FMA_CHAINS(DECL)
+  for (int64_t n = 0; n < iterations; ++n) {
+    EPSERVE_FMA_CHAINS(STEP)
+  }
+  return 0.0f EPSERVE_FMA_CHAINS(SUM);
+#undef DECL
+#undef STEP
+#undef SUM
+}
+#undef EPSERVE_FMA_CHAINS
+#endif
+class FmaPeak {
+ public:
+  // lanes: the kernels' native float vector width; 0 flops when the host has no such FMAs.
+  explicit FmaPeak(int lanes) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (lanes >= 16 && __builtin_cpu_supports("avx512f")) {
+      lanes_ = 16;
+    } else if (lanes >= 8 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      lanes_ = 8;
+    }
+#else
+    (void)lanes;
+#endif
+  }
+  int lanes() const { return lanes_; }
+  // The flops of one Run on `threads` threads.
+  double flops(int threads) const { return 2.0 * kChains * lanes_ * kIterations * threads; }
+  void Run(bench::ThreadTeam& team, int threads) {
+    if (lanes_ == 0) return;
+    std::vector<float> sums(threads, 0.0f);
+    team.Run(threads, [&](int t) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      sums[t] = lanes_ == 16 ? FmaChains512(kIterations) : FmaChains256(kIterations);
+#endif
+    });
+    for (float v : sums) sink_ = sink_ + v;
+  }
+
+ private:
+  static constexpr int kChains = 12;
+  static constexpr int64_t kIterations = 1 << 18;  // about 0.5 ms at 100 GFLOP/s a core
+  int lanes_ = 0;
+  static inline volatile float sink_ = 0;
+};
+
 // One form of the FFN timed on the weights of one runtime (kernels/ffn_blocking.h).
 struct FormRun {
   Runtime* rt;
@@ -207,6 +284,7 @@ struct Result {
   double memcpy_bps = 0;      // read + write bytes/s, small row counts only
   double read_bps = 0;        // a plain read-only stream of the FP32 weights' size, likewise
   double plain_bf16_bps = 0;  // PlainRead of the BF16 weights' bytes, kernels' threads
+  double fma_flops = 0;       // FmaPeak on the kernels' threads, flops/s
   std::vector<FormRun> forms;
 };
 
@@ -306,6 +384,7 @@ int Run(int argc, char** argv) {
   // The baselines' threads (memcpy, the read floor, the plain read), started once.
   bench::ThreadTeam team(std::max(threads, kernel_threads));
   PlainRead plain_read(static_cast<size_t>(weight_bytes_bf16));
+  FmaPeak fma_peak(r.device_info().native_float_width);
   cl_ulong cache_bytes = 0;
   if (clGetDeviceInfo(r.device(), CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof(cache_bytes),
                       &cache_bytes, nullptr) != CL_SUCCESS ||
@@ -474,6 +553,7 @@ int Run(int argc, char** argv) {
         fns.push_back(
             [&, t] { ParallelRead(team, read_src.data(), read_src.size() * sizeof(float), t); });
       }
+      fns.push_back([&] { fma_peak.Run(team, kernel_threads); });
       fns.push_back([&] { plain_read.Run(team, kernel_threads); });
     }
     // OpenBLAS's idle workers keep spinning on sched_yield for about 0.1 s after each call, so
@@ -511,9 +591,10 @@ int Run(int argc, char** argv) {
       res.memcpy_bps = std::max(res.memcpy_bps, 2.0 * kMemcpyBytes / med[i]);
     }
     if (m <= kStreamingRows) {
-      for (size_t i = first_read; i + 1 < med.size(); ++i) {
+      for (size_t i = first_read; i + 2 < med.size(); ++i) {
         res.read_bps = std::max(res.read_bps, weight_bytes_fp32 / med[i]);
       }
+      res.fma_flops = fma_peak.flops(kernel_threads) / med[med.size() - 2];
       res.plain_bf16_bps = plain_read.bytes() / med.back();
     }
     for (size_t i = 0; i < res.forms.size(); ++i) res.forms[i].t = med[first_form + i];
@@ -620,6 +701,35 @@ int Run(int argc, char** argv) {
         bf16_bw / 1e9, bf16_bw / res.memcpy_bps, bf16_bw / res.read_bps,
         bf16_bw / res.plain_bf16_bps, res.t_fp32 / res.t_bf16, sgemm_bw / 1e9,
         sgemm_bw / res.memcpy_bps);
+  }
+  if (fma_peak.lanes() > 0) {
+    std::printf(
+        "\nThe compute side of the few-row bound: the FP32 FMA peak of %d-lane vectors on the "
+        "kernels' %d threads (twelve independent chains each), timed in the same round-robin. "
+        "A form that multiplies m rows by each weight with FP32 FMAs does 2m flops per weight, "
+        "so it consumes at most peak / m bytes of BF16 weights a second (2 peak / m of FP32); "
+        "its bound is the lesser of that and the plain read (the read floor for FP32). The "
+        "BF16 dot-product and AMX forms make two or more products an instruction: the FMA "
+        "bound is not theirs.\n\n",
+        fma_peak.lanes(), kernel_threads);
+    std::printf(
+        "| rows/expert | FMA peak GFLOP/s | fp32 on FMAs at most GB/s | fp32 bound GB/s | fp32 "
+        "weight GB/s | fp32 / bound | bf16 on FMAs at most GB/s | bf16 bound GB/s | bf16 weight "
+        "GB/s | bf16 / bound |\n");
+    std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const Result& res : results) {
+      if (res.fma_flops == 0) continue;
+      const double m = static_cast<double>(res.rows);
+      const double fp32_fma = 2.0 * res.fma_flops / m, bf16_fma = res.fma_flops / m;
+      const double fp32_bound = std::min(fp32_fma, res.read_bps);
+      const double bf16_bound = std::min(bf16_fma, res.plain_bf16_bps);
+      const double fp32_bw = weight_bytes_fp32 / res.t_fp32;
+      const double bf16_bw = weight_bytes_bf16 / res.t_bf16;
+      std::printf("| %lld | %.0f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f | %.1f | %.2f |\n",
+                  static_cast<long long>(res.rows), res.fma_flops / 1e9, fp32_fma / 1e9,
+                  fp32_bound / 1e9, fp32_bw / 1e9, fp32_bw / fp32_bound, bf16_fma / 1e9,
+                  bf16_bound / 1e9, bf16_bw / 1e9, bf16_bw / bf16_bound);
+    }
   }
   std::printf("\nGFLOP/s count 6*H*F flops per routed row (gate, up, down).\n");
   idle_threads.PrintWarningIfAny();
