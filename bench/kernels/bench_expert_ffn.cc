@@ -144,37 +144,22 @@ class PlainRead {
 // latency x issue width of any x86 core so far. A kernel that multiplies m rows by each weight
 // with FP32 FMAs does 2m flops per weight, so it can consume at most peak / (2m) weights a
 // second, whatever the memory gives: the compute side of the few-row forms' bound.
+constexpr int kFmaChains = 12;
 #if defined(__x86_64__) && defined(__GNUC__)
-#define EPSERVE_FMA_CHAINS(FMA) \
-  FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7) FMA(8) FMA(9) FMA(10) FMA(11)
-__attribute__((target("avx512f"))) float FmaChains512(int64_t iterations) {
-  const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
-#define DECL(i) __m512 a##i = _mm512_set1_ps(1.0f + (i));
-#define STEP(i) a##i = _mm512_fmadd_ps(a##i, m, c);
-#define SUM(i) +a##i[0] + a##i[15]
-  EPSERVE_FMA_CHAINS(DECL)
-  for (int64_t n = 0; n < iterations; ++n) {
-    EPSERVE_FMA_CHAINS(STEP)
+#define EPSERVE_FMA_CHAINS(NAME, TARGET, VEC, SET1, FMADD, LANES)          \
+  __attribute__((target(TARGET))) float NAME(int64_t iterations) {         \
+    const VEC m = SET1(0.999f), c = SET1(1e-3f);                           \
+    VEC a[kFmaChains];                                                     \
+    for (int j = 0; j < kFmaChains; ++j) a[j] = SET1(1.0f + j);            \
+    for (int64_t n = 0; n < iterations; ++n) {                             \
+      for (int j = 0; j < kFmaChains; ++j) a[j] = FMADD(a[j], m, c);       \
+    }                                                                      \
+    float sum = 0;                                                         \
+    for (int j = 0; j < kFmaChains; ++j) sum += a[j][0] + a[j][LANES - 1]; \
+    return sum;                                                            \
   }
-  return 0.0f EPSERVE_FMA_CHAINS(SUM);
-#undef DECL
-#undef STEP
-#undef SUM
-}
-__attribute__((target("avx2,fma"))) float FmaChains256(int64_t iterations) {
-  const __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
-#define DECL(i) __m256 a##i = _mm256_set1_ps(1.0f + (i));
-#define STEP(i) a##i = _mm256_fmadd_ps(a##i, m, c);
-#define SUM(i) +a##i[0] + a##i[7]
-  EPSERVE_FMA_CHAINS(DECL)
-  for (int64_t n = 0; n < iterations; ++n) {
-    EPSERVE_FMA_CHAINS(STEP)
-  }
-  return 0.0f EPSERVE_FMA_CHAINS(SUM);
-#undef DECL
-#undef STEP
-#undef SUM
-}
+EPSERVE_FMA_CHAINS(FmaChains512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, 16)
+EPSERVE_FMA_CHAINS(FmaChains256, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, 8)
 #undef EPSERVE_FMA_CHAINS
 #endif
 class FmaPeak {
@@ -194,7 +179,7 @@ class FmaPeak {
   }
   int lanes() const { return lanes_; }
   // The flops of one Run on `threads` threads.
-  double flops(int threads) const { return 2.0 * kChains * lanes_ * kIterations * threads; }
+  double flops(int threads) const { return 2.0 * kFmaChains * lanes_ * kIterations * threads; }
   void Run(bench::ThreadTeam& team, int threads) {
     if (lanes_ == 0) return;
     std::vector<float> sums(threads, 0.0f);
@@ -207,7 +192,6 @@ class FmaPeak {
   }
 
  private:
-  static constexpr int kChains = 12;
   static constexpr int64_t kIterations = 1 << 18;  // about 0.5 ms at 100 GFLOP/s a core
   int lanes_ = 0;
   static inline volatile float sink_ = 0;
