@@ -160,6 +160,13 @@ bool FfnFormServes(const FfnBlocking& b, int row_class) {
   return !(b.dot && b.direct) || FfnRowClass(detail::kDotDirectRows) >= row_class;
 }
 
+int FewRowTuneExperts(int64_t cache_bytes, int64_t expert_bytes, int64_t budget_bytes) {
+  const int64_t expert = std::max<int64_t>(expert_bytes, 1);
+  const int64_t wanted = detail::CeilDiv(2 * std::max<int64_t>(cache_bytes, 0), expert);
+  const int64_t allowed = std::max<int64_t>(budget_bytes, 0) / (2 * expert);
+  return static_cast<int>(std::clamp<int64_t>(std::min(wanted, allowed), 1, 1 << 20));
+}
+
 FfnPlan FfnPlan::Uniform(const FfnBlocking& b) {
   FfnPlan plan;
   for (int c = 0; c < kFfnRowClasses; ++c) {

@@ -85,6 +85,12 @@ int64_t FfnRowClassFirst(int row_class);     // its fewest rows: 1, 2, 9, 65
 int64_t FfnRowClassSample(int row_class);
 // Whether form b can serve the class (a direct form only up to kDotDirectRows rows).
 bool FfnFormServes(const FfnBlocking& b, int row_class);
+// The experts in each of the two halves of the tuning weights that the few-row cases
+// alternate between: enough that a half holds twice the device's cache, so that a run finds
+// none of the weights the run before it read (serving, each layer's weights stream from
+// memory past the cache), but no more than `budget_bytes` of weights in both halves; at least
+// one. The tuner's budget is a sixteenth of the device's memory.
+int FewRowTuneExperts(int64_t cache_bytes, int64_t expert_bytes, int64_t budget_bytes);
 
 // One form per row class, all of one weight layout.
 struct FfnPlan {

@@ -54,24 +54,34 @@ struct TuneCase {
   bool alternate;
 };
 constexpr int kTuneRepeats = 4;
+// The way the candidates are timed (the cases, their experts): a plan timed another way is
+// tuned again. 2: the few-row cases past twice the cache on every device (1: at most 8
+// experts a half, inside the cache of a 300 MiB L3).
+constexpr int kTuneMethod = 2;
 // Experts smaller than this (test and toy shapes) take the default blocking: their FFN costs
 // little, and building the candidates costs seconds and, while PoCL compiles, hundreds of MiB
 // that the process keeps. Real models' experts are larger (qwen1.5-moe: 17 MiB in BF16).
 constexpr int64_t kMinTunedExpertBytes = int64_t{8} << 20;
 
 std::vector<TuneCase> TuneCases(const Runtime& rt, int64_t expert_bytes, std::string* log) {
-  cl_ulong cache_bytes = 0;
+  cl_ulong cache_bytes = 0, memory_bytes = 0;
   if (clGetDeviceInfo(rt.device(), CL_DEVICE_GLOBAL_MEM_CACHE_SIZE, sizeof(cache_bytes),
                       &cache_bytes, nullptr) != CL_SUCCESS) {
     cache_bytes = 0;
   }
-  // Twice the cache's bytes of weights (at most 8 experts), in each of the two halves that
-  // successive runs alternate between.
-  const int streamed = static_cast<int>(std::clamp<int64_t>(
-      detail::CeilDiv(2 * static_cast<int64_t>(cache_bytes), std::max<int64_t>(expert_bytes, 1)), 1,
-      8));
-  absl::StrAppendFormat(log, "# device cache %.1f MiB: few-row cases over %d experts\n",
-                        static_cast<double>(cache_bytes) / (1 << 20), streamed);
+  if (clGetDeviceInfo(rt.device(), CL_DEVICE_GLOBAL_MEM_SIZE, sizeof(memory_bytes), &memory_bytes,
+                      nullptr) != CL_SUCCESS) {
+    memory_bytes = 0;
+  }
+  // Twice the cache's bytes of weights in each of the two halves that successive runs
+  // alternate between, within a sixteenth of the device's memory.
+  const int64_t budget = static_cast<int64_t>(memory_bytes / 16);
+  const int streamed = FewRowTuneExperts(static_cast<int64_t>(cache_bytes), expert_bytes, budget);
+  absl::StrAppendFormat(log, "# device cache %.1f MiB: few-row cases over %d experts%s\n",
+                        static_cast<double>(cache_bytes) / (1 << 20), streamed,
+                        streamed * expert_bytes < 2 * static_cast<int64_t>(cache_bytes)
+                            ? " (fewer than twice the cache: the memory budget)"
+                            : "");
   std::vector<TuneCase> cases;
   for (int c = 0; c < kFfnRowClasses; ++c) {
     const int64_t rows = FfnRowClassSample(c);
@@ -409,10 +419,11 @@ TuneFiles MakeTuneFiles(const std::string& cache_dir, const std::string& key_sou
   files.claims.resize(candidates.size());
   if (cache_dir.empty()) return files;
   // Keyed like the program binaries (source, options, device, driver) plus the shape, the row
-  // classes and the candidate list, so a changed kernel or candidate set tunes again.
+  // classes, the candidate list and the timing's method, so a changed kernel, candidate set
+  // or way of timing them tunes again.
   const absl::string_view dtype = common::FlagName(shape.dtype);
   std::string what = absl::StrCat("ffn-plan H=", shape.hidden, " F=", shape.ffn, " ", dtype, " ",
-                                  JoinCandidates(candidates), " classes");
+                                  JoinCandidates(candidates), " timing ", kTuneMethod, " classes");
   for (int c = 0; c < kFfnRowClasses; ++c) absl::StrAppend(&what, " ", FfnRowClassName(c));
   files.entry = detail::ProgramCachePath(cache_dir, "ffn-blocking",
                                          detail::ProgramCacheKey(key_source, what, info));

@@ -57,6 +57,21 @@ TEST(FileLockTest, ExcludesOtherHoldersUntilReleased) {
 // Two runtimes (the workers of a host) choose the plans of the same two shapes at once, on
 // two threads: each shape is tuned by one of them and read from the cache by the other, both
 // ending with the same plans, whichever runtime took which shape.
+// The few-row cases' experts: each half past twice the cache, within the memory budget.
+TEST(FfnBlockingTest, FewRowCasesStreamPastTheCacheWithinTheBudget) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  const int64_t expert = 17 * kMiB;  // qwen1.5-moe-a2.7b's, BF16
+  // A 32 MiB L3 and 24 GiB: 4 experts (68 MiB) a half.
+  EXPECT_EQ(FewRowTuneExperts(32 * kMiB, expert, 24 * 1024 * kMiB / 16), 4);
+  // A 300 MiB cache and 128 GiB: 36 experts (612 MiB) a half, no fixed cap.
+  EXPECT_EQ(FewRowTuneExperts(300 * kMiB, expert, 128 * 1024 * kMiB / 16), 36);
+  // The budget binds: 340 MiB of weights in both halves hold 10 experts a half.
+  EXPECT_EQ(FewRowTuneExperts(300 * kMiB, expert, 340 * kMiB), 10);
+  // At least one, whatever the device says.
+  EXPECT_EQ(FewRowTuneExperts(0, expert, 0), 1);
+  EXPECT_EQ(FewRowTuneExperts(300 * kMiB, 0, 1), 1);
+}
+
 TEST(FfnBlockingTest, WorkersTuneEachShapeOnce) {
   const std::filesystem::path dir = FreshDir("epserve-ffn-plans-test");
   RuntimeOptions options = TestRuntimeOptions();
