@@ -4,7 +4,8 @@
 #   overload_test.sh SECONDS [--long]
 # Measures saturation with short closed-loop runs of epserve-load, then sends 10x that rate
 # open loop for SECONDS. Passes when every request is answered (OK, RESOURCE_EXHAUSTED or
-# DEADLINE_EXCEEDED; nothing else, nothing left in flight), rank 0's memory stays bounded
+# DEADLINE_EXCEEDED, or CANCELLED where the server closed the call for an answer not taken
+# and counted it, under 1% of them; nothing else, nothing left in flight), rank 0's memory stays bounded
 # (VmHWM and VmRSS sampled twice a second), the accepted requests' server-side latency stays
 # bounded, the job is never restarted, and answers are correct afterwards. --long: skipped
 # (exit 77) unless EPSERVE_LONG_TESTS=1.
@@ -76,9 +77,6 @@ print(f"offered {r['requests']} requests: OK {r['ok']}, " +
       ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) +
       f"; {r['requests_per_s']:.0f} OK/s; client-side OK latency p50 {r['latency_ms']['p50']:.0f} "
       f"ms, p99 {r['latency_ms']['p99']:.0f} ms, max {r['latency_ms']['max']:.0f} ms")
-bad = set(errors) - {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
-assert not bad, f"answers other than OK, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED: {errors} " \
-    f"{r['error_examples']}"
 assert answered == r["requests"], f"{r['requests'] - answered} requests not answered"
 assert r["ok"] > 0, "nothing was served"
 
@@ -90,6 +88,20 @@ def scrape(path):
             out[(m.group(1), m.group(2))] = float(m.group(3))
     return out
 before, after = scrape(f"{d}/metrics-before.txt"), scrape(f"{d}/metrics-after.txt")
+# CANCELLED is the server's own explicit answer when it closes a call whose answer its client
+# has not taken (the reaper: --answer-timeout, or 1 s while the memory budget is short, which a
+# client starved of the CPU on a 2-core host can cause): allowed as long as the server counted
+# each one and closed under 1% of the calls that way.
+reaped = sum(v - before.get((n, l), 0) for (n, l), v in after.items()
+             if n == "epserve_grpc_calls_closed_total")
+cancelled = errors.get("CANCELLED", 0)
+if cancelled:
+    print(f"CANCELLED {cancelled}: calls the server closed for answers not taken: {reaped:.0f}")
+assert cancelled <= reaped, f"{cancelled} CANCELLED, but the server closed only {reaped:.0f} calls"
+assert reaped <= 0.01 * r["requests"], f"the server closed {reaped:.0f} calls for answers not taken"
+bad = set(errors) - {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED"}
+assert not bad, f"answers other than OK, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, CANCELLED: " \
+    f"{errors} {r['error_examples']}"
 assert after[("epserve_inflight_requests", "")] == 0, "requests still in flight on the server"
 assert after[("epserve_queue_tokens", "")] == 0, "tokens still queued"
 buckets = []
