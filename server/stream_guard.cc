@@ -298,9 +298,8 @@ int StreamGuard::CheckOnce() {
       counts.completed = c.completed;
       counts.held = callbacks_.held_calls ? callbacks_.held_calls(c.peer) : 0;
       auto it = over_.find(id);
-      StreamWatch watch = it != over_.end() ? it->second
-                                            : StreamWatch(kSlack * options_.max_streams,
-                                                          kWindowPasses * options_.interval);
+      StreamWatch watch =
+          it != over_.end() ? it->second : StreamWatch(kSlack * options_.max_streams, kWindow);
       const bool shut = watch.Observe(counts);
       if (shut && ShutDownSocket(c.local, c.remote)) {
         Closed(id, c.name, c.open_streams(), "stream_limit");

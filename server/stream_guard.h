@@ -108,9 +108,10 @@ class StreamGuard {
 
  private:
   static constexpr int kSlack = 4;  // StreamWatch's bound: kSlack x --max-concurrent-streams
-  // StreamWatch's window: 10 s at the default interval, twice the deadlines of the overload
-  // test's requests; the backlog CI showed was about a second of the server's work.
-  static constexpr int kWindowPasses = 100;
+  // StreamWatch's window, a time (passes come faster while a connection is over the bound):
+  // twice the deadlines of the overload test's requests; the backlog CI showed was about a
+  // second of the server's work.
+  static constexpr absl::Duration kWindow = absl::Seconds(10);
   void Run();
   // Bookkeeping for connection `id` just shut down.
   void Closed(int64_t id, const std::string& peer, int64_t open_streams, const char* reason);
