@@ -549,29 +549,6 @@ absl::Status NarrowFromFp32(Runtime& rt, const Buffer& src, int64_t src_at, int6
   return LaunchBounded(rt, kernel, 1, global, detail::kCpuValuesPerGroup);
 }
 
-absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
-                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst) {
-  if (first < 0 || count < 0 || hidden < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("CopyRows: first ", first, ", count ", count,
-                                                   ", hidden ", hidden,
-                                                   " (need >= 0, >= 0, >= 1)"));
-  }
-  if (count == 0) return absl::OkStatus();
-  EPSERVE_RETURN_IF_ERROR(NeedIntRange(count, "count"));
-  EPSERVE_RETURN_IF_ERROR(NeedBytes(moves, (first + count) * 2 * sizeof(int32_t), "moves"));
-  // Four values per work-item where rows allow it.
-  const bool by4 = hidden % 4 == 0;
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(by4 ? "copy_rows4" : "copy_rows"));
-  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
-  const int64_t width = by4 ? hidden / 4 : hidden;
-  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, static_cast<cl_long>(src.bytes() / row_bytes), moves,
-                                  cl_long{first}, static_cast<cl_int>(count), cl_long{width},
-                                  cl_int{round_bf16 ? 1 : 0}, dst,
-                                  static_cast<cl_long>(dst.bytes() / row_bytes)));
-  const size_t global[2] = {static_cast<size_t>(width), static_cast<size_t>(count)};
-  return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
-}
-
 absl::Status AddInto(Runtime& rt, const Buffer& src, int64_t count, Buffer& dst) {
   if (count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", count));
   if (count == 0) return absl::OkStatus();

@@ -167,8 +167,57 @@ absl::Status SumPairRows(Runtime& rt, const Buffer& y, const Buffer& pair_index,
 // of `hidden` FP32 values, rounded to BF16 (kept as FP32, as RoundToBf16) when round_bf16. A
 // move naming a row outside either buffer writes nothing (dst may be a peer's memory; callers
 // check their moves). src and dst must be distinct.
+// Rows of a multiple of 4 values move 4 values per work-item and access. `groups` picks the
+// form: 0 the device's (on GPUs, work-groups of up to kCopyRowLanes work-items move whole
+// rows, kCopyGroupsPerUnit groups per compute unit, as many as stay resident: CopyRowRuns'
+// form; on CPUs, a work-item per 4 values of a row: copy_rows4), > 0 the grouped form with
+// that many groups on any device, -1 the per-value form on any device.
+inline constexpr int64_t kCopyRowLanes = 256;
+inline constexpr int64_t kCopyGroupsPerUnit = 8;
 absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
-                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst);
+                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst,
+                      int64_t groups = 0);
+
+// Several CopyRows at once, each run of moves from its own source into its own destination
+// (every destination distinct from every source and from the other runs' destinations). Rows
+// of a multiple of 4 values on GPUs (or anywhere with `groups` > 0): one grouped launch per
+// kRunsPerLaunch runs (kCopyGroupsPerUnit groups per compute unit, or `groups`), so that moves
+// within the device's memory run beside moves into a peer's; otherwise one CopyRows per run.
+struct RowRun {
+  const Buffer* src = nullptr;
+  const Buffer* dst = nullptr;
+  int64_t first = 0;  // the run's first move in `moves`
+  int64_t count = 0;
+};
+inline constexpr size_t kRunsPerLaunch = 4;
+absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer& moves,
+                         int64_t hidden, bool round_bf16, int64_t groups = 0);
+
+// The combine's return of worker::DeviceExchange on the device, from the receiver's pair
+// table: pair i's row of pair_rows goes into pairs_to[s] at pair_home[i], s the sender of
+// received row pair_row[i] (source_begin[s] <= it < source_begin[s + 1]); with row_parts,
+// received row r's row goes into parts_to[s] at me * tokens[s] + token[r]. `tables` holds
+// pair_row [pairs], pair_home [pairs], token [rows] (int32). One launch per kRunsPerLaunch
+// senders, in CopyRows' forms (`groups`: 0 the device's, whole rows per work-group on GPUs
+// and a work-item per 4 values on CPUs; > 0 the grouped form with that many groups, -1 the
+// per-value form, on any device). A move outside either buffer, or naming no sender or a
+// token past tokens[s], writes nothing. Destinations are distinct from each other and from
+// the sources.
+struct ReturnRowsArgs {
+  const Buffer* pair_rows = nullptr;
+  const Buffer* row_parts = nullptr;        // nullptr: no parts (rows = 0)
+  std::span<const Buffer* const> pairs_to;  // [senders]
+  std::span<const Buffer* const> parts_to;  // [senders] with row_parts
+  std::span<const int64_t> source_begin;    // [senders + 1]
+  std::span<const int64_t> tokens;          // [senders]
+  const Buffer* tables = nullptr;
+  int64_t pairs = 0;
+  int64_t rows = 0;
+  int me = 0;
+  int64_t hidden = 0;
+  int64_t groups = 0;
+};
+absl::Status ReturnRows(Runtime& rt, const ReturnRowsArgs& a);
 
 // dst[i] = src[i] rounded to BF16 (nearest even, as common::FloatToBf16), kept as FP32, for
 // i < count: rows as a BF16 exchange payload delivers them. dst may be src.

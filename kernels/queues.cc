@@ -49,6 +49,12 @@ absl::Status Runtime::Forked(const std::function<absl::Status()>& launches) {
   return status.ok() ? ended : status;
 }
 
+absl::Status Runtime::Flush() {
+  if (fork_queue_ != nullptr) CL_CHECK(clFlush(fork_queue_));
+  CL_CHECK(clFlush(queue_));
+  return absl::OkStatus();
+}
+
 absl::Status Runtime::JoinFork() {
   EPSERVE_RETURN_IF_ERROR(EndFork());  // a fork still open ends here
   if (fork_end_ == nullptr) return absl::OkStatus();

@@ -293,6 +293,7 @@ Runtime::~Runtime() {
   programs_.reset();  // kernels and programs before the context
   if (queue_ != nullptr) {
     clFinish(queue_);
+    for (Pinned& p : pinned_) ReleaseOne(queue_, p.memory);
     ReleaseStaging();
     clReleaseCommandQueue(queue_);
   }

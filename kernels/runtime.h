@@ -227,6 +227,16 @@ class Runtime {
   // be called from another thread than the one driving the Runtime (one call at a time), as
   // long as `dst` is not in use by the main queue meanwhile.
   absl::Status WriteBeside(const Buffer& dst, size_t offset, const void* src, size_t bytes);
+  // `bytes` of pinned host memory (CL_MEM_ALLOC_HOST_PTR, mapped), valid for the Runtime's
+  // life: tables the host builds in place and uploads with WriteAsync.
+  absl::StatusOr<void*> AllocatePinnedHost(size_t bytes);
+  // Queues a copy of src[0, bytes), which lies in memory from AllocatePinnedHost, into dst at
+  // `offset`, and returns without waiting for it; commands queued after it on the main queue
+  // see the bytes, and src must stay unchanged until the copy has run (Finish). For small
+  // tables a pass uploads before its kernels: a blocking Write from pageable memory waits for
+  // the queue and for its own copy. INVALID_ARGUMENT where src is not pinned memory of this
+  // Runtime's.
+  absl::Status WriteAsync(const Buffer& dst, size_t offset, const void* src, size_t bytes);
   // Staged transfers: the chunk (each of the two staging buffers' size) and the smallest block
   // staged. A chunk of 8 MiB is large enough that a transfer's fixed cost (tens of
   // microseconds) is a few percent of its DMA at any PCIe speed, and splits over up to 8 host
@@ -237,6 +247,9 @@ class Runtime {
   // buffers could be made).
   bool stages_transfers() const { return staging_[0].host != nullptr; }
   absl::Status Finish();
+  // Submits what both queues hold to the device without waiting for it: commands queued
+  // before a host step then run during it.
+  absl::Status Flush();
 
   // The kernel `name` of the embedded programs, built (or loaded from the cache) on first use.
   // The cl_kernel stays owned by the Runtime; its arguments are whatever the last caller set.
@@ -335,6 +348,12 @@ class Runtime {
   absl::Status StagedRead(const Buffer& src, size_t offset, void* dst, size_t bytes);
   Staging staging_[2];
   Staging side_staging_[2];  // WriteBeside's
+  struct Pinned {
+    Staging memory;
+    size_t bytes = 0;
+  };
+  std::vector<Pinned> pinned_;  // AllocatePinnedHost's
+  void ReleaseOne(cl_command_queue queue, Staging& s);
   int transfer_threads_ = 1;
   // ForkQueue's queue (made on first use), whether launches go there now, the marker of its
   // last forked commands that the main queue has not joined yet, and the scratch buffers of

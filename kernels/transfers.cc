@@ -49,6 +49,42 @@ absl::Status Runtime::WriteOn(cl_command_queue queue, Staging (&pair)[2], const 
   return absl::OkStatus();
 }
 
+absl::Status Runtime::WriteAsync(const Buffer& dst, size_t offset, const void* src, size_t bytes) {
+  if (offset > dst.bytes() || bytes > dst.bytes() - offset) {
+    return absl::OutOfRangeError(absl::StrCat("write of ", bytes, " bytes at offset ", offset,
+                                              " exceeds the buffer's ", dst.bytes(), " bytes"));
+  }
+  if (bytes == 0) return absl::OkStatus();
+  const char* from = static_cast<const char*>(src);
+  for (const Pinned& p : pinned_) {
+    const char* base = static_cast<const char*>(p.memory.host);
+    if (from < base || from > base + p.bytes || bytes > p.bytes - (from - base)) continue;
+    cl_event event = nullptr;
+    CL_CHECK(clEnqueueWriteBuffer(queue_, dst.mem(), CL_FALSE, offset, bytes, src, 0, nullptr,
+                                  profiles_commands() ? &event : nullptr));
+    if (event != nullptr) RecordCommand(event, nullptr, "write");
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "WriteAsync of ", bytes, " bytes from memory that AllocatePinnedHost did not give"));
+}
+
+absl::StatusOr<void*> Runtime::AllocatePinnedHost(size_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("AllocatePinnedHost of 0 bytes");
+  Pinned p;
+  p.bytes = bytes;
+  cl_int err = CL_SUCCESS;
+  CL_CHECK((p.memory.mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR,
+                                          bytes, nullptr, &err),
+            err));
+  p.memory.host = clEnqueueMapBuffer(queue_, p.memory.mem, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0,
+                                     bytes, 0, nullptr, nullptr, &err);
+  if (err != CL_SUCCESS) ReleaseOne(queue_, p.memory);
+  CL_CHECK(err);
+  pinned_.push_back(p);
+  return p.memory.host;
+}
+
 absl::Status Runtime::Read(const Buffer& src, size_t offset, void* dst, size_t bytes) {
   if (offset > src.bytes() || bytes > src.bytes() - offset) {
     return absl::OutOfRangeError(absl::StrCat("read of ", bytes, " bytes at offset ", offset,
@@ -82,6 +118,19 @@ absl::Status Runtime::MakeStaging(cl_command_queue queue, Staging (&pair)[2]) {
 }
 
 void Runtime::ReleaseStaging() { ReleaseStaging(queue_, staging_); }
+
+void Runtime::ReleaseOne(cl_command_queue queue, Staging& s) {
+  if (s.busy != nullptr) {
+    clWaitForEvents(1, &s.busy);
+    clReleaseEvent(s.busy);
+  }
+  if (s.host != nullptr) {
+    clEnqueueUnmapMemObject(queue, s.mem, s.host, 0, nullptr, nullptr);
+    clFinish(queue);
+  }
+  if (s.mem != nullptr) clReleaseMemObject(s.mem);
+  s = Staging{};
+}
 
 void Runtime::ReleaseStaging(cl_command_queue queue, Staging (&pair)[2]) {
   for (Staging& s : pair) {

@@ -162,6 +162,176 @@ __kernel void copy_rows4(__global const float4* restrict src, long src_rows,
   dst[(size_t)d * quarter + c] = v;
 }
 
+// copy_rows4 on GPUs, over up to four runs in one launch, each from its own source into its
+// own destination: the launch's rows [ends[r-1], ends[r]) (ends[-1] = 0) are run r's, its
+// moves from starts[r]; unused runs have count 0 (and may have null buffers). A work-group
+// moves whole rows, 16 bytes per work-item and access, the rows dealt out over the launch's
+// groups in turn (rows i, i + groups, ...) across the runs, so that moves within a device's
+// memory run beside moves into a peer's instead of after them. Each work-item loads its values
+// of two rows before it stores either, so that a link to a peer's memory has many stores in
+// flight from few resident groups.
+inline int run_of_row(int i, int4 ends) {
+  return (i >= ends.s0) + (i >= ends.s1) + (i >= ends.s2);
+}
+
+// Row i's move (source row, destination row) in run r, or (-1, -1) where either is outside its
+// buffer.
+inline int2 run_move(int i, int r, int4 starts, int4 ends, __global const int* moves,
+                     long4 src_rows, long4 dst_rows) {
+  const int begin = r == 0 ? 0 : r == 1 ? ends.s0 : r == 2 ? ends.s1 : ends.s2;
+  const int start = r == 0 ? starts.s0 : r == 1 ? starts.s1 : r == 2 ? starts.s2 : starts.s3;
+  const long sr = r == 0 ? src_rows.s0 : r == 1 ? src_rows.s1 : r == 2 ? src_rows.s2 : src_rows.s3;
+  const long dr = r == 0 ? dst_rows.s0 : r == 1 ? dst_rows.s1 : r == 2 ? dst_rows.s2 : dst_rows.s3;
+  const size_t m = (size_t)(start + (i - begin)) * 2;
+  const int s = moves[m];
+  const int d = moves[m + 1];
+  if (s < 0 || s >= sr || d < 0 || d >= dr) return (int2)(-1, -1);
+  return (int2)(s, d);
+}
+
+inline __global const float4* run_source(int r, __global const float4* s0,
+                                         __global const float4* s1, __global const float4* s2,
+                                         __global const float4* s3) {
+  return r == 0 ? s0 : r == 1 ? s1 : r == 2 ? s2 : s3;
+}
+
+inline __global float4* run_destination(int r, __global float4* d0, __global float4* d1,
+                                        __global float4* d2, __global float4* d3) {
+  return r == 0 ? d0 : r == 1 ? d1 : r == 2 ? d2 : d3;
+}
+
+__kernel void copy_runs_grouped(__global const float4* s0, __global const float4* s1,
+                                __global const float4* s2, __global const float4* s3,
+                                __global float4* d0, __global float4* d1, __global float4* d2,
+                                __global float4* d3, long4 src_rows, long4 dst_rows, int4 starts,
+                                int4 ends, __global const int* restrict moves, long quarter,
+                                int round_bf16) {
+  const int groups = (int)get_num_groups(0);
+  const size_t lanes = get_local_size(0);
+  const int count = ends.s3;
+  for (int i = (int)get_group_id(0); i < count; i += 2 * groups) {
+    const int j = i + groups;
+    const int qa = run_of_row(i, ends);
+    const int2 ma = run_move(i, qa, starts, ends, moves, src_rows, dst_rows);
+    const int qb = j < count ? run_of_row(j, ends) : 0;
+    const int2 mb = j < count ? run_move(j, qb, starts, ends, moves, src_rows, dst_rows)
+                              : (int2)(-1, -1);
+    const bool a = ma.x >= 0;
+    const bool b = mb.x >= 0;
+    __global const float4* ra = run_source(qa, s0, s1, s2, s3) + (size_t)(a ? ma.x : 0) * quarter;
+    __global float4* wa = run_destination(qa, d0, d1, d2, d3) + (size_t)(a ? ma.y : 0) * quarter;
+    __global const float4* rb = run_source(qb, s0, s1, s2, s3) + (size_t)(b ? mb.x : 0) * quarter;
+    __global float4* wb = run_destination(qb, d0, d1, d2, d3) + (size_t)(b ? mb.y : 0) * quarter;
+#pragma unroll 2
+    for (size_t c = get_local_id(0); c < (size_t)quarter; c += lanes) {
+      float4 va = a ? ra[c] : (float4)(0.0f);
+      float4 vb = b ? rb[c] : (float4)(0.0f);
+      if (round_bf16) {
+        va = (float4)(round_to_bf16_value(va.x), round_to_bf16_value(va.y),
+                      round_to_bf16_value(va.z), round_to_bf16_value(va.w));
+        vb = (float4)(round_to_bf16_value(vb.x), round_to_bf16_value(vb.y),
+                      round_to_bf16_value(vb.z), round_to_bf16_value(vb.w));
+      }
+      if (a) wa[c] = va;
+      if (b) wb[c] = vb;
+    }
+  }
+}
+
+// The sender of received row `row`: rows [begin.s[s], begin.s[s + 1]) of sender s, begin.s3's
+// up to end (unused senders' begin is end); -1 outside [begin.s0, end).
+inline int sender_of_row(int row, int4 begin, int end) {
+  if (row < begin.s0 || row >= end) return -1;
+  return (row >= begin.s1) + (row >= begin.s2) + (row >= begin.s3);
+}
+
+inline long pick_long(int s, long4 v) { return s == 0 ? v.s0 : s == 1 ? v.s1 : s == 2 ? v.s2 : v.s3; }
+
+// The combine's return on the device, from the receiver's pair table, for senders s of a
+// group of up to four (received rows [begin.s[s], begin.s[s + 1]) are sender s's, the last
+// ones' up to end; unused senders' begin is end): launch row i < pairs moves pair i's output
+// row into its sender's pairs (pd[s]) at pair_home[i], s the sender of received row
+// pair_row[i]; launch row pairs + r (r < rows) moves received row r's part into its sender's
+// parts (qd[s]) at me * tokens[s] + token[r]. tables holds pair_row [pairs], pair_home
+// [pairs], token [rows]. Rows of senders outside the group, and moves outside either buffer
+// (or to a token past tokens[s]), write nothing. Rows of `hidden` values, 4 at a time where
+// hidden is a multiple of 4; rows dealt out over the groups as in copy_runs_grouped.
+// Launch row i's move of return_rows: (sender in the group, source row, destination row), the
+// sender -1 where the row moves nothing.
+inline int3 return_move(int i, __global const int* tables, int pairs, int4 begin, int end,
+                        int4 tokens, int me, long pair_src_rows, long part_src_rows,
+                        long4 pair_dst_rows, long4 part_dst_rows) {
+  if (i < pairs) {
+    const int s = sender_of_row(tables[i], begin, end);
+    const int home = tables[pairs + i];
+    if (s >= 0 && i < pair_src_rows && home >= 0 && home < pick_long(s, pair_dst_rows)) {
+      return (int3)(s, i, home);
+    }
+    return (int3)(-1, 0, 0);
+  }
+  const int r = i - pairs;
+  const int s = sender_of_row(r, begin, end);
+  const int t = tables[2 * pairs + r];
+  const int n = s == 0 ? tokens.s0 : s == 1 ? tokens.s1 : s == 2 ? tokens.s2 : tokens.s3;
+  const long at = (long)me * n + t;
+  if (s >= 0 && t >= 0 && t < n && r < part_src_rows && at < pick_long(s, part_dst_rows)) {
+    return (int3)(s, r, (int)at);
+  }
+  return (int3)(-1, 0, 0);
+}
+
+#define RETURN_ROWS_ARGS                                                                      \
+  __global const float *pair_rows, long pair_src_rows, __global const float *row_parts,       \
+      long part_src_rows, __global float *pd0, __global float *pd1, __global float *pd2,      \
+      __global float *pd3, __global float *qd0, __global float *qd1, __global float *qd2,     \
+      __global float *qd3, long4 pair_dst_rows, long4 part_dst_rows, int4 begin, int end,     \
+      int4 tokens, int me, __global const int *restrict tables, int pairs, int rows, long hidden
+
+// Where launch row i's move reads and writes (m from return_move, its sender >= 0).
+#define RETURN_ROW_POINTERS(i, m)                                                             \
+  __global const float* from = ((i) < pairs ? pair_rows : row_parts) + (size_t)(m).y * hidden; \
+  __global float* to = ((i) < pairs ? ((m).x == 0 ? pd0 : (m).x == 1 ? pd1 : (m).x == 2 ? pd2 : pd3) \
+                                    : ((m).x == 0 ? qd0 : (m).x == 1 ? qd1 : (m).x == 2 ? qd2 : qd3)) + \
+                       (size_t)(m).z * hidden
+
+__kernel void return_rows(RETURN_ROWS_ARGS) {
+  const int groups = (int)get_num_groups(0);
+  const size_t lanes = get_local_size(0);
+  const int count = pairs + rows;
+  for (int i = (int)get_group_id(0); i < count; i += groups) {
+    const int3 m = return_move(i, tables, pairs, begin, end, tokens, me, pair_src_rows,
+                               part_src_rows, pair_dst_rows, part_dst_rows);
+    if (m.x < 0) continue;
+    RETURN_ROW_POINTERS(i, m);
+    if (hidden % 4 == 0) {
+      __global const float4* from4 = (__global const float4*)from;
+      __global float4* to4 = (__global float4*)to;
+#pragma unroll 2
+      for (size_t c = get_local_id(0); c < (size_t)(hidden / 4); c += lanes) to4[c] = from4[c];
+    } else {
+      for (size_t c = get_local_id(0); c < (size_t)hidden; c += lanes) to[c] = from[c];
+    }
+  }
+}
+
+// return_rows with a work-item per 4 values of a row (per value where hidden is not a multiple
+// of 4): (c, i) over (width, pairs + rows), as copy_rows4 on CPU devices.
+__kernel void return_rows_values(RETURN_ROWS_ARGS) {
+  const size_t c = get_global_id(0);
+  const int i = get_global_id(1);
+  const bool by4 = hidden % 4 == 0;
+  if (c >= (size_t)(by4 ? hidden / 4 : hidden) || i >= pairs + rows) return;
+  const int3 m = return_move(i, tables, pairs, begin, end, tokens, me, pair_src_rows,
+                             part_src_rows, pair_dst_rows, part_dst_rows);
+  if (m.x < 0) return;
+  RETURN_ROW_POINTERS(i, m);
+  if (by4) {
+    ((__global float4*)to)[c] = ((__global const float4*)from)[c];
+  } else {
+    to[c] = from[c];
+  }
+}
+
 // FP32 <-> IEEE FP16 with common/half.h's arithmetic (FloatToFp16, Fp16ToFloat), bit for bit.
 inline ushort fp32_to_fp16_bits(float value) {
   const uint bits = as_uint(value);

@@ -1488,50 +1488,266 @@ TEST_F(Seeded, SumPairRowsHasTheHostSumsBits) {
 
 // CopyRows moves each (source row, destination row) pair of a run of moves, rounding to BF16
 // values where asked, and writes nothing for a move outside either buffer (the destination may
-// be another process's memory).
+// be another process's memory); in each form: the device's, per value, and whole rows per
+// work-group with one group, with an odd count of groups (a group's second row past the run),
+// and with more groups than rows; rows narrower than a group and wider than it.
 TEST_F(Seeded, CopyRowsMovesEachRowOfItsRunAndNothingElse) {
   auto round_bf16 = [](float v) { return common::Bf16ToFloat(common::FloatToBf16(v)); };
-  for (int64_t hidden : {1, 72, 2048}) {
-    for (bool round : {false, true}) {
-      SCOPED_TRACE(absl::StrCat("hidden=", hidden, " round=", round));
-      const int64_t src_rows = 37, dst_rows = 50;
-      const std::vector<float> src = Uniform(src_rows * hidden, -5.0f, 5.0f);
-      // A run of moves in the middle of the list (first = 3), a permutation of distinct rows,
-      // then two moves out of bounds.
-      std::vector<int32_t> moves = {9, 9, 9, 9, 9, 9};  // moves before the run: not taken
-      std::vector<int32_t> dst_of(src_rows);
-      std::iota(dst_of.begin(), dst_of.end(), 0);
-      std::shuffle(dst_of.begin(), dst_of.end(), rng_);
-      for (int32_t r = 0; r < src_rows; ++r) {
-        moves.push_back(r);
-        moves.push_back(dst_of[r] + 13);
-      }
-      moves.insert(moves.end(), {0, static_cast<int32_t>(dst_rows), -1, 0});
-      const int64_t count = src_rows + 2;
-      Buffer sb = Upload(src);
-      Buffer mb = Upload(moves);
-      const std::vector<float> poison(dst_rows * hidden, -777.0f);
-      Buffer db = Upload(poison);
-      ASSERT_TRUE(CopyRows(Rt(), sb, mb, 3, count, hidden, round, db).ok());
-      const std::vector<float> got = Download<float>(db, dst_rows * hidden);
-      for (int64_t d = 0; d < dst_rows; ++d) {
-        const int64_t s =
-            d >= 13 ? std::find(dst_of.begin(), dst_of.end(), d - 13) - dst_of.begin() : src_rows;
-        for (int64_t c = 0; c < hidden; ++c) {
-          const float want = s < src_rows
-                                 ? (round ? round_bf16(src[s * hidden + c]) : src[s * hidden + c])
-                                 : -777.0f;
-          ASSERT_EQ(std::bit_cast<uint32_t>(got[d * hidden + c]), std::bit_cast<uint32_t>(want))
-              << "row " << d << " column " << c;
+  for (int64_t hidden : {1, 72, 1100, 2048})
+    for (int64_t groups : {0, -1, 1, 3, 64})
+      for (bool round : {false, true}) {
+        SCOPED_TRACE(absl::StrCat("hidden=", hidden, " groups=", groups, " round=", round));
+        const int64_t src_rows = 37, dst_rows = 50;
+        const std::vector<float> src = Uniform(src_rows * hidden, -5.0f, 5.0f);
+        // A run of moves in the middle of the list (first = 3), a permutation of distinct rows,
+        // then two moves out of bounds.
+        std::vector<int32_t> moves = {9, 9, 9, 9, 9, 9};  // moves before the run: not taken
+        std::vector<int32_t> dst_of(src_rows);
+        std::iota(dst_of.begin(), dst_of.end(), 0);
+        std::shuffle(dst_of.begin(), dst_of.end(), rng_);
+        for (int32_t r = 0; r < src_rows; ++r) {
+          moves.push_back(r);
+          moves.push_back(dst_of[r] + 13);
+        }
+        moves.insert(moves.end(), {0, static_cast<int32_t>(dst_rows), -1, 0});
+        const int64_t count = src_rows + 2;
+        Buffer sb = Upload(src);
+        Buffer mb = Upload(moves);
+        const std::vector<float> poison(dst_rows * hidden, -777.0f);
+        Buffer db = Upload(poison);
+        ASSERT_TRUE(CopyRows(Rt(), sb, mb, 3, count, hidden, round, db, groups).ok());
+        const std::vector<float> got = Download<float>(db, dst_rows * hidden);
+        for (int64_t d = 0; d < dst_rows; ++d) {
+          const int64_t s =
+              d >= 13 ? std::find(dst_of.begin(), dst_of.end(), d - 13) - dst_of.begin() : src_rows;
+          for (int64_t c = 0; c < hidden; ++c) {
+            const float want = s < src_rows
+                                   ? (round ? round_bf16(src[s * hidden + c]) : src[s * hidden + c])
+                                   : -777.0f;
+            ASSERT_EQ(std::bit_cast<uint32_t>(got[d * hidden + c]), std::bit_cast<uint32_t>(want))
+                << "row " << d << " column " << c;
+          }
         }
       }
-    }
-  }
   Buffer sb = Upload(Uniform(8));
   Buffer mb = Upload(std::vector<int32_t>{0, 0});
   Buffer db = Poisoned(8);
   EXPECT_FALSE(CopyRows(Rt(), sb, mb, 0, 2, 8, false, db).ok());  // moves past the buffer
   EXPECT_FALSE(CopyRows(Rt(), sb, mb, -1, 1, 8, false, db).ok());
+  EXPECT_FALSE(CopyRows(Rt(), sb, mb, 0, 1, 8, false, db, -2).ok());
+}
+
+// WriteAsync copies a piece of pinned host memory into a buffer at an offset without waiting,
+// the bytes there once the queue has run; memory not from AllocatePinnedHost (or a piece
+// reaching past it) and a piece past the buffer are refused.
+TEST_F(Seeded, WriteAsyncCopiesFromPinnedMemory) {
+  absl::StatusOr<void*> pinned = Rt().AllocatePinnedHost(4096 * sizeof(int32_t));
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  int32_t* table = static_cast<int32_t*>(*pinned);
+  std::uniform_int_distribution<int32_t> any(-1000000, 1000000);
+  for (int i = 0; i < 4096; ++i) table[i] = any(rng_);
+  std::vector<int32_t> poison(2048, -777);
+  Buffer b = Upload(poison);
+  ASSERT_TRUE(Rt().WriteAsync(b, 64 * sizeof(int32_t), table + 10, 1000 * sizeof(int32_t)).ok());
+  ASSERT_TRUE(Rt().Finish().ok());
+  std::vector<int32_t> want = poison;
+  std::copy_n(table + 10, 1000, want.begin() + 64);
+  EXPECT_EQ(Download<int32_t>(b, 2048), want);
+  EXPECT_EQ(Rt().WriteAsync(b, 0, poison.data(), 16).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rt().WriteAsync(b, 0, table + 4000, 100 * sizeof(int32_t)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rt().WriteAsync(b, 2000 * sizeof(int32_t), table, 100 * sizeof(int32_t)).code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+// CopyRowRuns moves every run's rows from its source into its destination as CopyRows would,
+// over more runs than one launch takes (an empty run among them, a run reading a source
+// another run reads too, moves out of bounds), in each form.
+TEST_F(Seeded, CopyRowRunsMovesEachRunIntoItsOwnDestination) {
+  auto round_bf16 = [](float v) { return common::Bf16ToFloat(common::FloatToBf16(v)); };
+  for (int64_t hidden : {1, 72, 1100})
+    for (int64_t groups : {0, 1, 3, 64})
+      for (bool round : {false, true}) {
+        SCOPED_TRACE(absl::StrCat("hidden=", hidden, " groups=", groups, " round=", round));
+        const int64_t src_rows[2] = {23, 31};
+        const std::vector<float> src[2] = {Uniform(src_rows[0] * hidden, -5.0f, 5.0f),
+                                           Uniform(src_rows[1] * hidden, -5.0f, 5.0f)};
+        Buffer sb[2] = {Upload(src[0]), Upload(src[1])};
+        constexpr int kRuns = 6;
+        const int64_t dst_rows = 29;
+        const int source_of[kRuns] = {0, 1, 0, 1, 0, 1};
+        const int64_t counts[kRuns] = {5, 0, 17, 29, 1, 12};
+        std::vector<int32_t> moves = {3, 3};              // a move before the first run: not taken
+        std::vector<std::vector<int32_t>> dst_of(kRuns);  // per run: source row of each dst row
+        std::vector<RowRun> runs(kRuns);
+        std::vector<Buffer> db;
+        for (int r = 0; r < kRuns; ++r) {
+          dst_of[r].assign(dst_rows, -1);
+          std::vector<int32_t> rows(dst_rows);
+          std::iota(rows.begin(), rows.end(), 0);
+          std::shuffle(rows.begin(), rows.end(), rng_);
+          runs[r].first = static_cast<int64_t>(moves.size() / 2);
+          runs[r].count = counts[r];
+          std::uniform_int_distribution<int32_t> from(0, src_rows[source_of[r]] - 1);
+          for (int64_t i = 0; i < counts[r]; ++i) {
+            const int32_t s = i == 3 ? static_cast<int32_t>(src_rows[source_of[r]]) : from(rng_);
+            const int32_t d = i == 4 ? -1 : rows[i];
+            moves.push_back(s);
+            moves.push_back(d);
+            if (i != 3 && i != 4) dst_of[r][d] = s;
+          }
+          db.push_back(Upload(std::vector<float>(dst_rows * hidden, -777.0f)));
+        }
+        Buffer mb = Upload(moves);
+        for (int r = 0; r < kRuns; ++r) {
+          runs[r].src = &sb[source_of[r]];
+          runs[r].dst = &db[r];
+        }
+        ASSERT_TRUE(CopyRowRuns(Rt(), runs, mb, hidden, round, groups).ok());
+        for (int r = 0; r < kRuns; ++r) {
+          const std::vector<float> got = Download<float>(db[r], dst_rows * hidden);
+          const std::vector<float>& from = src[source_of[r]];
+          for (int64_t d = 0; d < dst_rows; ++d) {
+            const int32_t s = dst_of[r][d];
+            for (int64_t c = 0; c < hidden; ++c) {
+              const float v = s < 0 ? -777.0f : from[s * hidden + c];
+              const float want = s >= 0 && round ? round_bf16(v) : v;
+              ASSERT_EQ(std::bit_cast<uint32_t>(got[d * hidden + c]), std::bit_cast<uint32_t>(want))
+                  << "run " << r << " row " << d << " column " << c;
+            }
+          }
+        }
+      }
+  Buffer sb = Upload(Uniform(8));
+  Buffer mb = Upload(std::vector<int32_t>{0, 0});
+  Buffer db = Poisoned(8);
+  const RowRun past[1] = {{&sb, &db, 0, 2}};  // moves past the buffer
+  EXPECT_FALSE(CopyRowRuns(Rt(), past, mb, 8, false).ok());
+  const RowRun negative[1] = {{&sb, &db, -1, 1}};
+  EXPECT_FALSE(CopyRowRuns(Rt(), negative, mb, 8, false).ok());
+  const RowRun one[1] = {{&sb, &db, 0, 1}};
+  EXPECT_FALSE(CopyRowRuns(Rt(), one, mb, 8, false, -1).ok());
+}
+
+// ReturnRows sends each pair's row to its sender's pairs at the pair's home and each received
+// row's part to its sender's parts at me * tokens + token, from the pair table on the device,
+// for 2 senders and for 6 (two launches), in each form, and writes nothing for a pair of no
+// sender, a home past the sender's buffer or a token past its count.
+TEST_F(Seeded, ReturnRowsSendsEachRowToItsSenderFromThePairTable) {
+  for (int senders : {2, 6})
+    for (int64_t hidden : {1, 6, 72, 1100})
+      for (int64_t groups : {0, -1, 3})
+        for (bool parts : {false, true}) {
+          SCOPED_TRACE(absl::StrCat("senders=", senders, " hidden=", hidden, " groups=", groups,
+                                    " parts=", parts));
+          const int me = senders - 1;
+          std::vector<int64_t> begin(senders + 1, 0), tokens(senders);
+          std::uniform_int_distribution<int64_t> few(0, 9);
+          for (int s = 0; s < senders; ++s) {
+            begin[s + 1] = begin[s] + few(rng_);  // rows from s (some none), distinct tokens
+            tokens[s] = begin[s + 1] - begin[s] + 1 + few(rng_) % 3;
+          }
+          const int64_t rows = begin[senders];
+          const int k = 3;
+          const int64_t home_rows = 12 * k, part_rows = senders * 12;
+          // Pairs: each received row's, some with bad entries.
+          std::vector<int32_t> pair_row, pair_home, token(rows);
+          for (int s = 0; s < senders; ++s) {
+            std::vector<int32_t> ids(tokens[s]);
+            std::iota(ids.begin(), ids.end(), 0);
+            std::shuffle(ids.begin(), ids.end(), rng_);
+            for (int64_t r = begin[s]; r < begin[s + 1]; ++r) {
+              token[r] = ids[r - begin[s]];
+              for (int j = 0; j < 2; ++j) {
+                pair_row.push_back(static_cast<int32_t>(r));
+                pair_home.push_back(static_cast<int32_t>(token[r] * k + j));
+              }
+            }
+          }
+          pair_row.push_back(static_cast<int32_t>(rows));  // no sender
+          pair_home.push_back(0);
+          if (rows > 0) {
+            pair_row.push_back(0);  // a home past the buffer
+            pair_home.push_back(static_cast<int32_t>(home_rows));
+          }
+          const int64_t pairs = static_cast<int64_t>(pair_row.size());
+          // The last received row names a token past its sender's count when parts are moved.
+          int bad_row_sender = -1;
+          if (rows > 0) {
+            for (int s = 0; s < senders; ++s) {
+              if (begin[s] <= rows - 1 && rows - 1 < begin[s + 1]) bad_row_sender = s;
+            }
+            token[rows - 1] = static_cast<int32_t>(tokens[bad_row_sender]);
+          }
+          const std::vector<float> pair_vals = Uniform(pairs * hidden, -3.0f, 3.0f);
+          const std::vector<float> part_vals =
+              Uniform(std::max<int64_t>(rows, 1) * hidden, -3.0f, 3.0f);
+          Buffer pb = Upload(pair_vals), rb = Upload(part_vals);
+          std::vector<int32_t> tables = pair_row;
+          tables.insert(tables.end(), pair_home.begin(), pair_home.end());
+          if (parts) tables.insert(tables.end(), token.begin(), token.end());
+          Buffer tb = Upload(tables);
+          std::vector<Buffer> pd, qd;
+          for (int s = 0; s < senders; ++s) {
+            pd.push_back(Upload(std::vector<float>(home_rows * hidden, -777.0f)));
+            qd.push_back(Upload(std::vector<float>(part_rows * hidden, -777.0f)));
+          }
+          std::vector<const Buffer*> pairs_to, parts_to;
+          for (int s = 0; s < senders; ++s) {
+            pairs_to.push_back(&pd[s]);
+            parts_to.push_back(&qd[s]);
+          }
+          ReturnRowsArgs a;
+          a.pair_rows = &pb;
+          a.row_parts = parts ? &rb : nullptr;
+          a.pairs_to = pairs_to;
+          a.parts_to = parts_to;
+          a.source_begin = begin;
+          a.tokens = tokens;
+          a.tables = &tb;
+          a.pairs = pairs;
+          a.rows = parts ? rows : 0;
+          a.me = me;
+          a.hidden = hidden;
+          a.groups = groups;
+          ASSERT_TRUE(ReturnRows(Rt(), a).ok());
+          for (int s = 0; s < senders; ++s) {
+            std::vector<float> want_pairs(home_rows * hidden, -777.0f);
+            for (int64_t p = 0; p < pairs; ++p) {
+              if (pair_row[p] < begin[s] || pair_row[p] >= begin[s + 1] ||
+                  pair_home[p] >= home_rows) {
+                continue;
+              }
+              std::copy_n(&pair_vals[p * hidden], hidden, &want_pairs[pair_home[p] * hidden]);
+            }
+            std::vector<float> want_parts(part_rows * hidden, -777.0f);
+            for (int64_t r = begin[s]; r < begin[s + 1] && parts; ++r) {
+              if (token[r] >= tokens[s]) continue;
+              std::copy_n(&part_vals[r * hidden], hidden,
+                          &want_parts[(me * tokens[s] + token[r]) * hidden]);
+            }
+            EXPECT_EQ(Download<float>(pd[s], home_rows * hidden), want_pairs)
+                << "pairs of sender " << s;
+            EXPECT_EQ(Download<float>(qd[s], part_rows * hidden), want_parts)
+                << "parts of sender " << s;
+          }
+        }
+  Buffer b = Upload(Uniform(8));
+  const Buffer* one[1] = {&b};
+  const int64_t begin[2] = {0, 1}, tokens[1] = {1};
+  ReturnRowsArgs a;
+  a.pair_rows = &b;
+  a.pairs_to = one;
+  a.source_begin = begin;
+  a.tokens = tokens;
+  a.tables = &b;
+  a.pairs = 1;
+  a.hidden = 8;
+  a.me = 1;  // not a sender
+  EXPECT_FALSE(ReturnRows(Rt(), a).ok());
+  a.me = 0;
+  a.rows = 1;  // rows without parts
+  EXPECT_FALSE(ReturnRows(Rt(), a).ok());
 }
 
 TEST_F(Seeded, RoundToBf16RoundsAsTheHostDoes) {

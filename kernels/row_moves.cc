@@ -1,0 +1,188 @@
+// The exchange's row moves between devices' memory (kernels/moe_kernels.h: CopyRows,
+// CopyRowRuns, ReturnRows; kernels/cl/combine.cl).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/detail/cl_check.h"
+#include "kernels/detail/launch.h"
+#include "kernels/moe_kernels.h"
+
+namespace epserve::kernels {
+
+using detail::LaunchBounded;
+using detail::NeedBytes;
+using detail::NeedIntRange;
+using detail::SetArgs;
+
+absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
+                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst,
+                      int64_t groups) {
+  if (first < 0 || count < 0 || hidden < 1 || groups < -1) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyRows: first ", first, ", count ", count,
+                                                   ", hidden ", hidden, ", groups ", groups,
+                                                   " (need >= 0, >= 0, >= 1, >= -1)"));
+  }
+  if (count == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(count, "count"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(moves, (first + count) * 2 * sizeof(int32_t), "moves"));
+  // Four values per work-item where rows allow it; on GPUs, whole rows per work-group.
+  const bool by4 = hidden % 4 == 0;
+  if (by4 && (groups > 0 || (groups == 0 && !rt.device_info().is_cpu))) {
+    const RowRun run[1] = {{&src, &dst, first, count}};
+    return CopyRowRuns(rt, run, moves, hidden, round_bf16, groups > 0 ? groups : 0);
+  }
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(by4 ? "copy_rows4" : "copy_rows"));
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  const int64_t width = by4 ? hidden / 4 : hidden;
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, static_cast<cl_long>(src.bytes() / row_bytes), moves,
+                                  cl_long{first}, static_cast<cl_int>(count), cl_long{width},
+                                  cl_int{round_bf16 ? 1 : 0}, dst,
+                                  static_cast<cl_long>(dst.bytes() / row_bytes)));
+  const size_t global[2] = {static_cast<size_t>(width), static_cast<size_t>(count)};
+  return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
+}
+
+absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer& moves,
+                         int64_t hidden, bool round_bf16, int64_t groups) {
+  if (groups < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyRowRuns: groups ", groups, " (need >= 0)"));
+  }
+  if (hidden % 4 != 0 || (groups == 0 && rt.device_info().is_cpu)) {
+    for (const RowRun& run : runs) {
+      EPSERVE_RETURN_IF_ERROR(
+          CopyRows(rt, *run.src, moves, run.first, run.count, hidden, round_bf16, *run.dst));
+    }
+    return absl::OkStatus();
+  }
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  const int64_t quarter = hidden / 4;
+  for (size_t at = 0; at < runs.size(); at += kRunsPerLaunch) {
+    const std::span<const RowRun> part =
+        runs.subspan(at, std::min(kRunsPerLaunch, runs.size() - at));
+    cl_mem src[kRunsPerLaunch] = {}, dst[kRunsPerLaunch] = {};
+    cl_long4 src_rows{}, dst_rows{};
+    cl_int4 starts{}, ends{};
+    int64_t total = 0;
+    for (size_t r = 0; r < kRunsPerLaunch; ++r) {
+      if (r < part.size()) {
+        const RowRun& run = part[r];
+        if (run.first < 0 || run.count < 0) {
+          return absl::InvalidArgumentError(absl::StrCat("CopyRowRuns: run first ", run.first,
+                                                         ", count ", run.count, " (need >= 0)"));
+        }
+        EPSERVE_RETURN_IF_ERROR(
+            NeedBytes(moves, (run.first + run.count) * 2 * sizeof(int32_t), "moves"));
+        EPSERVE_RETURN_IF_ERROR(NeedIntRange(run.first, "first"));
+        src[r] = run.src->mem();
+        dst[r] = run.dst->mem();
+        src_rows.s[r] = static_cast<cl_long>(run.src->bytes() / row_bytes);
+        dst_rows.s[r] = static_cast<cl_long>(run.dst->bytes() / row_bytes);
+        starts.s[r] = static_cast<cl_int>(run.first);
+        total += run.count;
+      }
+      EPSERVE_RETURN_IF_ERROR(NeedIntRange(total, "rows"));
+      ends.s[r] = static_cast<cl_int>(total);
+    }
+    if (total == 0) continue;
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("copy_runs_grouped"));
+    cl_uint arg = 0;
+    for (cl_mem m : src) CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
+    for (cl_mem m : dst) CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
+    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(src_rows), &src_rows));
+    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(dst_rows), &dst_rows));
+    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(starts), &starts));
+    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(ends), &ends));
+    const cl_mem moves_mem = moves.mem();
+    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), &moves_mem));
+    const cl_long q = quarter;
+    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(q), &q));
+    const cl_int round = round_bf16 ? 1 : 0;
+    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(round), &round));
+    const int64_t lanes = std::min<int64_t>(kCopyRowLanes, (quarter + 31) / 32 * 32);
+    const int64_t units = std::max(1, rt.device_info().compute_units);
+    const int64_t launched = std::min(total, groups > 0 ? groups : units * kCopyGroupsPerUnit);
+    const size_t global[1] = {static_cast<size_t>(launched * lanes)};
+    const size_t local[1] = {static_cast<size_t>(lanes)};
+    EPSERVE_RETURN_IF_ERROR(detail::Launch(rt, kernel, 1, global, local));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReturnRows(Runtime& rt, const ReturnRowsArgs& a) {
+  const size_t senders = a.pairs_to.size();
+  const bool parts = a.row_parts != nullptr;
+  if (senders == 0 || a.source_begin.size() != senders + 1 || a.tokens.size() != senders ||
+      (parts && a.parts_to.size() != senders) || a.pair_rows == nullptr || a.tables == nullptr ||
+      a.hidden < 1 || a.pairs < 0 || a.rows < 0 || (!parts && a.rows != 0) || a.groups < -1 ||
+      a.me < 0 || a.me >= static_cast<int>(senders)) {
+    return absl::InvalidArgumentError(absl::StrCat("ReturnRows: ", senders,
+                                                   " senders (>= 1, one source_begin more, a token "
+                                                   "count each), hidden ",
+                                                   a.hidden, " (>= 1), pairs ", a.pairs, ", rows ",
+                                                   a.rows, " (>= 0, 0 without parts), me ", a.me,
+                                                   ", groups ", a.groups));
+  }
+  if (a.pairs + a.rows == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(2 * a.pairs + a.rows, "pairs and rows"));
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(a.source_begin[senders], "source_begin"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(*a.tables, (2 * a.pairs + a.rows) * sizeof(int32_t), "tables"));
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * sizeof(float);
+  const cl_long pair_src_rows = static_cast<cl_long>(a.pair_rows->bytes() / row_bytes);
+  const cl_long part_src_rows = parts ? static_cast<cl_long>(a.row_parts->bytes() / row_bytes) : 0;
+  const int64_t width = a.hidden % 4 == 0 ? a.hidden / 4 : a.hidden;
+  const bool grouped = a.groups > 0 || (a.groups == 0 && !rt.device_info().is_cpu);
+  const int64_t lanes = std::min<int64_t>(kCopyRowLanes, (width + 31) / 32 * 32);
+  const int64_t units = std::max(1, rt.device_info().compute_units);
+  const int64_t launched =
+      std::min(a.pairs + a.rows, a.groups > 0 ? a.groups : units * kCopyGroupsPerUnit);
+  const size_t global[1] = {static_cast<size_t>(launched * lanes)};
+  const size_t local[1] = {static_cast<size_t>(lanes)};
+  const size_t values[2] = {static_cast<size_t>(width), static_cast<size_t>(a.pairs + a.rows)};
+  for (size_t first = 0; first < senders; first += kRunsPerLaunch) {
+    const size_t last = std::min(senders, first + kRunsPerLaunch);  // this launch's senders
+    cl_mem pd[kRunsPerLaunch] = {}, qd[kRunsPerLaunch] = {};
+    cl_long4 pair_dst_rows{}, part_dst_rows{};
+    cl_int4 begin{}, tokens{};
+    for (size_t g = 0; g < kRunsPerLaunch; ++g) {
+      const size_t s = first + g;
+      const bool used = s < last;
+      pd[g] = used ? a.pairs_to[s]->mem() : nullptr;
+      qd[g] = used && parts ? a.parts_to[s]->mem() : nullptr;
+      pair_dst_rows.s[g] = used ? static_cast<cl_long>(a.pairs_to[s]->bytes() / row_bytes) : 0;
+      part_dst_rows.s[g] =
+          used && parts ? static_cast<cl_long>(a.parts_to[s]->bytes() / row_bytes) : 0;
+      begin.s[g] = static_cast<cl_int>(a.source_begin[std::min(s, last)]);
+      tokens.s[g] = used ? static_cast<cl_int>(a.tokens[s]) : 0;
+    }
+    EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel,
+                             rt.Kernel(grouped ? "return_rows" : "return_rows_values"));
+    cl_uint arg = 0;
+    auto mem = [&](cl_mem m) {
+      return clSetKernelArg(kernel, arg++, sizeof(cl_mem), m != nullptr ? &m : nullptr);
+    };
+    auto value = [&](const auto& v) { return clSetKernelArg(kernel, arg++, sizeof(v), &v); };
+    CL_CHECK(mem(a.pair_rows->mem()));
+    CL_CHECK(value(pair_src_rows));
+    CL_CHECK(mem(parts ? a.row_parts->mem() : nullptr));
+    CL_CHECK(value(part_src_rows));
+    for (cl_mem m : pd) CL_CHECK(mem(m));
+    for (cl_mem m : qd) CL_CHECK(mem(m));
+    CL_CHECK(value(pair_dst_rows));
+    CL_CHECK(value(part_dst_rows));
+    CL_CHECK(value(begin));
+    CL_CHECK(value(static_cast<cl_int>(a.source_begin[last])));
+    CL_CHECK(value(tokens));
+    CL_CHECK(value(static_cast<cl_int>(a.me)));
+    CL_CHECK(mem(a.tables->mem()));
+    CL_CHECK(value(static_cast<cl_int>(a.pairs)));
+    CL_CHECK(value(static_cast<cl_int>(a.rows)));
+    CL_CHECK(value(static_cast<cl_long>(a.hidden)));
+    EPSERVE_RETURN_IF_ERROR(grouped
+                                ? detail::Launch(rt, kernel, 1, global, local)
+                                : LaunchBounded(rt, kernel, 2, values, detail::kCpuCombineGroup));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace epserve::kernels
