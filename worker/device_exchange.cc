@@ -10,6 +10,8 @@ namespace epserve::worker {
 
 namespace {
 
+int64_t NanosBetween(absl::Time from, absl::Time to) { return absl::ToInt64Nanoseconds(to - from); }
+
 // Whether this worker can take part in a device exchange of `kind` with these pieces: the shm
 // heap, a device of the kind, pieces NVIDIA's driver imports.
 absl::Status CheckUsable(const kernels::Runtime& rt, const shmem::SymmetricHeap& heap,
@@ -104,6 +106,9 @@ absl::StatusOr<std::unique_ptr<DeviceExchange>> DeviceExchange::Create(
   // row back (Return).
   const size_t moves = std::max(n * w, recv * (k + 1));
   EPSERVE_ASSIGN_OR_RETURN(dx->moves_, rt.Allocate(moves * 2 * sizeof(int32_t)));
+  EPSERVE_ASSIGN_OR_RETURN(void* pinned, rt.AllocatePinnedHost(moves * 2 * sizeof(int32_t)));
+  dx->moves_host_ = static_cast<int32_t*>(pinned);
+  dx->moves_capacity_ = static_cast<int64_t>(moves);
   return dx;
 }
 
@@ -123,41 +128,59 @@ bool DeviceExchange::Serves(const BatchDescriptor& desc) const {
          reproduced(plan.combine_dtype());
 }
 
-void DeviceExchange::StartRuns() {
-  moves_host_.clear();
+absl::Status DeviceExchange::StartRuns(int64_t most_moves) {
+  if (most_moves > moves_capacity_) {
+    return absl::InternalError(absl::StrCat("a pass of up to ", most_moves, " row moves, over the ",
+                                            moves_capacity_, " planned"));
+  }
+  // A pass that ended early (an error) may have uploads of the table still queued.
+  if (queued_) EPSERVE_RETURN_IF_ERROR(rt_.Finish());
+  queued_ = false;
+  moves_count_ = 0;
   run_first_.assign(1, 0);
   run_src_.clear();
   run_dst_.clear();
+  run_to_peer_.clear();
+  return absl::OkStatus();
 }
 
 void DeviceExchange::CloseRun(int to_worker, const kernels::Buffer* from, const kernels::Buffer* to,
                               size_t* rows_to_peers) {
-  const int64_t end = static_cast<int64_t>(moves_host_.size() / 2);
+  const int64_t end = moves_count_;
   if (end == run_first_.back()) return;
   if (to_worker != me_) *rows_to_peers += static_cast<size_t>(end - run_first_.back());
   run_first_.push_back(end);
   run_src_.push_back(from);
   run_dst_.push_back(to);
+  run_to_peer_.push_back(to_worker != me_);
 }
 
 absl::Status DeviceExchange::RunMoves(bool round_bf16) {
-  if (moves_host_.empty()) return absl::OkStatus();
-  EPSERVE_RETURN_IF_ERROR(
-      rt_.Write(moves_, 0, moves_host_.data(), moves_host_.size() * sizeof(int32_t)));
-  const int64_t hidden = regions_.plan.shape().hidden;
-  for (size_t r = 0; r < run_src_.size(); ++r) {
-    EPSERVE_RETURN_IF_ERROR(kernels::CopyRows(rt_, *run_src_[r], moves_, run_first_[r],
-                                              run_first_[r + 1] - run_first_[r], hidden, round_bf16,
-                                              *run_dst_[r]));
+  if (moves_count_ == 0) return absl::OkStatus();
+  // The moves go up without a wait (straight from pinned memory), the runs into peers' memory
+  // first, those within this worker's memory in the same launches beside them, all submitted
+  // before the host's part of the pass.
+  EPSERVE_RETURN_IF_ERROR(rt_.WriteAsync(moves_, 0, moves_host_,
+                                         static_cast<size_t>(moves_count_) * 2 * sizeof(int32_t)));
+  queued_ = true;
+  runs_.clear();
+  for (bool to_peers : {true, false}) {
+    for (size_t r = 0; r < run_src_.size(); ++r) {
+      if (run_to_peer_[r] != to_peers) continue;
+      runs_.push_back({run_src_[r], run_dst_[r], run_first_[r], run_first_[r + 1] - run_first_[r]});
+    }
   }
-  return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(
+      kernels::CopyRowRuns(rt_, runs_, moves_, regions_.plan.shape().hidden, round_bf16));
+  return rt_.Flush();
 }
 
 absl::Status DeviceExchange::Send(const Exchange& ex) {
+  const absl::Time start = absl::Now();
   const int num_workers = regions_.plan.shape().num_workers;
   const int64_t n = ex.n();
   const int64_t capacity = regions_.plan.recv_capacity();
-  StartRuns();
+  EPSERVE_RETURN_IF_ERROR(StartRuns(n * num_workers));
   size_t rows_to_peers = 0;
   for (int d = 0; d < num_workers; ++d) {
     for (int64_t t = 0; t < n; ++t) {
@@ -168,66 +191,156 @@ absl::Status DeviceExchange::Send(const Exchange& ex) {
         return absl::InternalError(absl::StrCat("a row for worker ", d, " at ", row,
                                                 ", over its receive capacity ", capacity));
       }
-      moves_host_.push_back(static_cast<int32_t>(t));
-      moves_host_.push_back(static_cast<int32_t>(row));
+      AddMove(static_cast<int32_t>(t), static_cast<int32_t>(row));
     }
     CloseRun(d, inputs_.x, &RecvRows(d), &rows_to_peers);
   }
   bytes_sent_to_peers_ =
       rows_to_peers * static_cast<size_t>(regions_.plan.shape().hidden) * sizeof(float);
-  return RunMoves(regions_.plan.dispatch_dtype() == common::ElementType::kBf16);
+  const absl::Time built = absl::Now();
+  const absl::Status s = RunMoves(regions_.plan.dispatch_dtype() == common::ElementType::kBf16);
+  send_times_ = {NanosBetween(start, built), NanosBetween(built, absl::Now()), 0};
+  return s;
 }
 
 // The rows must be in the receivers' memory before the dispatch signals say so.
-absl::Status DeviceExchange::Sync() { return rt_.Finish(); }
+absl::Status DeviceExchange::Sync() {
+  const absl::Time start = absl::Now();
+  const absl::Status s = rt_.Finish();
+  if (s.ok()) queued_ = false;
+  send_times_.wait_ns = NanosBetween(start, absl::Now());
+  return s;
+}
 
 absl::Status DeviceExchange::Return(const Exchange& ex) {
+  const absl::Time start = absl::Now();
+  const ExchangePlan& plan = regions_.plan;
+  size_t rows_to_peers = 0;
+  absl::Time first_launch = start;
+  absl::Status status = rt_.device_info().is_cpu ? ReturnByMoves(ex, &rows_to_peers, &first_launch)
+                                                 : ReturnByTable(ex, &rows_to_peers, &first_launch);
+  bytes_returned_to_peers_ =
+      rows_to_peers * static_cast<size_t>(plan.shape().hidden) * sizeof(float);
+  const absl::Time queued = absl::Now();
+  // The rows must be in the owners' memory before the combine signals say so (and a pass that
+  // failed leaves nothing queued).
+  const absl::Status finished = rt_.Finish();
+  if (finished.ok()) queued_ = false;
+  return_times_ = {NanosBetween(start, first_launch), NanosBetween(first_launch, queued),
+                   NanosBetween(queued, absl::Now())};
+  return status.ok() ? finished : status;
+}
+
+absl::Status DeviceExchange::ReturnByTable(const Exchange& ex, size_t* rows_to_peers,
+                                           absl::Time* first_launch) {
   const ExchangePlan& plan = regions_.plan;
   const int num_workers = plan.shape().num_workers;
   const int k = plan.shape().top_k;
   const bool split = plan.shared_expert_split();
   const ReceivedRows& in = ex.received();
-  StartRuns();
-  size_t rows_to_peers = 0;
-  // Pair p goes back to the sender of its row, at the position the sender gave it.
-  pairs_of_.assign(num_workers, {});
-  for (int64_t p = 0; p < in.pairs; ++p) {
-    pairs_of_[in.Source(in.pair_row[p])].push_back(static_cast<int32_t>(p));
-  }
+  const int64_t rows = split ? in.rows : 0;
+  // The table (pair_row, pair_home, token) in the moves' pinned memory, up and run at once;
+  // the host checks it while the device moves the rows.
+  const int64_t ints = 2 * in.pairs + rows;
+  EPSERVE_RETURN_IF_ERROR(StartRuns((ints + 1) / 2));
+  std::copy_n(in.pair_row, in.pairs, moves_host_);
+  std::copy_n(in.pair_home, in.pairs, moves_host_ + in.pairs);
+  std::copy_n(in.token, rows, moves_host_ + 2 * in.pairs);
+  *first_launch = absl::Now();
+  EPSERVE_RETURN_IF_ERROR(
+      rt_.WriteAsync(moves_, 0, moves_host_, static_cast<size_t>(ints) * sizeof(int32_t)));
+  queued_ = true;
+  table_pairs_to_.resize(num_workers);
+  table_parts_to_.resize(num_workers);
+  table_tokens_.resize(num_workers);
   for (int s = 0; s < num_workers; ++s) {
+    table_pairs_to_[s] = &returned_pairs_[s];
+    table_parts_to_[s] = &returned_parts_[s];
+    table_tokens_[s] = ex.tokens_of(s);
+  }
+  kernels::ReturnRowsArgs a;
+  a.pair_rows = own_.pair_rows;
+  a.row_parts = split ? own_.row_parts : nullptr;
+  a.pairs_to = table_pairs_to_;
+  if (split) a.parts_to = table_parts_to_;
+  a.source_begin = in.source_begin;
+  a.tokens = table_tokens_;
+  a.tables = &moves_;
+  a.pairs = in.pairs;
+  a.rows = rows;
+  a.me = me_;
+  a.hidden = plan.shape().hidden;
+  EPSERVE_RETURN_IF_ERROR(kernels::ReturnRows(rt_, a));
+  EPSERVE_RETURN_IF_ERROR(rt_.Flush());
+
+  // Pair p goes back to the sender s of its row, at the position the sender gave it; each
+  // received row's part into block me_ of its sender's parts, at the token's index.
+  const std::span<const int64_t> begin = in.source_begin;
+  for (int64_t p = 0; p < in.pairs; ++p) {
+    const int32_t row = in.pair_row[p];
+    int s = 0;
+    while (s < num_workers && row >= begin[s + 1]) ++s;
+    const int64_t homes = s < num_workers ? ex.tokens_of(s) * k : 0;
+    const int32_t home = in.pair_home[p];
+    if (row < begin[0] || s == num_workers || home < 0 || home >= homes) {
+      return absl::InternalError(absl::StrCat("pair ", p, " of received row ", row, " returns to ",
+                                              home, ", outside its sender's ", homes, " pairs"));
+    }
+    if (s != me_) ++*rows_to_peers;
+  }
+  for (int s = 0; s < num_workers && split; ++s) {
+    const int64_t tokens = ex.tokens_of(s);
+    for (int64_t r = begin[s]; r < begin[s + 1]; ++r) {
+      const int32_t t = in.token[r];
+      if (t < 0 || t >= tokens) {
+        return absl::InternalError(absl::StrCat("received row ", r, " names token ", t,
+                                                " of worker ", s, ", which has ", tokens));
+      }
+    }
+    if (s != me_) *rows_to_peers += static_cast<size_t>(begin[s + 1] - begin[s]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceExchange::ReturnByMoves(const Exchange& ex, size_t* rows_to_peers,
+                                           absl::Time* first_launch) {
+  const ExchangePlan& plan = regions_.plan;
+  const int num_workers = plan.shape().num_workers;
+  const int k = plan.shape().top_k;
+  const bool split = plan.shared_expert_split();
+  const ReceivedRows& in = ex.received();
+  EPSERVE_RETURN_IF_ERROR(StartRuns(in.pairs + (split ? in.rows : 0)));
+  for (int s = 0; s < num_workers; ++s) {
+    // Pair p goes back to the sender s of its row, at the position the sender gave it.
     const int64_t homes = ex.tokens_of(s) * k;
-    for (int32_t p : pairs_of_[s]) {
+    const int64_t lo = in.source_begin[s], hi = in.source_begin[s + 1];
+    for (int64_t p = 0; p < in.pairs; ++p) {
+      const int32_t row = in.pair_row[p];
+      if (row < lo || row >= hi) continue;
       const int32_t home = in.pair_home[p];
       if (home < 0 || home >= homes) {
-        return absl::InternalError(absl::StrCat("pair ", p, " from worker ", s, " returns to ",
-                                                home, ", outside its ", homes, " pairs"));
+        return absl::InternalError(absl::StrCat("pair ", p, " of received row ", row,
+                                                " returns to ", home, ", outside its sender's ",
+                                                homes, " pairs"));
       }
-      moves_host_.push_back(p);
-      moves_host_.push_back(home);
+      AddMove(static_cast<int32_t>(p), home);
     }
-    CloseRun(s, own_.pair_rows, &returned_pairs_[s], &rows_to_peers);
-  }
-  if (split) {
-    // Each received row's part into block me_ of its owner's parts, at the token's index.
-    for (int s = 0; s < num_workers; ++s) {
-      const int64_t tokens = ex.tokens_of(s);
-      for (int64_t r = in.source_begin[s]; r < in.source_begin[s + 1]; ++r) {
-        const int32_t t = in.token[r];
-        if (t < 0 || t >= tokens) {
-          return absl::InternalError(absl::StrCat("received row ", r, " names token ", t,
-                                                  " of worker ", s, ", which has ", tokens));
-        }
-        moves_host_.push_back(static_cast<int32_t>(r));
-        moves_host_.push_back(static_cast<int32_t>(me_ * tokens + t));
+    CloseRun(s, own_.pair_rows, &returned_pairs_[s], rows_to_peers);
+    if (!split) continue;
+    // Each received row's part into block me_ of its sender's parts, at the token's index.
+    const int64_t tokens = ex.tokens_of(s);
+    for (int64_t r = lo; r < hi; ++r) {
+      const int32_t t = in.token[r];
+      if (t < 0 || t >= tokens) {
+        return absl::InternalError(absl::StrCat("received row ", r, " names token ", t,
+                                                " of worker ", s, ", which has ", tokens));
       }
-      CloseRun(s, own_.row_parts, &returned_parts_[s], &rows_to_peers);
+      AddMove(static_cast<int32_t>(r), static_cast<int32_t>(me_ * tokens + t));
     }
+    CloseRun(s, own_.row_parts, &returned_parts_[s], rows_to_peers);
   }
-  bytes_returned_to_peers_ =
-      rows_to_peers * static_cast<size_t>(plan.shape().hidden) * sizeof(float);
-  EPSERVE_RETURN_IF_ERROR(RunMoves(/*round_bf16=*/false));
-  // The rows must be in the owners' memory before the combine signals say so.
-  return rt_.Finish();
+  *first_launch = absl::Now();
+  return RunMoves(/*round_bf16=*/false);
 }
 
 absl::Status DeviceExchange::Sum(const Exchange& ex, float* y, bool accumulate) {
@@ -266,12 +379,14 @@ absl::Status DeviceExchange::Sum(const Exchange& ex, float* y, bool accumulate) 
 }
 
 absl::Status DeviceExchange::WarmUp() {
-  StartRuns();
-  moves_host_ = {0, 0};
+  EPSERVE_RETURN_IF_ERROR(StartRuns(1));
+  AddMove(0, 0);
   size_t rows_to_peers = 0;
   CloseRun(me_, inputs_.x, own_.recv_rows, &rows_to_peers);
   EPSERVE_RETURN_IF_ERROR(RunMoves(/*round_bf16=*/false));
-  return rt_.Finish();
+  EPSERVE_RETURN_IF_ERROR(rt_.Finish());
+  queued_ = false;
+  return absl::OkStatus();
 }
 
 }  // namespace epserve::worker

@@ -3,15 +3,17 @@
 // every worker of the host can address (shmem::PeerMemory: CUDA allocations imported into
 // each worker's OpenCL context, or, on CPU devices, shared host memory used in place). A pass:
 //   Send  the sender's rows, still on its device where the router read them, go into each
-//         destination's receive rows by one CopyRows kernel per destination (rounded to BF16
-//         values when the dispatch dtype is BF16); the heap carries the tokens, the pair table
-//         and the signals as before.
+//         destination's receive rows (rounded to BF16 values when the dispatch dtype is BF16):
+//         the moves built in pinned memory, uploaded without a wait and run in one launch for
+//         every destination (kernels::CopyRowRuns) before the host writes the tokens and the
+//         pair table into the heap, which carries them and the signals as before.
 //   (expert step)  the receiver's FFN reads its receive rows in place and writes its pair rows
 //         (and a split shared expert's row parts) where they are, on its device.
 //   Return  the receiver writes each output row into its owner's device, at the position the
 //         owner gave the pair (and a split shared expert's part of each received row at the
-//         token's), one CopyRows per owner: writes into a peer's memory, which the links carry
-//         faster than the peer's reads.
+//         token's): writes into a peer's memory, which the links carry faster than the peer's
+//         reads. On GPUs one kernel reads the receiver's pair table itself (kernels::
+//         ReturnRows); on CPU devices the host builds the moves first.
 //   Sum   the owner sums its tokens' returned rows on its own device (SumPairRows: the host
 //         sum's bits) and reads the layer's output once.
 // So a row crosses the host twice, as the protocol needs: up from rank 0's heap to the router,
@@ -26,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "shmem/heap.h"
 #include "shmem/peer_memory.h"
@@ -78,6 +81,17 @@ class DeviceExchange final : public DeviceMover {
   size_t bytes_sent_to_peers() const { return bytes_sent_to_peers_; }
   size_t bytes_returned_to_peers() const { return bytes_returned_to_peers_; }
 
+  // Where the host's time of the last Send and its Sync, and of the last Return, went: the
+  // moves built before the device had any to run, the rest built and queued (Return's later
+  // launches; Send's one), the wait for the device.
+  struct HostTimes {
+    int64_t build_ns = 0;
+    int64_t queue_ns = 0;
+    int64_t wait_ns = 0;
+  };
+  const HostTimes& send_times() const { return send_times_; }
+  const HostTimes& return_times() const { return return_times_; }
+
   // How Sum hands over the owner's output rows (the device buffer, [n][H] FP32, and y): the
   // worker's own delivery (some rows may go to clients' CUDA memory); unset: all into y.
   void set_deliver(std::function<absl::Status(const kernels::Buffer&, float*)> deliver) {
@@ -97,14 +111,27 @@ class DeviceExchange final : public DeviceMover {
   // One kernels::Buffer over member d's piece p of memory_.
   absl::StatusOr<kernels::Buffer> Import(int d, int p);
   // A pass's row moves: (source row, destination row) pairs in runs, each run from one buffer
-  // into one buffer (one CopyRows each). StartRuns clears them; CloseRun ends the run of the
-  // pairs added since the last one (none: no run), from `from` into worker `to_worker`'s `to`,
-  // counting its rows in *rows_to_peers when that worker is another; RunMoves uploads the pairs
-  // and runs every run.
-  void StartRuns();
+  // into one buffer. StartRuns clears them (for up to `most_moves` pairs); AddMove adds a
+  // pair; CloseRun ends the run of the pairs added since the last one (none: no run), from
+  // `from` into worker `to_worker`'s `to`, counting its rows in *rows_to_peers when that worker
+  // is another; RunMoves uploads the pairs and queues every run (kernels::CopyRowRuns: those
+  // into peers' memory beside this worker's own) without waiting for them (Sync waits).
+  absl::Status StartRuns(int64_t most_moves);
+  void AddMove(int32_t from_row, int32_t to_row) {
+    moves_host_[2 * moves_count_] = from_row;
+    moves_host_[2 * moves_count_ + 1] = to_row;
+    ++moves_count_;
+  }
   void CloseRun(int to_worker, const kernels::Buffer* from, const kernels::Buffer* to,
                 size_t* rows_to_peers);
   absl::Status RunMoves(bool round_bf16);
+  // Return's two ways, each counting the rows it sends to peers and saying when the device
+  // was given the work. On GPUs the receiver's pair table itself goes up and one kernel reads
+  // it (kernels::ReturnRows) while the host checks it: the device starts at once. On CPU
+  // devices the host builds the moves in runs first (RunMoves), which PoCL copies faster
+  // than it runs ReturnRows' per-row lookups.
+  absl::Status ReturnByTable(const Exchange& ex, size_t* rows_to_peers, absl::Time* first_launch);
+  absl::Status ReturnByMoves(const Exchange& ex, size_t* rows_to_peers, absl::Time* first_launch);
 
   kernels::Runtime& rt_;
   std::function<absl::Status(const kernels::Buffer&, float*)> deliver_;
@@ -117,12 +144,21 @@ class DeviceExchange final : public DeviceMover {
   // Every worker's (this one's included) pair rows [rows per worker x k][H] and row parts
   // [W][rows per worker][H] as returned to it: where Return writes and Sum reads.
   std::vector<kernels::Buffer> returned_pairs_, returned_parts_;
-  kernels::Buffer identity_;         // int32 [rows per worker x k]: 0, 1, 2, ...
-  kernels::Buffer moves_;            // int32 pairs, a pass's moves
-  std::vector<int32_t> moves_host_;  // the pass's (source, destination) pairs
-  std::vector<int64_t> run_first_;   // [runs + 1]: where each run's pairs start
+  kernels::Buffer identity_;  // int32 [rows per worker x k]: 0, 1, 2, ...
+  kernels::Buffer moves_;     // int32 pairs, a pass's moves
+  // The pass's (source, destination) pairs (Return: its pair table), built in pinned memory:
+  // moves_count_ of at most moves_capacity_.
+  int32_t* moves_host_ = nullptr;
+  int64_t moves_capacity_ = 0;
+  int64_t moves_count_ = 0;
+  bool queued_ = false;             // uploads of the table queued since the last Finish
+  std::vector<int64_t> run_first_;  // [runs + 1]: where each run's pairs start
   std::vector<const kernels::Buffer*> run_src_, run_dst_;  // [runs]
-  std::vector<std::vector<int32_t>> pairs_of_;             // Return: received pairs per owner
+  std::vector<bool> run_to_peer_;                          // [runs]: into another worker's
+  std::vector<kernels::RowRun> runs_;                      // RunMoves' launch order
+  std::vector<const kernels::Buffer*> table_pairs_to_, table_parts_to_;  // ReturnByTable's
+  std::vector<int64_t> table_tokens_;
+  HostTimes send_times_, return_times_;
   size_t bytes_sent_to_peers_ = 0;
   size_t bytes_returned_to_peers_ = 0;
 };

@@ -264,7 +264,7 @@ absl::Status Exchange::Dispatch(const float* x, absl::Time deadline, DeviceMover
   return s;
 }
 
-void Exchange::DispatchDirect(const float* x, bool payload) {
+void Exchange::DispatchDirect(const float* x) {
   const int num_workers = plan_.shape().num_workers;
   const int k = plan_.shape().top_k;
   const int64_t hidden = plan_.shape().hidden;
@@ -279,9 +279,7 @@ void Exchange::DispatchDirect(const float* x, bool payload) {
       const int rank = rank_of(d);
       const int64_t row = row_base_[d] + slot[d];
       void* dst = heap_.Direct(rank, regions_.recv_rows + row * row_bytes);
-      if (!payload) {
-        // the rows go device to device (DeviceMover::Send)
-      } else if (dtype == common::ElementType::kFp32) {
+      if (dtype == common::ElementType::kFp32) {
         std::memcpy(dst, src, static_cast<size_t>(hidden) * sizeof(float));
       } else if (first == nullptr) {
         EncodeRow(dtype, src, hidden, dst);
@@ -292,45 +290,35 @@ void Exchange::DispatchDirect(const float* x, bool payload) {
       heap_.DirectAs<int32_t>(rank, regions_.recv_token)[row] =
           static_cast<int32_t>(token_base_ + t);
       int32_t* pair_row = heap_.DirectAs<int32_t>(rank, regions_.pair_row);
-      int32_t* pair_home = heap_.DirectAs<int32_t>(rank, regions_.pair_home);
       for (int j = 0; j < k; ++j) {
-        if (dest_[t * k + j] != d) continue;
-        pair_row[pair_at_[t * k + j]] = static_cast<int32_t>(row);
-        if (!payload) pair_home[pair_at_[t * k + j]] = static_cast<int32_t>(t * k + j);
+        if (dest_[t * k + j] == d) pair_row[pair_at_[t * k + j]] = static_cast<int32_t>(row);
       }
     }
   }
 }
 
-absl::Status Exchange::DispatchStaged(const float* x) {
+absl::Status Exchange::DispatchStaged(const float* x, bool payload) {
   const int num_workers = plan_.shape().num_workers;
   const int k = plan_.shape().top_k;
   const int64_t hidden = plan_.shape().hidden;
   const common::ElementType dtype = plan_.dispatch_dtype();
   const size_t row_bytes = plan_.dispatch_row_bytes();
+  const bool fp32 = dtype == common::ElementType::kFp32;
   const int64_t streams = combine_base_[num_workers];  // my rows to all destinations
   stage_token_.resize(streams);
   stage_pair_row_.resize(static_cast<size_t>(n_) * k);
-  if (dtype != common::ElementType::kFp32) stage_rows_.resize(static_cast<size_t>(n_) * row_bytes);
+  if (!payload) stage_pair_home_.resize(static_cast<size_t>(n_) * k);
+  if (payload && !fp32) stage_rows_.resize(static_cast<size_t>(n_) * row_bytes);
   ComputeRuns();
   const std::vector<int64_t>& run_base = run_base_;
   for (int64_t t = 0; t < n_; ++t) {
     const int64_t* slot = &slot_[t * num_workers];
-    if (dtype != common::ElementType::kFp32) {
-      EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
-    }
+    if (payload && !fp32) EncodeRow(dtype, x + t * hidden, hidden, &stage_rows_[t * row_bytes]);
     for (int d = 0; d < num_workers; ++d) {
       if (slot[d] < 0) continue;
-      const int64_t pos = combine_base_[d] + slot[d];
+      stage_token_[combine_base_[d] + slot[d]] = static_cast<int32_t>(token_base_ + t);
+      if (!payload) continue;  // the rows go device to device (DeviceMover::Send)
       const int64_t row = row_base_[d] + slot[d];
-      stage_token_[pos] = static_cast<int32_t>(token_base_ + t);
-      for (int j = 0; j < k; ++j) {
-        const int64_t i = t * k + j;
-        if (dest_[i] != d) continue;
-        stage_pair_row_[run_base[d * num_local_max_ + local_[i]] + pair_local_[i]] =
-            static_cast<int32_t>(row);
-      }
-      const bool fp32 = dtype == common::ElementType::kFp32;
       const void* src = fp32 ? static_cast<const void*>(x + t * hidden)
                              : static_cast<const void*>(&stage_rows_[t * row_bytes]);
       EPSERVE_RETURN_IF_ERROR(
@@ -338,7 +326,18 @@ absl::Status Exchange::DispatchStaged(const float* x) {
                     fp32 ? static_cast<size_t>(hidden) * sizeof(float) : row_bytes));
     }
   }
-  // The metadata of each destination in one Put per array, its pair table in one per expert.
+  // Each pair's entry in its destination's pair table, in one pass over the pairs.
+  for (int64_t t = 0, i = 0; t < n_; ++t) {
+    const int64_t* slot = &slot_[t * num_workers];
+    for (int j = 0; j < k; ++j, ++i) {
+      const int d = dest_[i];
+      const int64_t at = run_base[d * num_local_max_ + local_[i]] + pair_local_[i];
+      stage_pair_row_[at] = static_cast<int32_t>(row_base_[d] + slot[d]);
+      if (!payload) stage_pair_home_[at] = static_cast<int32_t>(i);
+    }
+  }
+  // The metadata of each destination in one Put per array, its pair table in one per expert
+  // (sequential stores into the destination's segment).
   for (int d = 0; d < num_workers; ++d) {
     const int64_t rows = my_counts_[d * count_stride_];
     if (rows == 0) continue;
@@ -351,9 +350,13 @@ absl::Status Exchange::DispatchStaged(const float* x) {
       const int i = d * num_local_max_ + e;
       const int64_t len = run_base[i + 1] - run_base[i];
       if (len == 0) continue;
-      EPSERVE_RETURN_IF_ERROR(
-          heap_.Put(rank, regions_.pair_row + static_cast<size_t>(pair_base_[i]) * sizeof(int32_t),
-                    &stage_pair_row_[run_base[i]], len * sizeof(int32_t)));
+      const size_t to = static_cast<size_t>(pair_base_[i]) * sizeof(int32_t);
+      EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.pair_row + to, &stage_pair_row_[run_base[i]],
+                                        len * sizeof(int32_t)));
+      if (!payload) {
+        EPSERVE_RETURN_IF_ERROR(heap_.Put(rank, regions_.pair_home + to,
+                                          &stage_pair_home_[run_base[i]], len * sizeof(int32_t)));
+      }
     }
   }
   return absl::OkStatus();
@@ -397,7 +400,9 @@ absl::Status Exchange::RunPass(const float* x, const float* weights, float* y, b
           "rows moved device to device need a heap with load/store access to every worker");
     }
     EPSERVE_RETURN_IF_ERROR(mover_->Send(*this));
-    DispatchDirect(x, /*payload=*/false);  // while the rows move
+    // The metadata while the rows move, staged: stores into a peer's segment in order cost
+    // far less than the pair table's scattered ones.
+    EPSERVE_RETURN_IF_ERROR(DispatchStaged(x, /*payload=*/false));
     EPSERVE_RETURN_IF_ERROR(mover_->Sync());
   } else if (direct) {
     DispatchDirect(x);

@@ -248,9 +248,10 @@ class Exchange {
   // returns the most rows any worker receives.
   int64_t ComputeOffsets();
   // Dispatch's two ways of sending: stores straight into peers' segments (backends with
-  // load/store access), or rows encoded once into staging and put (the others).
-  void DispatchDirect(const float* x, bool payload = true);
-  absl::Status DispatchStaged(const float* x);
+  // load/store access), or rows encoded once into staging and put (the others; with
+  // payload false, only the metadata, pair_home too, for rows moved device to device).
+  void DispatchDirect(const float* x);
+  absl::Status DispatchStaged(const float* x, bool payload = true);
   // run_base_: where my pairs of each (destination, local expert) start among all of mine.
   void ComputeRuns();
   // Reduce where peers' segments have no load/store access: fetches my pairs' rows into
@@ -305,7 +306,7 @@ class Exchange {
   ReceivedRows received_;
   // Staging for backends without load/store access to peers.
   std::vector<char> stage_rows_;
-  std::vector<int32_t> stage_token_, stage_pair_row_;
+  std::vector<int32_t> stage_token_, stage_pair_row_, stage_pair_home_;
   std::vector<int64_t> run_base_;  // [W * L + 1]: runs of my pairs per (d, local e)
   std::vector<float> out_;         // the expert step's output when not OutputInHeap()
   std::vector<char> pulled_;       // my rows fetched from peers without load/store access

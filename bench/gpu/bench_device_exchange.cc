@@ -4,7 +4,7 @@
 // random over the experts (contiguous placement):
 //   dispatch  Exchange::Dispatch with the DeviceExchange: the pair table into each receiver's
 //             heap segment and each rank's rows into every destination's receive rows
-//             (DeviceExchange::Send, one CopyRows kernel per destination), all ranks at once;
+//             (DeviceExchange::Send, one CopyRowRuns launch), all ranks at once;
 //   combine   DeviceExchange::Return: each receiver's output rows into their owners' devices
 //             (and, with the shared expert split, its part of every token it received);
 //   copy      the baseline: each rank copies the same number of bytes it sends (returns) from
@@ -13,9 +13,13 @@
 //             between these GPUs at least costs.
 // GB/s per direction: bytes one rank moves to (or from) other GPUs per second, the slowest
 // rank's mean over back-to-back repetitions, each ended by a barrier. One JSON line per figure.
+// Where the time goes, beside them: send_alone (the dispatch's row moves without the heap's
+// metadata and signals), host_us (rank 0's host time per step: DeviceExchange::HostTimes),
+// and `form` lines (CopyRows' forms, and a local gather then one copy, moving as many random
+// rows of x into the peer's memory); --timeline adds rank 0's device commands of one pass.
 //   mpirun -np 2 bench_device_exchange [--tokens=4096] [--hidden=2048] [--experts=60]
 //                                      [--top-k=4] [--shared-expert=split|owner|none]
-//                                      [--kind=cuda|host] [--reps=50]
+//                                      [--kind=cuda|host] [--reps=50] [--timeline]
 #include <mpi.h>
 #include <unistd.h>
 
@@ -26,7 +30,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/flags.h"
+#include "kernels/moe_kernels.h"
 #include "kernels/runtime.h"
 #include "shmem/heap.h"
 #include "shmem/peer_memory.h"
@@ -45,6 +51,7 @@ struct Args {
   int64_t reps = 50;
   std::string shared_expert = "split";
   std::string kind = "cuda";
+  bool timeline = false;
 };
 
 int Fail(int rank, const absl::Status& s) {
@@ -93,6 +100,9 @@ int Main(int argc, char** argv) {
   fs.Add("shared-expert", &a.shared_expert,
          "split (every token to every worker, row parts returned back), owner or none");
   fs.Add("kind", &a.kind, "cuda (GPUs) or host (CPU devices: shared host memory)");
+  fs.Add("timeline", &a.timeline,
+         "Also print rank 0's commands of one dispatch and return on the device's clock "
+         "(every figure then runs with command profiling on)");
   if (absl::Status s = fs.Parse(argc, argv); !s.ok()) return Fail(rank, s);
   if (fs.help_requested()) {
     if (rank == 0) std::printf("%s", fs.Usage().c_str());
@@ -132,6 +142,7 @@ int Main(int argc, char** argv) {
   kernels::RuntimeOptions ro;
   ro.device = cuda ? "gpu" : "cpu";
   ro.local_rank = rank;
+  ro.profile_commands = a.timeline;
   absl::StatusOr<std::unique_ptr<kernels::Runtime>> rt = kernels::Runtime::Create(ro);
   if (!rt.ok()) return Fail(rank, rt.status());
   kernels::Runtime& r = **rt;
@@ -174,12 +185,28 @@ int Main(int argc, char** argv) {
 
   absl::Status status;
   const absl::Time deadline = absl::Now() + absl::Minutes(10);
+  // Where each step's host time goes (DeviceExchange::HostTimes, summed over the timed calls,
+  // not the warm-up), and the dispatch's part outside the mover (the heap's metadata, signals).
+  worker::DeviceExchange::HostTimes send_sum, return_sum;
+  int64_t dispatch_ns = 0;
+  int64_t dispatches = 0, returns = 0;
+  auto add = [](worker::DeviceExchange::HostTimes& sum,
+                const worker::DeviceExchange::HostTimes& t) {
+    sum.build_ns += t.build_ns;
+    sum.queue_ns += t.queue_ns;
+    sum.wait_ns += t.wait_ns;
+  };
   const double send_s = Time(a.reps, [&] {
+    const absl::Time start = absl::Now();
     if (status.ok()) status = (*ex)->Dispatch(x.data(), deadline, dx->get());
+    if (dispatches++ == 0) return;
+    dispatch_ns += absl::ToInt64Nanoseconds(absl::Now() - start);
+    add(send_sum, (*dx)->send_times());
   });
   const double sent = static_cast<double>((*dx)->bytes_sent_to_peers());
   const double return_s = Time(a.reps, [&] {
     if (status.ok()) status = (*dx)->Return(**ex);
+    if (returns++ > 0) add(return_sum, (*dx)->return_times());
   });
   const size_t returned = (*dx)->bytes_returned_to_peers();
   if (!status.ok()) return Fail(rank, status);
@@ -219,6 +246,64 @@ int Main(int argc, char** argv) {
   const double copy_returned_s = copy_time(returned);
   if (!status.ok()) return Fail(rank, status);
 
+  // What the dispatch's time holds: its row moves alone (Send and Sync, no metadata or
+  // signals through the heap), and the forms of the row moves into the peer's memory, rows
+  // gathered from random rows of x into consecutive rows there, each timed as the copy is.
+  const double send_alone_s = Time(a.reps, [&] {
+    if (status.ok()) status = (*dx)->Send(**ex);
+    if (status.ok()) status = (*dx)->Sync();
+  });
+  if (!status.ok()) return Fail(rank, status);
+  struct Form {
+    std::string name;
+    int64_t groups;  // CopyRows' groups
+    bool pack;       // gathered into `local`, then one copy into the peer's memory
+  };
+  const int64_t units = r.device_info().compute_units;
+  std::vector<Form> forms = {
+      {"per_value", -1, false}, {"grouped_default", 0, false}, {"pack_then_copy", 0, true}};
+  for (int64_t per_unit : {1, 2, 4, 16}) {
+    forms.push_back({absl::StrCat("grouped_", per_unit, "_per_unit"), per_unit * units, false});
+  }
+  std::vector<std::string> form_lines;
+  for (const size_t bytes : {static_cast<size_t>(sent), returned}) {
+    const int64_t rows = static_cast<int64_t>(bytes / row);
+    if (rows == 0) continue;
+    std::vector<int32_t> moves(static_cast<size_t>(rows) * 2);
+    std::uniform_int_distribution<int32_t> source(0, static_cast<int32_t>(n - 1));
+    for (int64_t i = 0; i < rows; ++i) {
+      moves[2 * i] = source(rng);
+      moves[2 * i + 1] = static_cast<int32_t>(i);
+    }
+    absl::StatusOr<kernels::Buffer> moves_dev =
+        r.AllocateCopy(moves.data(), moves.size() * sizeof(int32_t));
+    if (!moves_dev.ok()) return Fail(rank, moves_dev.status());
+    for (const Form& f : forms) {
+      const double s = Time(a.reps, [&] {
+        if (status.ok()) {
+          status = kernels::CopyRows(r, x_dev, *moves_dev, 0, rows, a.hidden, false,
+                                     f.pack ? *local : *target, f.groups);
+        }
+        if (status.ok() && f.pack &&
+            clEnqueueCopyBuffer(r.queue(), local->mem(), target->mem(), 0, 0,
+                                static_cast<size_t>(rows) * row, 0, nullptr,
+                                nullptr) != CL_SUCCESS) {
+          status = absl::InternalError("clEnqueueCopyBuffer failed");
+        }
+        if (status.ok()) status = r.Finish();
+      });
+      if (!status.ok()) return Fail(rank, status);
+      double bytes_moved = static_cast<double>(rows) * static_cast<double>(row);
+      double slowest = s;
+      MPI_Allreduce(MPI_IN_PLACE, &bytes_moved, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+      MPI_Allreduce(MPI_IN_PLACE, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      form_lines.push_back(absl::StrFormat(
+          "{\"figure\":\"form\",\"form\":\"%s\",\"rows\":%d,\"bytes_per_rank\":%.0f,"
+          "\"ms\":%.4f,\"gb_per_s\":%.1f}",
+          f.name, rows, bytes_moved, slowest * 1e3, bytes_moved / slowest / 1e9));
+    }
+  }
+
   const std::string extra =
       absl::StrCat(",\"ranks\":", ranks, ",\"tokens\":", a.tokens, ",\"hidden\":", a.hidden,
                    ",\"top_k\":", a.top_k, ",\"shared_expert\":\"", a.shared_expert,
@@ -227,9 +312,65 @@ int Main(int argc, char** argv) {
   Emit(rank, "copy_of_dispatch_bytes", sent, copy_sent_s, extra);
   Emit(rank, "combine_return", static_cast<double>(returned), return_s, extra);
   Emit(rank, "copy_of_combine_bytes", static_cast<double>(returned), copy_returned_s, extra);
+  Emit(rank, "send_alone", sent, send_alone_s, extra);
   if (rank == 0) {
+    const double calls = static_cast<double>(a.reps) * 1e3;
+    auto us = [&](int64_t ns) { return static_cast<double>(ns) / calls; };
+    std::printf(
+        "{\"figure\":\"host_us\",\"dispatch\":%.1f,\"send_build\":%.1f,\"send_queue\":%.1f,"
+        "\"send_wait\":%.1f,\"return_build\":%.1f,\"return_queue\":%.1f,\"return_wait\":%.1f}\n",
+        us(dispatch_ns), us(send_sum.build_ns), us(send_sum.queue_ns), us(send_sum.wait_ns),
+        us(return_sum.build_ns), us(return_sum.queue_ns), us(return_sum.wait_ns));
+  }
+  if (rank == 0) {
+    for (const std::string& line : form_lines) std::printf("%s\n", line.c_str());
     std::printf("{\"figure\":\"ratios\",\"dispatch_over_copy\":%.3f,\"combine_over_copy\":%.3f}\n",
                 copy_sent_s / send_s, copy_returned_s / return_s);
+  }
+  if (a.timeline) {
+    // One more pass, dispatch then return: its commands on the device, and the host's time.
+    if (absl::StatusOr<std::vector<kernels::CommandTime>> old = r.TakeCommandTimes(); !old.ok()) {
+      return Fail(rank, old.status());
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    const absl::Time pass_start = absl::Now();
+    status = (*ex)->Dispatch(x.data(), deadline, dx->get());
+    const double dispatch_host_us = absl::ToDoubleMicroseconds(absl::Now() - pass_start);
+    if (status.ok()) status = (*dx)->Return(**ex);
+    const double pass_host_us = absl::ToDoubleMicroseconds(absl::Now() - pass_start);
+    if (!status.ok()) return Fail(rank, status);
+    absl::StatusOr<std::vector<kernels::CommandTime>> times = r.TakeCommandTimes();
+    if (!times.ok()) return Fail(rank, times.status());
+    if (rank == 0 && !times->empty()) {
+      // On the device's clock from the first command's start (drivers' queueing times may be
+      // on another clock).
+      const uint64_t t0 = times->front().start_ns;
+      for (const kernels::CommandTime& t : *times) {
+        std::printf(
+            "{\"figure\":\"timeline\",\"command\":\"%s\",\"forked\":%d,\"start_us\":%.1f,"
+            "\"end_us\":%.1f}\n",
+            t.name.c_str(), t.forked ? 1 : 0, (static_cast<double>(t.start_ns) - t0) / 1e3,
+            (static_cast<double>(t.end_ns) - t0) / 1e3);
+      }
+      std::printf("{\"figure\":\"timeline_host\",\"dispatch_us\":%.1f,\"pass_us\":%.1f}\n",
+                  dispatch_host_us, pass_host_us);
+    }
+    // The host's part of Send (the moves built, uploaded and queued) and of its Sync, alone.
+    double send_us = 0, sync_us = 0;
+    for (int i = 0; i < 10 && status.ok(); ++i) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const absl::Time t0 = absl::Now();
+      status = (*dx)->Send(**ex);
+      const absl::Time t1 = absl::Now();
+      if (status.ok()) status = (*dx)->Sync();
+      send_us += absl::ToDoubleMicroseconds(t1 - t0) / 10;
+      sync_us += absl::ToDoubleMicroseconds(absl::Now() - t1) / 10;
+    }
+    if (!status.ok()) return Fail(rank, status);
+    if (rank == 0) {
+      std::printf("{\"figure\":\"send_host\",\"send_us\":%.1f,\"sync_us\":%.1f}\n", send_us,
+                  sync_us);
+    }
   }
   MPI_Barrier(MPI_COMM_WORLD);
   return 0;
