@@ -278,11 +278,10 @@ absl::Status DeviceExchange::ReturnByTable(const Exchange& ex, size_t* rows_to_p
   const std::span<const int64_t> begin = in.source_begin;
   for (int64_t p = 0; p < in.pairs; ++p) {
     const int32_t row = in.pair_row[p];
-    int s = 0;
-    while (s < num_workers && row >= begin[s + 1]) ++s;
-    const int64_t homes = s < num_workers ? ex.tokens_of(s) * k : 0;
+    const int s = in.Source(row);
+    const int64_t homes = s >= 0 && s < num_workers ? ex.tokens_of(s) * k : 0;
     const int32_t home = in.pair_home[p];
-    if (row < begin[0] || s == num_workers || home < 0 || home >= homes) {
+    if (home < 0 || home >= homes) {
       return absl::InternalError(absl::StrCat("pair ", p, " of received row ", row, " returns to ",
                                               home, ", outside its sender's ", homes, " pairs"));
     }

@@ -23,12 +23,6 @@ void ReceivedRows::Decode(int64_t first_row, int64_t num_rows, float* dst) const
     DecodeRow(dtype, Row(first_row + r), hidden, dst + r * hidden);
 }
 
-int ReceivedRows::Source(int64_t r) const {
-  return static_cast<int>(std::upper_bound(source_begin.begin(), source_begin.end(), r) -
-                          source_begin.begin()) -
-         1;
-}
-
 // ---- Exchange ----
 
 absl::StatusOr<ExchangeRegions> Exchange::Allocate(shmem::SymmetricHeap& heap,

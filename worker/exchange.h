@@ -79,7 +79,16 @@ struct ReceivedRows {
     return dtype == common::ElementType::kFp32 ? static_cast<const float*>(payload) : nullptr;
   }
   void Decode(int64_t first_row, int64_t num_rows, float* dst) const;
-  int Source(int64_t r) const;  // sending worker of row r
+  // The sending worker of row r: -1 below the first sender's rows, W past the last's. (A scan:
+  // few workers, called per pair.)
+  int Source(int64_t r) const {
+    int s = -1;
+    for (const int64_t b : source_begin) {
+      if (r < b) break;
+      ++s;
+    }
+    return s;
+  }
 };
 
 struct ExchangeStats {

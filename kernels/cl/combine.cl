@@ -170,6 +170,10 @@ __kernel void copy_rows4(__global const float4* restrict src, long src_rows,
 // memory run beside moves into a peer's instead of after them. Each work-item loads its values
 // of two rows before it stores either, so that a link to a peer's memory has many stores in
 // flight from few resident groups.
+// Element s (0 to 3) of a vector argument: a run's or a sender's.
+inline int pick_int(int s, int4 v) { return s == 0 ? v.s0 : s == 1 ? v.s1 : s == 2 ? v.s2 : v.s3; }
+inline long pick_long(int s, long4 v) { return s == 0 ? v.s0 : s == 1 ? v.s1 : s == 2 ? v.s2 : v.s3; }
+
 inline int run_of_row(int i, int4 ends) {
   return (i >= ends.s0) + (i >= ends.s1) + (i >= ends.s2);
 }
@@ -178,10 +182,10 @@ inline int run_of_row(int i, int4 ends) {
 // buffer.
 inline int2 run_move(int i, int r, int4 starts, int4 ends, __global const int* moves,
                      long4 src_rows, long4 dst_rows) {
-  const int begin = r == 0 ? 0 : r == 1 ? ends.s0 : r == 2 ? ends.s1 : ends.s2;
-  const int start = r == 0 ? starts.s0 : r == 1 ? starts.s1 : r == 2 ? starts.s2 : starts.s3;
-  const long sr = r == 0 ? src_rows.s0 : r == 1 ? src_rows.s1 : r == 2 ? src_rows.s2 : src_rows.s3;
-  const long dr = r == 0 ? dst_rows.s0 : r == 1 ? dst_rows.s1 : r == 2 ? dst_rows.s2 : dst_rows.s3;
+  const int begin = r == 0 ? 0 : pick_int(r - 1, ends);
+  const int start = pick_int(r, starts);
+  const long sr = pick_long(r, src_rows);
+  const long dr = pick_long(r, dst_rows);
   const size_t m = (size_t)(start + (i - begin)) * 2;
   const int s = moves[m];
   const int d = moves[m + 1];
@@ -245,7 +249,6 @@ inline int sender_of_row(int row, int4 begin, int end) {
   return (row >= begin.s1) + (row >= begin.s2) + (row >= begin.s3);
 }
 
-inline long pick_long(int s, long4 v) { return s == 0 ? v.s0 : s == 1 ? v.s1 : s == 2 ? v.s2 : v.s3; }
 
 // The combine's return on the device, from the receiver's pair table, for senders s of a
 // group of up to four (received rows [begin.s[s], begin.s[s + 1]) are sender s's, the last
@@ -272,7 +275,7 @@ inline int3 return_move(int i, __global const int* tables, int pairs, int4 begin
   const int r = i - pairs;
   const int s = sender_of_row(r, begin, end);
   const int t = tables[2 * pairs + r];
-  const int n = s == 0 ? tokens.s0 : s == 1 ? tokens.s1 : s == 2 ? tokens.s2 : tokens.s3;
+  const int n = s < 0 ? 0 : pick_int(s, tokens);
   const long at = (long)me * n + t;
   if (s >= 0 && t >= 0 && t < n && r < part_src_rows && at < pick_long(s, part_dst_rows)) {
     return (int3)(s, r, (int)at);
@@ -290,9 +293,15 @@ inline int3 return_move(int i, __global const int* tables, int pairs, int4 begin
 // Where launch row i's move reads and writes (m from return_move, its sender >= 0).
 #define RETURN_ROW_POINTERS(i, m)                                                             \
   __global const float* from = ((i) < pairs ? pair_rows : row_parts) + (size_t)(m).y * hidden; \
-  __global float* to = ((i) < pairs ? ((m).x == 0 ? pd0 : (m).x == 1 ? pd1 : (m).x == 2 ? pd2 : pd3) \
-                                    : ((m).x == 0 ? qd0 : (m).x == 1 ? qd1 : (m).x == 2 ? qd2 : qd3)) + \
+  __global float* to = ((i) < pairs ? run_dst((m).x, pd0, pd1, pd2, pd3)                       \
+                                    : run_dst((m).x, qd0, qd1, qd2, qd3)) +                    \
                        (size_t)(m).z * hidden
+
+// run_destination for rows of single floats.
+inline __global float* run_dst(int r, __global float* d0, __global float* d1, __global float* d2,
+                               __global float* d3) {
+  return r == 0 ? d0 : r == 1 ? d1 : r == 2 ? d2 : d3;
+}
 
 __kernel void return_rows(RETURN_ROWS_ARGS) {
   const int groups = (int)get_num_groups(0);

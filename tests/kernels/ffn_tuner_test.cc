@@ -54,9 +54,6 @@ TEST(FileLockTest, ExcludesOtherHoldersUntilReleased) {
   std::filesystem::remove_all(dir);
 }
 
-// Two runtimes (the workers of a host) choose the plans of the same two shapes at once, on
-// two threads: each shape is tuned by one of them and read from the cache by the other, both
-// ending with the same plans, whichever runtime took which shape.
 // The few-row cases' experts: each half past twice the cache, within the memory budget.
 TEST(FfnBlockingTest, FewRowCasesStreamPastTheCacheWithinTheBudget) {
   constexpr int64_t kMiB = int64_t{1} << 20;
@@ -72,6 +69,9 @@ TEST(FfnBlockingTest, FewRowCasesStreamPastTheCacheWithinTheBudget) {
   EXPECT_EQ(FewRowTuneExperts(300 * kMiB, 0, 1), 1);
 }
 
+// Two runtimes (the workers of a host) choose the plans of the same two shapes at once, on
+// two threads: each shape is tuned by one of them and read from the cache by the other, both
+// ending with the same plans, whichever runtime took which shape.
 TEST(FfnBlockingTest, WorkersTuneEachShapeOnce) {
   const std::filesystem::path dir = FreshDir("epserve-ffn-plans-test");
   RuntimeOptions options = TestRuntimeOptions();
