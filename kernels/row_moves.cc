@@ -27,11 +27,11 @@ absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64
   EPSERVE_RETURN_IF_ERROR(NeedIntRange(count, "count"));
   EPSERVE_RETURN_IF_ERROR(NeedBytes(moves, (first + count) * 2 * sizeof(int32_t), "moves"));
   // Four values per work-item where rows allow it; on GPUs, whole rows per work-group.
-  const bool by4 = hidden % 4 == 0;
-  if (by4 && (groups > 0 || (groups == 0 && !rt.device_info().is_cpu))) {
+  if (RowRunsGrouped(rt, hidden, groups)) {
     const RowRun run[1] = {{&src, &dst, first, count}};
     return CopyRowRuns(rt, run, moves, hidden, round_bf16, groups > 0 ? groups : 0);
   }
+  const bool by4 = hidden % 4 == 0;
   EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(by4 ? "copy_rows4" : "copy_rows"));
   const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
   const int64_t width = by4 ? hidden / 4 : hidden;
@@ -43,13 +43,62 @@ absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64
   return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
 }
 
+bool RowRunsGrouped(const Runtime& rt, int64_t hidden, int64_t groups) {
+  return hidden % 4 == 0 && (groups > 0 || (groups == 0 && !rt.device_info().is_cpu));
+}
+
+namespace {
+
+// One copy_runs_grouped launch's runs, as its arguments hold them.
+struct LaunchRuns {
+  cl_mem src[kRunsPerLaunch] = {}, dst[kRunsPerLaunch] = {};
+  cl_long4 src_rows{}, dst_rows{};
+  cl_int4 starts{}, ends{};
+  cl_long4 block_src{}, block_dst{};
+};
+
+// Checks run r of a launch and puts it into `l` (all but its end).
+absl::Status PackRun(const RowRun& run, size_t r, const Buffer& moves, size_t row_bytes,
+                     LaunchRuns& l) {
+  const bool block = run.block_src >= 0;
+  if (run.first < 0 || run.count < 0 || (block && run.block_dst < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyRowRuns: run first ", run.first, ", count ",
+                                                   run.count, ", block_dst ", run.block_dst,
+                                                   " (need >= 0)"));
+  }
+  if (block) {
+    // Rows past either buffer's end write nothing (the kernel checks each row).
+    EPSERVE_RETURN_IF_ERROR(NeedIntRange(run.block_src + run.count, "block_src"));
+    EPSERVE_RETURN_IF_ERROR(NeedIntRange(run.block_dst + run.count, "block_dst"));
+    l.block_src.s[r] = run.block_src;
+    l.block_dst.s[r] = run.block_dst;
+    l.starts.s[r] = -1;
+  } else {
+    EPSERVE_RETURN_IF_ERROR(
+        NeedBytes(moves, (run.first + run.count) * 2 * sizeof(int32_t), "moves"));
+    EPSERVE_RETURN_IF_ERROR(NeedIntRange(run.first, "first"));
+    l.starts.s[r] = static_cast<cl_int>(run.first);
+  }
+  l.src[r] = run.src->mem();
+  l.dst[r] = run.dst->mem();
+  l.src_rows.s[r] = static_cast<cl_long>(run.src->bytes() / row_bytes);
+  l.dst_rows.s[r] = static_cast<cl_long>(run.dst->bytes() / row_bytes);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer& moves,
                          int64_t hidden, bool round_bf16, int64_t groups) {
   if (groups < 0) {
     return absl::InvalidArgumentError(absl::StrCat("CopyRowRuns: groups ", groups, " (need >= 0)"));
   }
-  if (hidden % 4 != 0 || (groups == 0 && rt.device_info().is_cpu)) {
+  if (!RowRunsGrouped(rt, hidden, groups)) {
     for (const RowRun& run : runs) {
+      if (run.block_src >= 0) {
+        return absl::InvalidArgumentError(
+            "CopyRowRuns: a block run needs the grouped form (RowRunsGrouped)");
+      }
       EPSERVE_RETURN_IF_ERROR(
           CopyRows(rt, *run.src, moves, run.first, run.count, hidden, round_bf16, *run.dst));
     }
@@ -60,39 +109,32 @@ absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer
   for (size_t at = 0; at < runs.size(); at += kRunsPerLaunch) {
     const std::span<const RowRun> part =
         runs.subspan(at, std::min(kRunsPerLaunch, runs.size() - at));
-    cl_mem src[kRunsPerLaunch] = {}, dst[kRunsPerLaunch] = {};
-    cl_long4 src_rows{}, dst_rows{};
-    cl_int4 starts{}, ends{};
+    LaunchRuns l;
     int64_t total = 0;
     for (size_t r = 0; r < kRunsPerLaunch; ++r) {
       if (r < part.size()) {
-        const RowRun& run = part[r];
-        if (run.first < 0 || run.count < 0) {
-          return absl::InvalidArgumentError(absl::StrCat("CopyRowRuns: run first ", run.first,
-                                                         ", count ", run.count, " (need >= 0)"));
-        }
-        EPSERVE_RETURN_IF_ERROR(
-            NeedBytes(moves, (run.first + run.count) * 2 * sizeof(int32_t), "moves"));
-        EPSERVE_RETURN_IF_ERROR(NeedIntRange(run.first, "first"));
-        src[r] = run.src->mem();
-        dst[r] = run.dst->mem();
-        src_rows.s[r] = static_cast<cl_long>(run.src->bytes() / row_bytes);
-        dst_rows.s[r] = static_cast<cl_long>(run.dst->bytes() / row_bytes);
-        starts.s[r] = static_cast<cl_int>(run.first);
-        total += run.count;
+        EPSERVE_RETURN_IF_ERROR(PackRun(part[r], r, moves, row_bytes, l));
+        total += part[r].count;
       }
       EPSERVE_RETURN_IF_ERROR(NeedIntRange(total, "rows"));
-      ends.s[r] = static_cast<cl_int>(total);
+      l.ends.s[r] = static_cast<cl_int>(total);
     }
     if (total == 0) continue;
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("copy_runs_grouped"));
     cl_uint arg = 0;
-    for (cl_mem m : src) CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
-    for (cl_mem m : dst) CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
-    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(src_rows), &src_rows));
-    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(dst_rows), &dst_rows));
-    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(starts), &starts));
-    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(ends), &ends));
+    for (cl_mem m : l.src)
+      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
+    for (cl_mem m : l.dst)
+      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
+    for (const cl_long4* v : {&l.src_rows, &l.dst_rows}) {
+      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(*v), v));
+    }
+    for (const cl_int4* v : {&l.starts, &l.ends}) {
+      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(*v), v));
+    }
+    for (const cl_long4* v : {&l.block_src, &l.block_dst}) {
+      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(*v), v));
+    }
     const cl_mem moves_mem = moves.mem();
     CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), &moves_mem));
     const cl_long q = quarter;

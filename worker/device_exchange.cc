@@ -137,37 +137,39 @@ absl::Status DeviceExchange::StartRuns(int64_t most_moves) {
   if (queued_) EPSERVE_RETURN_IF_ERROR(rt_.Finish());
   queued_ = false;
   moves_count_ = 0;
-  run_first_.assign(1, 0);
-  run_src_.clear();
-  run_dst_.clear();
+  run_start_ = 0;
+  pending_.clear();
   run_to_peer_.clear();
   return absl::OkStatus();
 }
 
 void DeviceExchange::CloseRun(int to_worker, const kernels::Buffer* from, const kernels::Buffer* to,
                               size_t* rows_to_peers) {
-  const int64_t end = moves_count_;
-  if (end == run_first_.back()) return;
-  if (to_worker != me_) *rows_to_peers += static_cast<size_t>(end - run_first_.back());
-  run_first_.push_back(end);
-  run_src_.push_back(from);
-  run_dst_.push_back(to);
+  AddRun(to_worker, {from, to, run_start_, moves_count_ - run_start_}, rows_to_peers);
+  run_start_ = moves_count_;
+}
+
+void DeviceExchange::AddRun(int to_worker, const kernels::RowRun& run, size_t* rows_to_peers) {
+  if (run.count == 0) return;
+  if (to_worker != me_) *rows_to_peers += static_cast<size_t>(run.count);
+  pending_.push_back(run);
   run_to_peer_.push_back(to_worker != me_);
 }
 
 absl::Status DeviceExchange::RunMoves(bool round_bf16) {
-  if (moves_count_ == 0) return absl::OkStatus();
+  if (pending_.empty()) return absl::OkStatus();
   // The moves go up without a wait (straight from pinned memory), the runs into peers' memory
   // first, those within this worker's memory in the same launches beside them, all submitted
   // before the host's part of the pass.
-  EPSERVE_RETURN_IF_ERROR(rt_.WriteAsync(moves_, 0, moves_host_,
-                                         static_cast<size_t>(moves_count_) * 2 * sizeof(int32_t)));
-  queued_ = true;
+  if (moves_count_ > 0) {
+    EPSERVE_RETURN_IF_ERROR(rt_.WriteAsync(
+        moves_, 0, moves_host_, static_cast<size_t>(moves_count_) * 2 * sizeof(int32_t)));
+    queued_ = true;
+  }
   runs_.clear();
   for (bool to_peers : {true, false}) {
-    for (size_t r = 0; r < run_src_.size(); ++r) {
-      if (run_to_peer_[r] != to_peers) continue;
-      runs_.push_back({run_src_[r], run_dst_[r], run_first_[r], run_first_[r + 1] - run_first_[r]});
+    for (size_t r = 0; r < pending_.size(); ++r) {
+      if (run_to_peer_[r] == to_peers) runs_.push_back(pending_[r]);
     }
   }
   EPSERVE_RETURN_IF_ERROR(
@@ -181,19 +183,41 @@ absl::Status DeviceExchange::Send(const Exchange& ex) {
   const int64_t n = ex.n();
   const int64_t capacity = regions_.plan.recv_capacity();
   EPSERVE_RETURN_IF_ERROR(StartRuns(n * num_workers));
+  // A destination that gets every token (every one, with a split shared expert) gets token t
+  // at slot t: a block, no moves to build or upload. The others' runs of moves lie one after
+  // the other, worker d's from table_at_[d] on, its slots 0 to rows_to(d) - 1 in token order:
+  // each token's move goes straight to its place.
+  const bool blocks = kernels::RowRunsGrouped(rt_, regions_.plan.shape().hidden);
   size_t rows_to_peers = 0;
+  table_at_.assign(num_workers, -1);
   for (int d = 0; d < num_workers; ++d) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t s = ex.slot(t, d);
-      if (s < 0) continue;
-      const int64_t row = ex.row_base(d) + s;
-      if (row >= capacity) {
-        return absl::InternalError(absl::StrCat("a row for worker ", d, " at ", row,
-                                                ", over its receive capacity ", capacity));
-      }
-      AddMove(static_cast<int32_t>(t), static_cast<int32_t>(row));
+    const int64_t rows = ex.rows_to(d);
+    const int64_t base = ex.row_base(d);
+    if (rows > capacity - base) {
+      return absl::InternalError(absl::StrCat(rows, " rows for worker ", d, " from its row ", base,
+                                              ", over its receive capacity ", capacity));
     }
-    CloseRun(d, inputs_.x, &RecvRows(d), &rows_to_peers);
+    if (blocks && rows == n) {
+      AddRun(d, {inputs_.x, &RecvRows(d), 0, n, 0, base}, &rows_to_peers);
+    } else if (rows > 0) {
+      table_at_[d] = moves_count_;
+      AddRun(d, {inputs_.x, &RecvRows(d), moves_count_, rows}, &rows_to_peers);
+      moves_count_ += rows;
+    }
+  }
+  // Locals, so that the stores into the table do not make the compiler reload them.
+  const int64_t* slot = ex.slots().data();
+  int32_t* const moves = moves_host_;
+  for (int d = 0; d < num_workers; ++d) {
+    const int64_t at = table_at_[d];
+    if (at < 0) continue;
+    const int32_t base = static_cast<int32_t>(ex.row_base(d));
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t s = slot[t * num_workers + d];
+      if (s < 0) continue;
+      moves[2 * (at + s)] = static_cast<int32_t>(t);
+      moves[2 * (at + s) + 1] = base + static_cast<int32_t>(s);
+    }
   }
   bytes_sent_to_peers_ =
       rows_to_peers * static_cast<size_t>(regions_.plan.shape().hidden) * sizeof(float);

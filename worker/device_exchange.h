@@ -4,9 +4,11 @@
 // each worker's OpenCL context, or, on CPU devices, shared host memory used in place). A pass:
 //   Send  the sender's rows, still on its device where the router read them, go into each
 //         destination's receive rows (rounded to BF16 values when the dispatch dtype is BF16):
-//         the moves built in pinned memory, uploaded without a wait and run in one launch for
-//         every destination (kernels::CopyRowRuns) before the host writes the tokens and the
-//         pair table into the heap, which carries them and the signals as before.
+//         one launch for every destination (kernels::CopyRowRuns) before the host writes the
+//         tokens and the pair table into the heap, which carries them and the signals as
+//         before. A destination that gets every token (each one, with a split shared expert)
+//         takes them as a block of rows; for the others the moves are built in pinned memory
+//         and uploaded without a wait.
 //   (expert step)  the receiver's FFN reads its receive rows in place and writes its pair rows
 //         (and a split shared expert's row parts) where they are, on its device.
 //   Return  the receiver writes each output row into its owner's device, at the position the
@@ -114,8 +116,9 @@ class DeviceExchange final : public DeviceMover {
   // into one buffer. StartRuns clears them (for up to `most_moves` pairs); AddMove adds a
   // pair; CloseRun ends the run of the pairs added since the last one (none: no run), from
   // `from` into worker `to_worker`'s `to`, counting its rows in *rows_to_peers when that worker
-  // is another; RunMoves uploads the pairs and queues every run (kernels::CopyRowRuns: those
-  // into peers' memory beside this worker's own) without waiting for them (Sync waits).
+  // is another; RunMoves uploads the pairs (if any) and queues every run (kernels::
+  // CopyRowRuns: those into peers' memory beside this worker's own) without waiting for them
+  // (Sync waits).
   absl::Status StartRuns(int64_t most_moves);
   void AddMove(int32_t from_row, int32_t to_row) {
     moves_host_[2 * moves_count_] = from_row;
@@ -124,6 +127,9 @@ class DeviceExchange final : public DeviceMover {
   }
   void CloseRun(int to_worker, const kernels::Buffer* from, const kernels::Buffer* to,
                 size_t* rows_to_peers);
+  // Adds `run` (a block, or pairs the caller wrote into moves_host_ itself) into worker
+  // `to_worker`'s memory.
+  void AddRun(int to_worker, const kernels::RowRun& run, size_t* rows_to_peers);
   absl::Status RunMoves(bool round_bf16);
   // Return's two ways, each counting the rows it sends to peers and saying when the device
   // was given the work. On GPUs the receiver's pair table itself goes up and one kernel reads
@@ -151,11 +157,12 @@ class DeviceExchange final : public DeviceMover {
   int32_t* moves_host_ = nullptr;
   int64_t moves_capacity_ = 0;
   int64_t moves_count_ = 0;
-  bool queued_ = false;             // uploads of the table queued since the last Finish
-  std::vector<int64_t> run_first_;  // [runs + 1]: where each run's pairs start
-  std::vector<const kernels::Buffer*> run_src_, run_dst_;  // [runs]
-  std::vector<bool> run_to_peer_;                          // [runs]: into another worker's
-  std::vector<kernels::RowRun> runs_;                      // RunMoves' launch order
+  bool queued_ = false;                   // uploads of the table queued since the last Finish
+  int64_t run_start_ = 0;                 // where the open run's pairs start
+  std::vector<kernels::RowRun> pending_;  // the pass's runs, in the order added
+  std::vector<bool> run_to_peer_;         // [runs]: into another worker's memory
+  std::vector<kernels::RowRun> runs_;     // RunMoves' launch order
+  std::vector<int64_t> table_at_;         // Send's: where each destination's pairs start
   std::vector<const kernels::Buffer*> table_pairs_to_, table_parts_to_;  // ReturnByTable's
   std::vector<int64_t> table_tokens_;
   HostTimes send_times_, return_times_;

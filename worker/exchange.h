@@ -228,7 +228,12 @@ class Exchange {
   int me() const { return me_; }
   int64_t n() const { return n_; }
   int64_t slot(int64_t t, int d) const { return slot_[t * plan_.shape().num_workers + d]; }
+  // Every token's slots, token t's for worker d at [t * workers + d].
+  std::span<const int64_t> slots() const { return slot_; }
   int64_t row_base(int d) const { return row_base_[d]; }
+  // Rows this worker sends worker d: slots 0 to rows_to(d) - 1, given in token order (so with
+  // rows_to(d) == n(), token t's slot is t).
+  int64_t rows_to(int d) const { return count_row(me_, d)[0]; }
   int64_t pair_at(int64_t i) const { return pair_at_[i]; }
   // Tokens worker s has in the current pass.
   int64_t tokens_of(int s) const { return count_row(s, me_)[1]; }

@@ -164,7 +164,9 @@ __kernel void copy_rows4(__global const float4* restrict src, long src_rows,
 
 // copy_rows4 on GPUs, over up to four runs in one launch, each from its own source into its
 // own destination: the launch's rows [ends[r-1], ends[r]) (ends[-1] = 0) are run r's, its
-// moves from starts[r]; unused runs have count 0 (and may have null buffers). A work-group
+// moves from starts[r], or, where starts[r] < 0, a block: source rows from block_src[r] on into
+// destination rows from block_dst[r] on, no moves read; unused runs have count 0 (and may have
+// null buffers). A work-group
 // moves whole rows, 16 bytes per work-item and access, the rows dealt out over the launch's
 // groups in turn (rows i, i + groups, ...) across the runs, so that moves within a device's
 // memory run beside moves into a peer's instead of after them. Each work-item loads its values
@@ -181,16 +183,22 @@ inline int run_of_row(int i, int4 ends) {
 // Row i's move (source row, destination row) in run r, or (-1, -1) where either is outside its
 // buffer.
 inline int2 run_move(int i, int r, int4 starts, int4 ends, __global const int* moves,
-                     long4 src_rows, long4 dst_rows) {
+                     long4 src_rows, long4 dst_rows, long4 block_src, long4 block_dst) {
   const int begin = r == 0 ? 0 : pick_int(r - 1, ends);
   const int start = pick_int(r, starts);
   const long sr = pick_long(r, src_rows);
   const long dr = pick_long(r, dst_rows);
-  const size_t m = (size_t)(start + (i - begin)) * 2;
-  const int s = moves[m];
-  const int d = moves[m + 1];
+  long s, d;
+  if (start < 0) {
+    s = pick_long(r, block_src) + (i - begin);
+    d = pick_long(r, block_dst) + (i - begin);
+  } else {
+    const size_t m = (size_t)(start + (i - begin)) * 2;
+    s = moves[m];
+    d = moves[m + 1];
+  }
   if (s < 0 || s >= sr || d < 0 || d >= dr) return (int2)(-1, -1);
-  return (int2)(s, d);
+  return (int2)((int)s, (int)d);
 }
 
 inline __global const float4* run_source(int r, __global const float4* s0,
@@ -208,17 +216,18 @@ __kernel void copy_runs_grouped(__global const float4* s0, __global const float4
                                 __global const float4* s2, __global const float4* s3,
                                 __global float4* d0, __global float4* d1, __global float4* d2,
                                 __global float4* d3, long4 src_rows, long4 dst_rows, int4 starts,
-                                int4 ends, __global const int* restrict moves, long quarter,
-                                int round_bf16) {
+                                int4 ends, long4 block_src, long4 block_dst,
+                                __global const int* restrict moves, long quarter, int round_bf16) {
   const int groups = (int)get_num_groups(0);
   const size_t lanes = get_local_size(0);
   const int count = ends.s3;
   for (int i = (int)get_group_id(0); i < count; i += 2 * groups) {
     const int j = i + groups;
     const int qa = run_of_row(i, ends);
-    const int2 ma = run_move(i, qa, starts, ends, moves, src_rows, dst_rows);
+    const int2 ma = run_move(i, qa, starts, ends, moves, src_rows, dst_rows, block_src, block_dst);
     const int qb = j < count ? run_of_row(j, ends) : 0;
-    const int2 mb = j < count ? run_move(j, qb, starts, ends, moves, src_rows, dst_rows)
+    const int2 mb = j < count ? run_move(j, qb, starts, ends, moves, src_rows, dst_rows, block_src,
+                                              block_dst)
                               : (int2)(-1, -1);
     const bool a = ma.x >= 0;
     const bool b = mb.x >= 0;

@@ -1581,6 +1581,9 @@ TEST_F(Seeded, CopyRowRunsMovesEachRunIntoItsOwnDestination) {
         std::vector<std::vector<int32_t>> dst_of(kRuns);  // per run: source row of each dst row
         std::vector<RowRun> runs(kRuns);
         std::vector<Buffer> db;
+        // Runs 2 and 5 are blocks where the form takes them, some of their rows past the end
+        // of the source or the destination.
+        const bool blocks = RowRunsGrouped(Rt(), hidden, groups);
         for (int r = 0; r < kRuns; ++r) {
           dst_of[r].assign(dst_rows, -1);
           std::vector<int32_t> rows(dst_rows);
@@ -1589,6 +1592,18 @@ TEST_F(Seeded, CopyRowRunsMovesEachRunIntoItsOwnDestination) {
           runs[r].first = static_cast<int64_t>(moves.size() / 2);
           runs[r].count = counts[r];
           std::uniform_int_distribution<int32_t> from(0, src_rows[source_of[r]] - 1);
+          if (blocks && (r == 2 || r == 5)) {
+            runs[r].first = 0;
+            runs[r].block_src = from(rng_);
+            runs[r].block_dst = std::uniform_int_distribution<int64_t>(0, dst_rows - 1)(rng_);
+            for (int64_t i = 0; i < counts[r]; ++i) {
+              const int64_t s = runs[r].block_src + i, d = runs[r].block_dst + i;
+              if (s < src_rows[source_of[r]] && d < dst_rows)
+                dst_of[r][d] = static_cast<int32_t>(s);
+            }
+            db.push_back(Upload(std::vector<float>(dst_rows * hidden, -777.0f)));
+            continue;
+          }
           for (int64_t i = 0; i < counts[r]; ++i) {
             const int32_t s = i == 3 ? static_cast<int32_t>(src_rows[source_of[r]]) : from(rng_);
             const int32_t d = i == 4 ? -1 : rows[i];
@@ -1627,6 +1642,14 @@ TEST_F(Seeded, CopyRowRunsMovesEachRunIntoItsOwnDestination) {
   EXPECT_FALSE(CopyRowRuns(Rt(), negative, mb, 8, false).ok());
   const RowRun one[1] = {{&sb, &db, 0, 1}};
   EXPECT_FALSE(CopyRowRuns(Rt(), one, mb, 8, false, -1).ok());
+  // A block where the form reads moves, or with a negative destination.
+  Buffer sb6 = Upload(Uniform(12));
+  Buffer db6 = Poisoned(12);
+  const RowRun block6[1] = {{&sb6, &db6, 0, 1, 0, 0}};
+  EXPECT_FALSE(RowRunsGrouped(Rt(), 6));
+  EXPECT_EQ(CopyRowRuns(Rt(), block6, mb, 6, false).code(), absl::StatusCode::kInvalidArgument);
+  const RowRun below[1] = {{&sb, &db, 0, 1, 0, -1}};
+  EXPECT_EQ(CopyRowRuns(Rt(), below, mb, 8, false, 2).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // ReturnRows sends each pair's row to its sender's pairs at the pair's home and each received
