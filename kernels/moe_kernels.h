@@ -180,13 +180,14 @@ absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64
 
 // Several CopyRows at once, each run of moves from its own source into its own destination
 // (every destination distinct from every source and from the other runs' destinations). Rows
-// of a multiple of 4 values on GPUs with `groups` 0 (or anywhere with `groups` > 0:
-// RowRunsGrouped): one
+// of a multiple of 4 values on GPUs with `groups` 0, or anywhere with `groups` > 0: one
 // grouped launch per kRunsPerLaunch runs (kCopyGroupsPerUnit groups per compute unit, or
 // `groups`), so that moves within the device's memory run beside moves into a peer's;
 // otherwise one CopyRows per run. A run whose block_src >= 0 is a block: source rows
 // [block_src, block_src + count) into destination rows [block_dst, block_dst + count), with no
-// moves to upload or read (the grouped form only: INVALID_ARGUMENT otherwise).
+// moves to upload or read; outside the grouped form a block is one buffer copy (rows past
+// either buffer's end are left out, as the kernels leave them), so it cannot round to BF16:
+// RowRunsTakeBlocks says where blocks are taken, INVALID_ARGUMENT elsewhere.
 struct RowRun {
   const Buffer* src = nullptr;
   const Buffer* dst = nullptr;
@@ -196,7 +197,7 @@ struct RowRun {
   int64_t block_dst = 0;
 };
 inline constexpr size_t kRunsPerLaunch = 4;
-bool RowRunsGrouped(const Runtime& rt, int64_t hidden, int64_t groups = 0);
+bool RowRunsTakeBlocks(const Runtime& rt, int64_t hidden, bool round_bf16, int64_t groups = 0);
 absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer& moves,
                          int64_t hidden, bool round_bf16, int64_t groups = 0);
 

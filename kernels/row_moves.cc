@@ -15,6 +15,33 @@ using detail::NeedBytes;
 using detail::NeedIntRange;
 using detail::SetArgs;
 
+namespace {
+
+// Whether row moves take copy_runs_grouped (CopyRowRuns).
+bool RowRunsGrouped(const Runtime& rt, int64_t hidden, int64_t groups) {
+  return hidden % 4 == 0 && (groups > 0 || (groups == 0 && !rt.device_info().is_cpu));
+}
+
+// A block run outside the grouped form: one copy of the rows inside both buffers.
+absl::Status CopyBlock(Runtime& rt, const RowRun& run, int64_t hidden) {
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  const int64_t src_rows = static_cast<int64_t>(run.src->bytes() / row_bytes);
+  const int64_t dst_rows = static_cast<int64_t>(run.dst->bytes() / row_bytes);
+  const int64_t rows = std::min({run.count, src_rows - run.block_src, dst_rows - run.block_dst});
+  if (rows <= 0) return absl::OkStatus();
+  CL_CHECK(clEnqueueCopyBuffer(rt.launch_queue(), run.src->mem(), run.dst->mem(),
+                               static_cast<size_t>(run.block_src) * row_bytes,
+                               static_cast<size_t>(run.block_dst) * row_bytes,
+                               static_cast<size_t>(rows) * row_bytes, 0, nullptr, nullptr));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool RowRunsTakeBlocks(const Runtime& rt, int64_t hidden, bool round_bf16, int64_t groups) {
+  return groups >= 0 && (RowRunsGrouped(rt, hidden, groups) || !round_bf16);
+}
+
 absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
                       int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst,
                       int64_t groups) {
@@ -41,10 +68,6 @@ absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64
                                   static_cast<cl_long>(dst.bytes() / row_bytes)));
   const size_t global[2] = {static_cast<size_t>(width), static_cast<size_t>(count)};
   return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
-}
-
-bool RowRunsGrouped(const Runtime& rt, int64_t hidden, int64_t groups) {
-  return hidden % 4 == 0 && (groups > 0 || (groups == 0 && !rt.device_info().is_cpu));
 }
 
 namespace {
@@ -95,12 +118,18 @@ absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer
   }
   if (!RowRunsGrouped(rt, hidden, groups)) {
     for (const RowRun& run : runs) {
-      if (run.block_src >= 0) {
-        return absl::InvalidArgumentError(
-            "CopyRowRuns: a block run needs the grouped form (RowRunsGrouped)");
+      if (run.block_src < 0) {
+        EPSERVE_RETURN_IF_ERROR(
+            CopyRows(rt, *run.src, moves, run.first, run.count, hidden, round_bf16, *run.dst));
+        continue;
       }
-      EPSERVE_RETURN_IF_ERROR(
-          CopyRows(rt, *run.src, moves, run.first, run.count, hidden, round_bf16, *run.dst));
+      if (round_bf16 || run.block_dst < 0 || run.count < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CopyRowRuns: a block of ", run.count, " rows to row ", run.block_dst,
+                         round_bf16 ? " rounded to BF16 needs the grouped form (RowRunsTakeBlocks)"
+                                    : " (need >= 0)"));
+      }
+      EPSERVE_RETURN_IF_ERROR(CopyBlock(rt, run, hidden));
     }
     return absl::OkStatus();
   }

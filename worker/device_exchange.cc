@@ -187,7 +187,8 @@ absl::Status DeviceExchange::Send(const Exchange& ex) {
   // at slot t: a block, no moves to build or upload. The others' runs of moves lie one after
   // the other, worker d's from table_at_[d] on, its slots 0 to rows_to(d) - 1 in token order:
   // each token's move goes straight to its place.
-  const bool blocks = kernels::RowRunsGrouped(rt_, regions_.plan.shape().hidden);
+  const bool round_bf16 = regions_.plan.dispatch_dtype() == common::ElementType::kBf16;
+  const bool blocks = kernels::RowRunsTakeBlocks(rt_, regions_.plan.shape().hidden, round_bf16);
   size_t rows_to_peers = 0;
   table_at_.assign(num_workers, -1);
   for (int d = 0; d < num_workers; ++d) {
@@ -222,7 +223,7 @@ absl::Status DeviceExchange::Send(const Exchange& ex) {
   bytes_sent_to_peers_ =
       rows_to_peers * static_cast<size_t>(regions_.plan.shape().hidden) * sizeof(float);
   const absl::Time built = absl::Now();
-  const absl::Status s = RunMoves(regions_.plan.dispatch_dtype() == common::ElementType::kBf16);
+  const absl::Status s = RunMoves(round_bf16);
   send_times_ = {NanosBetween(start, built), NanosBetween(built, absl::Now()), 0};
   return s;
 }

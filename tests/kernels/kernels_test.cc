@@ -1583,7 +1583,7 @@ TEST_F(Seeded, CopyRowRunsMovesEachRunIntoItsOwnDestination) {
         std::vector<Buffer> db;
         // Runs 2 and 5 are blocks where the form takes them, some of their rows past the end
         // of the source or the destination.
-        const bool blocks = RowRunsGrouped(Rt(), hidden, groups);
+        const bool blocks = RowRunsTakeBlocks(Rt(), hidden, round, groups);
         for (int r = 0; r < kRuns; ++r) {
           dst_of[r].assign(dst_rows, -1);
           std::vector<int32_t> rows(dst_rows);
@@ -1642,14 +1642,19 @@ TEST_F(Seeded, CopyRowRunsMovesEachRunIntoItsOwnDestination) {
   EXPECT_FALSE(CopyRowRuns(Rt(), negative, mb, 8, false).ok());
   const RowRun one[1] = {{&sb, &db, 0, 1}};
   EXPECT_FALSE(CopyRowRuns(Rt(), one, mb, 8, false, -1).ok());
-  // A block where the form reads moves, or with a negative destination.
+  // A block rounded to BF16 where the form reads moves, or with a negative destination, in
+  // either form.
   Buffer sb6 = Upload(Uniform(12));
   Buffer db6 = Poisoned(12);
   const RowRun block6[1] = {{&sb6, &db6, 0, 1, 0, 0}};
-  EXPECT_FALSE(RowRunsGrouped(Rt(), 6));
-  EXPECT_EQ(CopyRowRuns(Rt(), block6, mb, 6, false).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(RowRunsTakeBlocks(Rt(), 6, true));
+  EXPECT_TRUE(RowRunsTakeBlocks(Rt(), 6, false));
+  EXPECT_EQ(CopyRowRuns(Rt(), block6, mb, 6, true).code(), absl::StatusCode::kInvalidArgument);
   const RowRun below[1] = {{&sb, &db, 0, 1, 0, -1}};
-  EXPECT_EQ(CopyRowRuns(Rt(), below, mb, 8, false, 2).code(), absl::StatusCode::kInvalidArgument);
+  for (int64_t groups : {0, 2}) {
+    EXPECT_EQ(CopyRowRuns(Rt(), below, mb, 8, false, groups).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
 }
 
 // ReturnRows sends each pair's row to its sender's pairs at the pair's home and each received
