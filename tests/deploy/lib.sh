@@ -88,7 +88,10 @@ cleanup() {
 # into $dir/load.json; $load is their pid), lets them run 3 s, then kills MPI rank $3 under
 # supervisor $2 with SIGKILL; sets $victim and $t_kill.
 kill_rank_under_load() {
+  # --duration bounds --until-file: its default (10 s) ended the load as a slow restart came
+  # back, before any answer after the kill.
   "$EPSERVE_VERIFY" --target="$1" --concurrency=4 --deadline=5s --until-file="$dir/stop" \
+    --duration=300s \
     >"$dir/load.json" 2>"$dir/load.log" &
   load=$!
   pids+=($load)

@@ -367,7 +367,8 @@ int main(int argc, char** argv) {
   fs.Add("concurrency", &o.concurrency, "Client threads, each with one request in flight");
   fs.Add("requests", &o.requests, "Total requests (0: run for --duration or --until-file)");
   fs.Add("duration", &o.duration, "How long to send requests when --requests is 0");
-  fs.Add("until-file", &o.until_file, "Stop sending once this file exists");
+  fs.Add("until-file", &o.until_file,
+         "Stop sending once this file exists (or --duration has passed, whichever is first)");
   fs.Add("deadline", &o.deadline, "Deadline of every request");
   fs.Add("late-slack", &o.late_slack, "An answer later than deadline + this counts as late");
   fs.Add("min-tokens", &o.min_tokens, "Fewest token rows in a request");
