@@ -36,42 +36,6 @@ absl::Status CopyBlock(Runtime& rt, const RowRun& run, int64_t hidden) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-bool RowRunsTakeBlocks(const Runtime& rt, int64_t hidden, bool round_bf16, int64_t groups) {
-  return groups >= 0 && (RowRunsGrouped(rt, hidden, groups) || !round_bf16);
-}
-
-absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
-                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst,
-                      int64_t groups) {
-  if (first < 0 || count < 0 || hidden < 1 || groups < -1) {
-    return absl::InvalidArgumentError(absl::StrCat("CopyRows: first ", first, ", count ", count,
-                                                   ", hidden ", hidden, ", groups ", groups,
-                                                   " (need >= 0, >= 0, >= 1, >= -1)"));
-  }
-  if (count == 0) return absl::OkStatus();
-  EPSERVE_RETURN_IF_ERROR(NeedIntRange(count, "count"));
-  EPSERVE_RETURN_IF_ERROR(NeedBytes(moves, (first + count) * 2 * sizeof(int32_t), "moves"));
-  // Four values per work-item where rows allow it; on GPUs, whole rows per work-group.
-  if (RowRunsGrouped(rt, hidden, groups)) {
-    const RowRun run[1] = {{&src, &dst, first, count}};
-    return CopyRowRuns(rt, run, moves, hidden, round_bf16, groups > 0 ? groups : 0);
-  }
-  const bool by4 = hidden % 4 == 0;
-  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(by4 ? "copy_rows4" : "copy_rows"));
-  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
-  const int64_t width = by4 ? hidden / 4 : hidden;
-  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, static_cast<cl_long>(src.bytes() / row_bytes), moves,
-                                  cl_long{first}, static_cast<cl_int>(count), cl_long{width},
-                                  cl_int{round_bf16 ? 1 : 0}, dst,
-                                  static_cast<cl_long>(dst.bytes() / row_bytes)));
-  const size_t global[2] = {static_cast<size_t>(width), static_cast<size_t>(count)};
-  return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
-}
-
-namespace {
-
 // One copy_runs_grouped launch's runs, as its arguments hold them.
 struct LaunchRuns {
   cl_mem src[kRunsPerLaunch] = {}, dst[kRunsPerLaunch] = {};
@@ -110,6 +74,38 @@ absl::Status PackRun(const RowRun& run, size_t r, const Buffer& moves, size_t ro
 }
 
 }  // namespace
+
+bool RowRunsTakeBlocks(const Runtime& rt, int64_t hidden, bool round_bf16, int64_t groups) {
+  return groups >= 0 && (RowRunsGrouped(rt, hidden, groups) || !round_bf16);
+}
+
+absl::Status CopyRows(Runtime& rt, const Buffer& src, const Buffer& moves, int64_t first,
+                      int64_t count, int64_t hidden, bool round_bf16, const Buffer& dst,
+                      int64_t groups) {
+  if (first < 0 || count < 0 || hidden < 1 || groups < -1) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyRows: first ", first, ", count ", count,
+                                                   ", hidden ", hidden, ", groups ", groups,
+                                                   " (need >= 0, >= 0, >= 1, >= -1)"));
+  }
+  if (count == 0) return absl::OkStatus();
+  EPSERVE_RETURN_IF_ERROR(NeedIntRange(count, "count"));
+  EPSERVE_RETURN_IF_ERROR(NeedBytes(moves, (first + count) * 2 * sizeof(int32_t), "moves"));
+  // Four values per work-item where rows allow it; on GPUs, whole rows per work-group.
+  if (RowRunsGrouped(rt, hidden, groups)) {
+    const RowRun run[1] = {{&src, &dst, first, count}};
+    return CopyRowRuns(rt, run, moves, hidden, round_bf16, groups > 0 ? groups : 0);
+  }
+  const bool by4 = hidden % 4 == 0;
+  EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel(by4 ? "copy_rows4" : "copy_rows"));
+  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(float);
+  const int64_t width = by4 ? hidden / 4 : hidden;
+  EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, src, static_cast<cl_long>(src.bytes() / row_bytes), moves,
+                                  cl_long{first}, static_cast<cl_int>(count), cl_long{width},
+                                  cl_int{round_bf16 ? 1 : 0}, dst,
+                                  static_cast<cl_long>(dst.bytes() / row_bytes)));
+  const size_t global[2] = {static_cast<size_t>(width), static_cast<size_t>(count)};
+  return LaunchBounded(rt, kernel, 2, global, detail::kCpuCombineGroup);
+}
 
 absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer& moves,
                          int64_t hidden, bool round_bf16, int64_t groups) {
