@@ -25,6 +25,9 @@ double DefaultTolerance(common::ElementType dtype);
 // in FP32 arithmetic; such rows are not compared.
 inline constexpr double kRoutingTieMargin = 1e-5;
 
+// Tokens of a request that Check's reference gives each thread at least.
+inline constexpr int64_t kVerifyGrainTokens = 4;
+
 // The reference of one served layer. Immutable once created; Check is thread-safe.
 class Verifier {
  public:

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/expert_skew.h"
 #include "client/infer_request.h"
@@ -249,16 +250,22 @@ TEST(Verifier, AcceptsTheReferenceAndRejectsAPerturbedAnswer) {
   ASSERT_TRUE(source.ok());
   auto weights = model::LoadLayer(**source, 0);
   ASSERT_TRUE(weights.ok());
-  const int64_t n = 5;
-  FastRng rng(3, 4);
-  std::vector<float> x(n * 64), y(n * 64);
-  rng.FillUniformSigned(x.data(), n * 64);
-  model::ReferenceForward((*source)->config().layer, *weights, x.data(), n, y.data());
-  EXPECT_TRUE((*v)->Check(x.data(), y.data(), n).ok());
-  y[3 * 64 + 7] += 0.01f;
-  const absl::Status s = (*v)->Check(x.data(), y.data(), n);
-  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
-  EXPECT_NE(s.message().find("row 3"), std::string::npos) << s;
+  // 5 tokens: one range of the reference; 37: ranges on several threads where the host has
+  // them, the wrong row in the last.
+  const uint64_t seed = std::random_device{}();
+  FastRng rng(seed, 4);
+  for (int64_t n : {5, 37}) {
+    SCOPED_TRACE(absl::StrCat(n, " tokens, seed ", seed));
+    std::vector<float> x(n * 64), y(n * 64);
+    rng.FillUniformSigned(x.data(), n * 64);
+    model::ReferenceForward((*source)->config().layer, *weights, x.data(), n, y.data());
+    EXPECT_TRUE((*v)->Check(x.data(), y.data(), n).ok());
+    const int64_t wrong = n - 2;
+    y[wrong * 64 + 7] += 0.01f;
+    const absl::Status s = (*v)->Check(x.data(), y.data(), n);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(s.message().find(absl::StrCat("row ", wrong, " of")), std::string::npos) << s;
+  }
   EXPECT_FALSE(
       Verifier::Create("/no/such/folder", 0, std::nullopt, common::ElementType::kFp32, 0).ok());
   EXPECT_FALSE(Verifier::Create("synthetic:tiny", 0, 7, common::ElementType::kFp32, 0).ok());
