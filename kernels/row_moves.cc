@@ -73,6 +73,19 @@ absl::Status PackRun(const RowRun& run, size_t r, const Buffer& moves, size_t ro
   return absl::OkStatus();
 }
 
+// A launch of `kernel` whose work-groups each move whole rows, `width` work-items' values a
+// row (copy_runs_grouped, return_rows): groups of up to kCopyRowLanes work-items, `groups` of
+// them, or kCopyGroupsPerUnit per compute unit where `groups` is not > 0, at most one a row.
+absl::Status LaunchRowGroups(Runtime& rt, cl_kernel kernel, int64_t rows, int64_t width,
+                             int64_t groups) {
+  const int64_t lanes = std::min<int64_t>(kCopyRowLanes, (width + 31) / 32 * 32);
+  const int64_t units = std::max(1, rt.device_info().compute_units);
+  const int64_t launched = std::min(rows, groups > 0 ? groups : units * kCopyGroupsPerUnit);
+  const size_t global[1] = {static_cast<size_t>(launched * lanes)};
+  const size_t local[1] = {static_cast<size_t>(lanes)};
+  return detail::Launch(rt, kernel, 1, global, local);
+}
+
 }  // namespace
 
 bool RowRunsTakeBlocks(const Runtime& rt, int64_t hidden, bool round_bf16, int64_t groups) {
@@ -146,32 +159,12 @@ absl::Status CopyRowRuns(Runtime& rt, std::span<const RowRun> runs, const Buffer
     }
     if (total == 0) continue;
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel, rt.Kernel("copy_runs_grouped"));
-    cl_uint arg = 0;
-    for (cl_mem m : l.src)
-      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
-    for (cl_mem m : l.dst)
-      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), m ? &m : nullptr));
-    for (const cl_long4* v : {&l.src_rows, &l.dst_rows}) {
-      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(*v), v));
-    }
-    for (const cl_int4* v : {&l.starts, &l.ends}) {
-      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(*v), v));
-    }
-    for (const cl_long4* v : {&l.block_src, &l.block_dst}) {
-      CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(*v), v));
-    }
-    const cl_mem moves_mem = moves.mem();
-    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(cl_mem), &moves_mem));
-    const cl_long q = quarter;
-    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(q), &q));
-    const cl_int round = round_bf16 ? 1 : 0;
-    CL_CHECK(clSetKernelArg(kernel, arg++, sizeof(round), &round));
-    const int64_t lanes = std::min<int64_t>(kCopyRowLanes, (quarter + 31) / 32 * 32);
-    const int64_t units = std::max(1, rt.device_info().compute_units);
-    const int64_t launched = std::min(total, groups > 0 ? groups : units * kCopyGroupsPerUnit);
-    const size_t global[1] = {static_cast<size_t>(launched * lanes)};
-    const size_t local[1] = {static_cast<size_t>(lanes)};
-    EPSERVE_RETURN_IF_ERROR(detail::Launch(rt, kernel, 1, global, local));
+    static_assert(kRunsPerLaunch == 4, "copy_runs_grouped takes four runs");
+    EPSERVE_RETURN_IF_ERROR(SetArgs(kernel, l.src[0], l.src[1], l.src[2], l.src[3], l.dst[0],
+                                    l.dst[1], l.dst[2], l.dst[3], l.src_rows, l.dst_rows, l.starts,
+                                    l.ends, l.block_src, l.block_dst, moves, cl_long{quarter},
+                                    cl_int{round_bf16 ? 1 : 0}));
+    EPSERVE_RETURN_IF_ERROR(LaunchRowGroups(rt, kernel, total, quarter, groups));
   }
   return absl::OkStatus();
 }
@@ -199,12 +192,6 @@ absl::Status ReturnRows(Runtime& rt, const ReturnRowsArgs& a) {
   const cl_long part_src_rows = parts ? static_cast<cl_long>(a.row_parts->bytes() / row_bytes) : 0;
   const int64_t width = a.hidden % 4 == 0 ? a.hidden / 4 : a.hidden;
   const bool grouped = a.groups > 0 || (a.groups == 0 && !rt.device_info().is_cpu);
-  const int64_t lanes = std::min<int64_t>(kCopyRowLanes, (width + 31) / 32 * 32);
-  const int64_t units = std::max(1, rt.device_info().compute_units);
-  const int64_t launched =
-      std::min(a.pairs + a.rows, a.groups > 0 ? a.groups : units * kCopyGroupsPerUnit);
-  const size_t global[1] = {static_cast<size_t>(launched * lanes)};
-  const size_t local[1] = {static_cast<size_t>(lanes)};
   const size_t values[2] = {static_cast<size_t>(width), static_cast<size_t>(a.pairs + a.rows)};
   for (size_t first = 0; first < senders; first += kRunsPerLaunch) {
     const size_t last = std::min(senders, first + kRunsPerLaunch);  // this launch's senders
@@ -224,29 +211,14 @@ absl::Status ReturnRows(Runtime& rt, const ReturnRowsArgs& a) {
     }
     EPSERVE_ASSIGN_OR_RETURN(cl_kernel kernel,
                              rt.Kernel(grouped ? "return_rows" : "return_rows_values"));
-    cl_uint arg = 0;
-    auto mem = [&](cl_mem m) {
-      return clSetKernelArg(kernel, arg++, sizeof(cl_mem), m != nullptr ? &m : nullptr);
-    };
-    auto value = [&](const auto& v) { return clSetKernelArg(kernel, arg++, sizeof(v), &v); };
-    CL_CHECK(mem(a.pair_rows->mem()));
-    CL_CHECK(value(pair_src_rows));
-    CL_CHECK(mem(parts ? a.row_parts->mem() : nullptr));
-    CL_CHECK(value(part_src_rows));
-    for (cl_mem m : pd) CL_CHECK(mem(m));
-    for (cl_mem m : qd) CL_CHECK(mem(m));
-    CL_CHECK(value(pair_dst_rows));
-    CL_CHECK(value(part_dst_rows));
-    CL_CHECK(value(begin));
-    CL_CHECK(value(static_cast<cl_int>(a.source_begin[last])));
-    CL_CHECK(value(tokens));
-    CL_CHECK(value(static_cast<cl_int>(a.me)));
-    CL_CHECK(mem(a.tables->mem()));
-    CL_CHECK(value(static_cast<cl_int>(a.pairs)));
-    CL_CHECK(value(static_cast<cl_int>(a.rows)));
-    CL_CHECK(value(static_cast<cl_long>(a.hidden)));
+    const cl_mem row_parts = parts ? a.row_parts->mem() : nullptr;
+    EPSERVE_RETURN_IF_ERROR(SetArgs(
+        kernel, *a.pair_rows, pair_src_rows, row_parts, part_src_rows, pd[0], pd[1], pd[2], pd[3],
+        qd[0], qd[1], qd[2], qd[3], pair_dst_rows, part_dst_rows, begin,
+        static_cast<cl_int>(a.source_begin[last]), tokens, static_cast<cl_int>(a.me), *a.tables,
+        static_cast<cl_int>(a.pairs), static_cast<cl_int>(a.rows), static_cast<cl_long>(a.hidden)));
     EPSERVE_RETURN_IF_ERROR(grouped
-                                ? detail::Launch(rt, kernel, 1, global, local)
+                                ? LaunchRowGroups(rt, kernel, a.pairs + a.rows, width, a.groups)
                                 : LaunchBounded(rt, kernel, 2, values, detail::kCpuCombineGroup));
   }
   return absl::OkStatus();

@@ -353,6 +353,9 @@ class Runtime {
     size_t bytes = 0;
   };
   std::vector<Pinned> pinned_;  // AllocatePinnedHost's
+  // Makes `s` `bytes` of pinned host memory (CL_MEM_ALLOC_HOST_PTR) mapped on `queue`
+  // (nothing kept where that fails); ReleaseOne unmaps and frees it.
+  absl::Status MapPinned(cl_command_queue queue, size_t bytes, Staging& s);
   void ReleaseOne(cl_command_queue queue, Staging& s);
   int transfer_threads_ = 1;
   // ForkQueue's queue (made on first use), whether launches go there now, the marker of its

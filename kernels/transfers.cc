@@ -73,14 +73,7 @@ absl::StatusOr<void*> Runtime::AllocatePinnedHost(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("AllocatePinnedHost of 0 bytes");
   Pinned p;
   p.bytes = bytes;
-  cl_int err = CL_SUCCESS;
-  CL_CHECK((p.memory.mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR,
-                                          bytes, nullptr, &err),
-            err));
-  p.memory.host = clEnqueueMapBuffer(queue_, p.memory.mem, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0,
-                                     bytes, 0, nullptr, nullptr, &err);
-  if (err != CL_SUCCESS) ReleaseOne(queue_, p.memory);
-  CL_CHECK(err);
+  EPSERVE_RETURN_IF_ERROR(MapPinned(queue_, bytes, p.memory));
   pinned_.push_back(p);
   return p.memory.host;
 }
@@ -103,17 +96,21 @@ absl::Status Runtime::Read(const Buffer& src, size_t offset, void* dst, size_t b
 
 absl::Status Runtime::MakeStaging() { return MakeStaging(queue_, staging_); }
 
+absl::Status Runtime::MapPinned(cl_command_queue queue, size_t bytes, Staging& s) {
+  cl_int err = CL_SUCCESS;
+  CL_CHECK((s.mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR, bytes,
+                                   nullptr, &err),
+            err));
+  void* host = clEnqueueMapBuffer(queue, s.mem, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, bytes, 0,
+                                  nullptr, nullptr, &err);
+  if (err != CL_SUCCESS) ReleaseOne(queue, s);
+  CL_CHECK(err);
+  s.host = host;
+  return absl::OkStatus();
+}
+
 absl::Status Runtime::MakeStaging(cl_command_queue queue, Staging (&pair)[2]) {
-  for (Staging& s : pair) {
-    cl_int err = CL_SUCCESS;
-    CL_CHECK((s.mem = clCreateBuffer(context_, CL_MEM_READ_WRITE | CL_MEM_ALLOC_HOST_PTR,
-                                     kStagingChunk, nullptr, &err),
-              err));
-    void* host = clEnqueueMapBuffer(queue, s.mem, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0,
-                                    kStagingChunk, 0, nullptr, nullptr, &err);
-    CL_CHECK(err);
-    s.host = host;
-  }
+  for (Staging& s : pair) EPSERVE_RETURN_IF_ERROR(MapPinned(queue, kStagingChunk, s));
   return absl::OkStatus();
 }
 
@@ -133,15 +130,7 @@ void Runtime::ReleaseOne(cl_command_queue queue, Staging& s) {
 }
 
 void Runtime::ReleaseStaging(cl_command_queue queue, Staging (&pair)[2]) {
-  for (Staging& s : pair) {
-    if (s.busy != nullptr) clReleaseEvent(s.busy);
-    if (s.host != nullptr) clEnqueueUnmapMemObject(queue, s.mem, s.host, 0, nullptr, nullptr);
-  }
-  clFinish(queue);
-  for (Staging& s : pair) {
-    if (s.mem != nullptr) clReleaseMemObject(s.mem);
-    s = Staging{};
-  }
+  for (Staging& s : pair) ReleaseOne(queue, s);
 }
 
 absl::Status Runtime::WaitStaging(Staging& s) {

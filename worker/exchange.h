@@ -113,8 +113,8 @@ class DeviceMover {
  public:
   virtual ~DeviceMover() = default;
   // Starts this worker's rows of the pass (ex.n() tokens) into their destinations' device
-  // receive rows (receiver row ex.row_base(d) + ex.slot(t, d)); Sync waits until they are
-  // there (the exchange writes the pass's metadata between the two).
+  // receive rows (receiver row ex.row_base(d) + token t's slot for d, ex.slots()); Sync waits until
+  // they are there (the exchange writes the pass's metadata between the two).
   virtual absl::Status Send(const Exchange& ex) = 0;
   virtual absl::Status Sync() = 0;
   // After the expert step, before this worker's combine signals: its output rows for the
@@ -227,8 +227,7 @@ class Exchange {
   // i = t * k + j's index in its destination's pair table.
   int me() const { return me_; }
   int64_t n() const { return n_; }
-  int64_t slot(int64_t t, int d) const { return slot_[t * plan_.shape().num_workers + d]; }
-  // Every token's slots, token t's for worker d at [t * workers + d].
+  // Every token's slots, token t's for worker d at [t * workers + d] (-1: none).
   std::span<const int64_t> slots() const { return slot_; }
   int64_t row_base(int d) const { return row_base_[d]; }
   // Rows this worker sends worker d: slots 0 to rows_to(d) - 1, given in token order (so with

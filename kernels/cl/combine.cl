@@ -162,16 +162,6 @@ __kernel void copy_rows4(__global const float4* restrict src, long src_rows,
   dst[(size_t)d * quarter + c] = v;
 }
 
-// copy_rows4 on GPUs, over up to four runs in one launch, each from its own source into its
-// own destination: the launch's rows [ends[r-1], ends[r]) (ends[-1] = 0) are run r's, its
-// moves from starts[r], or, where starts[r] < 0, a block: source rows from block_src[r] on into
-// destination rows from block_dst[r] on, no moves read; unused runs have count 0 (and may have
-// null buffers). A work-group
-// moves whole rows, 16 bytes per work-item and access, the rows dealt out over the launch's
-// groups in turn (rows i, i + groups, ...) across the runs, so that moves within a device's
-// memory run beside moves into a peer's instead of after them. Each work-item loads its values
-// of two rows before it stores either, so that a link to a peer's memory has many stores in
-// flight from few resident groups.
 // Element s (0 to 3) of a vector argument: a run's or a sender's.
 inline int pick_int(int s, int4 v) { return s == 0 ? v.s0 : s == 1 ? v.s1 : s == 2 ? v.s2 : v.s3; }
 inline long pick_long(int s, long4 v) { return s == 0 ? v.s0 : s == 1 ? v.s1 : s == 2 ? v.s2 : v.s3; }
@@ -212,6 +202,15 @@ inline __global float4* run_destination(int r, __global float4* d0, __global flo
   return r == 0 ? d0 : r == 1 ? d1 : r == 2 ? d2 : d3;
 }
 
+// copy_rows4 on GPUs, over up to four runs in one launch, each from its own source into its
+// own destination: the launch's rows [ends[r-1], ends[r]) (ends[-1] = 0) are run r's, its
+// moves from starts[r], or, where starts[r] < 0, a block: source rows from block_src[r] on into
+// destination rows from block_dst[r] on, no moves read; unused runs have count 0 (and may have
+// null buffers). A work-group moves whole rows, 16 bytes per work-item and access, the rows
+// dealt out over the launch's groups in turn (rows i, i + groups, ...) across the runs, so that
+// moves within a device's memory run beside moves into a peer's instead of after them. Each
+// work-item loads its values of two rows before it stores either, so that a link to a peer's
+// memory has many stores in flight from few resident groups.
 __kernel void copy_runs_grouped(__global const float4* s0, __global const float4* s1,
                                 __global const float4* s2, __global const float4* s3,
                                 __global float4* d0, __global float4* d1, __global float4* d2,
@@ -257,7 +256,6 @@ inline int sender_of_row(int row, int4 begin, int end) {
   if (row < begin.s0 || row >= end) return -1;
   return (row >= begin.s1) + (row >= begin.s2) + (row >= begin.s3);
 }
-
 
 // The combine's return on the device, from the receiver's pair table, for senders s of a
 // group of up to four (received rows [begin.s[s], begin.s[s + 1]) are sender s's, the last

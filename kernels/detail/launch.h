@@ -20,6 +20,12 @@ inline absl::Status SetArg(cl_kernel kernel, cl_uint index, const Buffer& buffer
   return absl::OkStatus();
 }
 
+// A buffer held as its handle (nullptr: the kernel sees a null pointer).
+inline absl::Status SetArg(cl_kernel kernel, cl_uint index, cl_mem mem) {
+  CL_CHECK(clSetKernelArg(kernel, index, sizeof(mem), &mem));
+  return absl::OkStatus();
+}
+
 template <typename T>
 absl::Status SetArg(cl_kernel kernel, cl_uint index, const T& value) {
   static_assert(std::is_trivially_copyable_v<T> && !std::is_pointer_v<T>);
