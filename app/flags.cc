@@ -93,14 +93,21 @@ void RegisterWorkerFlags(common::FlagSet& fs, Flags& flags) {
       worker::ParseDeviceExchangeMode, [](const worker::DeviceExchangeMode& m) {
         return Quoted(worker::DeviceExchangeModeName(m));
       });
-  fs.AddTyped<worker::WorkerOptions::UploadAhead>(
+  fs.AddTyped<worker::AutoSwitch>(
       "upload-ahead", &w.upload_ahead,
       "Whether a worker uploads the next batch's rows (copied in by rank 0 while the "
       "workers compute, --batches-in-flight=2) to its device while it computes the current "
       "batch's experts: auto (on devices with memory of their own), on, off",
-      worker::ParseUploadAhead, [](const worker::WorkerOptions::UploadAhead& u) {
-        return Quoted(worker::UploadAheadName(u));
-      });
+      [](absl::string_view t) { return worker::ParseAutoSwitch("upload-ahead", t); },
+      [](const worker::AutoSwitch& u) { return Quoted(worker::AutoSwitchName(u)); });
+  fs.AddTyped<worker::AutoSwitch>(
+      "workers-read-shm", &w.reads_shm,
+      "Whether the workers read the rows of requests in clients' system shared memory, and "
+      "write their answers, themselves (in the requests' element types, converted on their "
+      "devices), so that rank 0 copies none of them: auto (where every worker's device has "
+      "memory of its own and every rank is on one host), on (every rank on one host), off",
+      [](absl::string_view t) { return worker::ParseAutoSwitch("workers-read-shm", t); },
+      [](const worker::AutoSwitch& u) { return Quoted(worker::AutoSwitchName(u)); });
 }
 
 // Rank 0's pipeline: batches in flight, its threads, priorities (server/).

@@ -155,12 +155,16 @@ void Batcher::PrepareChunks(Batch* b) {
     // batch's FP32 staging.
     const bool own_in = options_.executor_converts || t.input_type == common::ElementType::kFp32;
     const bool own_out = options_.executor_converts || t.output_type == common::ElementType::kFp32;
+    // (rows in CUDA memory have no host address; those in system shared memory have one, for
+    // rank 0's copies where the workers do not take them)
+    const bool cuda_in = t.device_input.valid() && !t.device_input.in_host_shm();
+    const bool cuda_out = t.device_output.valid() && !t.device_output.in_host_shm();
     const void* in =
-        t.device_input.valid() ? nullptr
+        cuda_in ? nullptr
         : own_in
             ? static_cast<const void*>(t.input + p.row * h * common::ElementBytes(t.input_type))
             : b->input_staging.data() + p.at * h;
-    void* out = t.device_output.valid() ? nullptr
+    void* out = cuda_out ? nullptr
                 : own_out
                     ? static_cast<void*>(t.output + p.row * h * common::ElementBytes(t.output_type))
                     : b->output_staging.data() + p.at * h;

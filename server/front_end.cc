@@ -190,6 +190,7 @@ absl::StatusOr<std::unique_ptr<FrontEnd>> FrontEnd::Start(
                      .device = device};
   served.placements = coordinator.placements();
   served.workers_read_cuda = coordinator.workers_read_cuda();
+  served.workers_read_shm = coordinator.workers_read_shm();
   std::unique_ptr<FrontEnd> fe(new FrontEnd(options, std::move(served), &coordinator));
   fe->model_ = model;
   fe->open_model_ = std::move(open_model);

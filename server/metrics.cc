@@ -101,15 +101,13 @@ void Metrics::RegisterRebalanceMetrics() {
                           .Add({});
 }
 
-// Batches: stage latencies per rank, bytes exchanged, per-expert load and balance (and, in
-// the order /metrics lists them, the rebalances').
-void Metrics::RegisterBatchMetrics(const ServedModel& model) {
+// A batch's stage latencies per rank.
+void Metrics::RegisterStageMetrics(const ServedModel& model) {
   Metrics* m = this;
-  prometheus::Registry& r = *registry_;
   auto& stages = prometheus::BuildHistogram()
                      .Name("epserve_stage_duration_seconds")
                      .Help("Duration of each stage of a batch, per rank (0: front-end).")
-                     .Register(r);
+                     .Register(*registry_);
   m->scatter_seconds_ = &stages.Add({{"stage", "scatter"}, {"rank", "0"}}, LatencyBuckets());
   m->gather_seconds_ = &stages.Add({{"stage", "gather"}, {"rank", "0"}}, LatencyBuckets());
   m->respond_seconds_ = &stages.Add({{"stage", "respond"}, {"rank", "0"}}, LatencyBuckets());
@@ -121,12 +119,27 @@ void Metrics::RegisterBatchMetrics(const ServedModel& model) {
           LatencyBuckets());
     }
   }
+}
+
+// Batches: stage latencies per rank, bytes exchanged, rows the workers took, per-expert load
+// and balance (and, in the order /metrics lists them, the rebalances').
+void Metrics::RegisterBatchMetrics(const ServedModel& model) {
+  Metrics* m = this;
+  prometheus::Registry& r = *registry_;
+  RegisterStageMetrics(model);
   auto& exchange = prometheus::BuildCounter()
                        .Name("epserve_exchange_bytes_total")
                        .Help("Bytes moved between workers through the heap, by direction.")
                        .Register(r);
   m->exchange_bytes_[0] = &exchange.Add({{"direction", "dispatch"}});
   m->exchange_bytes_[1] = &exchange.Add({{"direction", "combine"}});
+  m->client_rows_ = &prometheus::BuildCounter()
+                         .Name("epserve_rows_read_by_workers_total")
+                         .Help(
+                             "Token rows the workers read from clients' memory themselves "
+                             "(CUDA or system shared memory), which rank 0 did not copy.")
+                         .Register(r)
+                         .Add({});
   auto& expert_tokens = prometheus::BuildCounter()
                             .Name("epserve_expert_tokens_total")
                             .Help("Token rows routed to each expert, by layer.")
@@ -443,6 +456,7 @@ void Metrics::ObserveBatch(const worker::BatchTrace& trace, int64_t rows, int la
   batch_tokens_->Observe(static_cast<double>(rows));
   exchange_bytes_[0]->Increment(static_cast<double>(trace.dispatch_bytes));
   exchange_bytes_[1]->Increment(static_cast<double>(trace.combine_bytes));
+  client_rows_->Increment(static_cast<double>(trace.client_rows));
   scatter_seconds_->Observe(trace.scatter_ns * 1e-9);
   gather_seconds_->Observe(trace.gather_ns * 1e-9);
   // A trace that names no workers (tests, executors) counts them all.

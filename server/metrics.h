@@ -84,6 +84,7 @@ class Metrics {
   // Start's parts: each registers one family of series into registry_.
   void RegisterRequestMetrics(const std::string& model_name);
   void RegisterBatchMetrics(const ServedModel& model);
+  void RegisterStageMetrics(const ServedModel& model);
   void RegisterRebalanceMetrics();
   void RegisterStateMetrics(const ServedModel& model, int64_t queue_capacity_tokens);
   void RegisterProtectionMetrics();
@@ -106,6 +107,7 @@ class Metrics {
   std::vector<std::array<prometheus::Histogram*, worker::kNumWorkerStages>> stage_seconds_;
   prometheus::Histogram* respond_seconds_ = nullptr;
   std::array<prometheus::Counter*, 2> exchange_bytes_{};  // dispatch, combine
+  prometheus::Counter* client_rows_ = nullptr;
   // Per-entry counts (experts, workers) of the last kBalanceWindowBatches batches of a layer:
   // a ring of batches and the sums over it.
   class BalanceWindow {

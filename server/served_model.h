@@ -20,6 +20,9 @@ struct ServedModel {
   std::string device = "cpu";  // the workers' OpenCL device (--device), reported in ModelConfig
   // Whether every worker reads and writes rows in clients' CUDA memory (CUDA shared memory).
   bool workers_read_cuda = false;
+  // Whether every worker reads and writes rows in clients' system shared memory itself
+  // (--workers-read-shm): rank 0 then copies no rows of such requests.
+  bool workers_read_shm = false;
   // Per served layer, which workers hold which experts (--redundant-experts); empty: one copy
   // of each.
   std::vector<worker::ExpertPlacement> placements = {};

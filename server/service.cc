@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -80,6 +81,41 @@ worker::DeviceRows DeviceRowsOf(const ShmPlace& place, common::ElementType type)
   rows.type = type;
   std::memcpy(rows.handle, place.cuda->handle().data(), sizeof(rows.handle));
   return rows;
+}
+
+// Where a tensor placed in system shared memory at `at` is, for workers that take such rows
+// themselves: rank 0's descriptor of the object and the offset in it.
+worker::DeviceRows HostRowsOf(const SharedMemoryRegion& region, const char* at,
+                              common::ElementType type) {
+  worker::DeviceRows rows;
+  rows.region_id = region.id();
+  rows.offset = region.ObjectOffset(at);
+  rows.type = type;
+  rows.set_host_shm({.pid = getpid(), .fd = region.fd()});
+  return rows;
+}
+
+// The task's rows in clients' memory, for the workers: in CUDA regions (kept registered, and
+// so open, while the task lives, by `cuda_used`: the workers move the rows, rank 0 holds no
+// address of them), and in system shared memory where the workers take such rows themselves
+// (`workers_read_shm`; kept mapped, and its descriptor open, by the task's `used` regions).
+void PlaceClientRows(const ParsedInfer& parsed, bool workers_read_shm, InferTask* task,
+                     std::vector<std::shared_ptr<const CudaSharedMemoryRegion>>* cuda_used) {
+  if (parsed.input_cuda.cuda != nullptr) {
+    task->device_input = DeviceRowsOf(parsed.input_cuda, parsed.input_type);
+    cuda_used->push_back(parsed.input_cuda.cuda);
+  }
+  if (parsed.want_output && parsed.output_shm.cuda != nullptr) {
+    task->device_output = DeviceRowsOf(parsed.output_shm, parsed.output_type);
+    cuda_used->push_back(parsed.output_shm.cuda);
+  }
+  if (workers_read_shm && parsed.input_region != nullptr) {
+    task->device_input = HostRowsOf(*parsed.input_region, parsed.input, parsed.input_type);
+  }
+  if (workers_read_shm && parsed.want_output && parsed.output_shm.region != nullptr) {
+    task->device_output =
+        HostRowsOf(*parsed.output_shm.region, parsed.output_shm.data, parsed.output_type);
+  }
 }
 
 // Why CUDA shared memory cannot be served with these workers; empty where it can.
@@ -290,17 +326,8 @@ absl::Status InferenceService::Submit(const inference::ModelInferRequest& req,
   std::vector<std::shared_ptr<const SharedMemoryRegion>> used;
   AddOutputs(*parsed, signature_.hidden_size, signature_.top_k, resp, task.get(), &used);
   if (parsed->input_region != nullptr) used.push_back(parsed->input_region);
-  // CUDA regions (kept registered, and so open, while the task lives): the workers move the
-  // rows, rank 0 holds no address of them.
   std::vector<std::shared_ptr<const CudaSharedMemoryRegion>> cuda_used;
-  if (parsed->input_cuda.cuda != nullptr) {
-    task->device_input = DeviceRowsOf(parsed->input_cuda, parsed->input_type);
-    cuda_used.push_back(parsed->input_cuda.cuda);
-  }
-  if (parsed->want_output && parsed->output_shm.cuda != nullptr) {
-    task->device_output = DeviceRowsOf(parsed->output_shm, parsed->output_type);
-    cuda_used.push_back(parsed->output_shm.cuda);
-  }
+  PlaceClientRows(*parsed, model_.workers_read_shm, task.get(), &cuda_used);
 
   task->layer_pos = parsed->layer_pos;
   task->num_tokens = parsed->num_tokens;

@@ -159,6 +159,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name, const std::
   region->key_ = key;
   region->offset_ = offset;
   region->byte_size_ = byte_size;
+  region->id_ = next_id_.fetch_add(1);
   region->fd_ = shm_open(key.c_str(), O_RDWR, 0);
   if (region->fd_ < 0) {
     const int err = errno;

@@ -40,6 +40,13 @@ class SharedMemoryRegion {
   const std::string& key() const { return key_; }
   uint64_t offset() const { return offset_; }
   uint64_t byte_size() const { return byte_size_; }
+  // Numbers the registration (from 1, never reused in this process).
+  uint64_t id() const { return id_; }
+  // This process's descriptor of the object, open while the region lives: a worker on this
+  // host opens the same object through /proc/<pid>/fd/<fd> (worker/host_rows.h).
+  int fd() const { return fd_; }
+  // The byte offset in the object of `p`, an address inside the region.
+  uint64_t ObjectOffset(const char* p) const { return offset_ + static_cast<uint64_t>(p - data_); }
 
   // The address of bytes [at, at + bytes) of the region, after checking that they lie inside
   // it and inside the object as it is now; INVALID_ARGUMENT naming `what` otherwise.
@@ -60,6 +67,7 @@ class SharedMemoryRegion {
   SharedMemoryRegion() = default;
   std::string name_, key_;
   uint64_t offset_ = 0, byte_size_ = 0;
+  uint64_t id_ = 0;
   int fd_ = -1;
   void* map_ = nullptr;  // page-aligned mapping that covers the region
   size_t map_bytes_ = 0;
@@ -93,6 +101,7 @@ class SharedMemoryRegistry {
 
  private:
   const size_t max_regions_;
+  std::atomic<uint64_t> next_id_{1};
   mutable std::mutex mu_;
   RegionMap<SharedMemoryRegion> regions_;  // guarded by mu_
 };

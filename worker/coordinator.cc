@@ -17,6 +17,25 @@
 #include "common/status.h"
 
 namespace epserve::worker {
+namespace {
+
+// Rows in clients' system shared memory as rank 0 copies them: by the addresses the chunks
+// hold beside (RowChunk::device_input / device_output).
+void LeaveShmRowsToRank0(std::vector<RowChunk>& chunks) {
+  for (RowChunk& c : chunks) {
+    if (c.device_input.in_host_shm()) c.device_input = {};
+    if (c.device_output.in_host_shm()) c.device_output = {};
+  }
+}
+
+// The rows of `chunks` that the workers read from clients' memory themselves.
+int64_t ClientRows(std::span<const RowChunk> chunks) {
+  int64_t rows = 0;
+  for (const RowChunk& c : chunks) rows += c.device_input.valid() ? c.rows : 0;
+  return rows;
+}
+
+}  // namespace
 
 Coordinator::Coordinator(shmem::SymmetricHeap& heap, const HeapRegions& regions,
                          std::vector<ExpertPlacement> placements)
@@ -48,11 +67,12 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   }
   const ExchangeShape& shape = regions_.plan.shape();
   int64_t total = 0;
-  bool device_input = false, device_output = false;  // some rows in a client's CUDA memory
+  bool cuda = false;  // some rows in clients' CUDA memory
   for (const RowChunk& c : chunks) {
     total += c.rows;
-    device_input = device_input || c.device_input.valid();
-    device_output = device_output || c.device_output.valid();
+    for (const DeviceRows* d : {&c.device_input, &c.device_output}) {
+      cuda = cuda || (d->valid() && !d->in_host_shm());
+    }
   }
   if (total < 1 || total > shape.max_batch_tokens) {
     return absl::InternalError(
@@ -60,7 +80,7 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   }
   // Refused before any worker sees it: one worker failing alone would leave its peers
   // waiting for it in the exchange.
-  if ((device_input || device_output) && !workers_read_cuda_) {
+  if (cuda && !workers_read_cuda_) {
     return absl::FailedPreconditionError(
         "rows in CUDA shared memory, which not every worker can reach (their devices are not "
         "CUDA GPUs)");
@@ -79,16 +99,25 @@ absl::StatusOr<uint64_t> Coordinator::Start(int layer_pos, std::span<const RowCh
   // The slot the batch before it does not use (slots alternate).
   b.slot = next_slot_;
   next_slot_ = (next_slot_ + 1) % HeapRegions::kSlots;
+  // The workers run one batch at a time: post now only when none is in flight.
+  const bool busy = std::any_of(flight_.begin(), flight_.end(), [](const InFlight& f) {
+    return f.state != InFlight::State::kDone;
+  });
+  // Rows in clients' system shared memory: the workers take them where they are idle (nothing
+  // would overlap rank 0's copies, which would come on top of the batch's time); a batch that
+  // waits for the one before has its rows copied by rank 0 meanwhile, and its output copied
+  // out while the workers compute the next, as for other rows (the chunks hold the rows'
+  // addresses in rank 0's mapping too).
+  if (busy || !workers_read_shm_) LeaveShmRowsToRank0(b.chunks);
+  const bool device_input = std::any_of(b.chunks.begin(), b.chunks.end(),
+                                        [](const RowChunk& c) { return c.device_input.valid(); });
   if (absl::Status s = PlaceRows(b); !s.ok()) return s;
   if (!b.slices) {
     absl::Status s = Scatter(b.chunks, b.total, b.live, b.slot);
     if (!s.ok()) return Fail(s.ToString());
     b.trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - b.start);
+    b.trace.client_rows = ClientRows(b.chunks);
   }
-  // The workers run one batch at a time: post now only when none is in flight.
-  const bool busy = std::any_of(flight_.begin(), flight_.end(), [](const InFlight& f) {
-    return f.state != InFlight::State::kDone;
-  });
   if (busy && !b.slices && !device_input) {
     // The workers may upload these rows while they compute the batch before (not where some
     // are in CUDA memory: the workers take only the others from the heap).
@@ -322,6 +351,7 @@ void Coordinator::Accumulate(BatchTrace& all, const BatchTrace& part) {
   all.gather_ns += part.gather_ns;
   all.dispatch_bytes += part.dispatch_bytes;
   all.combine_bytes += part.combine_bytes;
+  all.client_rows += part.client_rows;
   all.workers = part.workers;  // the last slice's: after any death under an earlier one
   auto add = [](auto& to, const auto& from) {
     if (to.size() < from.size()) to.resize(from.size());
@@ -344,6 +374,7 @@ absl::StatusOr<BatchTrace> Coordinator::RunOnce(int layer_pos, std::span<const R
   absl::Status s = Scatter(chunks, total, live, slot);
   if (!s.ok()) return Fail(s.ToString());
   trace.scatter_ns = absl::ToInt64Nanoseconds(absl::Now() - t0);
+  trace.client_rows = ClientRows(chunks);
 
   s = Post(BatchOp::kRun, layer_pos, total, deadline, live, generation, slot);
   if (!s.ok()) return Fail(s.ToString());

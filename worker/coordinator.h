@@ -37,6 +37,9 @@ struct BatchTrace {
   WorkerSet workers;                   // the workers that took part (all but the dead); empty: all
   int64_t dispatch_bytes = 0;          // token rows stored into receivers, all workers
   int64_t combine_bytes = 0;           // expert output rows returned to owners, all workers
+  // Rows the workers read from clients' memory themselves (RowChunk::device_input), which
+  // rank 0 did not copy.
+  int64_t client_rows = 0;
 };
 
 // A contiguous run of a batch's rows: `rows` rows read from `input` and answered into
@@ -52,9 +55,12 @@ struct RowChunk {
   float* topk_weights = nullptr;
   common::ElementType input_type = common::ElementType::kFp32;   // FP32, BF16 or FP16
   common::ElementType output_type = common::ElementType::kFp32;  // FP32, BF16 or FP16
-  // Rows in a client's CUDA memory instead (input null, or output null): the workers read
-  // them from it, or write them into it, device to device; rank 0 never holds them. Their
-  // element types are these' own (input_type and output_type are not used for them).
+  // Rows in a client's memory instead: its CUDA memory (input null, or output null: the
+  // workers read the rows from it, or write them into it; rank 0 never copies them), or its
+  // system shared memory (input and output are rank 0's addresses of the same rows; Start
+  // decides who moves them: the workers where workers_read_shm() and they are idle, else
+  // rank 0). Their element types are these' own (input_type and output_type are not used for
+  // them).
   DeviceRows device_input{}, device_output{};
 
   // The rows as FP32, for those whose types are FP32 (an executor that takes no other).
@@ -85,6 +91,10 @@ class Coordinator {
   // CUDA memory (RowChunk::device_input / device_output), i.e. runs on a CUDA GPU with the
   // driver API (a worker's ready word says so: kReadyReadsCuda).
   bool workers_read_cuda() const { return workers_read_cuda_; }
+  // Likewise for rows in clients' system shared memory (RowChunk::device_input / device_output
+  // of DeviceRows::Kind::kHostShm): every worker is on this host and takes them itself
+  // (--workers-read-shm; kReadyReadsShm).
+  bool workers_read_shm() const { return workers_read_shm_; }
 
   // ---- A worker's death (shm heap; launched with `mpirun --enable-recovery`, so that the
   // MPI job outlives a rank) ----
@@ -280,6 +290,7 @@ class Coordinator {
   std::vector<float> put_rows_;                             // Scatter's converted rows for a Put
   std::vector<std::vector<DeviceRowSegment>> device_rows_;  // Scatter's, per worker, reused
   bool workers_read_cuda_ = false;                          // WaitForWorkers's finding
+  bool workers_read_shm_ = false;                           // WaitForWorkers's finding
   std::vector<ExpertPlacement> staged_placements_;  // of the stage under way, if it brings any
   // The live set batches run over, and placements_ OnlyOn it (empty while all live).
   WorkerSet serving_live_;

@@ -55,9 +55,11 @@ absl::Status Coordinator::WaitForWorkers(absl::Time deadline) {
                                              "weights loaded by worker", w, wait));
   }
   workers_read_cuda_ = true;
+  workers_read_shm_ = true;
   for (int w = 0; w < num_workers; ++w) {
     const uint64_t ready = heap_.SignalLoad(HeapRegions::Signal(regions_.ready, w));
     if ((ready & HeapRegions::kReadyReadsCuda) == 0) workers_read_cuda_ = false;
+    if ((ready & HeapRegions::kReadyReadsShm) == 0) workers_read_shm_ = false;
   }
   // Only the shm heap has every worker on this host, and survives one's death.
   if (heap_.backend() != shmem::HeapBackend::kShm || watch_.joinable()) return absl::OkStatus();

@@ -1,10 +1,11 @@
 #include "worker/cuda_rows.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "kernels/moe_kernels.h"
+#include "worker/client_segments.h"
 
 namespace epserve::worker {
 
@@ -31,19 +32,6 @@ absl::StatusOr<std::unique_ptr<CudaRows>> CudaRows::Create(kernels::Runtime& rt,
 
 CudaRows::~CudaRows() {
   for (const auto& [handle, opened] : open_) cuda_->CloseIpc(opened.address);
-}
-
-absl::StatusOr<size_t> CudaRows::SegmentBytes(const DeviceRowSegment& s, int64_t n) const {
-  if (s.first_row < 0 || s.rows < 1 || s.first_row + s.rows > n) {
-    return absl::InternalError(absl::StrCat("a CUDA row segment of rows [", s.first_row, ", ",
-                                            s.first_row + s.rows, ") outside the batch's ", n,
-                                            " rows"));
-  }
-  const size_t element = common::ElementBytes(s.where.type);
-  if (element == 0 || element > sizeof(float)) {
-    return absl::InternalError("a CUDA row segment of an unknown element type");
-  }
-  return static_cast<size_t>(s.rows * hidden_) * element;
 }
 
 absl::StatusOr<uint64_t> CudaRows::Address(const DeviceRows& where, size_t bytes) {
@@ -94,24 +82,21 @@ size_t CudaRows::CloseUnused() {
 absl::Status CudaRows::ReadInputs(const DeviceRowTable& table, int64_t n, kernels::Buffer& x) {
   const size_t row_bytes = static_cast<size_t>(hidden_) * sizeof(float);
   first_use_of_step_ = uses_ + 1;
-  // The staging buffer is free once the device has done what was queued before.
-  EPSERVE_RETURN_IF_ERROR(rt_.Finish());
+  bool first = true;
   for (int64_t i = 0; i < table.count; ++i) {
     const DeviceRowSegment& s = table.segment(i);
-    if (s.output != 0) continue;
-    EPSERVE_ASSIGN_OR_RETURN(const size_t bytes, SegmentBytes(s, n));
+    if (s.output != 0 || s.where.in_host_shm()) continue;
+    // The staging buffer is free once the device has done what was queued before.
+    if (std::exchange(first, false)) EPSERVE_RETURN_IF_ERROR(rt_.Finish());
+    EPSERVE_ASSIGN_OR_RETURN(const size_t bytes, SegmentBytes(s, n, hidden_, "CUDA"));
     EPSERVE_ASSIGN_OR_RETURN(const uint64_t from, Address(s.where, bytes));
     // Each segment at its own rows of the staging buffer (its bytes fit in their FP32 size).
     EPSERVE_RETURN_IF_ERROR(cuda_->Copy(staging_address_ + s.first_row * row_bytes, from, bytes));
   }
   for (int64_t i = 0; i < table.count; ++i) {
     const DeviceRowSegment& s = table.segment(i);
-    if (s.output != 0) continue;
-    const int64_t per_float =
-        static_cast<int64_t>(sizeof(float) / common::ElementBytes(s.where.type));
-    EPSERVE_RETURN_IF_ERROR(kernels::WidenToFp32(rt_, staging_, s.first_row * hidden_ * per_float,
-                                                 s.where.type, s.rows * hidden_, x,
-                                                 s.first_row * hidden_));
+    if (s.output != 0 || s.where.in_host_shm()) continue;
+    EPSERVE_RETURN_IF_ERROR(WidenSegment(rt_, staging_, s, hidden_, x));
   }
   return absl::OkStatus();
 }
@@ -123,21 +108,17 @@ absl::Status CudaRows::WriteOutputs(const DeviceRowTable& table, int64_t n,
   bool any = false;
   for (int64_t i = 0; i < table.count; ++i) {
     const DeviceRowSegment& s = table.segment(i);
-    if (s.output == 0) continue;
-    EPSERVE_RETURN_IF_ERROR(SegmentBytes(s, n).status());
-    const int64_t per_float =
-        static_cast<int64_t>(sizeof(float) / common::ElementBytes(s.where.type));
-    EPSERVE_RETURN_IF_ERROR(kernels::NarrowFromFp32(rt_, y, s.first_row * hidden_, s.rows * hidden_,
-                                                    s.where.type, staging_,
-                                                    s.first_row * hidden_ * per_float));
+    if (s.output == 0 || s.where.in_host_shm()) continue;
+    EPSERVE_RETURN_IF_ERROR(SegmentBytes(s, n, hidden_, "CUDA").status());
+    EPSERVE_RETURN_IF_ERROR(NarrowSegment(rt_, y, s, hidden_, staging_));
     any = true;
   }
   if (!any) return absl::OkStatus();
   EPSERVE_RETURN_IF_ERROR(rt_.Finish());
   for (int64_t i = 0; i < table.count; ++i) {
     const DeviceRowSegment& s = table.segment(i);
-    if (s.output == 0) continue;
-    EPSERVE_ASSIGN_OR_RETURN(const size_t bytes, SegmentBytes(s, n));
+    if (s.output == 0 || s.where.in_host_shm()) continue;
+    EPSERVE_ASSIGN_OR_RETURN(const size_t bytes, SegmentBytes(s, n, hidden_, "CUDA"));
     EPSERVE_ASSIGN_OR_RETURN(const uint64_t to, Address(s.where, bytes));
     EPSERVE_RETURN_IF_ERROR(cuda_->Copy(to, staging_address_ + s.first_row * row_bytes, bytes));
   }

@@ -39,18 +39,16 @@ class CudaRows {
                                                           int64_t hidden);
   ~CudaRows();
 
-  // The input segments of `table` (rows of the worker's part, n rows) into x [n][hidden] FP32.
+  // The CUDA input segments of `table` (rows of the worker's part, n rows) into x [n][hidden] FP32.
   // INVALID_ARGUMENT where a segment lies outside the batch or its client's allocation.
   absl::Status ReadInputs(const DeviceRowTable& table, int64_t n, kernels::Buffer& x);
-  // The output segments' rows of y [n][hidden] FP32 into the clients' memory, there on return.
+  // The CUDA output segments' rows of y [n][hidden] FP32 into the clients' memory, there on return.
   absl::Status WriteOutputs(const DeviceRowTable& table, int64_t n, const kernels::Buffer& y);
 
  private:
   CudaRows(kernels::Runtime& rt, int64_t hidden) : rt_(rt), hidden_(hidden) {}
   // The device address of `bytes` bytes of `where` (its allocation opened here), or why not.
   absl::StatusOr<uint64_t> Address(const DeviceRows& where, size_t bytes);
-  // A segment's rows inside the batch's n rows, and its byte count in its own element type.
-  absl::StatusOr<size_t> SegmentBytes(const DeviceRowSegment& s, int64_t n) const;
 
   kernels::Runtime& rt_;
   const int64_t hidden_;

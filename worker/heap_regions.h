@@ -111,7 +111,8 @@ struct HeapRegions {
   size_t control;     // ControlMessage (kStage)
   // worker -> rank 0 (meaningful on rank 0's segment)
   // uint64[W]: worker w stored kReady once its weights are loaded, with kReadyReadsCuda set
-  // where it reads and writes rows in clients' CUDA memory (worker/cuda_rows.h)
+  // where it reads and writes rows in clients' CUDA memory (worker/cuda_rows.h), and
+  // kReadyReadsShm where it does so in clients' system shared memory (worker/host_rows.h)
   size_t ready;
   size_t done_seq;       // uint64[W] signals, 64 bytes apart
   size_t reports;        // WorkerReport[W]
@@ -157,7 +158,7 @@ struct HeapRegions {
   // Bytes per rank the regions need, for sizing the heap.
   static size_t BytesNeeded(const ExchangePlan& plan);
 
-  static constexpr uint64_t kReady = 1, kReadyReadsCuda = 2;
+  static constexpr uint64_t kReady = 1, kReadyReadsCuda = 2, kReadyReadsShm = 4;
   static constexpr int kSlots = 2;
   // Bytes of one slot of a worker's `input` region.
   size_t InputBytes() const {

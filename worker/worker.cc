@@ -67,6 +67,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(shmem::SymmetricHeap& hea
   EPSERVE_ASSIGN_OR_RETURN(w->layers_, w->LoadLayers(source, w->placements_));
   EPSERVE_RETURN_IF_ERROR(w->AllocateBuffers());
   EPSERVE_RETURN_IF_ERROR(w->StartCudaRows());
+  EPSERVE_RETURN_IF_ERROR(w->StartHostRows());
   EPSERVE_RETURN_IF_ERROR(w->StartDeviceExchange());
   const absl::Time warm_start = absl::Now();
   EPSERVE_RETURN_IF_ERROR(w->WarmUp());
@@ -142,10 +143,9 @@ absl::Status Worker::AllocateBuffers() {
     *item.buffer = *std::move(b);
   }
   // The uploader reads its signal and the input slots with loads (the shm heap).
-  upload_ahead_ =
-      heap_.backend() == shmem::HeapBackend::kShm &&
-      (options_.upload_ahead == WorkerOptions::UploadAhead::kOn ||
-       (options_.upload_ahead == WorkerOptions::UploadAhead::kAuto && !rt_->device_info().is_cpu));
+  upload_ahead_ = heap_.backend() == shmem::HeapBackend::kShm &&
+                  (options_.upload_ahead == AutoSwitch::kOn ||
+                   (options_.upload_ahead == AutoSwitch::kAuto && !rt_->device_info().is_cpu));
   if (upload_ahead_) {
     EPSERVE_ASSIGN_OR_RETURN(x_next_, rt_->Allocate(std::max<size_t>(n * h * f, 64)));
   }
@@ -214,7 +214,8 @@ absl::Status Worker::Serve(const std::atomic<bool>& stop) {
       heap_.SignalSet(0, HeapRegions::Signal(regions_.pids, me_), static_cast<uint64_t>(getpid())));
   EPSERVE_RETURN_IF_ERROR(heap_.SignalSet(
       0, HeapRegions::Signal(regions_.ready, me_),
-      HeapRegions::kReady | (cuda_rows_ != nullptr ? HeapRegions::kReadyReadsCuda : 0)));
+      HeapRegions::kReady | (cuda_rows_ != nullptr ? HeapRegions::kReadyReadsCuda : 0) |
+          (host_rows_ != nullptr ? HeapRegions::kReadyReadsShm : 0)));
   // The uploader, from now until Serve returns.
   std::atomic<bool> uploader_stop{false};
   std::thread uploader;
@@ -428,7 +429,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
   }
   const Layer& layer = layers_[desc.layer_pos];
   const absl::Time deadline = absl::FromUnixMicros(desc.deadline_unix_us);
-  cuda_rows_error_ = absl::OkStatus();
+  client_rows_error_ = absl::OkStatus();
   float* x_in = heap_.LocalAs<float>(regions_.Input(desc.slot));
   ++batches_served_;
 
@@ -489,7 +490,7 @@ absl::Status Worker::RunBatch(const BatchDescriptor& desc, WorkerReport& report)
         heap_.Put(0, regions_.Output(desc.slot) + static_cast<size_t>(desc.row_start) * row_bytes,
                   y, n * row_bytes));
   }
-  if (!cuda_rows_error_.ok()) return std::exchange(cuda_rows_error_, absl::OkStatus());
+  if (!client_rows_error_.ok()) return std::exchange(client_rows_error_, absl::OkStatus());
   EPSERVE_RETURN_IF_ERROR(PublishExpertLoad(*placement, stats));
   ReportStats(stats, report);
   return absl::OkStatus();

@@ -23,6 +23,7 @@
 #include "worker/device_exchange.h"
 #include "worker/exchange.h"
 #include "worker/heap_regions.h"
+#include "worker/host_rows.h"
 #include "worker/placement.h"
 #include "worker/worker_options.h"
 
@@ -170,12 +171,18 @@ class Worker {
   absl::StatusOr<const ExpertPlacement*> PlacementFor(const BatchDescriptor& desc,
                                                       const Layer& layer);
   absl::Status AllocateBuffers();
-  // ---- rows in clients' CUDA memory (worker_cuda_rows.cc) ----
-  // cuda_rows_ where the device can reach CUDA memory, else why not in cuda_rows_why_.
+  // ---- rows in clients' memory: CUDA, and system shared memory (worker_client_rows.cc) ----
+  // cuda_rows_ where the device can reach CUDA memory, else why not in cuda_rows_why_;
+  // host_rows_ where this worker takes rows in system shared memory (--workers-read-shm).
   absl::Status StartCudaRows();
-  // Batch `desc`'s DeviceRowTable, or null when none of its rows is in CUDA memory;
+  absl::Status StartHostRows();
+  // Batch `desc`'s DeviceRowTable, or null when none of its rows is in clients' memory;
   // FAILED_PRECONDITION where some are and this worker cannot reach them.
   absl::StatusOr<const DeviceRowTable*> DeviceRowsOf(const BatchDescriptor& desc) const;
+  // The table's input rows of either kind into x_local_; its output rows of y into the
+  // clients' memory.
+  absl::Status ReadClientRows(const DeviceRowTable& table, int64_t n);
+  absl::Status WriteClientRows(const DeviceRowTable& table, int64_t n, const kernels::Buffer& y);
   // After the rows rank 0 copied are in x_local_: the rows in clients' memory into x_local_
   // (and into x_in, the input slot, where the exchange sends from the host).
   absl::Status DeviceRowsIn(const BatchDescriptor& desc, float* x_in);
@@ -220,9 +227,10 @@ class Worker {
   std::unique_ptr<kernels::Runtime> rt_;
   std::unique_ptr<CudaRows> cuda_rows_;  // null: no CUDA memory reachable (cuda_rows_why_)
   std::string cuda_rows_why_;
-  // The first error reading or writing clients' CUDA memory in the running batch, returned
+  std::unique_ptr<HostRows> host_rows_;  // null: rank 0 copies rows in system shared memory
+  // The first error reading or writing clients' memory in the running batch, returned
   // once the batch has run its exchange (RunBatch).
-  absl::Status cuda_rows_error_;
+  absl::Status client_rows_error_;
   std::vector<Layer> layers_;
   // A weight swap's new layers: loaded by loader_ (which alone touches staged_ while it
   // runs), made serving by kSwitch.

@@ -87,7 +87,7 @@ absl::Status Worker::RowsOnDevice(const BatchDescriptor& desc, const float* x_in
   ahead_cv_.notify_all();
   if (have) return absl::OkStatus();
   const size_t row_bytes = static_cast<size_t>(cfg_.hidden_size) * sizeof(float);
-  // Only the rows rank 0 copied: those in CUDA memory come from there (DeviceRowsIn).
+  // Only the rows rank 0 copied: those in clients' memory come from there (DeviceRowsIn).
   EPSERVE_ASSIGN_OR_RETURN(const DeviceRowTable* table, DeviceRowsOf(desc));
   for (const auto& [begin, end] : HostRowRanges(table, desc.num_rows, /*output=*/false)) {
     EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, begin * row_bytes, x_in + begin * cfg_.hidden_size,

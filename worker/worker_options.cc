@@ -27,21 +27,21 @@ const char* DeviceExchangeModeName(DeviceExchangeMode mode) {
   return "?";
 }
 
-absl::StatusOr<WorkerOptions::UploadAhead> ParseUploadAhead(absl::string_view name) {
-  if (name == "auto") return WorkerOptions::UploadAhead::kAuto;
-  if (name == "on") return WorkerOptions::UploadAhead::kOn;
-  if (name == "off") return WorkerOptions::UploadAhead::kOff;
+absl::StatusOr<AutoSwitch> ParseAutoSwitch(absl::string_view flag, absl::string_view name) {
+  if (name == "auto") return AutoSwitch::kAuto;
+  if (name == "on") return AutoSwitch::kOn;
+  if (name == "off") return AutoSwitch::kOff;
   return absl::InvalidArgumentError(
-      absl::StrCat("--upload-ahead must be auto, on or off; got '", name, "'"));
+      absl::StrCat("--", flag, " must be auto, on or off; got '", name, "'"));
 }
 
-const char* UploadAheadName(WorkerOptions::UploadAhead mode) {
+const char* AutoSwitchName(AutoSwitch mode) {
   switch (mode) {
-    case WorkerOptions::UploadAhead::kAuto:
+    case AutoSwitch::kAuto:
       return "auto";
-    case WorkerOptions::UploadAhead::kOn:
+    case AutoSwitch::kOn:
       return "on";
-    case WorkerOptions::UploadAhead::kOff:
+    case AutoSwitch::kOff:
       return "off";
   }
   return "?";

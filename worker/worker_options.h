@@ -26,6 +26,9 @@ enum class DeviceExchangeMode { kAuto, kOff, kHost, kCuda };
 absl::StatusOr<DeviceExchangeMode> ParseDeviceExchangeMode(absl::string_view name);
 const char* DeviceExchangeModeName(DeviceExchangeMode mode);
 
+// A setting that is on, off, or chosen by the worker from its device (auto).
+enum class AutoSwitch { kAuto, kOn, kOff };
+
 struct WorkerOptions {
   kernels::RuntimeOptions device;
   // Element type of the expert weights (routed and shared) on the device; the router stays FP32.
@@ -62,8 +65,13 @@ struct WorkerOptions {
   // the device computes the current batch's experts, so that the next batch starts with its
   // rows on the device. kAuto: on devices with memory of their own (on a CPU device the upload
   // is a copy that competes with the kernels for the same cores).
-  enum class UploadAhead { kAuto, kOn, kOff };
-  UploadAhead upload_ahead = UploadAhead::kAuto;
+  AutoSwitch upload_ahead = AutoSwitch::kAuto;
+  // Whether this worker reads and writes the rows of requests in clients' system shared memory
+  // itself (worker/host_rows.h), so that rank 0 copies none of them; only where the heap is shm
+  // (every rank on one host), and rank 0 uses it only where every worker does. kAuto: on
+  // devices with memory of their own (on a CPU device the kernels read rank 0's copy in place,
+  // so the worker's reads would only move rank 0's copy onto the worker).
+  AutoSwitch reads_shm = AutoSwitch::kAuto;
   // Which worker holds which experts, one placement per served layer (the same on every rank;
   // worker/placement.h); empty: the contiguous placement for every layer. A kStage may bring
   // new ones (a rebalance), served from its kSwitch on.
@@ -79,8 +87,8 @@ struct WorkerOptions {
   absl::Status Validate() const;
 };
 
-// --upload-ahead's names: auto, on, off.
-absl::StatusOr<WorkerOptions::UploadAhead> ParseUploadAhead(absl::string_view name);
-const char* UploadAheadName(WorkerOptions::UploadAhead mode);
+// The names of an AutoSwitch flag's settings: auto, on, off (an error names --`flag`).
+absl::StatusOr<AutoSwitch> ParseAutoSwitch(absl::string_view flag, absl::string_view name);
+const char* AutoSwitchName(AutoSwitch mode);
 
 }  // namespace epserve::worker

@@ -8,6 +8,7 @@ index cannot be reached, the test prints why and exits 77, which ctest reports a
 import os
 import subprocess
 import sys
+import threading
 import time
 
 SKIP = 77
@@ -173,10 +174,11 @@ class SharedMemoryCluster(unittest.TestCase):
     """A cluster started with ARGS, and regions made through tritonclient.utils.shared_memory,
     destroyed at the end."""
     ARGS = []
+    RANKS = 2  # rank 0 and one worker
 
     @classmethod
     def setUpClass(cls):
-        cls.cluster = Cluster(2, cls.ARGS)
+        cls.cluster = Cluster(cls.RANKS, cls.ARGS)
         cls.client = triton.InferenceServerClient(cls.cluster.address)
         cls.rng = np.random.default_rng()
         cls.handles = []
@@ -305,6 +307,66 @@ class SharedMemory(SharedMemoryCluster):
 
 
 
+class SharedMemoryReadByWorkers(SharedMemory):
+    """The same, with the workers reading the regions and writing the answers themselves
+    (--workers-read-shm=on; rank 0 copies none of these rows), bit for bit as rank 0's copies;
+    two workers, so that the rows they take also go through the exchange."""
+    ARGS = SharedMemory.ARGS + ["--workers-read-shm=on"]
+    RANKS = 3
+
+    def test_the_workers_take_the_rows(self):
+        tokens, n = 7, 7 * H * 4
+        h, key = self.region("counted", 2 * n)
+        x = self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+        shm.set_shared_memory_region(h, [x, np.full(tokens * H, np.nan, np.float32)])
+        self.client.register_system_shared_memory("counted", key, 2 * n)
+        counter = "epserve_rows_read_by_workers_total"
+        before = self.cluster.metric_sum(counter)
+        r = self.infer_shm(tokens, "FP32", "counted", n, "counted", n, out_offset=n)
+        self.assertEqual(len(r.get_response().raw_output_contents[0]), 0)
+        self.assertEqual(self.cluster.metric_sum(counter), before + tokens)
+        got = shm.get_contents_as_numpy(h, np.uint8, [2 * n]).tobytes()[n:]
+        self.assertEqual(got, self.infer_inline(x.tobytes(), tokens, "FP32"))
+        self.assertEqual(self.cluster.metric_sum(counter), before + tokens, "inline rows counted")
+        self.client.unregister_system_shared_memory("counted")
+
+    def test_concurrent_clients_get_their_own_answers(self):
+        """Batches that start while another runs have their rows copied by rank 0, the others
+        are taken by the workers; each answer is the inline one either way."""
+        tokens, n, clients, rounds = 9, 9 * H * 4, 4, 6
+        xs = [[self.rng.uniform(-1, 1, size=(tokens, H)).astype(np.float32)
+               for _ in range(rounds)] for _ in range(clients)]
+        handles = []
+        for c in range(clients):
+            h, key = self.region(f"client{c}", 2 * n)
+            self.client.register_system_shared_memory(f"client{c}", key, 2 * n)
+            handles.append(h)
+        got = [[None] * rounds for _ in range(clients)]
+
+        def run(c):
+            client = triton.InferenceServerClient(self.cluster.address)
+            for r in range(rounds):
+                shm.set_shared_memory_region(handles[c], [xs[c][r], np.full(tokens * H, np.nan,
+                                                                            np.float32)])
+                inp = triton.InferInput("hidden_states", [tokens, H], "FP32")
+                inp.set_shared_memory(f"client{c}", n)
+                out = triton.InferRequestedOutput("moe_output")
+                out.set_shared_memory(f"client{c}", n, n)
+                client.infer("moe", [inp], outputs=[out])
+                got[c][r] = shm.get_contents_as_numpy(handles[c], np.uint8, [2 * n]).tobytes()[n:]
+            client.close()
+        threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for c in range(clients):
+            for r in range(rounds):
+                self.assertEqual(got[c][r], self.infer_inline(xs[c][r].tobytes(), tokens, "FP32"),
+                                 f"client {c}, request {r}")
+            self.client.unregister_system_shared_memory(f"client{c}")
+
+
 class HeldInTheQueue(SharedMemoryCluster):
     """Regions changed while a request that uses them waits in rank 0's queue. This cluster
     forms a batch only once BATCH rows of a layer are queued, or once the oldest request has
@@ -391,6 +453,13 @@ class HeldInTheQueue(SharedMemoryCluster):
         inp.set_data_from_numpy(full)
         self.assertEqual(self.client.infer("moe", [inp]).as_numpy("moe_output").shape, full.shape)
         self.assertTrue(self.client.is_server_ready())
+
+
+class HeldInTheQueueReadByWorkers(HeldInTheQueue):
+    """The same with the workers reading and writing the regions (--workers-read-shm=on): a
+    region shrunk under its batch reads as zeros there, and rank 0 answers that request, and
+    only it, with the error."""
+    ARGS = HeldInTheQueue.ARGS + ["--workers-read-shm=on"]
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ declare -A allowed=(
   [tools]="common model worker"   # worker/placement.h only (header-only), checked below
 )
 # The worker's own files, which the front-end library must not include (they need OpenCL).
-worker_only='worker/(worker|device_exchange|worker_options|cuda_rows)\.h'
+worker_only='worker/(worker|device_exchange|worker_options|cuda_rows|host_rows|client_segments)\.h'
 # What tools may read of worker/: the rank mapping, constexpr in its header (no MPI linked).
 tools_worker='worker/placement\.h'
 
@@ -39,7 +39,7 @@ for file in $(ls common/*.{h,cc} common/detail/*.{h,cc} model/*.{h,cc} model/det
   key="$folder"
   case "$file" in
     worker/worker.h | worker/worker*.cc | worker/device_exchange.h | worker/device_exchange.cc | \
-      worker/cuda_rows.h | worker/cuda_rows.cc | \
+      worker/cuda_rows.h | worker/cuda_rows.cc | worker/host_rows.h | worker/host_rows.cc | worker/client_segments.* | \
       worker/worker_options.h)
       key=worker/worker ;;
   esac

@@ -1,6 +1,6 @@
-// A worker's rows in clients' CUDA memory (worker/cuda_rows.h): read into its input rows
-// after the rows rank 0 copied, and its output rows written into them instead of rank 0's
-// segment. The serve loop is in worker.cc.
+// A worker's rows in clients' memory, CUDA (worker/cuda_rows.h) and system shared memory
+// (worker/host_rows.h): read into its input rows after the rows rank 0 copied, and its output
+// rows written into them instead of rank 0's segment. The serve loop is in worker.cc.
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -25,17 +25,47 @@ absl::Status Worker::StartCudaRows() {
   return absl::OkStatus();
 }
 
+absl::Status Worker::StartHostRows() {
+  const bool wanted = options_.reads_shm == AutoSwitch::kOn ||
+                      (options_.reads_shm == AutoSwitch::kAuto && !rt_->device_info().is_cpu);
+  // rank 0's descriptors name objects on this host: only where every rank is on it.
+  if (!wanted || heap_.backend() != shmem::HeapBackend::kShm) return absl::OkStatus();
+  EPSERVE_ASSIGN_OR_RETURN(host_rows_, HostRows::Create(*rt_, regions_.plan.max_rows_per_worker(),
+                                                        cfg_.hidden_size, host_threads_));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<const DeviceRowTable*> Worker::DeviceRowsOf(const BatchDescriptor& desc) const {
   const auto* table = heap_.LocalAs<DeviceRowTable>(regions_.DeviceRowTables(desc.slot));
   if (table->count == 0) return nullptr;
   if (table->count < 0 || table->count > 2 * regions_.plan.max_rows_per_worker()) {
-    return absl::InternalError(absl::StrCat("bad CUDA row table: ", table->count, " segments"));
+    return absl::InternalError(absl::StrCat("bad client row table: ", table->count, " segments"));
   }
-  if (cuda_rows_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rows in CUDA shared memory, which this worker cannot reach: ", cuda_rows_why_));
+  for (int64_t i = 0; i < table->count; ++i) {
+    const bool host = table->segment(i).where.in_host_shm();
+    if (!host && cuda_rows_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rows in CUDA shared memory, which this worker cannot reach: ", cuda_rows_why_));
+    }
+    if (host && host_rows_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "rows in system shared memory, which this worker does not take (--workers-read-shm)");
+    }
   }
   return table;
+}
+
+absl::Status Worker::ReadClientRows(const DeviceRowTable& table, int64_t n) {
+  if (cuda_rows_ != nullptr) EPSERVE_RETURN_IF_ERROR(cuda_rows_->ReadInputs(table, n, x_local_));
+  if (host_rows_ != nullptr) EPSERVE_RETURN_IF_ERROR(host_rows_->ReadInputs(table, n, x_local_));
+  return absl::OkStatus();
+}
+
+absl::Status Worker::WriteClientRows(const DeviceRowTable& table, int64_t n,
+                                     const kernels::Buffer& y) {
+  if (cuda_rows_ != nullptr) EPSERVE_RETURN_IF_ERROR(cuda_rows_->WriteOutputs(table, n, y));
+  if (host_rows_ != nullptr) EPSERVE_RETURN_IF_ERROR(host_rows_->WriteOutputs(table, n, y));
+  return absl::OkStatus();
 }
 
 std::vector<std::pair<int64_t, int64_t>> HostRowRanges(const DeviceRowTable* table, int64_t n,
@@ -58,8 +88,8 @@ absl::Status Worker::DeviceRowsIn(const BatchDescriptor& desc, float* x_in) {
   const int64_t n = desc.num_rows;
   // A client's memory that cannot be read (freed, a bad span) fails the batch once it has run,
   // not here: the peers would wait for this worker in the exchange.
-  if (absl::Status s = cuda_rows_->ReadInputs(*table, n, x_local_); !s.ok()) {
-    cuda_rows_error_.Update(s);
+  if (absl::Status s = ReadClientRows(*table, n); !s.ok()) {
+    client_rows_error_.Update(s);
     return absl::OkStatus();
   }
   const bool on_device =
@@ -88,7 +118,7 @@ absl::Status Worker::DeliverRows(const BatchDescriptor& desc, const kernels::Buf
     EPSERVE_RETURN_IF_ERROR(rt_->Read(out, begin * row_bytes, y + begin * cfg_.hidden_size,
                                       static_cast<size_t>(end - begin) * row_bytes));
   }
-  cuda_rows_error_.Update(cuda_rows_->WriteOutputs(*table, n, out));  // as in DeviceRowsIn
+  client_rows_error_.Update(WriteClientRows(*table, n, out));  // as in DeviceRowsIn
   return absl::OkStatus();
 }
 
@@ -99,7 +129,7 @@ absl::Status Worker::DeliverHostRows(const BatchDescriptor& desc, const float* y
   // clients' memory (x_local_ is free once the batch has run).
   const size_t bytes = static_cast<size_t>(desc.num_rows * cfg_.hidden_size) * sizeof(float);
   EPSERVE_RETURN_IF_ERROR(rt_->Write(x_local_, 0, y, bytes));
-  cuda_rows_error_.Update(cuda_rows_->WriteOutputs(*table, desc.num_rows, x_local_));
+  client_rows_error_.Update(WriteClientRows(*table, desc.num_rows, x_local_));
   return absl::OkStatus();
 }
 
