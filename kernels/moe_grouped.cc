@@ -97,14 +97,28 @@ absl::StatusOr<std::vector<int64_t>> ReadPairCounts(Runtime& rt, const PairGroup
   if (g.pairs > 0) {
     EPSERVE_RETURN_IF_ERROR(rt.Read(g.counts, 0, counts.data(), counts.size() * sizeof(cl_int)));
   }
-  if (counts.back() != 0) {
+  return PairCountsOf(g, counts.data());
+}
+
+absl::Status QueuePairCountsRead(Runtime& rt, const PairGroups& g, int32_t* counts) {
+  const size_t n = static_cast<size_t>(g.num_experts) + 1;
+  if (g.pairs == 0) {
+    std::fill(counts, counts + n, 0);
+    return absl::OkStatus();
+  }
+  return rt.ReadAsync(g.counts, 0, counts, n * sizeof(cl_int));
+}
+
+absl::StatusOr<std::vector<int64_t>> PairCountsOf(const PairGroups& g, const int32_t* counts) {
+  const int32_t beyond = counts[g.num_experts];
+  if (beyond != 0) {
     return absl::InternalError(
-        absl::StrCat(counts.back(), " of ", g.pairs,
+        absl::StrCat(beyond, " of ", g.pairs,
                      " routed pairs name an expert not held here, or one their token chose twice "
                      "(an expert with more pairs than the batch's ",
                      g.tokens, " tokens)"));
   }
-  return std::vector<int64_t>(counts.begin(), counts.end() - 1);
+  return std::vector<int64_t>(counts, counts + g.num_experts);
 }
 
 absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer& x,

@@ -283,5 +283,10 @@ absl::Status ExpertFfnGrouped(Runtime& rt, const ExpertWeights& w, const Buffer&
 // than the batch's tokens (a token that chose it twice; ExpertFfnGrouped's launches then held
 // no tile of that size).
 absl::StatusOr<std::vector<int64_t>> ReadPairCounts(Runtime& rt, const PairGroups& g);
+// The same in two steps, so that the read shares a wait with others: QueuePairCountsRead
+// queues the read of g.num_experts + 1 counts into `counts`, pinned memory of rt's
+// (Runtime::ReadAsync); PairCountsOf checks and returns them once the queue has run it.
+absl::Status QueuePairCountsRead(Runtime& rt, const PairGroups& g, int32_t* counts);
+absl::StatusOr<std::vector<int64_t>> PairCountsOf(const PairGroups& g, const int32_t* counts);
 
 }  // namespace epserve::kernels

@@ -237,6 +237,11 @@ class Runtime {
   // the queue and for its own copy. INVALID_ARGUMENT where src is not pinned memory of this
   // Runtime's.
   absl::Status WriteAsync(const Buffer& dst, size_t offset, const void* src, size_t bytes);
+  // The other way: queues a copy of src[offset, offset + bytes) into dst, which lies in memory
+  // from AllocatePinnedHost, and returns without waiting; dst holds the bytes once the queue
+  // has run the copy (Finish, or any blocking command queued after it). Several small reads
+  // then cost one wait for the device instead of one each.
+  absl::Status ReadAsync(const Buffer& src, size_t offset, void* dst, size_t bytes);
   // Staged transfers: the chunk (each of the two staging buffers' size) and the smallest block
   // staged. A chunk of 8 MiB is large enough that a transfer's fixed cost (tens of
   // microseconds) is a few percent of its DMA at any PCIe speed, and splits over up to 8 host
@@ -341,6 +346,9 @@ class Runtime {
   void ReleaseStaging();
   void ReleaseStaging(cl_command_queue queue, Staging (&pair)[2]);
   absl::Status WaitStaging(Staging& s);
+  // WriteAsync's and ReadAsync's copy between `buffer` and pinned `host` memory.
+  absl::Status QueuePinned(const Buffer& buffer, size_t offset, void* host, size_t bytes,
+                           bool write);
   absl::Status WriteOn(cl_command_queue queue, Staging (&pair)[2], const Buffer& dst, size_t offset,
                        const void* src, size_t bytes);
   absl::Status StagedWrite(cl_command_queue queue, Staging (&pair)[2], const Buffer& dst,

@@ -50,23 +50,40 @@ absl::Status Runtime::WriteOn(cl_command_queue queue, Staging (&pair)[2], const 
 }
 
 absl::Status Runtime::WriteAsync(const Buffer& dst, size_t offset, const void* src, size_t bytes) {
-  if (offset > dst.bytes() || bytes > dst.bytes() - offset) {
-    return absl::OutOfRangeError(absl::StrCat("write of ", bytes, " bytes at offset ", offset,
-                                              " exceeds the buffer's ", dst.bytes(), " bytes"));
+  return QueuePinned(dst, offset, const_cast<void*>(src), bytes, /*write=*/true);
+}
+
+absl::Status Runtime::ReadAsync(const Buffer& src, size_t offset, void* dst, size_t bytes) {
+  return QueuePinned(src, offset, dst, bytes, /*write=*/false);
+}
+
+absl::Status Runtime::QueuePinned(const Buffer& buffer, size_t offset, void* host, size_t bytes,
+                                  bool write) {
+  const char* verb = write ? "write" : "read";
+  if (offset > buffer.bytes() || bytes > buffer.bytes() - offset) {
+    return absl::OutOfRangeError(absl::StrCat(verb, " of ", bytes, " bytes at offset ", offset,
+                                              " exceeds the buffer's ", buffer.bytes(), " bytes"));
   }
   if (bytes == 0) return absl::OkStatus();
-  const char* from = static_cast<const char*>(src);
+  const char* at = static_cast<const char*>(host);
   for (const Pinned& p : pinned_) {
     const char* base = static_cast<const char*>(p.memory.host);
-    if (from < base || from > base + p.bytes || bytes > p.bytes - (from - base)) continue;
+    if (at < base || at > base + p.bytes || bytes > p.bytes - (at - base)) continue;
     cl_event event = nullptr;
-    CL_CHECK(clEnqueueWriteBuffer(queue_, dst.mem(), CL_FALSE, offset, bytes, src, 0, nullptr,
-                                  profiles_commands() ? &event : nullptr));
-    if (event != nullptr) RecordCommand(event, nullptr, "write");
+    cl_event* record = profiles_commands() ? &event : nullptr;
+    if (write) {
+      CL_CHECK(clEnqueueWriteBuffer(queue_, buffer.mem(), CL_FALSE, offset, bytes, host, 0, nullptr,
+                                    record));
+    } else {
+      CL_CHECK(clEnqueueReadBuffer(queue_, buffer.mem(), CL_FALSE, offset, bytes, host, 0, nullptr,
+                                   record));
+    }
+    if (event != nullptr) RecordCommand(event, nullptr, verb);
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "WriteAsync of ", bytes, " bytes from memory that AllocatePinnedHost did not give"));
+  return absl::InvalidArgumentError(absl::StrCat(write ? "WriteAsync" : "ReadAsync", " of ", bytes,
+                                                 " bytes with memory that AllocatePinnedHost did "
+                                                 "not give"));
 }
 
 absl::StatusOr<void*> Runtime::AllocatePinnedHost(size_t bytes) {

@@ -121,6 +121,8 @@ class Worker {
   absl::Status Route(const Layer& layer, const BatchDescriptor& desc, float* x_in,
                      bool to_host = true);
   absl::Status SendRouting(const BatchDescriptor& desc);
+  // The routing of desc's rows, in host memory, into rank 0's topk regions.
+  absl::Status PutRouting(const BatchDescriptor& desc, const int32_t* ids, const float* weights);
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
                           float* pair_out, float* row_out);
   absl::Status PublishExpertLoad(const ExpertPlacement& placement, const ExchangeStats& stats);
@@ -263,6 +265,11 @@ class Worker {
   int64_t batches_served_ = 0;
   kernels::Buffer x_recv_, row_index_, h_, y_;
   // Host scratch, sized for the largest batch.
+  // Pinned memory (Runtime::AllocatePinnedHost) for the local run on the device: the routing
+  // ([max rows][k] ids, then weights) and the pairs per local expert (num_experts + 1).
+  int32_t* local_ids_ = nullptr;
+  float* local_weights_ = nullptr;
+  int32_t* local_counts_ = nullptr;
   std::vector<int32_t> ids_host_;
   std::vector<float> weights_host_;
   std::vector<float> x_recv_host_;      // decoded rows when the payload is not plain fp32

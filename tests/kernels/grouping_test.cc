@@ -109,6 +109,16 @@ TEST_F(GroupingTest, MatchesTheHostLayout) {
     for (int e = 0; e < c.num_local; ++e) {
       EXPECT_EQ((*counts)[e], want.offsets[e + 1] - want.offsets[e]) << "expert " << e;
     }
+    // The queued read gives the same, into pinned memory poisoned first.
+    absl::StatusOr<void*> pinned = R().AllocatePinnedHost((c.num_local + 1) * sizeof(int32_t));
+    ASSERT_TRUE(pinned.ok()) << pinned.status();
+    auto* queued = static_cast<int32_t*>(*pinned);
+    std::fill_n(queued, c.num_local + 1, -7);
+    ASSERT_TRUE(QueuePairCountsRead(R(), *g, queued).ok());
+    ASSERT_TRUE(R().Finish().ok());
+    absl::StatusOr<std::vector<int64_t>> again = PairCountsOf(*g, queued);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(*again, *counts);
     const size_t pairs = ids.size();
     EXPECT_EQ(Download<int32_t>(g->row_index, pairs), want.row_index);
     EXPECT_EQ(Download<int32_t>(g->pair_of_choice, pairs), want.pair_of_choice);

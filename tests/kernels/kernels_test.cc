@@ -1560,6 +1560,30 @@ TEST_F(Seeded, WriteAsyncCopiesFromPinnedMemory) {
             absl::StatusCode::kOutOfRange);
 }
 
+// ReadAsync the other way: a piece of a buffer into pinned memory at an offset, there once the
+// queue has run, the pinned memory around it untouched; the same refusals.
+TEST_F(Seeded, ReadAsyncCopiesIntoPinnedMemory) {
+  absl::StatusOr<void*> pinned = Rt().AllocatePinnedHost(4096 * sizeof(int32_t));
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  int32_t* table = static_cast<int32_t*>(*pinned);
+  std::fill_n(table, 4096, -777);
+  std::uniform_int_distribution<int32_t> any(-1000000, 1000000);
+  std::vector<int32_t> values(2048);
+  for (int32_t& v : values) v = any(rng_);
+  const Buffer b = Upload(values);
+  ASSERT_TRUE(Rt().ReadAsync(b, 64 * sizeof(int32_t), table + 10, 1000 * sizeof(int32_t)).ok());
+  ASSERT_TRUE(Rt().Finish().ok());
+  std::vector<int32_t> want(4096, -777);
+  std::copy_n(values.begin() + 64, 1000, want.begin() + 10);
+  EXPECT_EQ(std::vector<int32_t>(table, table + 4096), want);
+  std::vector<int32_t> pageable(16);
+  EXPECT_EQ(Rt().ReadAsync(b, 0, pageable.data(), 16).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rt().ReadAsync(b, 0, table + 4000, 100 * sizeof(int32_t)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rt().ReadAsync(b, 2000 * sizeof(int32_t), table, 100 * sizeof(int32_t)).code(),
+            absl::StatusCode::kOutOfRange);
+}
+
 // CopyRowRuns moves every run's rows from its source into its destination as CopyRows would,
 // over more runs than one launch takes (an empty run among them, a run reading a source
 // another run reads too, moves out of bounds), in each form.
