@@ -325,7 +325,23 @@ def decode_part(build, env, shapes, tokens, gpus):
                                        tokens)
         except RuntimeError as e:
             log(f"  the service with {workers} worker(s) did not run: {e}")
-    return {"layers": rows, "service": service}
+    return {"layers": rows, "service": service, "grpc_echo_ms": grpc_echo_ms(build, env)}
+
+
+def grpc_echo_ms(build, env):
+    """p50 ms of one client's ModelInfer against a bare gRPC echo on this host
+    (bench_frontend, 1 token inline): what any gRPC service pays per request before a layer
+    runs, so that the in-process layer plus it is the floor of the service's latency; None
+    where bench_frontend is not in the build."""
+    exe = os.path.join(build, "bench", "frontend", "bench_frontend")
+    if not os.path.exists(exe):
+        return None
+    out = run([exe, "--tokens=1", "--clients=1", "--seconds=3"], env, timeout=120, check=False)
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[0] == "1":
+            return float(cells[2]) / 1e3
+    return None
 
 
 # ---- 4. end to end on two GPUs ----
@@ -643,13 +659,16 @@ def markdown(res):
         if decode["service"]:
             resident = {r["tokens"]: r["resident_ms"] for r in decode["layers"]
                         if r["shape"] == "qwen1.5-moe-a2.7b"}
+            echo = decode.get("grpc_echo_ms")
             lines += ["", "One client through the service (qwen1.5-moe-a2.7b, BF16 weights, "
                       "`epserve-load --concurrency=1`), shared-memory and inline requests, "
                       "against the in-process layer above (target: shared memory ≤ that + "
-                      "0.25 ms):", "",
+                      "0.25 ms) and the floor of a gRPC service on this host, the layer plus a "
+                      "bare gRPC echo of one request (bench_frontend, same call: "
+                      + (f"{echo:.3f} ms" if echo else "not measured") + "):", "",
                       "| workers (GPUs) | tokens | shm p50 ms | shm p99 ms | inline p50 ms | "
-                      "inline p99 ms | in-process + 0.25 ms |",
-                      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "inline p99 ms | in-process + 0.25 ms | in-process + echo ms |",
+                      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             by = {(r["workers"], r["tokens"], r["shm"]): r for r in decode["service"]}
             for (w, t) in sorted({(r["workers"], r["tokens"]) for r in decode["service"]}):
                 s_, i_ = by.get((w, t, True), {}), by.get((w, t, False), {})
@@ -657,7 +676,8 @@ def markdown(res):
                 lines.append(f"| {w} | {t} | {s_.get('p50_ms') or 0:.3f} | "
                              f"{s_.get('p99_ms') or 0:.3f} | {i_.get('p50_ms') or 0:.3f} | "
                              f"{i_.get('p99_ms') or 0:.3f} | "
-                             + (f"{bound + 0.25:.3f} |" if bound else "– |"))
+                             + (f"{bound + 0.25:.3f} |" if bound else "– |")
+                             + (f" {bound + echo:.3f} |" if bound and echo else " – |"))
     e2e = res["e2e"]
     lines.append("")
     if "skipped" in e2e:
