@@ -51,9 +51,6 @@ class HostRows {
   // on return.
   absl::Status WriteOutputs(const DeviceRowTable& table, int64_t n, const kernels::Buffer& y);
 
-  // How many objects are open now (for tests).
-  size_t open_objects() const { return open_.size(); }
-
  private:
   HostRows(kernels::Runtime& rt, int64_t hidden, int threads)
       : rt_(rt), hidden_(hidden), threads_(threads) {}

@@ -149,14 +149,11 @@ absl::Status Worker::AllocateBuffers() {
   if (upload_ahead_) {
     EPSERVE_ASSIGN_OR_RETURN(x_next_, rt_->Allocate(std::max<size_t>(n * h * f, 64)));
   }
-  ids_host_.resize(n * k);
-  weights_host_.resize(n * k);
-  // The local run's routing and pair counts, read back beside its output (RunLocalOnDevice).
   EPSERVE_ASSIGN_OR_RETURN(
       void* pinned, rt_->AllocatePinnedHost((2 * n * k + cfg_.num_experts + 1) * sizeof(int32_t)));
-  local_ids_ = static_cast<int32_t*>(pinned);
-  local_weights_ = reinterpret_cast<float*>(local_ids_ + n * k);
-  local_counts_ = local_ids_ + 2 * n * k;
+  ids_host_ = {static_cast<int32_t*>(pinned), n * k};
+  weights_host_ = {reinterpret_cast<float*>(ids_host_.data() + n * k), n * k};
+  pair_counts_host_ = ids_host_.data() + 2 * n * k;
   if (plan.dispatch_dtype() == common::ElementType::kFp8E4m3 ||
       (plan.dispatch_dtype() == common::ElementType::kBf16 && split) ||
       (plan.dispatch_dtype() == common::ElementType::kFp32 && plan.dispatch_row_bytes() != h * f)) {
@@ -317,17 +314,17 @@ absl::Status Worker::SendRouting(const BatchDescriptor& desc) {
   const int64_t n = desc.num_rows;
   EPSERVE_RETURN_IF_ERROR(rt_->Read(ids_, 0, ids_host_.data(), n * k * sizeof(int32_t)));
   EPSERVE_RETURN_IF_ERROR(rt_->Read(weights_, 0, weights_host_.data(), n * k * sizeof(float)));
-  return PutRouting(desc, ids_host_.data(), weights_host_.data());
+  return PutRouting(desc);
 }
 
-absl::Status Worker::PutRouting(const BatchDescriptor& desc, const int32_t* ids,
-                                const float* weights) {
+absl::Status Worker::PutRouting(const BatchDescriptor& desc) {
   // The done signal completes these Puts.
   const int k = cfg_.top_k;
   const size_t routing_bytes = static_cast<size_t>(desc.num_rows * k) * sizeof(int32_t);
   const size_t at = static_cast<size_t>(desc.row_start * k) * sizeof(int32_t);
-  EPSERVE_RETURN_IF_ERROR(heap_.Put(0, regions_.TopkIds(desc.slot) + at, ids, routing_bytes));
-  return heap_.Put(0, regions_.TopkWeights(desc.slot) + at, weights, routing_bytes);
+  EPSERVE_RETURN_IF_ERROR(
+      heap_.Put(0, regions_.TopkIds(desc.slot) + at, ids_host_.data(), routing_bytes));
+  return heap_.Put(0, regions_.TopkWeights(desc.slot) + at, weights_host_.data(), routing_bytes);
 }
 
 // The expert step of a batch (Exchange::ExpertStep): the rows this worker received through

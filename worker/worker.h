@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -121,8 +122,9 @@ class Worker {
   absl::Status Route(const Layer& layer, const BatchDescriptor& desc, float* x_in,
                      bool to_host = true);
   absl::Status SendRouting(const BatchDescriptor& desc);
-  // The routing of desc's rows, in host memory, into rank 0's topk regions.
-  absl::Status PutRouting(const BatchDescriptor& desc, const int32_t* ids, const float* weights);
+  // The routing of desc's rows, read into ids_host_ and weights_host_, into rank 0's topk
+  // regions.
+  absl::Status PutRouting(const BatchDescriptor& desc);
   absl::Status ExpertStep(const Layer& layer, bool split_shared, const ReceivedRows& in,
                           float* pair_out, float* row_out);
   absl::Status PublishExpertLoad(const ExpertPlacement& placement, const ExchangeStats& stats);
@@ -264,14 +266,12 @@ class Worker {
   int64_t batches_uploaded_ahead_ = 0;
   int64_t batches_served_ = 0;
   kernels::Buffer x_recv_, row_index_, h_, y_;
-  // Host scratch, sized for the largest batch.
-  // Pinned memory (Runtime::AllocatePinnedHost) for the local run on the device: the routing
-  // ([max rows][k] ids, then weights) and the pairs per local expert (num_experts + 1).
-  int32_t* local_ids_ = nullptr;
-  float* local_weights_ = nullptr;
-  int32_t* local_counts_ = nullptr;
-  std::vector<int32_t> ids_host_;
-  std::vector<float> weights_host_;
+  // Host scratch, sized for the largest batch. The routing ([rows][k] ids and weights) and the
+  // local run's pairs per local expert (num_experts + 1) in pinned memory
+  // (Runtime::AllocatePinnedHost), where reads queued without a wait can land.
+  std::span<int32_t> ids_host_;
+  std::span<float> weights_host_;
+  int32_t* pair_counts_host_ = nullptr;
   std::vector<float> x_recv_host_;      // decoded rows when the payload is not plain fp32
   std::vector<float> y_host_;           // output rows when rank 0's segment is not load/store
   std::vector<int64_t> expert_tokens_;  // [E]: pairs per expert this worker computed

@@ -169,17 +169,18 @@ absl::Status Worker::RunLocalOnDevice(const Layer& layer, const ExpertPlacement&
   EPSERVE_RETURN_IF_ERROR(kernels::ExpertFfnGrouped(*rt_, layer.experts, x, pair_groups_, h_, y_));
   // The routing and the pairs' counts come back with the output: one wait for all three.
   const size_t routing_bytes = static_cast<size_t>(n * k) * sizeof(int32_t);
-  EPSERVE_RETURN_IF_ERROR(rt_->ReadAsync(ids_, 0, local_ids_, routing_bytes));
-  EPSERVE_RETURN_IF_ERROR(rt_->ReadAsync(weights_, 0, local_weights_, routing_bytes));
-  EPSERVE_RETURN_IF_ERROR(kernels::QueuePairCountsRead(*rt_, pair_groups_, local_counts_));
+  EPSERVE_RETURN_IF_ERROR(rt_->ReadAsync(ids_, 0, ids_host_.data(), routing_bytes));
+  EPSERVE_RETURN_IF_ERROR(rt_->ReadAsync(weights_, 0, weights_host_.data(), routing_bytes));
+  EPSERVE_RETURN_IF_ERROR(kernels::QueuePairCountsRead(*rt_, pair_groups_, pair_counts_host_));
   stats.expert_ns = NanosSince(t0);
 
   t0 = absl::Now();
   EPSERVE_RETURN_IF_ERROR(rt_->JoinFork());
   EPSERVE_RETURN_IF_ERROR(LocalSum(pair_groups_.pair_of_choice, start, desc, y));
   EPSERVE_RETURN_IF_ERROR(rt_->Finish());  // (the output's delivery waited already, mostly)
-  EPSERVE_ASSIGN_OR_RETURN(stats.expert_pairs, kernels::PairCountsOf(pair_groups_, local_counts_));
-  EPSERVE_RETURN_IF_ERROR(PutRouting(desc, local_ids_, local_weights_));
+  EPSERVE_ASSIGN_OR_RETURN(stats.expert_pairs,
+                           kernels::PairCountsOf(pair_groups_, pair_counts_host_));
+  EPSERVE_RETURN_IF_ERROR(PutRouting(desc));
   stats.combine_ns = NanosSince(t0);
   return absl::OkStatus();
 }
